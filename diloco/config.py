@@ -1,0 +1,286 @@
+"""Run configuration: frozen nested dataclasses loaded from TOML, with dotted `key=value` overrides.
+
+Each section is a frozen dataclass with a docstring under every field and a `__post_init__` that validates its
+own values and names the offending key. The sections that belong to a package live there (`ModelConfig` and
+`DataConfig` in islands, `InnerConfig` in islands.inner, `OuterConfig` in outer_optimizer) so that the
+dependency direction of DESIGN.md holds; this module only assembles them and does the generic work: reading
+TOML, applying overrides, type checking, suggesting the closest key for a typo, writing the resolved config back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from islands.data import DataConfig
+from islands.inner import InnerConfig
+from islands.models import ModelConfig
+from outer_optimizer import OuterConfig
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message is one line naming the key."""
+
+
+@dataclass(frozen=True)
+class RunSection:
+    name: str = "diloco"
+    """A human name for the run (shown in progress lines and summary.json)."""
+    seed: int = 0
+    """Seed of everything random: parameter init, data order, jitter. Same seed, same run."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("run.name must not be empty")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    mode: str = "diloco"
+    """"diloco" (islands + outer optimizer) or "sync" (the data-parallel baseline: one model, one AdamW, on the
+    union of the islands' batches every step)."""
+    rounds: int = 10
+    """Outer rounds. Each island does `inner_steps` steps per round, so rounds * inner_steps steps in all."""
+    inner_steps: int = 50
+    """H: inner AdamW steps per island between two synchronisations."""
+    batch_size: int = 16
+    """Sequences per inner step per island (the island's batch, fixed whatever its device count)."""
+    microbatch: int = 0
+    """Sequences per device per forward/backward pass; 0 means the whole batch in one pass. When the batch
+    does not fit, gradients are accumulated over batch_size / (microbatch * devices) passes."""
+    eval_batches: int = 8
+    """Validation batches (of batch_size sequences) to evaluate the global model on after each round."""
+    checkpoint_every: int = 1
+    """Save a checkpoint every this many rounds (0 disables checkpoints)."""
+    log_every: int = 10
+    """Write an `inner` metrics event every this many inner steps."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("diloco", "sync"):
+            raise ValueError(f"train.mode must be 'diloco' or 'sync' (got {self.mode!r})")
+        for key in ("rounds", "inner_steps", "batch_size", "log_every"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1 (got {getattr(self, key)})")
+        for key in ("microbatch", "eval_batches", "checkpoint_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.{key} must be >= 0 (got {getattr(self, key)})")
+        if self.microbatch and self.batch_size % self.microbatch:
+            raise ValueError(
+                f"train.batch_size ({self.batch_size}) must be a multiple of train.microbatch ({self.microbatch})"
+            )
+
+
+@dataclass(frozen=True)
+class IslandsConfig:
+    count: int = 2
+    """Number of islands (regions)."""
+    names: tuple[str, ...] = ()
+    """Island names, one per island; empty means island-0, island-1, ..."""
+    devices: int = 1
+    """Local devices each island uses (its mesh size). On CPU, more come from
+    XLA_FLAGS=--xla_force_host_platform_device_count=N."""
+    shard_params: bool = False
+    """Shard parameters and optimizer state across the island's devices (for models larger than one device)."""
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"islands.count must be >= 1 (got {self.count})")
+        if self.names and len(self.names) != self.count:
+            raise ValueError(f"islands.names has {len(self.names)} names but islands.count is {self.count}")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"islands.names must be unique (got {list(self.names)})")
+        if any(not n or not n.replace("-", "").replace("_", "").isalnum() for n in self.names):
+            raise ValueError(f"islands.names must be non-empty [A-Za-z0-9_-] names (got {list(self.names)})")
+        if self.devices < 1:
+            raise ValueError(f"islands.devices must be >= 1 (got {self.devices})")
+
+    @property
+    def island_names(self) -> tuple[str, ...]:
+        return self.names or tuple(f"island-{i}" for i in range(self.count))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    """Name and seed."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model every island trains."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where the tokens come from and how they are split across islands."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Rounds, H, batch and mode."""
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    """The islands' inner AdamW."""
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    """The coordinator's outer optimizer."""
+    islands: IslandsConfig = field(default_factory=IslandsConfig)
+    """How many islands and on how many devices."""
+
+    @property
+    def total_inner_steps(self) -> int:
+        return self.train.rounds * self.train.inner_steps
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generic loading: dict -> dataclass, with typo suggestions and type checks.
+
+
+def _closest(key: str, options: typing.Iterable[str], prefix: str) -> str:
+    match = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    return f" (did you mean '{prefix}{match[0]}'?)" if match else ""
+
+
+def _check_type(value: Any, tp: Any, key: str) -> Any:
+    """Coerce a TOML value to the field's type, or raise ConfigError naming the key."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _check_type(value, args[0], key)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} must be a list (got {type(value).__name__} {value!r})")
+        (item_tp, _) = typing.get_args(tp)
+        return tuple(_check_type(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false (got {value!r})")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer (got {value!r})")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} must be a number (got {value!r})")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string (got {value!r})")
+        return value
+    raise ConfigError(f"{key}: unsupported config type {tp}")
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict; every error is one ConfigError line naming the key."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{dotted}'{_closest(key, fields, prefix)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{dotted}' must be a table/section (got {value!r})")
+            kwargs[key] = from_dict(tp, value, f"{dotted}.")
+        else:
+            kwargs[key] = _check_type(value, tp, dotted)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a section's __post_init__ names its own key
+        raise ConfigError(str(exc)) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`outer.lr=0.5` -> (["outer", "lr"], 0.5). Values are TOML; a bare word is a string."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override '{text}' has an empty key part")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
+    """Return a copy of `data` with each dotted override set (validated later by from_dict)."""
+    out = json.loads(json.dumps(data))
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Read a TOML config (or the defaults when path is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file '{p}' is not valid TOML: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file '{p}' is not UTF-8 text") from None
+    return from_dict(RunConfig, apply_overrides(data, overrides))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing the resolved config back, and a digest that identifies a run.
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Write a two-level dict (sections of scalars and lists) as TOML."""
+    lines: list[str] = []
+    for section, values in data.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def config_digest(cfg: RunConfig) -> str:
+    """Identifies a run's resolved config (what coordinator and islands must agree on)."""
+    canonical = json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+def diff_keys(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    keys: list[str] = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            keys.extend(diff_keys(va, vb, f"{prefix}{k}."))
+        elif va != vb:
+            keys.append(f"{prefix}{k}")
+    return keys

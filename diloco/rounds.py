@@ -1,0 +1,108 @@
+"""The coordinator's round logic, free of any transport: collect, aggregate, outer step, commit.
+
+DiLoCo (arXiv 2311.08105), one outer round r:
+    Δ = Σ_i w_i Δ_i / Σ_i w_i            (w_i = tokens island i trained on; islands summed in name order)
+    u, s_{r+1} = outer_update(θ_r, s_r, Δ)
+    θ_{r+1} = θ_r + u
+The coordinator alone owns `GlobalState(round, params, outer_opt_state)`. It commits exactly the update it
+hands to islands, so every island that applies the same update to θ_r holds bit-identical θ_{r+1}, which the
+digest proves. The same object serves `diloco simulate` (called directly) and the gRPC coordinator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import optax
+
+from outer_optimizer import apply_update, make_outer_step, weighted_mean
+from transport.digest import tree_digest
+
+PyTree = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class GlobalState:
+    params: PyTree
+    outer_opt_state: PyTree
+    round: int = field(default=0, metadata={"static": True})
+    """Rounds committed so far; θ here is θ_round (host int)."""
+
+
+@dataclass(frozen=True)
+class Contribution:
+    island: str
+    pseudo_grad: PyTree
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    round: int
+    """The round that was closed (θ_{round+1} is now global)."""
+    update: PyTree
+    islands: tuple[str, ...]
+    tokens: int
+    digest: str
+    """Digest of the new global parameters."""
+
+
+class RoundError(ValueError):
+    """A contribution that cannot be accepted for the open round (wrong round, duplicate island)."""
+
+
+class OuterLoop:
+    """Holds the global state and the contributions of the round that is open."""
+
+    def __init__(self, state: GlobalState, tx: optax.GradientTransformation) -> None:
+        self.state = state
+        self._outer_update = make_outer_step(tx)
+        self._pending: dict[str, Contribution] = {}
+
+    @classmethod
+    def fresh(cls, params: PyTree, tx: optax.GradientTransformation) -> OuterLoop:
+        return cls(GlobalState(params=params, outer_opt_state=tx.init(params), round=0), tx)
+
+    @property
+    def round(self) -> int:
+        return self.state.round
+
+    @property
+    def params(self) -> PyTree:
+        return self.state.params
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        return tuple(sorted(self._pending))
+
+    def submit(self, island: str, round: int, pseudo_grad: PyTree, tokens: int) -> None:
+        if round != self.state.round:
+            raise RoundError(f"island {island} sent a pseudo-gradient for round {round}; round {self.round} is open")
+        if island in self._pending:
+            raise RoundError(f"island {island} already contributed to round {round}")
+        if tokens <= 0:
+            raise RoundError(f"island {island} reported {tokens} tokens for round {round}")
+        self._pending[island] = Contribution(island, pseudo_grad, tokens)
+
+    def commit(self) -> Commit:
+        """Close the open round with every contribution received; the outer step runs once."""
+        if not self._pending:
+            raise RoundError(f"round {self.round} has no contributions to commit")
+        names = sorted(self._pending)  # fixed order: float sums agree in every process
+        contributions = [self._pending[n] for n in names]
+        mean = weighted_mean([c.pseudo_grad for c in contributions], [c.tokens for c in contributions])
+        update, new_opt_state = self._outer_update(self.state.params, self.state.outer_opt_state, mean)
+        new_params = apply_update(self.state.params, update)
+        closed = self.state.round
+        self.state = GlobalState(params=new_params, outer_opt_state=new_opt_state, round=closed + 1)
+        self._pending.clear()
+        return Commit(
+            round=closed,
+            update=update,
+            islands=tuple(names),
+            tokens=sum(c.tokens for c in contributions),
+            digest=tree_digest(new_params),
+        )

@@ -1,0 +1,101 @@
+"""The run directory contract (DESIGN.md): config.toml, metrics.jsonl, summary.json, checkpoints/.
+
+metrics.jsonl holds one JSON object per line with at least `event` and `t` (seconds since the run started,
+continued across resumes). A run directory belongs to one run: opening it with a different config is refused
+with the differing keys named, so two runs never mix their metrics or checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from diloco.config import RunConfig, diff_keys, dump_toml, to_dict
+
+
+class RunDirError(ValueError):
+    """The run directory is unusable (another run's, unreadable, not a directory)."""
+
+
+class RunDir:
+    def __init__(self, path: Path, cfg: RunConfig) -> None:
+        self.path = path
+        self.config_path = path / "config.toml"
+        self.metrics_path = path / "metrics.jsonl"
+        self.summary_path = path / "summary.json"
+        self.checkpoints = path / "checkpoints"
+        if path.exists() and not path.is_dir():
+            raise RunDirError(f"run dir '{path}' exists and is not a directory")
+        self.resuming = self.config_path.exists()
+        if self.resuming:
+            self._check_same_run(cfg)
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            self.config_path.write_text(dump_toml(to_dict(cfg)))
+        self.checkpoints.mkdir(exist_ok=True)
+        self._t_offset = self._last_t()
+        self._t0 = time.monotonic()
+        self._metrics = self.metrics_path.open("a", buffering=1)
+
+    def _check_same_run(self, cfg: RunConfig) -> None:
+        import tomllib
+
+        try:
+            stored = tomllib.loads(self.config_path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise RunDirError(f"run dir '{self.path}': config.toml is unreadable ({exc})") from None
+        differing = diff_keys(stored, to_dict(cfg))
+        if differing:
+            raise RunDirError(
+                f"run dir '{self.path}' holds another run (config differs in: {', '.join(differing[:8])}); "
+                "use a new --run-dir"
+            )
+
+    def _last_t(self) -> float:
+        if not self.metrics_path.exists():
+            return 0.0
+        last = 0.0
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                last = max(last, float(json.loads(line).get("t", 0.0)))
+            except (json.JSONDecodeError, ValueError, AttributeError):
+                continue  # a line torn by a crash mid-write is skipped, not fatal
+        return last
+
+    def elapsed(self) -> float:
+        return self._t_offset + time.monotonic() - self._t0
+
+    def log(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "t": round(self.elapsed(), 4), **fields}
+        self._metrics.write(json.dumps(record) + "\n")
+
+    def truncate_after_round(self, completed_rounds: int) -> None:
+        """On resume, drop events of rounds that the restored checkpoint does not contain (they will rerun)."""
+        self._metrics.close()
+        kept = []
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if record.get("round", -1) < completed_rounds:
+                    kept.append(json.dumps(record))
+        tmp = self.metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.metrics_path)
+        self._metrics = self.metrics_path.open("a", buffering=1)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        tmp = self.summary_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(self.summary_path)
+
+    def close(self) -> None:
+        self._metrics.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -1,0 +1,146 @@
+"""The island's inner optimizer and its jitted train step (the H inner steps of DiLoCo).
+
+AdamW with linear warmup and cosine decay, global-norm gradient clipping, and gradient accumulation over
+`passes` micro-batches so that the island's batch is the same whatever its device count. The step is jitted
+with explicit shardings over the island's mesh and donates the parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from islands.mesh import param_sharding, replicated
+
+PyTree = Any
+LossFn = Callable[[PyTree, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 100
+    """Linear warmup from 0 to lr over this many inner steps."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio after all the run's inner steps."""
+    b1: float = 0.9
+    """AdamW β1."""
+    b2: float = 0.95
+    """AdamW β2."""
+    eps: float = 1e-8
+    """AdamW ε."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (applied to every parameter)."""
+    clip_norm: float = 1.0
+    """Clip the gradient's global norm to this (0 disables clipping)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"inner.lr must be > 0 (got {self.lr})")
+        if self.warmup_steps < 0:
+            raise ValueError(f"inner.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"inner.min_lr_ratio must be in [0, 1] (got {self.min_lr_ratio})")
+        for key in ("b1", "b2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"inner.{key} must be in [0, 1) (got {getattr(self, key)})")
+        if self.weight_decay < 0 or self.clip_norm < 0 or self.eps <= 0:
+            raise ValueError("inner.weight_decay and inner.clip_norm must be >= 0 and inner.eps > 0")
+
+
+def learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Schedule:
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def make_inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
+    adamw = optax.adamw(
+        learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
+
+
+def _accumulated_grads(loss_fn: LossFn, params: PyTree, batch: jax.Array) -> tuple[jax.Array, PyTree, dict]:
+    """Mean loss and gradient over the leading `passes` axis of batch [passes, seqs, tokens+1]."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    passes = batch.shape[0]
+    if passes == 1:
+        (loss, metrics), grads = grad_fn(params, batch[0])
+        return loss, grads, metrics
+
+    def one_pass(carry: tuple, micro: jax.Array) -> tuple[tuple, dict]:
+        loss_sum, grad_sum = carry
+        (loss, metrics), grads = grad_fn(params, micro)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss_sum, grad_sum), metrics = jax.lax.scan(one_pass, (jnp.zeros((), jnp.float32), zeros), batch)
+    scale = 1.0 / passes
+    return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum), jax.tree.map(jnp.mean, metrics)
+
+
+def place_tree(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:
+    """Put every leaf on the mesh with the layout `param_sharding` gives its shape.
+
+    Parameters and the optimizer moments that mirror them get the same layout because it is a pure function of
+    the shape; scalars (step counts) are replicated.
+    """
+    # may_alias=False: the result is donated to the train step, which must never free the caller's buffers
+    # (in `simulate` every island starts from the coordinator's own global parameters).
+    return jax.tree.map(
+        lambda x: jax.device_put(x, param_sharding(mesh, x.shape, shard_params), may_alias=False), tree
+    )
+
+
+def _constrain(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, param_sharding(mesh, x.shape, shard_params)), tree
+    )
+
+
+TrainStep = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree, dict[str, jax.Array]]]
+
+
+@functools.lru_cache(maxsize=32)
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, shard_params: bool) -> TrainStep:
+    """jit(step) over `mesh`; params and optimizer state are donated and keep their layout.
+
+    Inputs arrive placed by `place_tree` and batches by `batch_sharding`; the outputs are constrained to the
+    same layouts, so the donated buffers are reused. Cached, so islands of one process share one compilation.
+    """
+
+    def step(params: PyTree, opt_state: PyTree, batch: jax.Array) -> tuple[PyTree, PyTree, dict]:
+        loss, grads, metrics = _accumulated_grads(loss_fn, params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+        return _constrain(params, mesh, shard_params), _constrain(opt_state, mesh, shard_params), metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval_fn(loss_fn: LossFn, mesh: Mesh) -> Callable[[PyTree, jax.Array], jax.Array]:
+    """Mean loss over a stack of batches [n, seqs, tokens+1] (params replicated or sharded as given)."""
+
+    def evaluate(params: PyTree, batches: jax.Array) -> jax.Array:
+        def cross_entropy(batch: jax.Array) -> jax.Array:
+            loss, metrics = loss_fn(params, batch)
+            return metrics.get("ce", loss)  # eval reports cross-entropy, without auxiliary losses
+
+        return jnp.mean(jax.lax.map(cross_entropy, batches))
+
+    return jax.jit(evaluate, out_shardings=replicated(mesh))

@@ -1,0 +1,71 @@
+"""The island's device mesh and how arrays are laid out on it.
+
+An island is one single-controller JAX program over its local devices (CPU devices here, GPUs, or TPUs under
+Pathways). It trains data parallel over a 1-D mesh axis "data"; with `shard_params` it also shards every
+parameter (and so the optimizer state, which XLA lays out like the parameters) along that axis, FSDP style,
+for models larger than one device. XLA inserts the all-gathers and reduce-scatters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "data"
+
+
+class MeshError(ValueError):
+    """The island asked for devices it does not have, or a batch its devices cannot split."""
+
+
+def build_mesh(n_devices: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    available = list(devices) if devices is not None else jax.local_devices()
+    if n_devices > len(available):
+        raise MeshError(
+            f"islands.devices is {n_devices} but this process sees {len(available)} device(s); on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n_devices}"
+        )
+    return Mesh(np.array(available[:n_devices]), (AXIS,))
+
+
+def accumulation_steps(batch_size: int, microbatch: int, n_devices: int) -> int:
+    """How many forward/backward passes make one island batch on this many devices.
+
+    The island's batch is fixed by config; when devices are lost, passes are added so the batch (and so the
+    optimisation trajectory) stays the same.
+    """
+    per_pass = microbatch * n_devices if microbatch else batch_size
+    if per_pass > batch_size:
+        per_pass = batch_size
+    if batch_size % per_pass or per_pass % n_devices:
+        raise MeshError(
+            f"train.batch_size ({batch_size}) cannot be split into passes of train.microbatch ({microbatch}) "
+            f"sequences on each of {n_devices} device(s)"
+        )
+    return batch_size // per_pass
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches are [passes, sequences, tokens]: sequences split over the data axis."""
+    return NamedSharding(mesh, P(None, AXIS))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def param_sharding(mesh: Mesh, shape: tuple[int, ...], shard_params: bool) -> NamedSharding:
+    """Replicated, or (FSDP) split along the largest dimension the mesh divides evenly."""
+    n = mesh.shape[AXIS]
+    if shard_params and n > 1:
+        candidates = [d for d in range(len(shape)) if shape[d] % n == 0]
+        if candidates:
+            dim = max(candidates, key=lambda d: shape[d])
+            spec = [None] * len(shape)
+            spec[dim] = AXIS
+            return NamedSharding(mesh, P(*spec))
+    return replicated(mesh)

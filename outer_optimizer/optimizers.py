@@ -1,0 +1,100 @@
+"""Outer optimizers as optax `GradientTransformation`s (DiLoCo's outer loop).
+
+The coordinator treats the averaged pseudo-gradient Δ as a gradient and runs one optax step on the global
+parameters: `nesterov` (the paper's default: SGD with Nesterov momentum, lr 0.7, μ 0.9), `sgd` (lr 1 and no
+momentum is FedAvg: θ becomes the islands' mean), and `adam` (FedAdam). Because they are plain optax
+transformations a user can `optax.chain` clipping or anything else in front of them.
+
+Invariant (tested): one island with outer `sgd`, lr 1, no momentum reproduces plain inner training, since
+θ + (-(θ - θ_local)) = θ_local.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import optax
+
+PyTree = object
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    kind: str = "nesterov"
+    """Outer optimizer: "nesterov" (SGD + Nesterov momentum, DiLoCo default), "sgd" (FedAvg at lr 1), "adam"."""
+    lr: float = 0.7
+    """Outer learning rate (paper: 0.7 for nesterov; 1.0 for sgd is FedAvg)."""
+    momentum: float = 0.9
+    """Momentum for nesterov and sgd (0 disables it)."""
+    b1: float = 0.9
+    """Adam β1 (kind = "adam" only)."""
+    b2: float = 0.99
+    """Adam β2 (kind = "adam" only)."""
+    eps: float = 1e-8
+    """Adam ε (kind = "adam" only)."""
+    clip_norm: float = 0.0
+    """If > 0, clip the pseudo-gradient's global norm before the outer step (chained with optax)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in OUTER_OPTIMIZERS:
+            raise ValueError(f"outer.kind must be one of {', '.join(OUTER_OPTIMIZERS)} (got {self.kind!r})")
+        if not self.lr > 0:
+            raise ValueError(f"outer.lr must be > 0 (got {self.lr})")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer.momentum must be in [0, 1) (got {self.momentum})")
+        if self.kind == "nesterov" and self.momentum == 0:
+            raise ValueError("outer.momentum must be > 0 for outer.kind = 'nesterov' (use kind = 'sgd')")
+        for key in ("b1", "b2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"outer.{key} must be in [0, 1) (got {getattr(self, key)})")
+        if self.clip_norm < 0:
+            raise ValueError(f"outer.clip_norm must be >= 0 (got {self.clip_norm})")
+
+    def build(self) -> optax.GradientTransformation:
+        """The optax transformation this config names, with optional clipping chained in front."""
+        tx = OUTER_OPTIMIZERS[self.kind](self)
+        return optax.chain(optax.clip_by_global_norm(self.clip_norm), tx) if self.clip_norm > 0 else tx
+
+
+def _sgd(cfg: OuterConfig) -> optax.GradientTransformation:
+    return optax.sgd(cfg.lr, momentum=cfg.momentum or None)
+
+
+def _nesterov(cfg: OuterConfig) -> optax.GradientTransformation:
+    return optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=True)
+
+
+def _adam(cfg: OuterConfig) -> optax.GradientTransformation:
+    return optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+
+
+OUTER_OPTIMIZERS: dict[str, Callable[[OuterConfig], optax.GradientTransformation]] = {
+    "nesterov": _nesterov,
+    "sgd": _sgd,
+    "adam": _adam,
+}
+
+
+def make_outer_step(
+    tx: optax.GradientTransformation,
+) -> Callable[[PyTree, optax.OptState, PyTree], tuple[PyTree, optax.OptState]]:
+    """A pure jitted `outer_update(params, opt_state, pseudo_grad) -> (update, opt_state)`.
+
+    It returns the *update* u rather than θ + u so that the caller can quantize u for the downlink and commit
+    exactly the decoded û it sends (DESIGN.md: "commit exactly what is sent").
+    """
+
+    @jax.jit
+    def outer_update(params: PyTree, opt_state: optax.OptState, pseudo_grad: PyTree) -> tuple[PyTree, PyTree]:
+        updates, new_state = tx.update(pseudo_grad, opt_state, params)
+        return updates, new_state
+
+    return outer_update
+
+
+@jax.jit
+def apply_update(params: PyTree, update: PyTree) -> PyTree:
+    """θ + û, the one float add every replica performs identically."""
+    return jax.tree.map(lambda p, u: p + u, params, update)
