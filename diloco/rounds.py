@@ -80,7 +80,9 @@ class OuterLoop:
 
     def submit(self, island: str, round: int, pseudo_grad: PyTree, tokens: int) -> None:
         if round != self.state.round:
-            raise RoundError(f"island {island} sent a pseudo-gradient for round {round}; round {self.round} is open")
+            raise RoundError(
+                f"island {island} sent a pseudo-gradient for round {round}; round {self.round} is open"
+            )
         if island in self._pending:
             raise RoundError(f"island {island} already contributed to round {round}")
         if tokens <= 0:

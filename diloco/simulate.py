@@ -29,8 +29,8 @@ from diloco.rundir import RunDir
 from islands.data import BatchStream, eval_batches, load_sources
 from islands.inner import make_eval_fn, make_inner_optimizer
 from islands.island import Island
-from islands.models import Model, build_model, param_count
 from islands.mesh import build_mesh, replicated
+from islands.models import Model, build_model, param_count
 from outer_optimizer import pseudo_gradient
 from transport.digest import tree_digest
 
@@ -56,7 +56,9 @@ def build_setup(cfg: RunConfig) -> Setup:
         BatchStream(tokens, cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=i)
         for i, tokens in enumerate(shards)
     ]
-    stack = np.stack(eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len))
+    stack = np.stack(
+        eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len)
+    )
     params = model.init(jax.random.key(cfg.run.seed))
     return Setup(model, streams, stack, params, param_count(params))
 
@@ -108,7 +110,9 @@ def _island(cfg: RunConfig, name: str, model: Model, stream: BatchStream | Union
     )
 
 
-def _log_inner(rd: RunDir, cfg: RunConfig, round_: int, island: str, losses: np.ndarray, first_step: int) -> None:
+def _log_inner(
+    rd: RunDir, cfg: RunConfig, round_: int, island: str, losses: np.ndarray, first_step: int
+) -> None:
     for i in range(cfg.train.log_every - 1, len(losses), cfg.train.log_every):
         rd.log("inner", round=round_, island=island, step=first_step + i + 1, loss=float(losses[i]))
 
@@ -165,7 +169,9 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
     stores = _stores(cfg, rd, ["coordinator", *names])
     restored = latest_common_step(stores) if stores else None
     if restored is not None:
-        state, meta = stores[0].restore(restored, {"params": loop.params, "outer": loop.state.outer_opt_state})
+        state, meta = stores[0].restore(
+            restored, {"params": loop.params, "outer": loop.state.outer_opt_state}
+        )
         loop.state = GlobalState(params=state["params"], outer_opt_state=state["outer"], round=meta["round"])
         totals.update(meta["totals"])
         for isl, store in zip(islands, stores[1:], strict=True):

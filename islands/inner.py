@@ -69,7 +69,11 @@ def learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Schedule
 
 def make_inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
     adamw = optax.adamw(
-        learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay
+        learning_rate_schedule(cfg, total_steps),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
     )
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
 
@@ -116,7 +120,9 @@ TrainStep = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree, dict[str
 
 
 @functools.lru_cache(maxsize=32)
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, shard_params: bool) -> TrainStep:
+def make_train_step(
+    loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, shard_params: bool
+) -> TrainStep:
     """jit(step) over `mesh`; params and optimizer state are donated and keep their layout.
 
     Inputs arrive placed by `place_tree` and batches by `batch_sharding`; the outputs are constrained to the
@@ -127,7 +133,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mes
         loss, grads, metrics = _accumulated_grads(loss_fn, params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         return _constrain(params, mesh, shard_params), _constrain(opt_state, mesh, shard_params), metrics
 
     return jax.jit(step, donate_argnums=(0, 1))

@@ -1,0 +1,81 @@
+"""Mixture-of-experts transformer: the dense transformer with each block's MLP replaced by a top-k routed
+mixture of GELU experts (Shazeer et al. 2017; Switch Transformer, Fedus et al. 2021, arXiv 2101.03961).
+
+Routing: router softmax over experts per token, keep the top_k, renormalise their gates to sum to 1
+(for top_k = 1 the raw probability is kept as in Switch, else the router would get no gradient from the
+task loss). Dispatch is dense: every expert runs on every token and the gates mask the result, which is
+simple, exact and jit-friendly at the sizes trained here; large models would want capacity-based
+dispatch instead.
+
+Load balancing (Switch eq. 4): aux = n_experts * sum_e f_e * P_e per block, where f_e is the fraction of
+routing slots (token, k) sent to expert e and P_e the mean router probability of e. It is 1 for a
+perfectly balanced (or uniform) router and n_experts when everything goes to one expert. The loss adds
+aux_loss_weight * (aux averaged over blocks) to the cross-entropy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from islands.models import transformer
+from islands.models.base import Metrics, Model, ModelConfig, Params
+
+
+def init_experts(key: jax.Array, cfg: ModelConfig) -> Params:
+    k_router, k_in, k_out = jax.random.split(key, 3)
+    e, d, f = cfg.n_experts, cfg.d_model, cfg.d_ff
+    return {
+        "router": transformer.normal_init(k_router, (d, e), cfg.init_scale),
+        "w1": transformer.normal_init(k_in, (e, d, f), cfg.init_scale),
+        "b1": jnp.zeros((e, f), jnp.float32),
+        "w2": transformer.normal_init(k_out, (e, f, d), transformer.residual_std(cfg)),
+        "b2": jnp.zeros((e, d), jnp.float32),
+    }
+
+
+def route(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """router logits [N, E] -> (combine weights [N, E] with top_k non-zeros per row, load-balancing aux)."""
+    n_experts = router_logits.shape[-1]
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, top_k)
+    gates = top_p / top_p.sum(-1, keepdims=True) if top_k > 1 else top_p
+    slots = jax.nn.one_hot(top_i, n_experts, dtype=jnp.float32)  # [N, K, E]
+    combine = jnp.einsum("nk,nke->ne", gates, slots)
+    # f_e counts hard assignments (no gradient); the gradient reaches the router through P_e.
+    fraction = slots.sum(axis=(0, 1)) / (slots.shape[0] * top_k)
+    mean_prob = probs.mean(axis=0)
+    return combine, n_experts * jnp.sum(fraction * mean_prob)
+
+
+def experts(p: Params, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The MoE feed-forward (a transformer.FFApply): x [B, T, D] -> (y [B, T, D], aux scalar)."""
+    b, t, d = x.shape
+    tokens = x.reshape(b * t, d)
+    combine, aux = route(tokens @ p["router"], cfg.top_k)
+    hidden = jax.nn.gelu(jnp.einsum("nd,edf->nef", tokens, p["w1"]) + p["b1"])
+    outs = jnp.einsum("nef,efd->ned", hidden, p["w2"]) + p["b2"]
+    y = jnp.einsum("ne,ned->nd", combine.astype(outs.dtype), outs)
+    return y.reshape(b, t, d), aux
+
+
+def init_params(key: jax.Array, cfg: ModelConfig) -> Params:
+    return transformer.init_params(key, cfg, ff_init=init_experts)
+
+
+def forward(params: Params, tokens: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """tokens int [B, T] -> (logits float32 [B, T, V], load-balancing aux per block [n_layers])."""
+    return transformer.forward(params, tokens, cfg, ff_apply=experts)
+
+
+def loss_fn(params: Params, batch: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, Metrics]:
+    logits, aux_per_block = forward(params, batch[:, :-1], cfg)
+    ce = transformer.cross_entropy(logits, batch[:, 1:])
+    aux = aux_per_block.mean()
+    return ce + cfg.aux_loss_weight * aux, {"ce": ce, "aux": aux}
+
+
+def build(cfg: ModelConfig) -> Model:
+    return Model(init=functools.partial(init_params, cfg=cfg), loss=functools.partial(loss_fn, cfg=cfg))

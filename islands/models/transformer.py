@@ -1,0 +1,160 @@
+"""Decoder-only transformer (GPT-2 shape: Radford et al. 2019) as pure functions over a params pytree.
+
+Pre-LayerNorm blocks (attention, then a feed-forward), causal multi-head self-attention with the softmax
+in float32, GELU MLP, learned position embeddings, a final LayerNorm and an output projection tied to the
+input embedding. The feed-forward is pluggable (`ff_init`/`ff_apply`) so the mixture-of-experts model
+(`islands.models.moe`) reuses everything else here unchanged.
+
+Params layout (float32 leaves; the blocks are a list so Streaming DiLoCo can cut fragments by layer):
+    {"embed": {"tok": [V, D], "pos": [T, D]},
+     "blocks": [{"ln1": norm, "attn": {"wqkv": [D, 3D], "wo": [D, D]}, "ln2": norm, "ff": ...}, ...],
+     "final_norm": {"scale": [D], "bias": [D]}}
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from islands.models.base import Metrics, Model, ModelConfig, ModelError, Params
+
+FFInit = Callable[[jax.Array, ModelConfig], Params]
+"""(key, cfg) -> the feed-forward params of one block."""
+
+FFApply = Callable[[Params, jax.Array, ModelConfig], tuple[jax.Array, jax.Array]]
+"""(ff params, x [B, T, D], cfg) -> (output [B, T, D], auxiliary loss scalar of this block)."""
+
+
+def normal_init(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
+    # The barrier stops XLA from folding `std` into the sampler's own constants under jit, which changes
+    # the rounding: with it, jit(init) and eager init give bit-identical params (the same θ_0 digest).
+    return std * jax.lax.optimization_barrier(jax.random.normal(key, shape, jnp.float32))
+
+
+def residual_std(cfg: ModelConfig) -> float:
+    # GPT-2: projections that write into the residual stream are scaled by 1/sqrt(2 * n_layers) so the
+    # stream's variance does not grow with depth (two residual writes per block).
+    return cfg.init_scale / math.sqrt(2 * cfg.n_layers)
+
+
+def init_norm(d: int) -> Params:
+    return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
+
+
+def layer_norm(p: Params, x: jax.Array, eps: float = 1e-5) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * p["scale"] + p["bias"]).astype(x.dtype)
+
+
+def init_attention(key: jax.Array, cfg: ModelConfig) -> Params:
+    k_qkv, k_out = jax.random.split(key)
+    d = cfg.d_model
+    return {
+        "wqkv": normal_init(k_qkv, (d, 3 * d), cfg.init_scale),
+        "wo": normal_init(k_out, (d, d), residual_std(cfg)),
+    }
+
+
+def attention(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Causal multi-head self-attention: position t attends to positions <= t only."""
+    b, t, d = x.shape
+    h = cfg.n_heads
+    qkv = (x @ p["wqkv"]).reshape(b, t, 3, h, d // h)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    # Scores and softmax in float32 whatever the activation dtype: exp() overflows in half precision.
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(d // h)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+    return out @ p["wo"]
+
+
+def init_mlp(key: jax.Array, cfg: ModelConfig) -> Params:
+    k_in, k_out = jax.random.split(key)
+    d, f = cfg.d_model, cfg.d_ff
+    return {
+        "w1": normal_init(k_in, (d, f), cfg.init_scale),
+        "b1": jnp.zeros((f,), jnp.float32),
+        "w2": normal_init(k_out, (f, d), residual_std(cfg)),
+        "b2": jnp.zeros((d,), jnp.float32),
+    }
+
+
+def mlp(p: Params, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Dense GELU MLP; no auxiliary loss."""
+    y = jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return y, jnp.zeros((), jnp.float32)
+
+
+def init_embedding(key: jax.Array, cfg: ModelConfig) -> Params:
+    k_tok, k_pos = jax.random.split(key)
+    return {
+        "tok": normal_init(k_tok, (cfg.vocab_size, cfg.d_model), cfg.init_scale),
+        "pos": normal_init(k_pos, (cfg.seq_len, cfg.d_model), cfg.init_scale),
+    }
+
+
+def embed(p: Params, tokens: jax.Array) -> jax.Array:
+    return p["tok"][tokens] + p["pos"][: tokens.shape[1]]
+
+
+def unembed(p: Params, x: jax.Array) -> jax.Array:
+    """Logits through the transposed input embedding (tied weights), in float32."""
+    return (x @ p["tok"].T).astype(jnp.float32)
+
+
+def init_params(key: jax.Array, cfg: ModelConfig, ff_init: FFInit = init_mlp) -> Params:
+    k_embed, *k_blocks = jax.random.split(key, 1 + 2 * cfg.n_layers)
+    blocks = [
+        {
+            "ln1": init_norm(cfg.d_model),
+            "attn": init_attention(k_attn, cfg),
+            "ln2": init_norm(cfg.d_model),
+            "ff": ff_init(k_ff, cfg),
+        }
+        for k_attn, k_ff in zip(k_blocks[0::2], k_blocks[1::2], strict=True)
+    ]
+    return {"embed": init_embedding(k_embed, cfg), "blocks": blocks, "final_norm": init_norm(cfg.d_model)}
+
+
+def forward(
+    params: Params, tokens: jax.Array, cfg: ModelConfig, ff_apply: FFApply = mlp
+) -> tuple[jax.Array, jax.Array]:
+    """tokens int [B, T] (T <= seq_len) -> (logits float32 [B, T, V], auxiliary loss per block [n_layers])."""
+    if tokens.ndim != 2 or tokens.shape[1] > cfg.seq_len:
+        raise ModelError(
+            f"model input must be [batch, <= model.seq_len ({cfg.seq_len})] tokens (got shape {tokens.shape})"
+        )
+    x = embed(params["embed"], tokens)
+    aux = []
+    for block in params["blocks"]:
+        x = x + attention(block["attn"], layer_norm(block["ln1"], x), cfg)
+        y, block_aux = ff_apply(block["ff"], layer_norm(block["ln2"], x), cfg)
+        x = x + y
+        aux.append(block_aux)
+    x = layer_norm(params["final_norm"], x)
+    return unembed(params["embed"], x), jnp.stack(aux)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats) over every position of the batch."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
+def loss_fn(params: Params, batch: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, Metrics]:
+    logits, _ = forward(params, batch[:, :-1], cfg)
+    ce = cross_entropy(logits, batch[:, 1:])
+    return ce, {"ce": ce}
+
+
+def build(cfg: ModelConfig) -> Model:
+    return Model(init=functools.partial(init_params, cfg=cfg), loss=functools.partial(loss_fn, cfg=cfg))

@@ -1,0 +1,45 @@
+"""Child process for test_island: train one island and print its loss curve as JSON.
+
+Run as `python tests/island_curve.py DEVICES:MICROBATCH:SHARD ...` (one variant per argument) with XLA_FLAGS
+giving the process enough CPU devices; prints one JSON list, and the parent compares the curves.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from islands.data import BatchStream, synthetic_tokens
+from islands.inner import InnerConfig, make_inner_optimizer
+from islands.island import Island
+from islands.models import ModelConfig, build_model
+
+
+def curve(devices: int, microbatch: int, shard: bool) -> dict:
+    model = build_model(ModelConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2, d_ff=64, vocab_size=64))
+    tokens = synthetic_tokens(20_000, 64, seed=0)
+    stream = BatchStream(tokens, batch_size=8, seq_len=16, seed=0, stream_id=0)
+    tx = make_inner_optimizer(InnerConfig(lr=1e-2, warmup_steps=2), total_steps=12)
+    island = Island("t", model, tx, stream, n_devices=devices, microbatch=microbatch, shard_params=shard)
+    island.start(model.init(jax.random.key(0)))
+    run = island.train(12)
+    leaves = jax.tree.leaves(island.state.params)
+    return {
+        "losses": run.losses.tolist(),
+        "devices": len(island.mesh.devices.flat),
+        "passes": island.passes,
+        "param_sum": float(sum(np.abs(np.asarray(x)).sum() for x in leaves)),
+        "sharded": any(not x.sharding.is_fully_replicated for x in leaves),
+    }
+
+
+def main() -> None:
+    variants = [tuple(int(v) for v in arg.split(":")) for arg in sys.argv[1:]]
+    print(json.dumps([curve(d, m, bool(s)) for d, m, s in variants]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The island's inner loop: same loss curve on 1 and 4 devices, with accumulation and with sharded params."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from diloco.config import load_config
+from diloco.simulate import build_setup
+from islands.inner import make_inner_optimizer
+from islands.island import Island
+from islands.mesh import MeshError, accumulation_steps
+from tests.conftest import REPO, child_env
+
+
+def _curves(host_devices: int, *variants: str) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "island_curve.py"), *variants],
+        capture_output=True, text=True, timeout=180, env=child_env(host_devices), cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_one_and_four_devices_give_the_same_curve() -> None:
+    # devices:microbatch:shard_params. microbatch 2 on one device = 4 passes of 2 sequences; microbatch 1 on
+    # four devices = 2 passes of 4 sequences.
+    one, accumulated = _curves(1, "1:0:0", "1:2:0")
+    four, four_accumulated, sharded = _curves(4, "4:0:0", "4:1:0", "4:0:1")
+    assert (one["passes"], four["passes"], accumulated["passes"], four_accumulated["passes"]) == (1, 1, 4, 2)
+    assert four["devices"] == 4 and sharded["sharded"] and not four["sharded"]
+    assert one["losses"][-1] < one["losses"][0] - 0.3  # it learns
+    for other in (four, accumulated, four_accumulated, sharded):
+        np.testing.assert_allclose(other["losses"], one["losses"], rtol=2e-4, atol=2e-4)
+        assert other["param_sum"] == pytest.approx(one["param_sum"], rel=1e-4)
+
+
+def test_accumulation_steps_keep_the_batch() -> None:
+    assert accumulation_steps(16, 0, 4) == 1
+    assert accumulation_steps(16, 2, 4) == 2
+    assert accumulation_steps(16, 2, 2) == 4  # devices lost: more passes, same batch
+    assert accumulation_steps(16, 4, 1) == 4
+    with pytest.raises(MeshError, match="cannot be split"):
+        accumulation_steps(16, 0, 3)
+
+
+def test_island_asks_for_devices_it_does_not_have(tiny_config) -> None:
+    cfg = load_config(tiny_config)
+    setup = build_setup(cfg)
+    tx = make_inner_optimizer(cfg.inner, 10)
+    with pytest.raises(MeshError, match="xla_force_host_platform_device_count=64"):
+        Island("x", setup.model, tx, setup.streams[0], n_devices=64)
+
+
+def test_train_advances_step_cursor_and_never_frees_the_callers_params(tiny_config) -> None:
+    cfg = load_config(tiny_config)
+    setup = build_setup(cfg)
+    island = Island("x", setup.model, make_inner_optimizer(cfg.inner, 10), setup.streams[0])
+    island.start(setup.init_params)
+    run = island.train(3)
+    assert island.state.step == 3 and island.state.data_cursor == 3 and run.tokens == 3 * 8 * 16
+    # The params the island started from were donated only as copies: the caller's arrays are intact.
+    assert all(not x.is_deleted() for x in jax.tree.leaves(setup.init_params))
+    island.set_params(setup.init_params)
+    island.train(1)
+    assert all(not x.is_deleted() for x in jax.tree.leaves(setup.init_params))
