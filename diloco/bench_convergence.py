@@ -32,9 +32,7 @@ def run_convergence_bench(cfg: RunConfig, run_dir: Path, islands: int = 4) -> di
         f"L{islands}": _variant(cfg, islands={"count": islands, "names": names}, train={"mode": "diloco"}),
         "Ls": _variant(cfg, islands={"count": islands, "names": names}, train={"mode": "sync"}),
     }
-    results = {
-        key: run_simulation(variant, run_dir / key, show_progress=False) for key, variant in runs.items()
-    }
+    results = {key: run_simulation(variant, run_dir / key, show_progress=False) for key, variant in runs.items()}
     l1, lm, ls = (results[k]["final_eval_loss"] for k in runs)
     return {
         "bench": "convergence",

@@ -105,9 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     bad = [a for a in extra if not OVERRIDE.match(a)]
     if bad or (extra and not getattr(args, "accepts_overrides", False)):
-        parser.error(
-            f"unrecognized arguments: {' '.join(bad or extra)} (overrides look like section.key=value)"
-        )
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra)} (overrides look like section.key=value)")
     args.overrides = extra
     try:
         return COMMANDS[args.command](args)

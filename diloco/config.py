@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diloco.membership import QuorumConfig
 from islands.data import DataConfig
 from islands.inner import InnerConfig
 from islands.models import ModelConfig
 from outer_optimizer import OuterConfig
+from transport.codecs import CodecError, CodecSpec
+from transport.config import TransportConfig
 
 
 class ConfigError(ValueError):
@@ -108,6 +111,44 @@ class IslandsConfig:
 
 
 @dataclass(frozen=True)
+class CodecConfig:
+    uplink: str = "fp32"
+    """Codec of the islands' pseudo-gradients: "fp32" (lossless), "bf16", "int8" or "int4" (blockwise absmax,
+    with error feedback on the island)."""
+    downlink: str = "fp32"
+    """Codec of the coordinator's outer updates (error feedback on the coordinator); θ commits what is sent."""
+    block_size: int = 256
+    """Values per quantization block for int8/int4 (one float32 scale each)."""
+    zstd_level: int = 0
+    """zstd level after quantization (0 = off)."""
+
+    def __post_init__(self) -> None:
+        for key in ("uplink", "downlink"):
+            try:
+                self.spec(key)
+            except CodecError as exc:
+                raise ValueError(str(exc).replace("codec.kind", f"codec.{key}")) from None
+
+    def spec(self, direction: str) -> CodecSpec:
+        return CodecSpec(kind=getattr(self, direction), block_size=self.block_size, zstd_level=self.zstd_level)
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    links: str = ""
+    """WAN link profile file (e.g. configs/links/wan3.toml) shaping every island's link; "" = unshaped."""
+    secrets: tuple[str, ...] = ()
+    """One secret per island (in islands.names order): a literal, "env:VAR" or "file:PATH". Empty: `launch`
+    makes random ones; a standalone coordinator then accepts any island (no authentication)."""
+    pull_wait_s: float = 10.0
+    """How long a pull for a round that is still open waits for the commit before asking the island to retry."""
+
+    def __post_init__(self) -> None:
+        if not self.pull_wait_s > 0:
+            raise ValueError(f"network.pull_wait_s must be > 0 (got {self.pull_wait_s})")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     """Name and seed."""
@@ -123,6 +164,24 @@ class RunConfig:
     """The coordinator's outer optimizer."""
     islands: IslandsConfig = field(default_factory=IslandsConfig)
     """How many islands and on how many devices."""
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    """How pseudo-gradients and updates are compressed on the wire."""
+    quorum: QuorumConfig = field(default_factory=QuorumConfig)
+    """When the coordinator closes a round: leases, min_islands, adaptive deadline."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """WAN link profile and island credentials."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """Chunking, message limits, deadlines and retries of the gRPC transport."""
+
+    def __post_init__(self) -> None:
+        if self.network.secrets and len(self.network.secrets) != self.islands.count:
+            raise ValueError(
+                f"network.secrets has {len(self.network.secrets)} entries but islands.count is {self.islands.count}"
+            )
+        if self.quorum.min_islands > self.islands.count:
+            raise ValueError(
+                f"quorum.min_islands ({self.quorum.min_islands}) exceeds islands.count ({self.islands.count})"
+            )
 
     @property
     def total_inner_steps(self) -> int:

@@ -17,7 +17,9 @@ from typing import Any
 import jax
 import optax
 
+from islands.compress import Residual, compress_tree
 from outer_optimizer import apply_update, make_outer_step, weighted_mean
+from transport.codecs import CodecSpec, EncodedTensor
 from transport.digest import tree_digest
 
 PyTree = Any
@@ -28,6 +30,8 @@ PyTree = Any
 class GlobalState:
     params: PyTree
     outer_opt_state: PyTree
+    down_residual: Residual = None
+    """What the downlink codec dropped from past updates (error feedback), added to the next update."""
     round: int = field(default=0, metadata={"static": True})
     """Rounds committed so far; θ here is θ_round (host int)."""
 
@@ -44,6 +48,9 @@ class Commit:
     round: int
     """The round that was closed (θ_{round+1} is now global)."""
     update: PyTree
+    """û: the decoded update that was committed and is sent."""
+    encoded: list[EncodedTensor]
+    """û as it travels on the downlink."""
     islands: tuple[str, ...]
     tokens: int
     digest: str
@@ -57,14 +64,15 @@ class RoundError(ValueError):
 class OuterLoop:
     """Holds the global state and the contributions of the round that is open."""
 
-    def __init__(self, state: GlobalState, tx: optax.GradientTransformation) -> None:
+    def __init__(self, state: GlobalState, tx: optax.GradientTransformation, downlink: CodecSpec) -> None:
         self.state = state
+        self.downlink = downlink
         self._outer_update = make_outer_step(tx)
         self._pending: dict[str, Contribution] = {}
 
     @classmethod
-    def fresh(cls, params: PyTree, tx: optax.GradientTransformation) -> OuterLoop:
-        return cls(GlobalState(params=params, outer_opt_state=tx.init(params), round=0), tx)
+    def fresh(cls, params: PyTree, tx: optax.GradientTransformation, downlink: CodecSpec) -> OuterLoop:
+        return cls(GlobalState(params=params, outer_opt_state=tx.init(params), round=0), tx, downlink)
 
     @property
     def round(self) -> int:
@@ -80,9 +88,7 @@ class OuterLoop:
 
     def submit(self, island: str, round: int, pseudo_grad: PyTree, tokens: int) -> None:
         if round != self.state.round:
-            raise RoundError(
-                f"island {island} sent a pseudo-gradient for round {round}; round {self.round} is open"
-            )
+            raise RoundError(f"island {island} sent a pseudo-gradient for round {round}; round {self.round} is open")
         if island in self._pending:
             raise RoundError(f"island {island} already contributed to round {round}")
         if tokens <= 0:
@@ -97,13 +103,18 @@ class OuterLoop:
         contributions = [self._pending[n] for n in names]
         mean = weighted_mean([c.pseudo_grad for c in contributions], [c.tokens for c in contributions])
         update, new_opt_state = self._outer_update(self.state.params, self.state.outer_opt_state, mean)
-        new_params = apply_update(self.state.params, update)
+        # Commit exactly what is sent: û = decode(encode(u + e)); what the codec dropped is carried over.
+        sent = compress_tree(jax.device_get(update), self.state.down_residual, self.downlink)
+        new_params = apply_update(self.state.params, sent.decoded)
         closed = self.state.round
-        self.state = GlobalState(params=new_params, outer_opt_state=new_opt_state, round=closed + 1)
+        self.state = GlobalState(
+            params=new_params, outer_opt_state=new_opt_state, down_residual=sent.residual, round=closed + 1
+        )
         self._pending.clear()
         return Commit(
             round=closed,
-            update=update,
+            update=sent.decoded,
+            encoded=sent.encoded,
             islands=tuple(names),
             tokens=sum(c.tokens for c in contributions),
             digest=tree_digest(new_params),

@@ -12,9 +12,8 @@ newest round that all of them saved and, on CPU with the same seed, ends with bi
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +25,14 @@ from diloco.config import RunConfig
 from diloco.progress import Progress
 from diloco.rounds import GlobalState, OuterLoop
 from diloco.rundir import RunDir
+from islands.compress import compress_tree, is_lossless
 from islands.data import BatchStream, eval_batches, load_sources
 from islands.inner import make_eval_fn, make_inner_optimizer
 from islands.island import Island
 from islands.mesh import build_mesh, replicated
 from islands.models import Model, build_model, param_count
 from outer_optimizer import pseudo_gradient
+from transport.codecs import CodecSpec, flatten_named
 from transport.digest import tree_digest
 
 PyTree = Any
@@ -56,9 +57,7 @@ def build_setup(cfg: RunConfig) -> Setup:
         BatchStream(tokens, cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=i)
         for i, tokens in enumerate(shards)
     ]
-    stack = np.stack(
-        eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len)
-    )
+    stack = np.stack(eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len))
     params = model.init(jax.random.key(cfg.run.seed))
     return Setup(model, streams, stack, params, param_count(params))
 
@@ -110,9 +109,7 @@ def _island(cfg: RunConfig, name: str, model: Model, stream: BatchStream | Union
     )
 
 
-def _log_inner(
-    rd: RunDir, cfg: RunConfig, round_: int, island: str, losses: np.ndarray, first_step: int
-) -> None:
+def _log_inner(rd: RunDir, cfg: RunConfig, round_: int, island: str, losses: np.ndarray, first_step: int) -> None:
     for i in range(cfg.train.log_every - 1, len(losses), cfg.train.log_every):
         rd.log("inner", round=round_, island=island, step=first_step + i + 1, loss=float(losses[i]))
 
@@ -155,12 +152,12 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
     names = cfg.islands.island_names
     H = cfg.train.inner_steps
     outer_tx = cfg.outer.build()
-    loop = OuterLoop.fresh(setup.init_params, outer_tx)
+    loop = OuterLoop.fresh(setup.init_params, outer_tx, cfg.codec.spec("downlink"))
+    uplink = cfg.codec.spec("uplink")
     islands = [_island(cfg, n, setup.model, s) for n, s in zip(names, setup.streams, strict=True)]
     for isl in islands:
         isl.start(loop.params)
     evaluate = Evaluator(setup.model, setup.eval_stack)
-    fp32_bytes = setup.n_params * 4  # what one uncompressed pseudo-gradient or update weighs on the wire
     totals: dict[str, Any] = {
         "rounds": 0, "syncs": 0, "tokens": 0, "bytes_up": 0, "bytes_down": 0, "inner_s": 0.0,
         "initial_eval_loss": None, "param_count": setup.n_params,
@@ -169,15 +166,19 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
     stores = _stores(cfg, rd, ["coordinator", *names])
     restored = latest_common_step(stores) if stores else None
     if restored is not None:
-        state, meta = stores[0].restore(
-            restored, {"params": loop.params, "outer": loop.state.outer_opt_state}
+        state, meta = stores[0].restore(restored, _global_like(loop, setup.init_params))
+        loop.state = GlobalState(
+            params=state["params"],
+            outer_opt_state=state["outer"],
+            down_residual=state.get("down_residual"),
+            round=meta["round"],
         )
-        loop.state = GlobalState(params=state["params"], outer_opt_state=state["outer"], round=meta["round"])
         totals.update(meta["totals"])
         for isl, store in zip(islands, stores[1:], strict=True):
             assert isl.state is not None
-            opt, imeta = store.restore(restored, {"inner": isl.state.inner_opt_state})
-            isl.start(loop.params, opt["inner"], step=imeta["step"], cursor=imeta["cursor"])
+            saved, imeta = store.restore(restored, _island_like(isl, uplink))
+            isl.start(loop.params, saved["inner"], step=imeta["step"], cursor=imeta["cursor"])
+            isl.state = replace(isl.state, residual=saved.get("residual"))
         rd.truncate_after_round(loop.round)
         rd.log("resumed", round=loop.round, digest=tree_digest(loop.params))
     else:
@@ -195,7 +196,11 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
             for isl in islands:
                 run = isl.train(H)
                 assert isl.state is not None
-                loop.submit(isl.name, r, pseudo_gradient(loop.params, isl.state.params), run.tokens)
+                delta = pseudo_gradient(loop.params, isl.state.params)
+                sent = compress_tree(jax.device_get(delta), isl.state.residual, uplink)
+                isl.state = replace(isl.state, residual=sent.residual)
+                loop.submit(isl.name, r, sent.decoded, run.tokens)
+                totals["bytes_up"] += sent.nbytes
                 _log_inner(rd, cfg, r, isl.name, run.losses, run.first_step)
                 last_losses.append(float(run.losses[-1]))
                 totals["tokens"] += run.tokens
@@ -205,8 +210,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
                 isl.set_params(loop.params)
             totals["rounds"] = loop.round
             totals["syncs"] += 1
-            totals["bytes_up"] += fp32_bytes * len(islands)
-            totals["bytes_down"] += fp32_bytes * len(islands)
+            totals["bytes_down"] += sum(t.nbytes for t in commit.encoded) * len(islands)
             eval_loss = evaluate(loop.params)
             totals["final_eval_loss"] = eval_loss
             seconds = time.monotonic() - t_round
@@ -217,18 +221,13 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
             )  # fmt: skip
             progress.update(loop.round, float(np.mean(last_losses)), eval_loss, commit.tokens / seconds)
             if _due(cfg, loop.round):
-                stores[0].save(
-                    loop.round,
-                    {"params": loop.params, "outer": loop.state.outer_opt_state},
-                    {"round": loop.round, "totals": totals},
-                )
+                stores[0].save(loop.round, _global_saved(loop), {"round": loop.round, "totals": totals})
                 for isl, store in zip(islands, stores[1:], strict=True):
                     assert isl.state is not None
-                    store.save(
-                        loop.round,
-                        {"inner": isl.state.inner_opt_state},
-                        {"step": isl.state.step, "cursor": isl.state.data_cursor},
-                    )
+                    saved = {"inner": isl.state.inner_opt_state}
+                    if isl.state.residual is not None:
+                        saved["residual"] = isl.state.residual
+                    store.save(loop.round, saved, {"step": isl.state.step, "cursor": isl.state.data_cursor})
     finally:
         progress.close()
         for store in stores:
@@ -236,6 +235,29 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
     summary = _summary(cfg, rd, totals, eval_loss, tree_digest(loop.params))
     rd.write_summary(summary)
     return summary
+
+
+def _global_saved(loop: OuterLoop) -> dict[str, Any]:
+    saved = {"params": loop.params, "outer": loop.state.outer_opt_state}
+    if loop.state.down_residual is not None:
+        saved["down_residual"] = loop.state.down_residual
+    return saved
+
+
+def _global_like(loop: OuterLoop, params: PyTree) -> dict[str, Any]:
+    """The structure a coordinator checkpoint restores into (a lossy downlink also keeps its residual)."""
+    like = {"params": loop.params, "outer": loop.state.outer_opt_state}
+    if not is_lossless(loop.downlink):
+        like["down_residual"] = {k: np.zeros_like(v) for k, v in flatten_named(params).items()}
+    return like
+
+
+def _island_like(isl: Island, uplink: CodecSpec) -> dict[str, Any]:
+    assert isl.state is not None
+    like = {"inner": isl.state.inner_opt_state}
+    if not is_lossless(uplink):
+        like["residual"] = {k: np.zeros_like(v) for k, v in flatten_named(isl.state.params).items()}
+    return like
 
 
 def _due(cfg: RunConfig, completed_rounds: int) -> bool:
@@ -313,10 +335,3 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
     summary = _summary(cfg, rd, totals, eval_loss, tree_digest(island.state.params))
     rd.write_summary(summary)
     return summary
-
-
-def expected_rounds_left(cfg: RunConfig, done: int) -> int:
-    return max(0, cfg.train.rounds - done)
-
-
-__all__ = ["run_simulation", "build_setup", "UnionStream", "Evaluator", "math"]

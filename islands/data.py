@@ -80,9 +80,7 @@ class DataConfig:
             if not isinstance(p, str) or not p:
                 raise DataError(f"data.paths[{i}] must be a non-empty string (got {p!r})")
         if self.token_dtype not in TOKEN_DTYPES:
-            raise DataError(
-                f"data.token_dtype must be one of {', '.join(TOKEN_DTYPES)} (got {self.token_dtype!r})"
-            )
+            raise DataError(f"data.token_dtype must be one of {', '.join(TOKEN_DTYPES)} (got {self.token_dtype!r})")
         vf = self.val_fraction
         if not isinstance(vf, int | float) or isinstance(vf, bool) or not 0 < vf < 1:
             raise DataError(f"data.val_fraction must be a number in (0, 1) (got {vf!r})")
@@ -98,9 +96,7 @@ class DataConfig:
                 "data.path and data.paths must be empty for data.kind = 'synthetic' (it generates its data)"
             )
         if self.kind != "synthetic" and not (self.path or self.paths):
-            raise DataError(
-                f"data.path (or data.paths, one per island) must be set for data.kind = {self.kind!r}"
-            )
+            raise DataError(f"data.path (or data.paths, one per island) must be set for data.kind = {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -168,9 +164,7 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, where: str) -> None:
             )
 
 
-def synthetic_tokens(
-    n: int, vocab_size: int, seed: int, alphabet: int = 32, branching: int = 4
-) -> np.ndarray:
+def synthetic_tokens(n: int, vocab_size: int, seed: int, alphabet: int = 32, branching: int = 4) -> np.ndarray:
     """n tokens from a random order-2 Markov chain, deterministic for (vocab_size, seed).
 
     The chain runs over `alphabet` distinct token ids drawn from the vocabulary; each context (previous
@@ -242,9 +236,7 @@ def load_sources(
                 f"data.paths has {len(cfg.paths)} entries but there are {n_islands} islands "
                 "(non-IID data needs exactly one source per island)"
             )
-        sources = [
-            open_source(cfg, p, f"data.paths[{i}] {p!r}", vocab_size, seed) for i, p in enumerate(cfg.paths)
-        ]
+        sources = [open_source(cfg, p, f"data.paths[{i}] {p!r}", vocab_size, seed) for i, p in enumerate(cfg.paths)]
         for i, src in enumerate(sources):
             if len(src.train) < need:
                 raise DataError(
@@ -256,9 +248,7 @@ def load_sources(
         name = "data.paths"
     else:
         where = (
-            f"data.synthetic_tokens ({cfg.synthetic_tokens})"
-            if cfg.kind == "synthetic"
-            else f"data.path {cfg.path!r}"
+            f"data.synthetic_tokens ({cfg.synthetic_tokens})" if cfg.kind == "synthetic" else f"data.path {cfg.path!r}"
         )
         src = open_source(cfg, cfg.path, where, vocab_size, seed)
         n = len(src.train)

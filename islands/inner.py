@@ -105,9 +105,7 @@ def place_tree(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:
     """
     # may_alias=False: the result is donated to the train step, which must never free the caller's buffers
     # (in `simulate` every island starts from the coordinator's own global parameters).
-    return jax.tree.map(
-        lambda x: jax.device_put(x, param_sharding(mesh, x.shape, shard_params), may_alias=False), tree
-    )
+    return jax.tree.map(lambda x: jax.device_put(x, param_sharding(mesh, x.shape, shard_params), may_alias=False), tree)
 
 
 def _constrain(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:
@@ -120,9 +118,7 @@ TrainStep = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree, dict[str
 
 
 @functools.lru_cache(maxsize=32)
-def make_train_step(
-    loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, shard_params: bool
-) -> TrainStep:
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, shard_params: bool) -> TrainStep:
     """jit(step) over `mesh`; params and optimizer state are donated and keep their layout.
 
     Inputs arrive placed by `place_tree` and batches by `batch_sharding`; the outputs are constrained to the

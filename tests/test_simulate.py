@@ -88,7 +88,7 @@ def test_one_island_fedavg_lr1_equals_plain_training(tiny_config: Path, tmp_path
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigkill_then_resume_ends_with_the_same_parameters(tiny_config: Path, tmp_path: Path) -> None:
-    rounds = ["train.rounds=6"]
+    rounds = ["train.rounds=6", "codec.uplink=int8", "codec.downlink=int4"]  # residuals must survive too
     reference = run_simulation(load_config(tiny_config, rounds), tmp_path / "ref", show_progress=False)
     run_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "diloco.cli", "simulate", str(tiny_config), "--run-dir", str(run_dir),

@@ -95,18 +95,14 @@ class ModelConfig:
             raise ModelError(f"model.entry must be a string (got {self.entry!r})")
         if self.kind == "custom":
             if not self.entry:
-                raise ModelError(
-                    'model.entry must name the builder ("package.module:function") for kind custom'
-                )
+                raise ModelError('model.entry must name the builder ("package.module:function") for kind custom')
             module, sep, attr = self.entry.partition(":")
             if not sep or not module or not attr or ":" in attr:
                 raise ModelError(f"model.entry {self.entry!r} must have the form 'package.module:function'")
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "n_experts", "top_k"):
             _check_int(name, getattr(self, name))
         if self.d_model % self.n_heads:
-            raise ModelError(
-                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})"
-            )
+            raise ModelError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
         if self.top_k > self.n_experts:
             raise ModelError(f"model.top_k ({self.top_k}) must be <= model.n_experts ({self.n_experts})")
         # Normalise TOML ints (`init_scale = 1`) to floats so equal configs compare and hash equal.

@@ -1,0 +1,110 @@
+"""Membership and quorum as one pure function: `decide(now, round_view, cfg) -> Decision`.
+
+The coordinator calls it whenever something happens (a push, a heartbeat, a tick) and does what it says. It
+holds no state and reads no clock, so every branch is table-tested. Rules:
+  * an island is live while its lease (renewed by heartbeats and pushes) has not expired;
+  * a round closes as soon as every live island has pushed, provided `min_islands` have;
+  * otherwise it closes at the deadline once `min_islands` have pushed, dropping the late ones;
+  * the deadline adapts to observed round times: median + k·MAD of recent rounds, clamped to
+    [min_deadline_s, max_deadline_s], so nobody has to guess a constant for their WAN;
+  * below `min_islands` it waits, however long, and says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class QuorumConfig:
+    min_islands: int = 1
+    """A round never closes with fewer pseudo-gradients than this."""
+    lease_s: float = 15.0
+    """An island that has not been heard from (heartbeat or push) for this long is considered lost."""
+    deadline_k: float = 4.0
+    """Deadline = median + k·MAD of recent round durations."""
+    min_deadline_s: float = 5.0
+    """The adaptive deadline is never shorter than this."""
+    max_deadline_s: float = 600.0
+    """... nor longer than this; also the deadline before enough rounds have been observed."""
+    history: int = 20
+    """How many recent round durations the deadline is computed from."""
+
+    def __post_init__(self) -> None:
+        if self.min_islands < 1:
+            raise ValueError(f"quorum.min_islands must be >= 1 (got {self.min_islands})")
+        for key in ("lease_s", "min_deadline_s", "max_deadline_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"quorum.{key} must be > 0 (got {getattr(self, key)})")
+        if self.max_deadline_s < self.min_deadline_s:
+            raise ValueError("quorum.max_deadline_s must be >= quorum.min_deadline_s")
+        if self.deadline_k < 0 or self.history < 1:
+            raise ValueError("quorum.deadline_k must be >= 0 and quorum.history >= 1")
+
+
+class Action(Enum):
+    WAIT = "wait"
+    CLOSE = "close"
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What the coordinator knows about the open round, as plain values."""
+
+    opened_at: float
+    """When the round opened (the previous commit, or the first join)."""
+    last_seen: Mapping[str, float]
+    """Every member island -> when it was last heard from."""
+    pushed: frozenset[str]
+    """Islands whose pseudo-gradient for this round was accepted."""
+    durations: Sequence[float] = ()
+    """Durations of recently closed rounds, oldest first."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    live: frozenset[str]
+    lost: frozenset[str]
+    """Members whose lease expired (the coordinator drops them and logs island_lost)."""
+    deadline_s: float
+
+
+def adaptive_deadline(durations: Sequence[float], cfg: QuorumConfig) -> float:
+    recent = list(durations)[-cfg.history :]
+    if len(recent) < 3:
+        return cfg.max_deadline_s
+    median = statistics.median(recent)
+    mad = statistics.median(abs(d - median) for d in recent)
+    return min(cfg.max_deadline_s, max(cfg.min_deadline_s, median + cfg.deadline_k * mad))
+
+
+def decide(now: float, view: RoundView, cfg: QuorumConfig) -> Decision:
+    live = frozenset(n for n, seen in view.last_seen.items() if now - seen <= cfg.lease_s)
+    lost = frozenset(view.last_seen) - live
+    deadline = adaptive_deadline(view.durations, cfg)
+    pushed = view.pushed
+    waiting_for = sorted(live - pushed)
+    elapsed = now - view.opened_at
+
+    def out(action: Action, reason: str) -> Decision:
+        return Decision(action, reason, live, lost, deadline)
+
+    if len(pushed) < cfg.min_islands:
+        return out(
+            Action.WAIT,
+            f"{len(pushed)} of min_islands={cfg.min_islands} pushed; waiting for {', '.join(waiting_for) or 'islands'}",
+        )
+    if not waiting_for:
+        return out(Action.CLOSE, f"all {len(live)} live islands pushed ({len(pushed)} contributions)")
+    if elapsed >= deadline:
+        return out(
+            Action.CLOSE,
+            f"deadline {deadline:.1f}s passed with {len(pushed)} of {len(live)} live islands; "
+            f"late: {', '.join(waiting_for)}",
+        )
+    return out(Action.WAIT, f"waiting for {', '.join(waiting_for)} (deadline in {deadline - elapsed:.1f}s)")

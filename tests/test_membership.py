@@ -1,0 +1,49 @@
+"""Table tests of the pure membership / quorum decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.membership import Action, QuorumConfig, RoundView, adaptive_deadline, decide
+
+CFG = QuorumConfig(min_islands=2, lease_s=10, deadline_k=3, min_deadline_s=5, max_deadline_s=100)
+SEEN = {"a": 95.0, "b": 95.0, "c": 95.0}
+
+
+@pytest.mark.parametrize(
+    ("now", "seen", "pushed", "durations", "action", "reason", "lost"),
+    [
+        # everyone live pushed: close at once
+        (100, SEEN, {"a", "b", "c"}, (), Action.CLOSE, "all 3 live islands pushed", set()),
+        # below min_islands: wait however late it is
+        (1000, {"a": 999.0, "b": 999.0}, {"a"}, (), Action.WAIT, "1 of min_islands=2 pushed; waiting for b", set()),
+        # c is silent past its lease: lost, and the round closes with the live ones
+        (100, {**SEEN, "c": 80.0}, {"a", "b"}, (), Action.CLOSE, "all 2 live islands pushed", {"c"}),
+        # c is live but slow; no history yet, so the deadline is max_deadline_s (100 s from opened_at = 0)
+        (50, SEEN | {"a": 49.0, "b": 49.0, "c": 49.0}, {"a", "b"}, (), Action.WAIT, "waiting for c", set()),
+        (100, SEEN, {"a", "b"}, (), Action.CLOSE, "deadline 100.0s passed with 2 of 3 live islands; late: c", set()),
+        # with history the deadline adapts: median 20, MAD 1 -> 23 s
+        (24, {"a": 24.0, "b": 24.0, "c": 24.0}, {"a", "b"}, (19, 20, 21, 20, 22), Action.CLOSE, "deadline 23.0s", set()),
+        (22, {"a": 22.0, "b": 22.0, "c": 22.0}, {"a", "b"}, (19, 20, 21, 20, 22), Action.WAIT, "deadline in 1.0s", set()),
+        # a lost island that already pushed still counts toward the round
+        (100, {**SEEN, "a": 50.0}, {"a", "b", "c"}, (), Action.CLOSE, "all 2 live islands pushed (3 contributions)", {"a"}),
+    ],
+)
+def test_decide(now, seen, pushed, durations, action, reason, lost) -> None:
+    d = decide(now, RoundView(opened_at=0.0, last_seen=seen, pushed=frozenset(pushed), durations=durations), CFG)
+    assert d.action is action
+    assert reason in d.reason
+    assert d.lost == frozenset(lost)
+
+
+def test_deadline_is_clamped_and_robust_to_one_outlier() -> None:
+    assert adaptive_deadline([1, 1, 1, 1], CFG) == 5  # min clamp
+    assert adaptive_deadline([500, 600, 700], CFG) == 100  # max clamp
+    assert adaptive_deadline([10, 10, 11, 10, 90], CFG) == pytest.approx(10 + 3 * 0)  # MAD ignores one outlier
+
+
+def test_quorum_config_validation() -> None:
+    with pytest.raises(ValueError, match="quorum.min_islands must be >= 1"):
+        QuorumConfig(min_islands=0)
+    with pytest.raises(ValueError, match="max_deadline_s must be >= quorum.min_deadline_s"):
+        QuorumConfig(min_deadline_s=10, max_deadline_s=5)

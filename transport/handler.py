@@ -1,0 +1,76 @@
+"""The interface between the wire and the coordinator.
+
+The transport owns bytes, credentials and validation; the coordinator owns rounds and θ. It plugs into
+the server (gRPC or in-process) by implementing `CoordinatorHandler`. The handler is only ever called with
+messages that passed every check in `transport.validate`; it may still refuse one by raising
+`transport.errors.Rejected(code, reason)`, which becomes a gRPC status and an ``on_rejected`` callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+from transport import diloco_pb2 as pb
+from transport.tensors import EncodedTensorLike
+
+PullKindName = Literal["update", "full"]
+
+KIND_TO_PB: dict[str, int] = {"update": pb.PULL_KIND_UPDATE, "full": pb.PULL_KIND_FULL}
+PB_TO_KIND: dict[int, PullKindName] = {pb.PULL_KIND_UPDATE: "update", pb.PULL_KIND_FULL: "full"}
+
+
+@dataclass(frozen=True)
+class PullPayload:
+    """What a pull returns: the committed update û of a round, or the full global params.
+
+    ``round`` is the round the island reaches after applying it; ``param_digest`` is the digest of the global
+    parameters at that round, so the island can check it is bit-identical to the coordinator.
+    """
+
+    round: int
+    fragment: int
+    kind: PullKindName
+    param_digest: bytes
+    tensors: Sequence[EncodedTensorLike]
+
+
+class CoordinatorHandler(Protocol):
+    """Implemented by the coordinator; called by the service after the wire-level checks passed."""
+
+    def join(self, req: pb.JoinRequest) -> pb.JoinReply:
+        """An island (re)joins: tell it the round and whether it needs the full parameters."""
+        ...
+
+    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        """Renew the island's lease; reply with the current round and state."""
+        ...
+
+    def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
+        """The island leaves cleanly."""
+        ...
+
+    def current_round(self, fragment: int) -> int:
+        """The round a push for ``fragment`` must be for (the service rejects stale/future ones)."""
+        ...
+
+    def push(
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensorLike], arrays: dict[str, np.ndarray]
+    ) -> pb.PushReply:
+        """A validated pseudo-gradient: encoded tensors and their decoded, finite arrays.
+
+        The arrays are read-only (fp32 ones are zero-copy views of the receive buffer): copy before
+        modifying in place. Both stay valid after the call; keep only what you need.
+        """
+        ...
+
+    def pull(self, req: pb.PullRequest) -> PullPayload:
+        """The committed update of a round, or the full params (new or lagging island)."""
+        ...
+
+    def status(self) -> pb.StatusReply:
+        """A snapshot for `diloco status`."""
+        ...
