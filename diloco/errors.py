@@ -6,9 +6,17 @@ Each package raises its own (islands cannot import diloco); this is the one plac
 from __future__ import annotations
 
 from diloco.config import ConfigError
+from diloco.island_worker import CoordinatorAway, IslandError
+from diloco.launch import LaunchError
 from diloco.rundir import RunDirError
+from diloco.serve import ListenError
 from islands.data import DataError
 from islands.mesh import MeshError
 from islands.models import ModelError
+from transport.auth import SecretError
+from transport.errors import TransportError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, DataError, MeshError, ModelError, RunDirError)
+USER_ERRORS: tuple[type[Exception], ...] = (
+    ConfigError, CoordinatorAway, DataError, IslandError, LaunchError, ListenError, MeshError, ModelError,
+    RunDirError, SecretError, TransportError,
+)  # fmt: skip

@@ -1,0 +1,279 @@
+"""One island as a process: join the coordinator, train H steps, push Δ, pull û, repeat (DiLoCo's inner loop).
+
+    join      -> round r, and whether the island's own checkpoint is current (else it pulls the full θ_r)
+    train     -> H inner AdamW steps from θ_r on this island's data shard (inner state kept across rounds)
+    push      -> Δ = θ_r - θ_local, compressed with error feedback (the residual stays here)
+    pull      -> û of round r (or the full θ when behind); θ_{r+1} = θ_r + û, checked against the
+                 coordinator's digest: every island holds bit-identical parameters after every round
+    checkpoint-> θ_{r+1}, inner optimizer state, residual and data cursor (orbax, one writer: this island)
+
+While the coordinator is away every RPC is retried with backoff (tenacity, in transport) and this loop keeps its
+state and asks again; a push refused because the round already closed (a slow island, or a coordinator that
+restarted) is dropped and the island resyncs. A heartbeat thread renews the lease meanwhile.
+
+This loop lives in diloco/ rather than islands/ because it reads the run config and the run directory, which
+islands/ may not import; the engine it drives (Island, models, data, compression) is all islands/.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+
+from diloco.checkpoint import CheckpointStore
+from diloco.config import RunConfig, config_digest, to_dict
+from diloco.rundir import RunDir
+from diloco.simulate import build_setup
+from islands.compress import compress_tree, decoded_tree, is_lossless
+from islands.inner import make_inner_optimizer
+from islands.island import Island
+from outer_optimizer import apply_update, pseudo_gradient
+from transport import diloco_pb2 as pb
+from transport.digest import tree_digest
+from transport.errors import TransportError
+from transport.handler import PullPayload
+from transport.shaper import LinkShaper, load_link_profiles, profile_for
+from transport.tensors import decoder
+
+PyTree = Any
+
+
+class IslandError(ValueError):
+    """A user mistake that stops an island (name not in the config, coordinator refuses the config...)."""
+
+
+class CoordinatorAway(ConnectionError):
+    """The coordinator did not answer for longer than the island is willing to wait."""
+
+
+def _retry_forever(fn: Any, what: str, give_up_s: float) -> Any:
+    """Call fn until it succeeds; retryable failures (coordinator away) are retried until give_up_s."""
+    deadline = time.monotonic() + give_up_s
+    delay = 0.5
+    while True:
+        try:
+            return fn()
+        except TransportError as exc:
+            if not exc.retryable:
+                raise
+            if exc.code == grpc.StatusCode.ABORTED:  # the coordinator answered "not yet": it is not away
+                deadline = time.monotonic() + give_up_s
+            elif time.monotonic() > deadline:
+                raise CoordinatorAway(f"{what}: coordinator did not answer for {give_up_s:.0f}s ({exc})") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+class IslandWorker:
+    def __init__(self, cfg: RunConfig, name: str, client: Any, rd: RunDir, give_up_s: float = 300.0) -> None:
+        if name not in cfg.islands.island_names:
+            raise IslandError(
+                f"island '{name}' is not in the config's islands.names ({', '.join(cfg.islands.island_names)})"
+            )
+        self.cfg, self.name, self.client, self.rd, self.give_up_s = cfg, name, client, rd, give_up_s
+        index = cfg.islands.island_names.index(name)
+        setup = build_setup(cfg)
+        self.like = setup.init_params
+        n_devices = min(cfg.islands.devices, len(jax.local_devices()))
+        if n_devices < cfg.islands.devices:
+            rd.log("devices_reduced", island=name, configured=cfg.islands.devices, available=n_devices)
+        tx = make_inner_optimizer(cfg.inner, cfg.total_inner_steps)
+        self.island = Island(
+            name, setup.model, tx, setup.streams[index], n_devices=n_devices, microbatch=cfg.train.microbatch,
+            shard_params=cfg.islands.shard_params,
+        )  # fmt: skip
+        self.uplink = cfg.codec.spec("uplink")
+        self.store = CheckpointStore(rd.checkpoints) if cfg.train.checkpoint_every else None
+        self.round = -1
+        self.global_params: PyTree = None
+        self.state_name = "starting"
+        self._stop = threading.Event()
+        self._decode = decoder()
+
+    # -- coordinator RPCs --------------------------------------------------------------------------------------
+
+    def _meta(self) -> dict[str, Any]:
+        return {"run_id": self.cfg.run.name, "island": self.name}
+
+    def join(self, have_round: int) -> pb.JoinReply:
+        req = pb.JoinRequest(
+            **self._meta(),
+            config_digest=bytes.fromhex(config_digest(self.cfg)),
+            config_json=json.dumps(to_dict(self.cfg), sort_keys=True),
+            last_round=have_round,
+            devices=len(self.island.mesh.devices.flat),
+        )
+        reply = _retry_forever(lambda: self.client.join(req), "join", self.give_up_s)
+        self.rd.log("joined", round=reply.round, island=self.name, state=reply.state)
+        return reply
+
+    def _heartbeats(self, lease_s: float) -> None:
+        while not self._stop.wait(max(lease_s / 3, 0.2)):
+            try:
+                reply = self.client.heartbeat(
+                    pb.HeartbeatRequest(**self._meta(), round=max(self.round, 0), step=self.island.state.step)
+                )
+                self.state_name = reply.state
+            except TransportError as exc:
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:  # declared lost: join again, keep state
+                    try:
+                        self.client.join(
+                            pb.JoinRequest(
+                                **self._meta(), config_digest=bytes.fromhex(config_digest(self.cfg)),
+                                config_json=json.dumps(to_dict(self.cfg), sort_keys=True), last_round=self.round,
+                            )
+                        )  # fmt: skip
+                    except TransportError:
+                        pass
+                # otherwise the coordinator is away; the main loop's retries handle it
+
+    def pull(self, have_round: int, full: bool = False) -> PullPayload:
+        req = pb.PullRequest(**self._meta(), have_round=have_round, full=full)
+        return _retry_forever(lambda: self.client.pull(req), "pull", self.give_up_s)
+
+    def _params_from(self, payload: PullPayload) -> PyTree:
+        arrays = {t.name: np.array(self._decode(t), np.float32) for t in payload.tensors}
+        return decoded_tree(arrays, self.like)
+
+    def adopt(self, payload: PullPayload) -> None:
+        """Move to the payload's round: apply û to θ_r, or take the full θ; verify the digest."""
+        if payload.kind == "update" and payload.round == self.round + 1 and self.global_params is not None:
+            new = apply_update(self.global_params, self._params_from(payload))
+        else:
+            new = jax.tree.map(np.asarray, self._params_from(payload))
+        digest = tree_digest(new)
+        if digest != payload.param_digest.hex():
+            if payload.kind == "update":  # should never happen; recover with the full parameters
+                self.rd.log("digest_mismatch", round=payload.round, island=self.name, ours=digest)
+                return self.adopt(self.pull(-1, full=True))
+            raise IslandError(f"full parameters of round {payload.round} fail their digest check")
+        self.global_params = new
+        self.round = payload.round
+        self.island.set_params(new)
+        self.rd.log("synced", round=self.round, island=self.name, kind=payload.kind, digest=digest)
+
+    def _push(self, meta: pb.PushMeta, encoded: list, nbytes: int) -> bool:
+        """Push Δ; False when the round closed without it (a slow island, a restarted coordinator): Δ is dropped."""
+        try:
+            _retry_forever(lambda: self.client.push(meta, encoded), "push", self.give_up_s)
+        except TransportError as exc:
+            if exc.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
+                raise
+            self.rd.log("push_dropped", round=self.round, island=self.name, reason=exc.reason)
+            return False
+        self.rd.log("pushed", round=self.round, island=self.name, bytes_up=nbytes, loss=meta.loss)
+        return True
+
+    def _pull_after_push(self, meta: pb.PushMeta, encoded: list, nbytes: int) -> PullPayload:
+        """Wait for the round to close. A coordinator that restarted and lost our push says so: push again."""
+        for _ in range(10):
+            try:
+                return self.pull(self.round)
+            except TransportError as exc:
+                if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                self.rd.log("repush", round=self.round, island=self.name, reason=exc.reason)
+                self._push(meta, encoded, nbytes)
+        return self.pull(self.round, full=True)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+
+    def _saved(self) -> dict[str, Any]:
+        st = self.island.state
+        saved = {"params": self.global_params, "inner": st.inner_opt_state}
+        if st.residual is not None:
+            saved["residual"] = st.residual
+        return saved
+
+    def save(self) -> None:
+        if self.store is not None:
+            st = self.island.state
+            self.store.save(self.round, self._saved(), {"round": self.round, "step": st.step, "cursor": st.data_cursor})
+
+    def restore(self) -> int:
+        """Resume from this island's own checkpoint if it has one; returns its round (-1: none)."""
+        steps = self.store.steps() if self.store else []
+        self.island.start(self.like)
+        if not steps:
+            return -1
+        like: dict[str, Any] = {"params": self.like, "inner": self.island.state.inner_opt_state}
+        if not is_lossless(self.uplink):
+            like["residual"] = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), self.like)
+        saved, meta = self.store.restore(steps[-1], like)  # type: ignore[union-attr]
+        self.island.start(saved["params"], saved["inner"], step=meta["step"], cursor=meta["cursor"])
+        self.island.state = replace(self.island.state, residual=saved.get("residual"))
+        self.global_params = jax.tree.map(np.asarray, saved["params"])
+        self.round = meta["round"]
+        self.rd.log("resumed", round=self.round, island=self.name, step=meta["step"])
+        return self.round
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train until the coordinator says the run is done; returns the rounds this island contributed to."""
+        have = self.restore()
+        reply = self.join(have)
+        if reply.needs_full_params or self.global_params is None:
+            self.round = -1
+            self.adopt(self.pull(-1, full=True))
+        heartbeat = threading.Thread(target=self._heartbeats, args=(reply.lease_s,), daemon=True)
+        heartbeat.start()
+        contributed = 0
+        H = self.cfg.train.inner_steps
+        try:
+            while self.round < self.cfg.train.rounds and self.state_name != "done":
+                t0 = time.perf_counter()
+                run = self.island.train(H)
+                assert self.island.state is not None
+                delta = pseudo_gradient(self.global_params, self.island.state.params)
+                sent = compress_tree(jax.device_get(delta), self.island.state.residual, self.uplink)
+                for i in range(self.cfg.train.log_every - 1, H, self.cfg.train.log_every):
+                    self.rd.log("inner", round=self.round, island=self.name, step=run.first_step + i + 1,
+                                loss=float(run.losses[i]))  # fmt: skip
+                meta = pb.PushMeta(
+                    **self._meta(), round=self.round, tokens=run.tokens, inner_steps=H, loss=float(run.losses[-1]),
+                    compute_s=run.seconds, wall_s=time.perf_counter() - t0,
+                )  # fmt: skip
+                if self._push(meta, sent.encoded, sent.nbytes):
+                    self.island.state = replace(self.island.state, residual=sent.residual)
+                    contributed += 1
+                self.adopt(self._pull_after_push(meta, sent.encoded, sent.nbytes))
+                self.save()
+        finally:
+            self._stop.set()
+            if self.store is not None:
+                self.store.close()
+        try:
+            self.client.leave(pb.LeaveRequest(**self._meta(), reason="done"))
+        except TransportError:
+            pass
+        return contributed
+
+
+def make_client(cfg: RunConfig, name: str, target: str, secret: str | None) -> Any:
+    from transport.grpc_client import GrpcTransport
+
+    shaper = None
+    if cfg.network.links:
+        shaper = LinkShaper(profile_for(load_link_profiles(cfg.network.links), name), seed=cfg.run.seed)
+    return GrpcTransport(target, name, secret, config=cfg.transport, shaper=shaper)
+
+
+def run_island_process(cfg: RunConfig, name: str, target: str, run_dir: Path, secret: str | None) -> dict:
+    rd = RunDir(run_dir, cfg)
+    client = make_client(cfg, name, target, secret)
+    try:
+        worker = IslandWorker(cfg, name, client, rd)
+        contributed = worker.run()
+        return {"island": name, "rounds_contributed": contributed, "round": worker.round}
+    finally:
+        client.close()
+        rd.close()

@@ -1,0 +1,89 @@
+"""`diloco coordinator`: the coordinator process — a gRPC server around `Coordinator`, a ticker, a status line.
+
+It prints its address (and writes it to RUN_DIR/coordinator.addr so `launch` can find a port-0 server), ticks the
+round logic a few times a second (leases and deadlines need a clock, not just RPCs), and on SIGTERM / Ctrl+C flushes
+its checkpoint and stops. When the last round is committed it waits briefly for islands to collect the final update,
+then exits.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from diloco.config import RunConfig
+from diloco.coordinator import Coordinator
+from diloco.rundir import RunDir
+from diloco.simulate import build_setup
+from transport.auth import Authenticator, resolve_secret
+from transport.grpc_server import start_server
+from transport.service import DilocoService
+
+
+class ListenError(OSError):
+    """The coordinator cannot listen where it was told to."""
+
+
+def island_secrets(cfg: RunConfig) -> dict[str, str] | None:
+    if not cfg.network.secrets:
+        return None
+    return {name: resolve_secret(ref) for name, ref in zip(cfg.islands.island_names, cfg.network.secrets, strict=True)}
+
+
+def serve(cfg: RunConfig, run_dir: Path, listen: str, progress: bool = True, linger_s: float = 15.0) -> dict[str, Any]:
+    secrets = island_secrets(cfg)
+    rd = RunDir(run_dir, cfg)
+    coordinator = Coordinator(cfg, rd, build_setup(cfg))
+    service = DilocoService(
+        coordinator, cfg.run.name, coordinator.model_spec, authenticator=Authenticator(secrets),
+        config=cfg.transport, on_rejected=coordinator.on_rejected,
+    )  # fmt: skip
+    try:
+        server = start_server(service, listen)
+    except (OSError, RuntimeError, ValueError) as exc:
+        coordinator.close()
+        rd.close()
+        raise ListenError(f"cannot listen on {listen} ({exc}); is the port already in use?") from None
+    (run_dir / "coordinator.addr").write_text(server.address)
+    print(f"diloco coordinator listening on {server.address} (run {cfg.run.name}, round {coordinator.loop.round})",
+          flush=True)  # fmt: skip
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    last_line = 0.0
+    done_at: float | None = None
+    try:
+        while not stop.is_set():
+            coordinator.tick()
+            now = time.monotonic()
+            if progress and now - last_line > 5:
+                last_line = now
+                s = coordinator.summary(partial=True)
+                print(f"round {s['rounds']}/{cfg.train.rounds} alive {len(s['islands_alive'])} "
+                      f"eval {s['final_eval_loss']:.4f} up {s['bytes_up']:,}B down {s['bytes_down']:,}B "
+                      f"rejected {s['rejected']}", file=sys.stderr, flush=True)  # fmt: skip
+            if coordinator.done:
+                done_at = done_at or now
+                # Islands collect the last update and leave; do not wait for ever on one that died.
+                if not coordinator.last_seen or now - done_at > linger_s:
+                    break
+            stop.wait(0.1)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        server.stop(grace_s=1.0)
+        summary = coordinator.summary()
+        if coordinator.done:
+            rd.write_summary(summary)
+        coordinator.close()
+        rd.close()
+    print(json.dumps(summary), flush=True)
+    return summary

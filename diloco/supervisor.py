@@ -1,0 +1,55 @@
+"""The island's supervisor: run the island worker as a child process and restart it when it crashes.
+
+A crash (a non-zero exit that is not a user error, or death by a signal the supervisor did not send) restarts the
+worker after a backoff; the new worker resumes from the island's own checkpoint and rejoins the current round. A
+worker restarted on fewer devices (a device lost) builds its mesh on the devices it sees and keeps the island's batch
+by gradient accumulation. Exit code 2 (a user mistake) is never retried: it would only fail again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+USER_ERROR = 2
+
+
+def supervise(worker_argv: Sequence[str], run_dir: Path, max_restarts: int = 5, backoff_s: float = 1.0) -> int:
+    restarts = 0
+    stopping = False
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, forward)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    while True:
+        child = subprocess.Popen([sys.executable, "-m", "diloco.cli", *worker_argv])
+        (run_dir / "worker.pid").write_text(str(child.pid))
+        code = child.wait()
+        if stopping or code in (0, USER_ERROR) or restarts >= max_restarts:
+            return code if code >= 0 else 128 - code
+        restarts += 1
+        why = f"signal {-code}" if code < 0 else f"exit code {code}"
+        print(f"diloco island: worker died ({why}); restart {restarts}/{max_restarts}", file=sys.stderr, flush=True)
+        time.sleep(backoff_s * restarts)
+
+
+def worker_pid(run_dir: Path) -> int | None:
+    try:
+        return int((run_dir / "worker.pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+__all__ = ["supervise", "worker_pid", "os"]
