@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -116,6 +117,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
 
+
 def _launch(args: argparse.Namespace) -> int:
     from diloco.config import load_config
     from diloco.launch import launch
@@ -174,6 +176,8 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # gRPC's C core logs its own errors to stderr; diloco reports them as one line instead (override to debug).
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     parser = build_parser()
     # Overrides (`outer.lr=0.5`) may stand anywhere among the options, so they are collected from what
     # argparse does not know rather than declared as a trailing positional.

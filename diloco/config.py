@@ -142,10 +142,15 @@ class NetworkConfig:
     makes random ones; a standalone coordinator then accepts any island (no authentication)."""
     pull_wait_s: float = 10.0
     """How long a pull for a round that is still open waits for the commit before asking the island to retry."""
+    connect_timeout_s: float = 30.0
+    """An island gives up with a clear error when the coordinator does not answer its first join for this long."""
+    coordinator_wait_s: float = 600.0
+    """Once joined, how long an island keeps retrying (with backoff, state kept) while the coordinator is away."""
 
     def __post_init__(self) -> None:
-        if not self.pull_wait_s > 0:
-            raise ValueError(f"network.pull_wait_s must be > 0 (got {self.pull_wait_s})")
+        for key in ("pull_wait_s", "connect_timeout_s", "coordinator_wait_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"network.{key} must be > 0 (got {getattr(self, key)})")
 
 
 @dataclass(frozen=True)

@@ -73,12 +73,13 @@ def _retry_forever(fn: Any, what: str, give_up_s: float) -> Any:
 
 
 class IslandWorker:
-    def __init__(self, cfg: RunConfig, name: str, client: Any, rd: RunDir, give_up_s: float = 300.0) -> None:
+    def __init__(self, cfg: RunConfig, name: str, client: Any, rd: RunDir) -> None:
         if name not in cfg.islands.island_names:
             raise IslandError(
                 f"island '{name}' is not in the config's islands.names ({', '.join(cfg.islands.island_names)})"
             )
-        self.cfg, self.name, self.client, self.rd, self.give_up_s = cfg, name, client, rd, give_up_s
+        self.cfg, self.name, self.client, self.rd = cfg, name, client, rd
+        self.give_up_s = cfg.network.coordinator_wait_s
         index = cfg.islands.island_names.index(name)
         setup = build_setup(cfg)
         self.like = setup.init_params
@@ -97,6 +98,7 @@ class IslandWorker:
         self.state_name = "starting"
         self._stop = threading.Event()
         self._decode = decoder()
+        self.client_target = getattr(client, "target", "coordinator")
 
     # -- coordinator RPCs --------------------------------------------------------------------------------------
 
@@ -111,7 +113,9 @@ class IslandWorker:
             last_round=have_round,
             devices=len(self.island.mesh.devices.flat),
         )
-        reply = _retry_forever(lambda: self.client.join(req), "join", self.give_up_s)
+        first = self.global_params is None and self.round < 0
+        wait = self.cfg.network.connect_timeout_s if first else self.give_up_s
+        reply = _retry_forever(lambda: self.client.join(req), f"join {self.client_target}", wait)
         self.rd.log("joined", round=reply.round, island=self.name, state=reply.state)
         return reply
 
@@ -231,6 +235,7 @@ class IslandWorker:
         try:
             while self.round < self.cfg.train.rounds and self.state_name != "done":
                 t0 = time.perf_counter()
+                self.rd.log("train_start", round=self.round, island=self.name, step=self.island.state.step)
                 run = self.island.train(H)
                 assert self.island.state is not None
                 delta = pseudo_gradient(self.global_params, self.island.state.params)

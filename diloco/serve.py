@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,7 +36,24 @@ def island_secrets(cfg: RunConfig) -> dict[str, str] | None:
     return {name: resolve_secret(ref) for name, ref in zip(cfg.islands.island_names, cfg.network.secrets, strict=True)}
 
 
+def check_listen(listen: str) -> None:
+    """Fail fast, before loading data and compiling, when the address is malformed or the port is taken."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ListenError(f"--listen must be HOST:PORT (got '{listen}')")
+    if int(port) == 0:
+        return
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]") or "0.0.0.0", int(port)))
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {listen}: {exc.strerror}") from None
+
+
 def serve(cfg: RunConfig, run_dir: Path, listen: str, progress: bool = True, linger_s: float = 15.0) -> dict[str, Any]:
+    check_listen(listen)
     secrets = island_secrets(cfg)
     rd = RunDir(run_dir, cfg)
     coordinator = Coordinator(cfg, rd, build_setup(cfg))
