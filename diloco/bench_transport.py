@@ -2,22 +2,27 @@
 
 Measures what the DESIGN.md cost model assumes of the wire (``T_comm = bytes / bandwidth + RTT``):
 
-* ``unshaped_gbps``: payload bytes / wall time of one `GrpcTransport.push` of ``payload_mb`` MiB of fp32
+* ``unshaped_gbps``: payload bytes / wall time of a `GrpcTransport.push` of ``payload_mb`` MiB of fp32
   tensors (``tensor_mb`` MiB each, like a model's weight matrices) over loopback, including chunking, both
-  blake2b digests, reassembly and the server's full validation (decode + finiteness). GB = 1e9 bytes.
+  blake2b digests, reassembly and the server's full validation (decode + finiteness). GB = 1e9 bytes. The
+  median of ``repeats`` pushes after one full-size warm-up push: the steady state of a coordinator that
+  receives a same-sized push every round (``unshaped_first_gbps`` is the first, cold one: fresh receive
+  buffer). Next to it, the CPU seconds each side spent per push (median) and the 1-minute load average,
+  because on a shared machine the figure is bounded by the CPU the two processes get, not by the wire.
 * ``shaped_fraction``: achieved bits/s / configured bits/s for a ``shaped_mb`` MiB push through a
   `LinkShaper` at ``shaped_mbps`` Mbit/s (1e6 bits/s), latency 0.
 * ``peak_rss_mb``: ``ru_maxrss`` of the receiving server process after a ``rss_payload_mb`` MiB push. The
   server runs in its own process (``multiprocessing`` spawn) so the figure is the receiver alone; it is
   reported next to the bound ``2 x payload + 200 MiB`` and the process's RSS before receiving (imports).
 
-Run: ``python -m diloco.bench_transport [payload_mb=256 shaped_mbps=50 ...]`` (or ``diloco bench transport``).
+Run: ``python -m diloco.bench_transport [payload_mb=256 shaped_mbps=50 repeats=3 ...]`` (or ``diloco bench transport``).
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import resource
 import sys
 import time
@@ -38,7 +43,7 @@ RUN_ID = "bench-transport"
 
 
 class _SinkHandler:
-    """Accepts every validated push and drops it; reports its process's memory in `status`."""
+    """Accepts every validated push and drops it; reports its process's memory and CPU time in `status`."""
 
     def join(self, req: pb.JoinRequest) -> pb.JoinReply:
         return pb.JoinReply(run_id=RUN_ID)
@@ -64,8 +69,14 @@ class _SinkHandler:
         maxrss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         with open("/proc/self/statm") as f:
             rss_mb = int(f.read().split()[1]) * resource.getpagesize() / MIB
-        detail = json.dumps({"maxrss_mb": maxrss_mb, "rss_mb": rss_mb})
+        detail = json.dumps({"maxrss_mb": maxrss_mb, "rss_mb": rss_mb, "cpu_s": _cpu_s()})
         return pb.StatusReply(run_id=RUN_ID, detail_json=detail)
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far (all threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _layout(nbytes: int, tensor_bytes: int) -> list[int]:
@@ -135,31 +146,44 @@ def run_transport_bench(
     shaped_mb: int = 20,
     rss_payload_mb: int = 512,
     tensor_mb: int = 4,
+    repeats: int = 3,
 ) -> dict[str, Any]:
     """Run the three measurements; return the figures (see the module docstring)."""
     sizes = {"payload_mb": payload_mb, "shaped_mb": shaped_mb, "rss_payload_mb": rss_payload_mb}
-    for key, value in {**sizes, "tensor_mb": tensor_mb, "shaped_mbps": shaped_mbps}.items():
+    for key, value in {**sizes, "tensor_mb": tensor_mb, "shaped_mbps": shaped_mbps, "repeats": repeats}.items():
         if not value > 0:
             raise ValueError(f"bench transport: {key} must be > 0 (got {value})")
     tensor_bytes = int(tensor_mb * MIB)
     big, small, rss = (_layout(int(sizes[k] * MIB), tensor_bytes) for k in sizes)
     config = TransportConfig(max_payload_mb=max(payload_mb, rss_payload_mb) + 1, rpc_timeout_s=600)
-    result: dict[str, Any] = {**sizes, "shaped_mbps": shaped_mbps, "tensor_mb": tensor_mb}
+    result: dict[str, Any] = {**sizes, "shaped_mbps": shaped_mbps, "tensor_mb": tensor_mb, "repeats": repeats}
 
-    server = _ServerProcess([big, small, small], config)  # fragments: 0 timed, 1 warm-up, 2 shaped
+    # Fragments: 0 .. repeats timed (0 also warms up channel, threads and buffers), then one shaped push.
+    # Each push is its own fragment, hence its own idempotency key (no dedup shortcut).
+    server = _ServerProcess([big] * (repeats + 1) + [small], config)
     try:
+        seconds, client_cpu, server_cpu = [], [], []
         with GrpcTransport(server.address, "bench", config=config) as client:
-            _push(client, 1, _payload(small, seed=1))  # warm-up: channel, threads, code paths
             payload = _payload(big, seed=0)
-            seconds = _push(client, 0, payload)
+            for fragment in range(repeats + 1):
+                cpu0, server0 = _cpu_s(), server.memory(client)["cpu_s"]
+                seconds.append(_push(client, fragment, payload))
+                client_cpu.append(_cpu_s() - cpu0)
+                server_cpu.append(server.memory(client)["cpu_s"] - server0)
             del payload
-        result["unshaped_s"] = seconds
-        result["unshaped_gbps"] = payload_mb * MIB / seconds / 1e9
+        steady = seconds[1:]
+        result["unshaped_first_gbps"] = payload_mb * MIB / seconds[0] / 1e9
+        result["unshaped_all_s"] = seconds
+        result["unshaped_s"] = float(np.median(steady))
+        result["unshaped_gbps"] = payload_mb * MIB / result["unshaped_s"] / 1e9
+        result["unshaped_client_cpu_s"] = float(np.median(client_cpu[1:]))
+        result["unshaped_server_cpu_s"] = float(np.median(server_cpu[1:]))
+        result["load_average_1m"] = os.getloadavg()[0]
         shaper = LinkShaper(LinkProfile(up_mbps=shaped_mbps, down_mbps=shaped_mbps), seed=0)
         with GrpcTransport(server.address, "bench", config=config, shaper=shaper) as client:
-            seconds = _push(client, 2, _payload(small, seed=2))
-        result["shaped_s"] = seconds
-        result["shaped_achieved_mbps"] = shaped_mb * MIB * 8 / seconds / 1e6
+            shaped_s = _push(client, repeats + 1, _payload(small, seed=2))
+        result["shaped_s"] = shaped_s
+        result["shaped_achieved_mbps"] = shaped_mb * MIB * 8 / shaped_s / 1e6
         result["shaped_fraction"] = result["shaped_achieved_mbps"] / shaped_mbps
     finally:
         server.stop()

@@ -1,4 +1,5 @@
-"""Chunking and reassembly: byte-exact round trips, and every malformed stream refused with a reason."""
+"""Chunking and reassembly: byte-exact round trips, the digest trailer, buffer reuse, and every malformed stream
+refused with a reason."""
 
 import grpc
 import numpy as np
@@ -6,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.chunking import Reassembler, build_header, iter_chunk_data, payload_digest
+from transport.chunking import (
+    BufferPool,
+    Reassembler,
+    build_header,
+    iter_chunk_data,
+    iter_trailed_views,
+    payload_digest,
+)
 from transport.errors import Rejected
 from transport.tensors import WireTensor
 
@@ -22,10 +30,15 @@ def tensors_of(sizes: list[int], seed: int = 0) -> list[WireTensor]:
     return out
 
 
+def trailed(tensors, chunk: int) -> list[tuple[int, bytes, bytes]]:
+    """(index, data, digest trailer) of each chunk, as the wire carries them."""
+    return [(i, b"".join(p), d) for i, (p, d) in enumerate(iter_trailed_views(tensors, chunk))]
+
+
 def reassemble(header, chunks, max_bytes: int = 1 << 30):
     r = Reassembler(header, max_bytes, 1000, CODECS)
-    for i, data in chunks:
-        r.add(i, data)
+    for i, data, digest in chunks:
+        r.add(i, data, digest)
     return r.finish()
 
 
@@ -37,7 +50,10 @@ def test_round_trip_any_sizes_and_chunk_sizes(sizes, chunk):
     pieces = list(iter_chunk_data(tensors, chunk))
     assert len(pieces) == header.chunk_count
     assert all(len(p) == chunk for p in pieces[:-1])
-    out = reassemble(header, enumerate(pieces))
+    chunks = trailed(tensors, chunk)
+    assert [c[1] for c in chunks] == pieces
+    assert [c[2] for c in chunks] == [b""] * (len(pieces) - 1) + [payload_digest(tensors)]
+    out = reassemble(header, chunks)
     assert [bytes(t.payload) for t in out] == [t.payload for t in tensors]
     assert [t.name for t in out] == [t.name for t in tensors]
 
@@ -45,7 +61,7 @@ def test_round_trip_any_sizes_and_chunk_sizes(sizes, chunk):
 def test_received_payloads_are_views_of_one_buffer():
     tensors = tensors_of([1000, 3000, 17])
     header = build_header(tensors, 1024)
-    out = reassemble(header, enumerate(iter_chunk_data(tensors, 1024)))
+    out = reassemble(header, trailed(tensors, 1024))
     bases = {id(memoryview(t.payload).obj) for t in out}
     assert len(bases) == 1, "payloads must be zero-copy slices of the single reassembly buffer"
 
@@ -60,7 +76,7 @@ def rejected(header, chunks, max_bytes: int = 1 << 30) -> Rejected:
 def stream():
     tensors = tensors_of([600, 500])
     header = build_header(tensors, 1000)
-    return header, list(enumerate(iter_chunk_data(tensors, 1000)))
+    return header, trailed(tensors, 1000)
 
 
 def test_reordered_duplicated_truncated_overflowing(stream):
@@ -70,18 +86,32 @@ def test_reordered_duplicated_truncated_overflowing(stream):
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "out of order" in err.reason
     assert "out of order" in rejected(header, [chunks[0], chunks[0]] + chunks[1:]).reason
     assert "ended after 4 of 5" in rejected(header, chunks[:-1]).reason
-    extra = chunks + [(5, b"x")]
+    extra = chunks + [(5, b"x", b"")]
     assert "beyond the declared chunk_count" in rejected(header, extra).reason
-    big_last = chunks[:-1] + [(4, chunks[-1][1] + b"xx")]
+    i, data, digest = chunks[-1]
+    big_last = chunks[:-1] + [(i, data + b"xx", digest)]
     assert "overflows" in rejected(header, big_last).reason
+
+
+def test_digest_trailer_only_on_the_last_chunk(stream):
+    header, chunks = stream
+    i, data, digest = chunks[-1]
+    err = rejected(header, chunks[:-1] + [(i, data, b"")])
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "last chunk must carry the payload digest" in err.reason
+    assert "32 bytes" in rejected(header, chunks[:-1] + [(i, data, b"short")]).reason
+    early = [chunks[0], (1, chunks[1][1], digest), *chunks[2:]]
+    assert "only the last chunk" in rejected(header, early).reason
 
 
 def test_digest_mismatch(stream):
     header, chunks = stream
-    i, data = chunks[2]
+    i, data, digest = chunks[2]
     flipped = bytes([data[0] ^ 1]) + data[1:]
-    err = rejected(header, chunks[:2] + [(i, flipped)] + chunks[3:])
+    err = rejected(header, chunks[:2] + [(i, flipped, digest)] + chunks[3:])
     assert err.reason == "payload digest mismatch"
+    i, data, digest = chunks[-1]
+    forged = bytes([digest[0] ^ 1]) + digest[1:]
+    assert rejected(header, chunks[:-1] + [(i, data, forged)]).reason == "payload digest mismatch"
 
 
 def test_oversized_declaration_is_resource_exhausted_before_allocation(stream):
@@ -95,7 +125,6 @@ def test_oversized_declaration_is_resource_exhausted_before_allocation(stream):
 @pytest.mark.parametrize(
     "mutate, words",
     [
-        (lambda h: setattr(h, "digest", b"short"), "32 bytes"),
         (lambda h: setattr(h.tensors[0], "nbytes", h.tensors[0].nbytes + 4), "sum to"),
         (lambda h: setattr(h, "chunk_count", 0), "impossible"),
         (lambda h: setattr(h.tensors[1], "name", "t0"), "twice"),
@@ -114,8 +143,9 @@ def test_empty_payload_still_has_one_chunk():
     tensors = [WireTensor("e", "fp32", "float32", (0,), 0, 0, b"")]
     header = build_header(tensors, 1024)
     assert header.chunk_count == 1 and header.total_bytes == 0
-    assert header.digest == payload_digest(tensors)
-    out = reassemble(header, enumerate(iter_chunk_data(tensors, 1024)))
+    chunks = trailed(tensors, 1024)
+    assert chunks == [(0, b"", payload_digest(tensors))]
+    out = reassemble(header, chunks)
     assert bytes(out[0].payload) == b""
 
 
@@ -124,27 +154,34 @@ def test_tensors_complete_progressively():
     header = build_header(tensors, 1000)
     r = Reassembler(header, 1 << 20, 100, CODECS)
     seen = []
-    for i, data in enumerate(iter_chunk_data(tensors, 1000)):
-        r.add(i, data)
+    for i, data, digest in trailed(tensors, 1000):
+        r.add(i, data, digest)
         seen.append([t.name for t in r.take_completed()])
     assert seen == [[], ["t0", "t1"], [], [], ["t2"]]
     assert [bytes(t.payload) for t in r.finish()] == [t.payload for t in tensors]
 
 
 @settings(max_examples=40, deadline=None)
-@given(index=st.integers(0, 2**32 - 1), data=st.binary(max_size=300), split=st.integers(0, 300))
-def test_wire_fast_path_matches_protobuf(index, data, split):
+@given(
+    index=st.integers(0, 2**32 - 1),
+    data=st.binary(max_size=300),
+    split=st.integers(0, 300),
+    digest=st.sampled_from([b"", bytes(range(32))]),
+)
+def test_wire_fast_path_matches_protobuf(index, data, split, digest):
     from transport import diloco_pb2 as pb
     from transport.wire import encode_data_chunk, parse_pull_chunk, parse_push_chunk
 
     pieces = (memoryview(data)[:split], memoryview(data)[split:])
-    raw = encode_data_chunk(4, index, *pieces)
-    assert raw == pb.PushChunk(index=index, data=data).SerializeToString()
+    raw = encode_data_chunk(4, index, *pieces, digest=digest)
+    assert raw == pb.PushChunk(index=index, data=data, digest=digest).SerializeToString()
     parsed = parse_push_chunk(raw)
     assert parsed.index == index and bytes(parsed.data) == data and not parsed.HasField("header")
-    raw = encode_data_chunk(3, index, *pieces)
-    assert raw == pb.PullChunk(index=index, data=data).SerializeToString()
-    assert bytes(parse_pull_chunk(raw).data) == data
+    assert parsed.digest == digest
+    raw = encode_data_chunk(3, index, *pieces, digest=digest)
+    assert raw == pb.PullChunk(index=index, data=data, digest=digest).SerializeToString()
+    parsed = parse_pull_chunk(raw)
+    assert bytes(parsed.data) == data and parsed.digest == digest
 
 
 def test_wire_falls_back_to_protobuf_for_anything_else():
@@ -174,3 +211,49 @@ def test_wire_chunks_equal_message_chunks():
     assert [w if isinstance(w, bytes) else w.SerializeToString() for w in wire] == [
         m.SerializeToString() for m in messages
     ]
+
+
+def test_large_payload_digest_is_hashed_in_the_background_and_matches():
+    from transport.chunking import BACKGROUND_MIN_BYTES
+
+    tensors = tensors_of([BACKGROUND_MIN_BYTES // 4 + 3, 5])  # above the threshold: the helper-thread path
+    chunks = list(iter_trailed_views(tensors, 1 << 20))
+    assert [d for _, d in chunks[:-1]] == [b""] * (len(chunks) - 1)
+    assert chunks[-1][1] == payload_digest(tensors)
+    abandoned = iter_trailed_views(tensors, 1 << 20)
+    next(abandoned)
+    abandoned.close()  # a stream given up half-way stops its hashing thread (no hang, no error)
+
+
+def test_buffer_pool_reuses_only_unreferenced_buffers():
+    import numpy as np
+
+    pool = BufferPool(keep=3, min_bytes=64)
+    first = pool.acquire(1000)
+    first_id = id(first)
+    del first
+    again = pool.acquire(900)
+    assert id(again) == first_id, "a buffer nobody refers to is reused"
+    array = np.frombuffer(memoryview(again)[:8], np.uint8)  # a tensor still alive in the coordinator
+    del again
+    other = pool.acquire(1000)
+    assert id(other) != first_id, "a buffer under a live array must never be reused"
+    assert len(pool.acquire(400)) == 400, "a buffer more than twice the request is not handed out"
+    del array
+    assert id(pool.acquire(1000)) == first_id
+    assert len(pool.acquire(10)) == 10  # small requests bypass the pool
+
+
+def test_reassembly_into_a_reused_larger_buffer_exposes_only_this_stream():
+    pool = BufferPool(keep=1, min_bytes=64)
+    stale = pool.acquire(5000)
+    stale[:] = b"\xff" * 5000
+    del stale
+    tensors = tensors_of([600, 500])
+    header = build_header(tensors, 1000)
+    r = Reassembler(header, 1 << 20, 100, CODECS, pool=pool)
+    for i, data, digest in trailed(tensors, 1000):
+        r.add(i, data, digest)
+    out = r.finish()
+    assert [bytes(t.payload) for t in out] == [t.payload for t in tensors]
+    assert len(memoryview(out[0].payload).obj) == 5000  # the pooled buffer, sliced to this payload

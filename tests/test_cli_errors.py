@@ -76,3 +76,72 @@ def test_console_exit_code_and_single_line(tmp_path: Path) -> None:
     out = run_cli("simulate", str(tmp_path / "missing.toml"))
     assert out.returncode == 2
     assert out.stderr.strip() == f"diloco: error: config file '{tmp_path / 'missing.toml'}' does not exist"
+
+
+# -- federation: bad addresses, ports, names, configs ------------------------------------------------------------
+
+
+def test_island_name_not_in_config(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fails(capsys, ["island", str(tiny_config), "--name", "mars", "--coordinator", "127.0.0.1:1"],
+           "island 'mars' is not in the config's islands.names (island-0, island-1)")  # fmt: skip
+
+
+def test_port_already_in_use(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _fails(capsys, ["coordinator", str(tiny_config), "--listen", f"127.0.0.1:{port}", "--run-dir", str(tmp_path / "c")],
+               f"cannot listen on 127.0.0.1:{port}: Address already in use")  # fmt: skip
+
+
+def test_bad_listen_address(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fails(capsys, ["coordinator", str(tiny_config), "--listen", "localhost"], "--listen must be HOST:PORT")
+
+
+@pytest.mark.slow
+def test_coordinator_that_does_not_answer(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fails(
+        capsys,
+        ["island", str(tiny_config), "--name", "island-0", "--coordinator", "127.0.0.1:1", "--no-supervise",
+         "--run-dir", str(tmp_path / "i"), "network.connect_timeout_s=1", "transport.max_attempts=1"],
+        "join 127.0.0.1:1: coordinator did not answer for 1s",
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_config_that_differs_from_the_coordinators(tiny_config: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO, child_env
+
+    run_dir = tmp_path / "coord"
+    coord = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "coordinator", str(tiny_config), "--listen", "127.0.0.1:0",
+         "--run-dir", str(run_dir), "--quiet"],
+        env=child_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "coordinator.addr").exists():
+            assert coord.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        address = (run_dir / "coordinator.addr").read_text()
+        out = run_cli("island", str(tiny_config), "--name", "island-0", "--coordinator", address, "--no-supervise",
+                      "--run-dir", str(tmp_path / "i"), "outer.lr=0.5", "train.rounds=9")  # fmt: skip
+        assert out.returncode == 2
+        assert out.stderr.strip() == (
+            "diloco: error: FAILED_PRECONDITION: island island-0's config differs from the coordinator's in: "
+            "outer.lr, train.rounds; start both from one config"
+        )
+        # ... and the coordinator counted the refusal
+        status = run_cli("status", address, "--json")
+        assert status.returncode == 0 and '"rejected": 1' in status.stdout
+    finally:
+        coord.kill()
+        coord.wait()

@@ -119,9 +119,9 @@ def mutated(kind: str, draw_bytes: bytes, value: float):
         return "push", chunks_of(meta, [fp32_tensor("b", a), tensors[1]]), md
     if kind == "digest":
         chunks = chunks_of(meta, tensors)
-        d = bytearray(chunks[0].header.digest)
+        d = bytearray(chunks[-1].digest)  # the trailer on the last chunk
         d[len(draw_bytes) % 32] ^= 1 + (draw_bytes[0] if draw_bytes else 0) % 255
-        chunks[0].header.digest = bytes(d)
+        chunks[-1].digest = bytes(d)
         return "push", chunks, md
     if kind == "truncate":
         return "push", chunks_of(meta, tensors)[:-1], md

@@ -16,7 +16,7 @@ import grpc
 import tenacity
 
 from transport import diloco_pb2 as pb
-from transport.chunking import Reassembler, build_header, check_header, iter_chunk_data, iter_chunk_views
+from transport.chunking import Reassembler, build_header, check_header, iter_trailed_views
 from transport.config import TransportConfig
 from transport.errors import Rejected, TransportError
 from transport.handler import PB_TO_KIND, PullPayload
@@ -39,15 +39,17 @@ def link_down_error(e: BaseException) -> TransportError:
 def push_chunks(
     meta: pb.PushMeta, tensors: Sequence[EncodedTensorLike], chunk_bytes: int, shaper: Any | None = None
 ) -> Iterator[pb.PushChunk]:
-    """The chunks of one push as messages: meta + header on the first; each pays its link time first."""
+    """The chunks of one push as messages: meta + header on the first, the digest trailer on the last; each
+    pays its link time first."""
     header = build_header(tensors, chunk_bytes)
-    for i, data in enumerate(iter_chunk_data(tensors, chunk_bytes)):
+    for i, (pieces, digest) in enumerate(iter_trailed_views(tensors, chunk_bytes)):
+        data = b"".join(pieces)
         if shaper is not None:
             shaper.transmit(len(data), "up")
         if i == 0:
-            yield pb.PushChunk(index=0, meta=meta, header=header, data=data)
+            yield pb.PushChunk(index=0, meta=meta, header=header, data=data, digest=digest)
         else:
-            yield pb.PushChunk(index=i, data=data)
+            yield pb.PushChunk(index=i, data=data, digest=digest)
 
 
 def push_wire_chunks(
@@ -59,16 +61,17 @@ def push_wire_chunks(
 ) -> Iterator[pb.PushChunk | bytes]:
     """Same chunks as `push_chunks`, but every chunk after the first already serialized (one copy each).
 
-    Pass ``header`` (from `build_header`) to reuse its digest across retries of the same push.
+    The payload is hashed chunk by chunk as the chunks are pulled by the wire (``iter_trailed_views``), so
+    the first byte goes out at once. ``header`` (from `build_header`) may be passed to reuse it across retries.
     """
     header = header if header is not None else build_header(tensors, chunk_bytes)
-    for i, pieces in enumerate(iter_chunk_views(tensors, chunk_bytes)):
+    for i, (pieces, digest) in enumerate(iter_trailed_views(tensors, chunk_bytes)):
         if shaper is not None:
             shaper.transmit(sum(p.nbytes for p in pieces), "up")
         if i == 0:
-            yield pb.PushChunk(index=0, meta=meta, header=header, data=b"".join(pieces))
+            yield pb.PushChunk(index=0, meta=meta, header=header, data=b"".join(pieces), digest=digest)
         else:
-            yield encode_data_chunk(PUSH_DATA_FIELD, i, *pieces)
+            yield encode_data_chunk(PUSH_DATA_FIELD, i, *pieces, digest=digest)
 
 
 def receive_pull(chunks: Iterable[Any], config: TransportConfig, shaper: Any | None = None) -> PullPayload:
@@ -91,7 +94,7 @@ def receive_pull(chunks: Iterable[Any], config: TransportConfig, shaper: Any | N
             shaper.transmit(len(chunk.data), "down")
         if chunk is not first and chunk.HasField("header"):
             raise Rejected(grpc.StatusCode.DATA_LOSS, f"pull chunk {chunk.index} repeats the header")
-        buf.add(chunk.index, chunk.data)
+        buf.add(chunk.index, chunk.data, chunk.digest)
         chunk = next(it, None)
     tensors = buf.finish()
     return PullPayload(

@@ -24,49 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64iloco.proto\x12\tdiloco.v1\"\x7f\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nzstd_level\x18\x06 \x01(\x05\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\"q\n\rPayloadHeader\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.diloco.v1.TensorMeta\x12\x13\n\x0b\x63hunk_count\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"i\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x15\n\rconfig_digest\x18\x03 \x01(\x0c\x12\x12\n\nlast_round\x18\x04 \x01(\x03\x12\x0f\n\x07\x64\x65vices\x18\x05 \x01(\r\"u\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x19\n\x11needs_full_params\x18\x04 \x01(\x08\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"O\n\x10HeartbeatRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\"?\n\x0eHeartbeatReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\r\n\x05state\x18\x03 \x01(\t\">\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x18\n\nLeaveReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"\x85\x01\n\x08PushMeta\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x04 \x01(\r\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x13\n\x0binner_steps\x18\x06 \x01(\x04\x12\x13\n\x0b\x62\x61se_digest\x18\x07 \x01(\x0c\"u\n\tPushChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12!\n\x04meta\x18\x02 \x01(\x0b\x32\x13.diloco.v1.PushMeta\x12(\n\x06header\x18\x03 \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"L\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"a\n\x0bPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x12\n\nhave_round\x18\x03 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x04 \x01(\r\x12\x0c\n\x04\x66ull\x18\x05 \x01(\x08\"\xa1\x01\n\nPullHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12!\n\x04kind\x18\x04 \x01(\x0e\x32\x13.diloco.v1.PullKind\x12\x14\n\x0cparam_digest\x18\x05 \x01(\x0c\x12)\n\x07payload\x18\x06 \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\"O\n\tPullChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12%\n\x06header\x18\x02 \x01(\x0b\x32\x15.diloco.v1.PullHeader\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0f\n\rStatusRequest\"O\n\x0cIslandStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\r\n\x05state\x18\x04 \x01(\t\"z\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\t\x12(\n\x07islands\x18\x04 \x03(\x0b\x32\x17.diloco.v1.IslandStatus\x12\x13\n\x0b\x64\x65tail_json\x18\x05 \x01(\t*O\n\x08PullKind\x12\x19\n\x15PULL_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10PULL_KIND_UPDATE\x10\x01\x12\x12\n\x0ePULL_KIND_FULL\x10\x02\x32\xf6\x02\n\x06\x44iloco\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12\x43\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x19.diloco.v1.HeartbeatReply\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReply\x12>\n\x0ePushPseudoGrad\x12\x14.diloco.v1.PushChunk\x1a\x14.diloco.v1.PushReply(\x01\x12<\n\nPullGlobal\x12\x16.diloco.v1.PullRequest\x1a\x14.diloco.v1.PullChunk0\x01\x12:\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x16.diloco.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64iloco.proto\x12\tdiloco.v1\"\x7f\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nzstd_level\x18\x06 \x01(\x05\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\"o\n\rPayloadHeader\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.diloco.v1.TensorMeta\x12\x13\n\x0b\x63hunk_count\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04J\x04\x08\x04\x10\x05R\x06\x64igest\"~\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x15\n\rconfig_digest\x18\x03 \x01(\x0c\x12\x12\n\nlast_round\x18\x04 \x01(\x03\x12\x0f\n\x07\x64\x65vices\x18\x05 \x01(\r\x12\x13\n\x0b\x63onfig_json\x18\x06 \x01(\t\"u\n\tJoinReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x19\n\x11needs_full_params\x18\x04 \x01(\x08\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"O\n\x10HeartbeatRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x04\"?\n\x0eHeartbeatReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\r\n\x05state\x18\x03 \x01(\t\">\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x18\n\nLeaveReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"\xb6\x01\n\x08PushMeta\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x04 \x01(\r\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\x13\n\x0binner_steps\x18\x06 \x01(\x04\x12\x13\n\x0b\x62\x61se_digest\x18\x07 \x01(\x0c\x12\x0c\n\x04loss\x18\x08 \x01(\x02\x12\x11\n\tcompute_s\x18\t \x01(\x01\x12\x0e\n\x06wall_s\x18\n \x01(\x01\"\x85\x01\n\tPushChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12!\n\x04meta\x18\x02 \x01(\x0b\x32\x13.diloco.v1.PushMeta\x12(\n\x06header\x18\x03 \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06\x64igest\x18\x05 \x01(\x0c\"L\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"a\n\x0bPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x12\n\nhave_round\x18\x03 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x04 \x01(\r\x12\x0c\n\x04\x66ull\x18\x05 \x01(\x08\"\xa1\x01\n\nPullHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12!\n\x04kind\x18\x04 \x01(\x0e\x32\x13.diloco.v1.PullKind\x12\x14\n\x0cparam_digest\x18\x05 \x01(\x0c\x12)\n\x07payload\x18\x06 \x01(\x0b\x32\x18.diloco.v1.PayloadHeader\"_\n\tPullChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12%\n\x06header\x18\x02 \x01(\x0b\x32\x15.diloco.v1.PullHeader\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"\x0f\n\rStatusRequest\"O\n\x0cIslandStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\r\n\x05state\x18\x04 \x01(\t\"z\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\t\x12(\n\x07islands\x18\x04 \x03(\x0b\x32\x17.diloco.v1.IslandStatus\x12\x13\n\x0b\x64\x65tail_json\x18\x05 \x01(\t*O\n\x08PullKind\x12\x19\n\x15PULL_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10PULL_KIND_UPDATE\x10\x01\x12\x12\n\x0ePULL_KIND_FULL\x10\x02\x32\xf6\x02\n\x06\x44iloco\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12\x43\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x19.diloco.v1.HeartbeatReply\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReply\x12>\n\x0ePushPseudoGrad\x12\x14.diloco.v1.PushChunk\x1a\x14.diloco.v1.PushReply(\x01\x12<\n\nPullGlobal\x12\x16.diloco.v1.PullRequest\x1a\x14.diloco.v1.PullChunk0\x01\x12:\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x16.diloco.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diloco_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PULLKIND']._serialized_start=1632
-  _globals['_PULLKIND']._serialized_end=1711
+  _globals['_PULLKIND']._serialized_start=1733
+  _globals['_PULLKIND']._serialized_end=1812
   _globals['_TENSORMETA']._serialized_start=27
   _globals['_TENSORMETA']._serialized_end=154
   _globals['_PAYLOADHEADER']._serialized_start=156
-  _globals['_PAYLOADHEADER']._serialized_end=269
-  _globals['_JOINREQUEST']._serialized_start=271
-  _globals['_JOINREQUEST']._serialized_end=376
-  _globals['_JOINREPLY']._serialized_start=378
-  _globals['_JOINREPLY']._serialized_end=495
-  _globals['_HEARTBEATREQUEST']._serialized_start=497
-  _globals['_HEARTBEATREQUEST']._serialized_end=576
-  _globals['_HEARTBEATREPLY']._serialized_start=578
-  _globals['_HEARTBEATREPLY']._serialized_end=641
-  _globals['_LEAVEREQUEST']._serialized_start=643
-  _globals['_LEAVEREQUEST']._serialized_end=705
-  _globals['_LEAVEREPLY']._serialized_start=707
-  _globals['_LEAVEREPLY']._serialized_end=731
-  _globals['_PUSHMETA']._serialized_start=734
-  _globals['_PUSHMETA']._serialized_end=867
-  _globals['_PUSHCHUNK']._serialized_start=869
-  _globals['_PUSHCHUNK']._serialized_end=986
-  _globals['_PUSHREPLY']._serialized_start=988
-  _globals['_PUSHREPLY']._serialized_end=1064
-  _globals['_PULLREQUEST']._serialized_start=1066
-  _globals['_PULLREQUEST']._serialized_end=1163
-  _globals['_PULLHEADER']._serialized_start=1166
-  _globals['_PULLHEADER']._serialized_end=1327
-  _globals['_PULLCHUNK']._serialized_start=1329
-  _globals['_PULLCHUNK']._serialized_end=1408
-  _globals['_STATUSREQUEST']._serialized_start=1410
-  _globals['_STATUSREQUEST']._serialized_end=1425
-  _globals['_ISLANDSTATUS']._serialized_start=1427
-  _globals['_ISLANDSTATUS']._serialized_end=1506
-  _globals['_STATUSREPLY']._serialized_start=1508
-  _globals['_STATUSREPLY']._serialized_end=1630
-  _globals['_DILOCO']._serialized_start=1714
-  _globals['_DILOCO']._serialized_end=2088
+  _globals['_PAYLOADHEADER']._serialized_end=267
+  _globals['_JOINREQUEST']._serialized_start=269
+  _globals['_JOINREQUEST']._serialized_end=395
+  _globals['_JOINREPLY']._serialized_start=397
+  _globals['_JOINREPLY']._serialized_end=514
+  _globals['_HEARTBEATREQUEST']._serialized_start=516
+  _globals['_HEARTBEATREQUEST']._serialized_end=595
+  _globals['_HEARTBEATREPLY']._serialized_start=597
+  _globals['_HEARTBEATREPLY']._serialized_end=660
+  _globals['_LEAVEREQUEST']._serialized_start=662
+  _globals['_LEAVEREQUEST']._serialized_end=724
+  _globals['_LEAVEREPLY']._serialized_start=726
+  _globals['_LEAVEREPLY']._serialized_end=750
+  _globals['_PUSHMETA']._serialized_start=753
+  _globals['_PUSHMETA']._serialized_end=935
+  _globals['_PUSHCHUNK']._serialized_start=938
+  _globals['_PUSHCHUNK']._serialized_end=1071
+  _globals['_PUSHREPLY']._serialized_start=1073
+  _globals['_PUSHREPLY']._serialized_end=1149
+  _globals['_PULLREQUEST']._serialized_start=1151
+  _globals['_PULLREQUEST']._serialized_end=1248
+  _globals['_PULLHEADER']._serialized_start=1251
+  _globals['_PULLHEADER']._serialized_end=1412
+  _globals['_PULLCHUNK']._serialized_start=1414
+  _globals['_PULLCHUNK']._serialized_end=1509
+  _globals['_STATUSREQUEST']._serialized_start=1511
+  _globals['_STATUSREQUEST']._serialized_end=1526
+  _globals['_ISLANDSTATUS']._serialized_start=1528
+  _globals['_ISLANDSTATUS']._serialized_end=1607
+  _globals['_STATUSREPLY']._serialized_start=1609
+  _globals['_STATUSREPLY']._serialized_end=1731
+  _globals['_DILOCO']._serialized_start=1815
+  _globals['_DILOCO']._serialized_end=2189
 # @@protoc_insertion_point(module_scope)

@@ -35,30 +35,30 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., codec: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., zstd_level: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
-    __slots__ = ("tensors", "chunk_count", "total_bytes", "digest")
+    __slots__ = ("tensors", "chunk_count", "total_bytes")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    DIGEST_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     chunk_count: int
     total_bytes: int
-    digest: bytes
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., chunk_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., chunk_count: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "island", "config_digest", "last_round", "devices")
+    __slots__ = ("run_id", "island", "config_digest", "last_round", "devices", "config_json")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island: str
     config_digest: bytes
     last_round: int
     devices: int
-    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., config_digest: _Optional[bytes] = ..., last_round: _Optional[int] = ..., devices: _Optional[int] = ...) -> None: ...
+    config_json: str
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., config_digest: _Optional[bytes] = ..., last_round: _Optional[int] = ..., devices: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("run_id", "round", "lease_s", "needs_full_params", "state", "detail")
@@ -115,7 +115,7 @@ class LeaveReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
 
 class PushMeta(_message.Message):
-    __slots__ = ("run_id", "island", "round", "fragment", "tokens", "inner_steps", "base_digest")
+    __slots__ = ("run_id", "island", "round", "fragment", "tokens", "inner_steps", "base_digest", "loss", "compute_s", "wall_s")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,9 @@ class PushMeta(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island: str
     round: int
@@ -130,19 +133,24 @@ class PushMeta(_message.Message):
     tokens: int
     inner_steps: int
     base_digest: bytes
-    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., base_digest: _Optional[bytes] = ...) -> None: ...
+    loss: float
+    compute_s: float
+    wall_s: float
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., base_digest: _Optional[bytes] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., wall_s: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("index", "meta", "header", "data")
+    __slots__ = ("index", "meta", "header", "data", "digest")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     index: int
     meta: PushMeta
     header: PayloadHeader
     data: bytes
-    def __init__(self, index: _Optional[int] = ..., meta: _Optional[_Union[PushMeta, _Mapping]] = ..., header: _Optional[_Union[PayloadHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, index: _Optional[int] = ..., meta: _Optional[_Union[PushMeta, _Mapping]] = ..., header: _Optional[_Union[PayloadHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "round", "detail", "digest")
@@ -187,14 +195,16 @@ class PullHeader(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., kind: _Optional[_Union[PullKind, str]] = ..., param_digest: _Optional[bytes] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ...) -> None: ...
 
 class PullChunk(_message.Message):
-    __slots__ = ("index", "header", "data")
+    __slots__ = ("index", "header", "data", "digest")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     index: int
     header: PullHeader
     data: bytes
-    def __init__(self, index: _Optional[int] = ..., header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, index: _Optional[int] = ..., header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

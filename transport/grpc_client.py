@@ -127,7 +127,7 @@ class GrpcTransport:
     def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensorLike]) -> pb.PushReply:
         """Stream one pseudo-gradient; retried pushes are deduplicated by the server."""
         timeout = self.config.stream_deadline_s(push_size(tensors))
-        header = build_header(tensors, self.config.chunk_bytes)  # the digest pass, once for all attempts
+        header = build_header(tensors, self.config.chunk_bytes)  # metas only; the digest is hashed as it streams
 
         def once() -> pb.PushReply:
             link_failure: list[BaseException] = []

@@ -1,7 +1,7 @@
 """In-process transport: the gRPC client's API, calling a `DilocoService` directly.
 
 Used by ``diloco simulate`` and fast tests so the same coordinator and island code runs in one process. It
-still builds the same chunks (header, ~1 MiB pieces, digest), runs them through the same service checks
+still builds the same chunks (header, ~1 MiB pieces, digest trailer), runs them through the same service checks
 (credentials, validation, reassembly, idempotency), charges the same link shaper per message and per chunk,
 and retries the same way; only the sockets and protobuf serialisation are skipped.
 """
@@ -86,7 +86,7 @@ class InProcessTransport:
     def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensorLike]) -> pb.PushReply:
         """Push a pseudo-gradient through the same chunking and checks as over gRPC."""
 
-        header = build_header(tensors, self.config.chunk_bytes)  # the digest pass, once for all attempts
+        header = build_header(tensors, self.config.chunk_bytes)  # metas only; the digest is hashed as it streams
 
         def send() -> pb.PushReply:
             wire = push_wire_chunks(meta, tensors, self.config.chunk_bytes, self.shaper, header)

@@ -5,7 +5,9 @@ Both the gRPC servicer and the in-process transport run every message through th
 
 * a push is keyed by (island, round, fragment); the server remembers the digest and reply of each accepted
   push, so a retried duplicate (same digest) gets the same reply without reaching the handler again, and a
-  different payload for an already-accepted key is refused with ALREADY_EXISTS;
+  different payload for an already-accepted key is refused with ALREADY_EXISTS. The digest is the stream's
+  trailer (last chunk), so a duplicate is recognised once the whole stream is in; a key already accepted
+  skips the round check, so a retry after the round closed still gets its original reply;
 * checks that need only the first chunk (credentials, run id, island, round, tensor specs, declared sizes)
   run before any payload byte is buffered; digest, decode and finiteness run once the bytes are in.
 Every refusal is a `Rejected` (code + reason) and is reported through ``on_rejected(island, reason)``.
@@ -23,7 +25,7 @@ import numpy as np
 
 from transport import diloco_pb2 as pb
 from transport.auth import ISLAND_KEY, Authenticator
-from transport.chunking import Reassembler, build_header, check_header, iter_chunk_views
+from transport.chunking import Reassembler, build_header, check_header, iter_trailed_views
 from transport.config import TransportConfig
 from transport.errors import Rejected
 from transport.handler import KIND_TO_PB, CoordinatorHandler
@@ -159,12 +161,12 @@ class DilocoService:
         self._identify(metadata, meta.run_id, meta.island)
         key = (meta.island, meta.round, meta.fragment)
         with self._commit_lock:
-            cached = self._cached(key, header.digest)
-        if cached is not None:
-            # A retried duplicate of an accepted push: same answer, handler not called again.
-            return cached
+            seen = key in self._accepted
         check_push_meta(meta)
-        check_round(meta.round, self.handler.current_round(meta.fragment), self.max_staleness)
+        if not seen:
+            # A retry of an accepted push may come after its round closed; it is answered from the cache
+            # once its digest (the trailer) has arrived, so only a new key is held to the current round here.
+            check_round(meta.round, self.handler.current_round(meta.fragment), self.max_staleness)
         check_header(header, self.config.max_payload_bytes, self.config.max_tensors, self._codecs)
         if self.model_spec is not None:
             check_tensor_metas(header.tensors, spec_for(self.model_spec, meta.fragment))
@@ -175,7 +177,7 @@ class DilocoService:
         while chunk is not None:
             if chunk is not first and (chunk.HasField("meta") or chunk.HasField("header")):
                 raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunk.index} repeats the metadata")
-            buf.add(chunk.index, chunk.data)
+            buf.add(chunk.index, chunk.data, chunk.digest)
             # Decode each tensor as soon as its bytes are in, overlapping decode with the transfer. The
             # arrays are only used after `finish` has checked the digest of the whole payload.
             for t in buf.take_completed():
@@ -184,15 +186,16 @@ class DilocoService:
         tensors = buf.finish()
 
         with self._commit_lock:
-            cached = self._cached(key, header.digest)
+            cached = self._cached(key, buf.digest)
             if cached is not None:
+                # A retried duplicate of an accepted push: same answer, handler not called again.
                 return cached
             # The round may have closed while the bytes streamed in.
             check_round(meta.round, self.handler.current_round(meta.fragment), self.max_staleness)
             reply = self.handler.push(meta, tensors, arrays)
             if reply.accepted:
-                reply = pb.PushReply(accepted=True, round=reply.round, detail=reply.detail, digest=bytes(header.digest))
-                self._accepted[key] = (bytes(header.digest), reply)
+                reply = pb.PushReply(accepted=True, round=reply.round, detail=reply.detail, digest=buf.digest)
+                self._accepted[key] = (buf.digest, reply)
                 while len(self._accepted) > self.config.idempotency_cache:
                     self._accepted.popitem(last=False)
             return reply
@@ -226,9 +229,10 @@ class DilocoService:
 
 
 def _pull_chunks(header: pb.PullHeader, tensors: Iterable, chunk_bytes: int) -> Iterator[pb.PullChunk | bytes]:
-    """Header on the first chunk (a message); every later chunk pre-serialized (see ``transport.wire``)."""
-    for i, pieces in enumerate(iter_chunk_views(list(tensors), chunk_bytes)):
+    """Header on the first chunk (a message), digest trailer on the last, every chunk after the first
+    pre-serialized (see ``transport.wire``); the payload is hashed as it streams."""
+    for i, (pieces, digest) in enumerate(iter_trailed_views(list(tensors), chunk_bytes)):
         if i == 0:
-            yield pb.PullChunk(index=0, header=header, data=b"".join(pieces))
+            yield pb.PullChunk(index=0, header=header, data=b"".join(pieces), digest=digest)
         else:
-            yield encode_data_chunk(PULL_DATA_FIELD, i, *pieces)
+            yield encode_data_chunk(PULL_DATA_FIELD, i, *pieces, digest=digest)

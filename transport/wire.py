@@ -1,11 +1,12 @@
 """Hand-rolled protobuf wire encoding for the hot path: data-only chunks.
 
-A data chunk after the first is just ``index`` (varint, field 1) and ``data`` (bytes, field 4 in
-``PushChunk``, field 3 in ``PullChunk``). Building it through the protobuf runtime costs three 1 MiB copies
-per chunk on the sender and one extra on the receiver; encoding it directly costs one, and parsing it
-directly hands the receiver a zero-copy view of gRPC's buffer. The bytes are exactly what protobuf would
-produce (a test checks ``FromString`` agrees), and anything that is not a plain data chunk -- including every
-first chunk and every malformed message -- goes through the real protobuf parser.
+A data chunk after the first is just ``index`` (varint, field 1), ``data`` (bytes, field 4 in ``PushChunk``,
+field 3 in ``PullChunk``) and, on the last chunk only, the payload ``digest`` trailer (bytes, field 5 in
+``PushChunk``, field 4 in ``PullChunk``: always the field after ``data``). Building it through the protobuf
+runtime costs three 1 MiB copies per chunk on the sender and one extra on the receiver; encoding it directly
+costs one, and parsing it directly hands the receiver a zero-copy view of gRPC's buffer. The bytes are exactly
+what protobuf would produce (a test checks ``FromString`` agrees), and anything that is not a plain data
+chunk -- including every first chunk and every malformed message -- goes through the real protobuf parser.
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from transport import diloco_pb2 as pb
 PUSH_DATA_FIELD = 4
 PULL_DATA_FIELD = 3
 _INDEX_TAG = 0x08  # field 1, varint
+
+
+def _len_tag(field: int) -> int:
+    """Tag byte of a length-delimited field (fields 1-15 fit in one byte)."""
+    return field << 3 | 2
+
+
+def _digest_field(data_field: int) -> int:
+    """The trailer's field number: the one after ``data`` in both chunk messages."""
+    return data_field + 1
 
 
 def _varint(value: int) -> bytes:
@@ -45,16 +56,18 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     raise ValueError("truncated varint")
 
 
-def encode_data_chunk(data_field: int, index: int, *pieces: memoryview | bytes) -> bytes:
-    """Serialized ``{index, data}`` chunk (data = the pieces joined), identical to protobuf's output.
+def encode_data_chunk(data_field: int, index: int, *pieces: memoryview | bytes, digest: bytes = b"") -> bytes:
+    """Serialized ``{index, data, digest}`` chunk (data = the pieces joined), identical to protobuf's output.
 
-    One copy of the data: the final join.
+    ``digest`` is the payload trailer (last chunk only; empty otherwise). One copy of the data: the final join.
     """
     n = sum(memoryview(p).nbytes for p in pieces)
-    head = bytes([_INDEX_TAG]) + _varint(index) if index else b""  # proto3 omits default values
-    if n == 0:
-        return head
-    return b"".join((head, bytes([data_field << 3 | 2]), _varint(n), *pieces))
+    parts: list[bytes | memoryview] = [bytes([_INDEX_TAG]) + _varint(index)] if index else []  # proto3 omits 0
+    if n:
+        parts += [bytes([_len_tag(data_field)]), _varint(n), *pieces]
+    if digest:
+        parts += [bytes([_len_tag(_digest_field(data_field))]), _varint(len(digest)), digest]
+    return b"".join(parts)
 
 
 def serialize_chunk(message: Any) -> bytes:
@@ -68,6 +81,7 @@ class DataChunk:
 
     index: int
     data: memoryview
+    digest: bytes = b""
 
     def HasField(self, name: str) -> bool:  # noqa: N802 - mirrors the protobuf message API
         """Data chunks carry no message fields."""
@@ -80,14 +94,23 @@ def _fast_parse(raw: bytes, data_field: int) -> DataChunk | None:
     try:
         if len(buf) and buf[0] == _INDEX_TAG:
             index, pos = _read_varint(buf, 1)
-        if pos >= len(buf) or buf[pos] != (data_field << 3 | 2):
+        if pos >= len(buf) or buf[pos] != _len_tag(data_field):
             return None
         n, pos = _read_varint(buf, pos + 1)
+        end = pos + n
+        digest = b""
+        if end < len(buf):  # anything after the data must be exactly the digest trailer
+            if buf[end] != _len_tag(_digest_field(data_field)):
+                return None
+            m, start = _read_varint(buf, end + 1)
+            if start + m != len(buf):
+                return None
+            digest = bytes(buf[start:])
     except ValueError:
         return None
-    if index >= 1 << 32 or pos + n != len(buf):
+    if index >= 1 << 32 or end > len(buf):
         return None
-    return DataChunk(index, buf[pos:])
+    return DataChunk(index, buf[pos:end], digest)
 
 
 def chunk_parser(message: Any, data_field: int) -> Callable[[bytes], Any]:
