@@ -36,7 +36,7 @@ BACKGROUND_MIN_BYTES = 8 << 20
 _HASH_STEP = 1 << 20
 
 
-def new_hasher() -> "hashlib._Hash":
+def new_hasher() -> hashlib._Hash:
     """The payload digest: stdlib SHA-256 (32 bytes).
 
     Integrity, not identity, is what this digest is for, and SHA-256 runs on the CPU's SHA extensions: measured

@@ -133,9 +133,7 @@ class CodecSpec:
             raise CodecError(f"codec.block_size must be at most {MAX_BLOCK_SIZE} (got {bs})")
         lvl = self.zstd_level
         if isinstance(lvl, bool) or not isinstance(lvl, int) or not 0 <= lvl <= MAX_ZSTD_LEVEL:
-            raise CodecError(
-                f"codec.zstd_level must be an integer in 0..{MAX_ZSTD_LEVEL}, 0 = off (got {lvl!r})"
-            )
+            raise CodecError(f"codec.zstd_level must be an integer in 0..{MAX_ZSTD_LEVEL}, 0 = off (got {lvl!r})")
 
     @property
     def blockwise(self) -> bool:
@@ -548,9 +546,7 @@ def compress_with_feedback(
     target = np.asarray(x, dtype=np.float32)
     if residual is not None:
         if np.shape(residual) != target.shape:
-            raise CodecError(
-                f"tensor {name!r}: residual shape {np.shape(residual)} does not match {target.shape}"
-            )
+            raise CodecError(f"tensor {name!r}: residual shape {np.shape(residual)} does not match {target.shape}")
         target = target + np.asarray(residual, dtype=np.float32)
     encoded = encode(name, target, spec)
     decoded = decode(encoded)
