@@ -24,7 +24,6 @@ import json
 import multiprocessing as mp
 import os
 import resource
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -205,9 +204,3 @@ def run_transport_bench(
         "peak_rss<=2x+200MB": result["peak_rss_mb"] <= result["peak_rss_bound_mb"],
     }
     return result
-
-
-if __name__ == "__main__":
-    pairs = (arg.split("=", 1) for arg in sys.argv[1:])
-    kwargs = {k: float(v) if k == "shaped_mbps" else int(v) for k, v in pairs}
-    print(json.dumps(run_transport_bench(**kwargs), indent=2))

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     codec = bsub.add_parser("codec", help="pseudo-gradient codecs: ratio, GB/s, error")
     codec.add_argument("--size-mb", type=float, default=64.0)
     codec.add_argument("--repeats", type=int, default=5)
+    from diloco.bench_federation import add_parsers
+
+    add_parsers(bsub)  # recovery, faults
     tr = bsub.add_parser("transport", help="gRPC goodput on loopback, unshaped and shaped")
     tr.add_argument("--payload-mb", type=float, default=256.0)
     tr.add_argument("--shaped-mbps", type=float, default=50.0)
@@ -103,6 +106,10 @@ def _bench(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-convergence")
         result = run_convergence_bench(cfg, run_dir, args.islands)
+    elif args.bench in ("recovery", "faults"):
+        from diloco.bench_federation import run_from_args
+
+        result = run_from_args(args)
     elif args.bench == "codec":
         from diloco.bench_codec import run_codec_bench
 

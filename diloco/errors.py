@@ -5,6 +5,7 @@ Each package raises its own (islands cannot import diloco); this is the one plac
 
 from __future__ import annotations
 
+from diloco.bench_federation import BenchError
 from diloco.config import ConfigError
 from diloco.island_worker import CoordinatorAway, IslandError
 from diloco.launch import LaunchError
@@ -17,6 +18,6 @@ from transport.auth import SecretError
 from transport.errors import TransportError
 
 USER_ERRORS: tuple[type[Exception], ...] = (
-    ConfigError, CoordinatorAway, DataError, IslandError, LaunchError, ListenError, MeshError, ModelError,
+    BenchError, ConfigError, CoordinatorAway, DataError, IslandError, LaunchError, ListenError, MeshError, ModelError,
     RunDirError, SecretError, TransportError,
 )  # fmt: skip
