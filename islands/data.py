@@ -51,7 +51,13 @@ class DataConfig:
 
     path: str = ""
     """One corpus shared by all islands (IID): a file, a directory (all its files, sorted by name, hidden
-    files skipped) or a glob pattern (matches sorted). Cut into one contiguous shard per island."""
+    files skipped) or a glob pattern (matches sorted). Split into disjoint per-island shards, see
+    shard_block_tokens."""
+
+    shard_block_tokens: int = 8192
+    """IID split granularity: the training corpus is cut into blocks of this many tokens, which a seeded
+    shuffle deals out to the islands, so every island's shard samples the whole corpus (contiguous quarters of
+    a corpus ordered by topic, play or date would not be IID). 0 = one contiguous slice per island."""
 
     paths: tuple[str, ...] = ()
     """Non-IID data: one source (file, directory or glob) per island, in island order; its length must
@@ -86,6 +92,7 @@ class DataConfig:
             raise DataError(f"data.val_fraction must be a number in (0, 1) (got {vf!r})")
         object.__setattr__(self, "val_fraction", float(vf))
         _check_count("data.synthetic_tokens", self.synthetic_tokens, 2)
+        _check_count("data.shard_block_tokens", self.shard_block_tokens, 0)
         if self.path and self.paths:
             raise DataError(
                 "data.path and data.paths are both set: use data.path for one corpus shared by all "
@@ -216,6 +223,26 @@ def open_source(cfg: DataConfig, spec: str, where: str, vocab_size: int, seed: i
     return TokenSource(name=where, train=train, val=val)
 
 
+def split_iid(tokens: np.ndarray, n_islands: int, block: int, seed: int) -> list[np.ndarray]:
+    """Disjoint shards covering `tokens`: blocks of `block` tokens dealt to islands in a seeded random order
+    (each shard keeps its blocks in corpus order), or contiguous slices when block is 0 or there is one island
+    (a single memmapped file is then never copied). A corpus too small for 8 blocks per island gets smaller
+    blocks."""
+    n = len(tokens)
+    if block == 0 or n_islands == 1:
+        bounds = [i * n // n_islands for i in range(n_islands + 1)]
+        return [tokens[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    block = max(1, min(block, n // (8 * n_islands)))  # a small corpus still deals each island >= 8 blocks
+    n_blocks = -(-n // block)
+    order = np.random.default_rng((seed, n_islands, block)).permutation(n_blocks)
+    shards = []
+    for i in range(n_islands):
+        mine = np.sort(order[i::n_islands])
+        parts = [tokens[b * block : (b + 1) * block] for b in mine]
+        shards.append(np.concatenate(parts) if parts else tokens[:0])
+    return shards
+
+
 def load_sources(
     cfg: DataConfig, n_islands: int, vocab_size: int, seed: int, seq_len: int = 1
 ) -> tuple[list[np.ndarray], np.ndarray]:
@@ -251,9 +278,8 @@ def load_sources(
             f"data.synthetic_tokens ({cfg.synthetic_tokens})" if cfg.kind == "synthetic" else f"data.path {cfg.path!r}"
         )
         src = open_source(cfg, cfg.path, where, vocab_size, seed)
+        shards = split_iid(src.train, n_islands, cfg.shard_block_tokens, seed)
         n = len(src.train)
-        bounds = [i * n // n_islands for i in range(n_islands + 1)]
-        shards = [src.train[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         for i, shard in enumerate(shards):
             if len(shard) < need:
                 raise DataError(

@@ -84,10 +84,25 @@ def test_eval_batches_are_fixed_and_evenly_spaced():
 # ---------------------------------------------------------------- sources
 
 
-def test_iid_shards_are_disjoint_contiguous_and_cover_the_train_split(tmp_path):
+def test_iid_blocks_are_dealt_disjointly_and_cover_the_train_split(tmp_path):
     n = 10_007
     path = write_tokens(tmp_path / "corpus.bin", np.arange(n), "uint32")
-    cfg = DataConfig(kind="tokens", path=path, token_dtype="uint32", val_fraction=0.1)
+    cfg = DataConfig(kind="tokens", path=path, token_dtype="uint32", val_fraction=0.1, shard_block_tokens=100)
+    shards, val = load_sources(cfg, n_islands=3, vocab_size=n, seed=0, seq_len=8)
+    np.testing.assert_array_equal(np.sort(np.concatenate(shards)), np.arange(n - len(val)))  # disjoint, covering
+    assert max(map(len, shards)) - min(map(len, shards)) <= 100  # balanced to one block
+    # every island samples the whole corpus, not one region of it
+    assert all(s.min() < 1000 and s.max() > n - len(val) - 1000 for s in shards)
+    again, _ = load_sources(cfg, n_islands=3, vocab_size=n, seed=0, seq_len=8)
+    other, _ = load_sources(cfg, n_islands=3, vocab_size=n, seed=1, seq_len=8)
+    assert all(np.array_equal(a, b) for a, b in zip(shards, again, strict=True))  # deterministic for the seed
+    assert not all(np.array_equal(a, b) for a, b in zip(shards, other, strict=True))
+
+
+def test_contiguous_shards_are_disjoint_and_cover_the_train_split(tmp_path):
+    n = 10_007
+    path = write_tokens(tmp_path / "corpus.bin", np.arange(n), "uint32")
+    cfg = DataConfig(kind="tokens", path=path, token_dtype="uint32", val_fraction=0.1, shard_block_tokens=0)
     shards, val = load_sources(cfg, n_islands=3, vocab_size=n, seed=0, seq_len=8)
     assert len(val) == int(n * 0.1)
     np.testing.assert_array_equal(np.concatenate([*shards, val]), np.arange(n))  # disjoint and covering
@@ -107,7 +122,7 @@ def test_uint16_tokens_and_vocab_boundary(tmp_path):
 
 def test_text_is_bytes(tmp_path):
     (tmp_path / "a.txt").write_bytes(bytes(range(256)) * 4)
-    shards, val = load_sources(DataConfig(path=str(tmp_path / "a.txt"), val_fraction=0.25), 2, 256, 0)
+    shards, val = load_sources(DataConfig(path=str(tmp_path / "a.txt"), val_fraction=0.25, shard_block_tokens=0), 2, 256, 0)
     assert shards[0].dtype == np.uint8
     np.testing.assert_array_equal(np.concatenate([*shards, val]), np.tile(np.arange(256), 4))
     np.testing.assert_array_equal(val, np.arange(256))
@@ -181,7 +196,7 @@ def test_synthetic_is_deterministic_and_learnable():
 
 
 def test_synthetic_source_splits_like_a_corpus():
-    cfg = DataConfig(kind="synthetic", synthetic_tokens=10_000, val_fraction=0.2)
+    cfg = DataConfig(kind="synthetic", synthetic_tokens=10_000, val_fraction=0.2, shard_block_tokens=0)
     shards, val = load_sources(cfg, 4, 64, seed=1, seq_len=16)
     assert [len(s) for s in shards] == [2000] * 4 and len(val) == 2000
     np.testing.assert_array_equal(np.concatenate([*shards, val]), synthetic_tokens(10_000, 64, 1))
