@@ -8,7 +8,7 @@ the pure `membership.decide`; this class only applies it:
             round, names, shapes, dtypes, finiteness and digest; nothing unchecked reaches θ)
   tick   -> leases expire, the adaptive deadline passes, or everyone has pushed: the round closes
   close  -> token-weighted mean (islands in name order), outer step, û = decode(encode(u + e)), θ += û,
-            evaluate, checkpoint (orbax, atomic), notify waiting pulls
+            evaluate, checkpoint (orbax, atomic, finished before any island can see θ_{r+1}), notify pulls
   pull   -> the committed û of the last round (island one round behind) or the full θ (new, restarted, lagging)
 
 A coordinator killed at any moment restarts from its last checkpoint: the round in flight is lost, islands that
@@ -206,6 +206,14 @@ class Coordinator:
 
     def pull(self, req: pb.PullRequest) -> PullPayload:
         with self.cond:
+            if not req.full and req.have_round > self.loop.round:
+                # Only possible when this coordinator restarted from a checkpoint older than what it had sent
+                # (train.checkpoint_every > 1): waiting would deadlock (the island never pushes for our round).
+                raise Rejected(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"island {req.island} is at round {req.have_round} but the coordinator restarted at round "
+                    f"{self.loop.round}; pull the full parameters",
+                )
             if not req.full and req.have_round >= self.loop.round and not self.done:
                 if req.have_round == self.loop.round and req.island not in self.loop.pending:
                     # e.g. this coordinator restarted and lost the round in flight: the island must push again
@@ -251,6 +259,8 @@ class Coordinator:
             )
 
     def on_rejected(self, island: str, reason: str) -> None:
+        if reason.startswith(f"{grpc.StatusCode.ABORTED.name}:"):
+            return  # "the round is still open, ask again" answers a pull; it refuses nothing
         with self.cond:
             self.totals.rejected += 1
             self.rd.log("rejected", round=self.loop.round, island=island, reason=reason)
@@ -299,6 +309,11 @@ class Coordinator:
             if self.loop.state.down_residual is not None:
                 saved["down_residual"] = self.loop.state.down_residual
             self.store.save(self.loop.round, saved, {"round": self.loop.round, "totals": self.totals.__dict__})
+            # Durable before visible: no island may hold θ_{r+1} that a restarted coordinator does not have.
+            # (The lock is held, so no pull sees the new round before this returns.) The round event is
+            # logged before the save, so a kill in between loses the event with the round (truncated on
+            # resume, then rerun), never a committed round without its event.
+            self.store.wait()
         self.cond.notify_all()
 
     # -- reporting ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from islands.inner import make_inner_optimizer
 from islands.island import Island
 from outer_optimizer import apply_update, pseudo_gradient
 from transport import diloco_pb2 as pb
+from transport.codecs import flatten_named
 from transport.digest import tree_digest
 from transport.errors import TransportError
 from transport.handler import PullPayload
@@ -177,7 +178,11 @@ class IslandWorker:
         return True
 
     def _pull_after_push(self, meta: pb.PushMeta, encoded: list, nbytes: int) -> PullPayload:
-        """Wait for the round to close. A coordinator that restarted and lost our push says so: push again."""
+        """Wait for the round to close. A coordinator that restarted and lost our push says so: push again.
+
+        When the push is refused too (the round closed meanwhile, or the coordinator restarted at an older
+        round than ours), this Δ is of no use any more: resync with the full parameters of its round.
+        """
         for _ in range(10):
             try:
                 return self.pull(self.round)
@@ -185,17 +190,23 @@ class IslandWorker:
                 if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 self.rd.log("repush", round=self.round, island=self.name, reason=exc.reason)
-                self._push(meta, encoded, nbytes)
-        return self.pull(self.round, full=True)
+                if not self._push(meta, encoded, nbytes):
+                    break
+        return self.pull(-1, full=True)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def _saved(self) -> dict[str, Any]:
         st = self.island.state
         saved = {"params": self.global_params, "inner": st.inner_opt_state}
-        if st.residual is not None:
-            saved["residual"] = st.residual
+        if not is_lossless(self.uplink):
+            # Always present for a lossy uplink (zeros before the first accepted push), so a restore knows the
+            # structure it reads: the residual is a flat {leaf name: array} dict, not a params-shaped tree.
+            saved["residual"] = st.residual if st.residual is not None else self._zero_residual()
         return saved
+
+    def _zero_residual(self) -> dict[str, np.ndarray]:
+        return {k: np.zeros(v.shape, np.float32) for k, v in flatten_named(self.like).items()}
 
     def save(self) -> None:
         if self.store is not None:
@@ -210,7 +221,7 @@ class IslandWorker:
             return -1
         like: dict[str, Any] = {"params": self.like, "inner": self.island.state.inner_opt_state}
         if not is_lossless(self.uplink):
-            like["residual"] = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), self.like)
+            like["residual"] = self._zero_residual()
         saved, meta = self.store.restore(steps[-1], like)  # type: ignore[union-attr]
         self.island.start(saved["params"], saved["inner"], step=meta["step"], cursor=meta["cursor"])
         self.island.state = replace(self.island.state, residual=saved.get("residual"))
