@@ -244,8 +244,10 @@ class IslandWorker:
         contributed = 0
         H = self.cfg.train.inner_steps
         try:
+            # Compute utilization = inner-step seconds / wall seconds. Each push reports the wall time of its whole
+            # cycle since the previous push (train, encode, push, the wait for the round to close, pull, checkpoint).
+            cycle_from = time.perf_counter()
             while self.round < self.cfg.train.rounds and self.state_name != "done":
-                t0 = time.perf_counter()
                 self.rd.log("train_start", round=self.round, island=self.name, step=self.island.state.step)
                 run = self.island.train(H)
                 assert self.island.state is not None
@@ -256,8 +258,9 @@ class IslandWorker:
                                 loss=float(run.losses[i]))  # fmt: skip
                 meta = pb.PushMeta(
                     **self._meta(), round=self.round, tokens=run.tokens, inner_steps=H, loss=float(run.losses[-1]),
-                    compute_s=run.seconds, wall_s=time.perf_counter() - t0,
+                    compute_s=run.seconds, wall_s=time.perf_counter() - cycle_from,
                 )  # fmt: skip
+                cycle_from = time.perf_counter()
                 if self._push(meta, sent.encoded, sent.nbytes):
                     self.island.state = replace(self.island.state, residual=sent.residual)
                     contributed += 1

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco.config import RunConfig, diff_keys, dump_toml, to_dict
+from diloco.config import RunConfig, diff_keys, dump_toml, from_dict, to_dict
 
 
 class RunDirError(ValueError):
@@ -46,6 +46,12 @@ class RunDir:
             stored = tomllib.loads(self.config_path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise RunDirError(f"run dir '{self.path}': config.toml is unreadable ({exc})") from None
+        try:
+            # Through the loader, so that keys a newer diloco added (absent from an older config.toml) take their
+            # defaults instead of counting as differences: upgrading diloco does not orphan a run directory.
+            stored = to_dict(from_dict(RunConfig, stored))
+        except ValueError as exc:
+            raise RunDirError(f"run dir '{self.path}': its config.toml no longer loads ({exc})") from None
         differing = diff_keys(stored, to_dict(cfg))
         if differing:
             raise RunDirError(

@@ -9,6 +9,9 @@ import pytest
 
 from diloco.rounds import OuterLoop, RoundError
 from outer_optimizer import OuterConfig, apply_update, make_outer_step, pseudo_gradient, weighted_mean
+from transport.codecs import CodecSpec
+
+FP32 = CodecSpec(kind="fp32")
 
 
 def _steps(cfg: OuterConfig, grads: list[np.ndarray], theta0: np.ndarray) -> list[np.ndarray]:
@@ -75,7 +78,7 @@ def test_weighted_mean_weights_by_tokens_in_given_order() -> None:
 def test_outer_loop_commits_in_name_order_and_guards_rounds() -> None:
     params = {"w": jnp.array([1.0, 1.0])}
     tx = OuterConfig(kind="sgd", lr=1.0, momentum=0.0).build()
-    loop_a, loop_b = OuterLoop.fresh(params, tx), OuterLoop.fresh(params, tx)
+    loop_a, loop_b = OuterLoop.fresh(params, tx, FP32), OuterLoop.fresh(params, tx, FP32)
     deltas = {
         "z": {"w": jnp.array([0.1, 0.3])},
         "a": {"w": jnp.array([0.7, 1e-8])},
@@ -93,7 +96,7 @@ def test_outer_loop_commits_in_name_order_and_guards_rounds() -> None:
     with pytest.raises(RoundError, match="already contributed"):
         loop_a.submit("a", 1, deltas["a"], tokens=10)
     with pytest.raises(RoundError, match="no contributions"):
-        OuterLoop.fresh(params, tx).commit()
+        OuterLoop.fresh(params, tx, FP32).commit()
 
 
 @pytest.mark.parametrize(

@@ -147,3 +147,15 @@ def test_moe_trains_through_simulate(tiny_config: Path, tmp_path: Path) -> None:
     summary = run_simulation(load_config(tiny_config, overrides), tmp_path / "m", show_progress=False)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert jax.device_count() >= 1
+
+
+def test_run_dir_written_by_an_older_diloco_still_resumes(tiny_config: Path, tmp_path: Path) -> None:
+    """A key added to the config later (absent from an old config.toml) takes its default, not a mismatch."""
+    from diloco.rundir import RunDir
+
+    cfg = load_config(tiny_config, ["train.checkpoint_every=0"])
+    RunDir(tmp_path / "old", cfg).close()
+    stored = tmp_path / "old" / "config.toml"
+    stored.write_text(stored.read_text().replace("shard_block_tokens = 8192\n", ""))
+    assert "shard_block_tokens" not in stored.read_text()
+    RunDir(tmp_path / "old", cfg).close()  # no RunDirError
