@@ -29,7 +29,7 @@ from islands.compress import compress_tree, is_lossless
 from islands.data import BatchStream, eval_batches, load_sources
 from islands.inner import make_eval_fn, make_inner_optimizer
 from islands.island import Island
-from islands.mesh import build_mesh, replicated
+from islands.mesh import accumulation_steps, build_mesh, replicated
 from islands.models import Model, build_model, param_count
 from outer_optimizer import pseudo_gradient
 from transport.codecs import CodecSpec, flatten_named
@@ -117,6 +117,8 @@ def _log_inner(rd: RunDir, cfg: RunConfig, round_: int, island: str, losses: np.
 def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, Any]:
     """Train per `cfg` in one process; write the run directory; return summary.json's contents."""
     setup = build_setup(cfg)
+    # Device and batch problems are the user's: report them before any run directory is created.
+    accumulation_steps(cfg.train.batch_size, cfg.train.microbatch, build_mesh(cfg.islands.devices).size)
     rd = RunDir(run_dir, cfg)
     try:
         if cfg.train.mode == "sync":
