@@ -1,60 +1,72 @@
-"""A federation (coordinator + island processes) driven from a test or a benchmark: start, watch, kill, restart.
+"""A federation (coordinator + island processes) as child processes: start, watch, kill, restart, stop.
 
-`diloco launch` runs a whole federation and only returns at the end; fault tests and benchmarks need to act in
-between: SIGKILL one island at a chosen round, start it again with the very same command line, and read each
-process's metrics.jsonl while the run goes on. `Federation` does that with the same command lines `launch`
-uses (`python -m diloco.cli coordinator|island ...`, the same child environment from `launch.child_env`), with
-two differences: islands run `--no-supervise` (a SIGKILL must kill the island, not a supervisor that would
-restart it behind our back), and an optional `wrap` prefixes every command, e.g. `Namespace.wrap` to run the
-whole federation inside a kernel-shaped network namespace (diloco.netns).
+The one harness for everything that runs a federation of real processes: `diloco launch` (start it, show its
+progress, stop it on Ctrl+C), the fault tests and the fault benchmarks (SIGKILL one island at a chosen round, start
+it again with the very same command line, read each process's metrics.jsonl while the run goes on). Every process
+is `python -m diloco.cli coordinator|island ...`, the command a user types, logging to RUN_DIR/logs/NAME.log; the
+coordinator's run dir is RUN_DIR, island NAME's is RUN_DIR/islands/NAME.
+
+Options, for the callers that need them: `supervise` runs islands under their supervisor (launch; a test's
+supervised island), else `--no-supervise` so that a SIGKILL kills the island and not a supervisor that restarts it
+behind our back; `wrap` prefixes every command (`Namespace.wrap`: the whole federation inside a kernel-shaped
+network namespace, diloco.netns); `jax_cache` shares one persistent XLA compilation cache so restarted processes
+load their compiled steps instead of compiling again; `new_session` puts each child in its own process group so
+that a final SIGKILL also reaches what it started (a supervisor's worker). Per process, `start_island` takes extra
+arguments (`--secret`) and environment (`devices_env(1)`: a restart on fewer devices); a coordinator restarted
+after a kill listens on the address it had, so its islands find it again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from diloco.config import RunConfig, load_config
-from diloco.launch import child_env
+from diloco.rundir import read_events
 
 T = TypeVar("T")
 Wrap = Callable[[list[str]], list[str]]
+COORDINATOR = "coordinator"
 
 
 class FederationError(RuntimeError):
-    """A process of the federation died or a wait timed out; the message carries the last lines of its log."""
+    """A process of the federation died or a wait timed out; `process` names the process that died, if one did."""
+
+    def __init__(self, message: str, process: str | None = None) -> None:
+        super().__init__(message)
+        self.process = process
 
 
-def read_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """The JSON objects of a metrics.jsonl (only `event` ones when given); a line torn mid-write is skipped."""
+def devices_env(devices: int) -> dict[str, str]:
+    """The environment that gives a child JAX process `devices` CPU devices (read once, when JAX starts)."""
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def child_env(cfg: RunConfig, extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment, islands.devices CPU devices, CPU JAX unless chosen otherwise, then `extra`."""
+    env = {**os.environ, **devices_env(cfg.islands.devices)}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.update(extra)
+    return env
+
+
+def log_lines(path: Path) -> list[str]:
     try:
-        text = path.read_text()
+        return [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return []
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and (event is None or record.get("event") == event):
-            out.append(record)
-    return out
 
 
 def tail(path: Path, n: int = 3) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "(no log)"
-    return " | ".join(lines[-n:]) or "(empty log)"
+    return " | ".join(log_lines(path)[-n:]) or "(empty log)"
 
 
 class Federation:
@@ -67,22 +79,38 @@ class Federation:
         run_dir: Path,
         *,
         wrap: Wrap | None = None,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        supervise: bool = False,
+        quiet: bool = True,
+        jax_cache: Path | None = None,
+        new_session: bool = True,
     ) -> None:
         self.config = str(config)
         self.overrides = list(overrides)
         self.cfg: RunConfig = load_config(self.config, self.overrides)
         self.run_dir = run_dir
         self.wrap = wrap or (lambda argv: argv)
-        self.env = child_env(self.cfg, env or {})
+        extra = dict(env or {})
+        if jax_cache is not None:
+            extra |= {
+                "JAX_COMPILATION_CACHE_DIR": str(jax_cache),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+            }
+        self.env = child_env(self.cfg, extra)
         self.cwd = cwd
+        self.supervise = supervise
+        self.quiet = quiet
+        self.new_session = new_session
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.islands: dict[str, subprocess.Popen[bytes]] = {}
+        self.others: dict[str, subprocess.Popen[bytes]] = {}
+        self.killed: set[str] = set()  # processes SIGKILLed on purpose: their exit is no failure
         self.address = ""
         run_dir.mkdir(parents=True, exist_ok=True)
 
-    # -- paths and events --------------------------------------------------------------------------------------
+    # -- paths, events, logs -----------------------------------------------------------------------------------
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -91,7 +119,7 @@ class Federation:
     def island_dir(self, name: str) -> Path:
         return self.run_dir / "islands" / name
 
-    def log_path(self, name: str = "coordinator") -> Path:
+    def log_path(self, name: str = COORDINATOR) -> Path:
         return self.run_dir / "logs" / f"{name}.log"
 
     def events(self, event: str | None = None, island: str | None = None) -> list[dict[str, Any]]:
@@ -103,42 +131,81 @@ class Federation:
         """The coordinator's committed rounds (`round` events), in order."""
         return self.events("round")
 
+    def last_line(self, name: str = COORDINATOR) -> str:
+        """The last `diloco: error:` line of a process's log (the CLI's one-line user error), else its last line."""
+        lines = log_lines(self.log_path(name))
+        errors = [ln for ln in lines if ln.startswith("diloco: error:")]
+        return (errors or lines or [""])[-1]
+
+    def processes(self) -> dict[str, subprocess.Popen[bytes]]:
+        """The latest process of each name (a restart replaces the one before)."""
+        first = {COORDINATOR: self.coordinator} if self.coordinator is not None else {}
+        return {**first, **self.islands, **self.others}
+
+    def logs(self, n: int = 12) -> str:
+        """The last `n` lines of every log with its process's exit code: the context for a failure message."""
+        return "\n".join(
+            f"  {name}.log (rc {proc.poll()}):\n" + "\n".join(f"    {ln}" for ln in log_lines(self.log_path(name))[-n:])
+            for name, proc in self.processes().items()
+        )
+
     # -- processes ---------------------------------------------------------------------------------------------
 
-    def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
-        log = self.log_path(log_name)
+    def spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """`python -m diloco.cli *argv` logging to logs/NAME.log (appended across restarts), environment + `env`."""
+        log = self.log_path(name)
         log.parent.mkdir(parents=True, exist_ok=True)
+        self.killed.discard(name)
         with log.open("ab") as out:  # the child keeps its own copy of the descriptor
-            return subprocess.Popen(
-                self.wrap([sys.executable, "-m", "diloco.cli", *argv]),
-                env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd,
+            proc = subprocess.Popen(
+                self.wrap([sys.executable, "-m", "diloco.cli", *argv]), env={**self.env, **(env or {})},
+                stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd, start_new_session=self.new_session,
             )  # fmt: skip
+        if name == COORDINATOR:
+            self.coordinator = proc
+        elif name in self.names:
+            self.islands[name] = proc
+        else:
+            self.others[name] = proc
+        return proc
 
-    def island_argv(self, name: str) -> list[str]:
+    def island_argv(self, name: str, args: Sequence[str] = (), supervised: bool | None = None) -> list[str]:
         """The island's command line (after `python -m diloco.cli`): the same for its first start and restarts."""
+        supervised = self.supervise if supervised is None else supervised
         return [
             "island", self.config, "--name", name, "--coordinator", self.address,
-            "--run-dir", str(self.island_dir(name)), "--no-supervise", *self.overrides,
+            "--run-dir", str(self.island_dir(name)), *args, *([] if supervised else ["--no-supervise"]),
+            *self.overrides,
         ]  # fmt: skip
 
-    def start_coordinator(self, timeout_s: float = 180.0) -> str:
-        """Start the coordinator on port 0 and return the address it wrote to RUN_DIR/coordinator.addr."""
+    def start_coordinator(self, timeout_s: float = 180.0, env: Mapping[str, str] | None = None) -> str:
+        """Start the coordinator and return the address it wrote to RUN_DIR/coordinator.addr: on port 0 the first
+        time, on the address it had when restarted (its islands keep retrying that one)."""
         addr_file = self.run_dir / "coordinator.addr"
         addr_file.unlink(missing_ok=True)
-        argv = ["coordinator", self.config, "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir), "--quiet"]
-        self.coordinator = self._spawn([*argv, *self.overrides], "coordinator")
+        listen = self.address or "127.0.0.1:0"
+        argv = ["coordinator", self.config, "--listen", listen, "--run-dir", str(self.run_dir)]
+        self.spawn(COORDINATOR, [*argv, *(["--quiet"] if self.quiet else []), *self.overrides], env)
         self.address = self.wait_for(
             lambda: addr_file.read_text().strip() if addr_file.exists() else None, timeout_s, "coordinator address"
         )
         return self.address
 
-    def start_island(self, name: str) -> subprocess.Popen[bytes]:
+    def start_island(
+        self,
+        name: str,
+        *,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        supervised: bool | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start (or restart) island `name`; `args` are extra CLI arguments (`--secret S`), `env` extra environment
+        (`devices_env(1)`), `supervised` overrides the federation's `supervise` for this island."""
         if not self.address:
             raise FederationError("start the coordinator before the islands")
         if name in self.islands and self.islands[name].poll() is None:
             raise FederationError(f"island {name} is already running")
-        self.islands[name] = self._spawn(self.island_argv(name), name)
-        return self.islands[name]
+        return self.spawn(name, self.island_argv(name, args, supervised), env)
 
     def start(self, timeout_s: float = 180.0) -> None:
         """Coordinator, then every island of the config."""
@@ -146,61 +213,95 @@ class Federation:
         for name in self.names:
             self.start_island(name)
 
+    def signal(self, name: str, sig: int) -> None:
+        """Send `sig` to one process (SIGSTOP/SIGCONT: a hung island), if it still runs."""
+        proc = self.processes()[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+    def kill(self, name: str = COORDINATOR) -> None:
+        """SIGKILL: no handler runs, no checkpoint flush, no leave; sockets just vanish (peers notice by timeouts)."""
+        self.killed.add(name)
+        self.signal(name, signal.SIGKILL)
+        self.processes()[name].wait(timeout=30)
+
     def kill_island(self, name: str) -> None:
-        """SIGKILL: no checkpoint flush, no leave; the coordinator only notices when its lease expires."""
-        proc = self.islands[name]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        self.kill(name)
 
     def check_alive(self) -> None:
-        """Raise if the coordinator, or an island that was not killed on purpose, exited with an error."""
-        procs = {"coordinator": self.coordinator, **self.islands} if self.coordinator else dict(self.islands)
-        for name, proc in procs.items():
-            code = proc.poll() if proc is not None else None
-            if code not in (None, 0, -signal.SIGKILL):
-                raise FederationError(f"{name} exited with code {code}: {tail(self.log_path(name))}")
+        """Raise if a process that was not killed on purpose exited with an error."""
+        for name, proc in self.processes().items():
+            code = proc.poll()
+            if code not in (None, 0) and name not in self.killed:
+                raise FederationError(
+                    f"{name} exited with code {code}: {tail(self.log_path(name))}\n{self.logs()}", name
+                )
 
-    def wait_for(self, probe: Callable[[], T | None], timeout_s: float, what: str, poll_s: float = 0.05) -> T:
-        """Poll `probe` until it returns something other than None; fail fast when a process crashed."""
+    def wait_for(
+        self,
+        probe: Callable[[], T | None],
+        timeout_s: float,
+        what: str,
+        poll_s: float = 0.05,
+        *,
+        coordinator_needed: bool = True,
+    ) -> T:
+        """Poll `probe` until it returns something truthy, and return that; fail fast when a process crashed, or (with
+        `coordinator_needed`) when the coordinator exited, which no longer-running wait can survive."""
         deadline = time.monotonic() + timeout_s
         while True:
             value = probe()
-            if value is not None:
+            if value:
                 return value
             self.check_alive()
-            if self.coordinator is not None and self.coordinator.poll() is not None:
-                raise FederationError(f"coordinator exited while waiting for {what}: {tail(self.log_path())}")
+            coordinator = self.coordinator
+            if coordinator_needed and coordinator is not None and COORDINATOR not in self.killed:
+                if coordinator.poll() is not None:
+                    raise FederationError(
+                        f"coordinator exited while waiting for {what}: {tail(self.log_path())}", COORDINATOR
+                    )
             if time.monotonic() > deadline:
-                raise FederationError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+                raise FederationError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{self.logs()}")
             time.sleep(poll_s)
 
     def wait_rounds(self, n: int, timeout_s: float) -> list[dict[str, Any]]:
         """Block until the coordinator has committed at least `n` rounds; returns the `round` events."""
         return self.wait_for(lambda: r if len(r := self.rounds()) >= n else None, timeout_s, f"{n} committed rounds")
 
+    def wait_exit(self, timeout_s: float) -> None:
+        """Every current process ends by itself with exit code 0 (the run completed); raise otherwise."""
+        procs = self.processes()
+        self.wait_for(
+            lambda: all(p.poll() is not None for p in procs.values()), timeout_s, "every process to finish",
+            poll_s=0.1, coordinator_needed=False,
+        )  # fmt: skip
+        codes = {name: p.poll() for name, p in procs.items()}
+        if any(code != 0 for code in codes.values()):
+            raise FederationError(f"exit codes {codes}\n{self.logs()}")
+
     def wait_done(self, timeout_s: float) -> dict[str, Any]:
         """Wait for the coordinator to finish and return its summary.json."""
-        assert self.coordinator is not None
+        coordinator = self.coordinator
+        assert coordinator is not None
         summary = self.run_dir / "summary.json"
 
         def finished() -> dict[str, Any] | None:
-            if self.coordinator is not None and self.coordinator.poll() is not None and summary.exists():
-                return json.loads(summary.read_text())
-            return None
+            if coordinator.poll() is None:
+                return None
+            if not summary.exists():
+                raise FederationError(f"coordinator exited without a summary: {tail(self.log_path())}", COORDINATOR)
+            return json.loads(summary.read_text())
 
-        deadline = time.monotonic() + timeout_s
-        while (result := finished()) is None:
-            self.check_alive()
-            if self.coordinator.poll() is not None and not summary.exists():
-                raise FederationError(f"coordinator exited without a summary: {tail(self.log_path())}")
-            if time.monotonic() > deadline:
-                raise FederationError(f"run not finished after {timeout_s:.0f}s ({len(self.rounds())} rounds)")
-            time.sleep(0.2)
-        return result
+        return self.wait_for(finished, timeout_s, "the run to finish", 0.2)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every live process (checkpoints flush), SIGKILL what is left after `grace_s`."""
-        procs = [p for p in (self.coordinator, *self.islands.values()) if p is not None]
+    def stop(self, grace_s: float = 10.0, linger_s: float = 0.0) -> None:
+        """Give every live process `linger_s` to end on its own (islands leave after the last round), then SIGTERM
+        (checkpoints flush), then SIGKILL what is left after `grace_s` (its whole process group, with
+        `new_session`: a supervisor's worker too)."""
+        procs = [p for p in self.processes().values() if p.poll() is None]
+        deadline = time.monotonic() + linger_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
         for proc in procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -212,9 +313,15 @@ class Federation:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for proc in self.processes().values() if self.new_session else ():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # what it started and left behind (a supervisor's worker)
 
     def __enter__(self) -> Federation:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+__all__ = ["Federation", "FederationError", "child_env", "devices_env", "read_events"]

@@ -60,14 +60,12 @@ class RunDir:
             )
 
     def _last_t(self) -> float:
-        if not self.metrics_path.exists():
-            return 0.0
         last = 0.0
-        for line in self.metrics_path.read_text().splitlines():
+        for record in read_events(self.metrics_path):
             try:
-                last = max(last, float(json.loads(line).get("t", 0.0)))
-            except (json.JSONDecodeError, ValueError, AttributeError):
-                continue  # a line torn by a crash mid-write is skipped, not fatal
+                last = max(last, float(record.get("t", 0.0)))
+            except (TypeError, ValueError):
+                continue
         return last
 
     def elapsed(self) -> float:
@@ -80,15 +78,7 @@ class RunDir:
     def truncate_after_round(self, completed_rounds: int) -> None:
         """On resume, drop events of rounds that the restored checkpoint does not contain (they will rerun)."""
         self._metrics.close()
-        kept = []
-        if self.metrics_path.exists():
-            for line in self.metrics_path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if record.get("round", -1) < completed_rounds:
-                    kept.append(json.dumps(record))
+        kept = [json.dumps(r) for r in read_events(self.metrics_path) if r.get("round", -1) < completed_rounds]
         tmp = self.metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.metrics_path)
@@ -103,5 +93,22 @@ class RunDir:
         self._metrics.close()
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def read_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a metrics.jsonl file (only the `event` ones when given), in order.
+
+    Tolerant, because it also reads files that a live or SIGKILLed process is writing: a missing file is no events
+    yet, and a line torn mid-write (or anything that is not a JSON object) is skipped.
+    """
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and (event is None or record.get("event") == event):
+            out.append(record)
+    return out

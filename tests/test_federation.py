@@ -16,21 +16,19 @@ import dataclasses
 import json
 import os
 import random
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, child_env
+from diloco.procs import Federation, devices_env
+from diloco.rundir import read_events
+from tests.conftest import REPO
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -46,167 +44,8 @@ FAST = [
 """Short leases and deadlines so faults are detected in seconds, retries that give up late."""
 WAIT_S = 150.0
 """How long any single condition may take to come true on a slow, loaded machine."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def read_events(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """metrics.jsonl of a run dir; a line still being written (torn) is skipped."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if event is None or record.get("event") == event:
-            out.append(record)
-    return out
-
-
-@dataclasses.dataclass
-class Proc:
-    """One child process of the federation, its log, and whether the test killed it on purpose."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log: Path
-    popen: subprocess.Popen[bytes] | None = None
-    killed: bool = False
-
-    def start(self) -> Proc:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "diloco.cli", *self.argv], env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                cwd=REPO, start_new_session=True,  # its own process group: cleanup reaches its children too
-            )  # fmt: skip
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
-
-    def poll(self) -> int | None:
-        return self.popen.poll() if self.popen is not None else None
-
-    def signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL: no handler runs, no checkpoint is flushed, sockets just vanish."""
-        self.killed = True
-        self.signal(signal.SIGKILL)
-        assert self.popen is not None
-        self.popen.wait(timeout=30)
-
-    def kill_group(self) -> None:
-        """Cleanup: SIGKILL the process and whatever it started (a supervisor's worker, launch's children)."""
-        if self.popen is None:
-            return
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait(timeout=30)
-
-    def tail(self, n: int = 12) -> str:
-        try:
-            lines = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(f"    {ln}" for ln in lines[-n:])
-
-
-class Federation:
-    """A coordinator on a fixed free port and its islands, each with its own run dir, as real processes."""
-
-    def __init__(self, root: Path, config: Path, overrides: list[str], jax_cache: Path) -> None:
-        self.root = root
-        self.config = config
-        self.overrides = overrides
-        self.jax_cache = jax_cache
-        self.addr = f"127.0.0.1:{free_port()}"
-        self.coord_dir = root / "coordinator"
-        self.procs: dict[str, Proc] = {}
-        self.history: list[Proc] = []
-
-    def env(self, devices: int = 1) -> dict[str, str]:
-        env = child_env(devices)
-        # Restarted processes load their compiled steps instead of compiling again (seconds each on 2 cores).
-        env["JAX_COMPILATION_CACHE_DIR"] = str(self.jax_cache)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-        return env
-
-    def island_dir(self, name: str) -> Path:
-        return self.root / "islands" / name
-
-    def _start(self, key: str, argv: list[str], env: dict[str, str]) -> Proc:
-        n = sum(1 for p in self.history if p.name == key)
-        proc = Proc(key, argv, env, self.root / "logs" / f"{key}.{n}.log").start()
-        self.procs[key] = proc
-        self.history.append(proc)
-        return proc
-
-    def start_coordinator(self) -> Proc:
-        argv = ["coordinator", str(self.config), "--listen", self.addr, "--run-dir", str(self.coord_dir), "--quiet"]
-        return self._start("coordinator", [*argv, *self.overrides], self.env())
-
-    def start_island(self, name: str, *, devices: int = 1, secret: str | None = None, supervised: bool = False) -> Proc:
-        argv = ["island", str(self.config), "--name", name, "--coordinator", self.addr]
-        argv += ["--run-dir", str(self.island_dir(name))]
-        argv += ["--secret", secret] if secret else []
-        argv += [] if supervised else ["--no-supervise"]
-        return self._start(name, [*argv, *self.overrides], self.env(devices))
-
-    # -- observing ---------------------------------------------------------------------------------------------
-
-    def events(self, who: str = "coordinator", event: str | None = None) -> list[dict[str, Any]]:
-        return read_events(self.coord_dir if who == "coordinator" else self.island_dir(who), event)
-
-    def commits(self) -> list[dict[str, Any]]:
-        return self.events("coordinator", "round")
-
-    def logs(self) -> str:
-        return "\n".join(f"  {p.log.name} (rc {p.poll()}):\n{p.tail()}" for p in self.history)
-
-    def check_alive(self) -> None:
-        """Fail at once, with its log, when a process the test did not kill exits with an error."""
-        for proc in self.procs.values():
-            rc = proc.poll()
-            if rc not in (None, 0) and not proc.killed:
-                raise AssertionError(f"{proc.name} exited with code {rc}:\n{self.logs()}")
-
-    def wait_for(self, what: str, cond: Callable[[], Any], timeout: float = WAIT_S) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.check_alive()
-            value = cond()
-            if value:
-                return value
-            time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.logs()}")
-
-    def wait_exit(self, timeout: float = WAIT_S) -> None:
-        """Every current process ends by itself with exit code 0 (the run completed)."""
-        self.wait_for("every process to finish", lambda: all(p.poll() is not None for p in self.procs.values()),
-                      timeout)  # fmt: skip
-        codes = {name: p.poll() for name, p in self.procs.items()}
-        assert all(c == 0 for c in codes.values()), f"exit codes {codes}\n{self.logs()}"
-
-    def close(self) -> None:
-        for proc in self.history:
-            proc.kill_group()
+ENV = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+"""The children import this checkout's diloco and run JAX on the CPU."""
 
 
 @pytest.fixture(scope="module")
@@ -215,22 +54,25 @@ def jax_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def federation(tmp_path: Path, tiny_config: Path, jax_cache: Path) -> Callable[..., Federation]:
+def federation(tmp_path: Path, tiny_config: Path, jax_cache: Path) -> Iterator[Callable[..., Federation]]:
+    """Federations of the tiny config (diloco.procs, the harness `launch` uses), each child in its own process
+    group (cleanup reaches a supervisor's worker too) and all sharing one persistent XLA compilation cache."""
     made: list[Federation] = []
 
     def make(*overrides: str) -> Federation:
-        fed = Federation(tmp_path / f"fed{len(made)}", tiny_config, [*FAST, *overrides], jax_cache)
+        fed = Federation(tiny_config, [*FAST, *overrides], tmp_path / f"fed{len(made)}", cwd=REPO, env=ENV,
+                         jax_cache=jax_cache)  # fmt: skip
         made.append(fed)
         return fed
 
     yield make
     for fed in made:
-        fed.close()
+        fed.stop(grace_s=0.0)
 
 
 def check_run(fed: Federation, rounds: int, islands: list[str], tokens: int = TOKENS) -> list[dict[str, Any]]:
     """What every fault test asserts once the run is over; returns the coordinator's committed rounds."""
-    coord = fed.events("coordinator")
+    coord = fed.events()
     commits = [e for e in coord if e["event"] == "round"]
     # The committed round sequence is complete: no gap, no duplicate (a coordinator restart reruns only the
     # round that was in flight, and its metrics forget that round's events).
@@ -248,7 +90,7 @@ def check_run(fed: Federation, rounds: int, islands: list[str], tokens: int = TO
     digest_after = {c["round"] + 1: c["digest"] for c in commits}
     initial: set[str] = set()
     for name in islands:
-        synced = fed.events(name, "synced")
+        synced = fed.events("synced", island=name)
         assert synced, f"{name} never synced"
         for s in synced:
             if s["round"] == 0:
@@ -256,9 +98,9 @@ def check_run(fed: Federation, rounds: int, islands: list[str], tokens: int = TO
             else:
                 assert s["digest"] == digest_after[s["round"]], (name, s, digest_after[s["round"]])
         assert synced[-1]["round"] == rounds, (name, synced[-1])
-        assert not fed.events(name, "digest_mismatch"), name
+        assert not fed.events("digest_mismatch", island=name), name
     assert len(initial) <= 1, initial
-    summary = json.loads((fed.coord_dir / "summary.json").read_text())
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
     assert summary["rounds"] == rounds and summary["params_digest"] == digest_after[rounds], summary
     return commits
 
@@ -326,28 +168,34 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     rounds = 12
     fed = federation(f"train.rounds={rounds}", "quorum.min_islands=1", 'network.secrets=["s0", "s1"]')
     fed.start_coordinator()
-    fed.start_island("island-0", secret="s0")
-    fed.start_island("island-1", secret="s1")
+    fed.start_island("island-0", args=["--secret", "s0"])
+    fed.start_island("island-1", args=["--secret", "s1"])
 
     # SIGKILL island-1 while it trains round >= 2 (its checkpoint of round >= 1 is then complete).
-    fed.wait_for("island-1 training round 2", lambda: [e for e in fed.events("island-1", "train_start")
-                                                       if e["round"] >= 2])  # fmt: skip
-    fed.procs["island-1"].kill()
+    fed.wait_for(
+        lambda: [e for e in fed.events("train_start", island="island-1") if e["round"] >= 2],
+        WAIT_S,
+        "island-1 training round 2",
+    )
+    fed.kill("island-1")
     mark = len(fed.events())
-    fed.wait_for("island-1's lease to expire", lambda: lost_since(fed, mark, "island-1"))
-    alone = fed.wait_for("a round closed by island-0 alone", lambda: [
-        c for c in fed.events()[mark:] if c["event"] == "round" and c["islands"] == ["island-0"]])[0]  # fmt: skip
+    fed.wait_for(lambda: lost_since(fed, mark, "island-1"), WAIT_S, "island-1's lease to expire")
+    alone = fed.wait_for(
+        lambda: [c for c in fed.events()[mark:] if c["event"] == "round" and c["islands"] == ["island-0"]],
+        WAIT_S,
+        "a round closed by island-0 alone",
+    )[0]
 
     # Freeze island-0 (SIGSTOP: a hung island) until its lease expires too: nobody can push, θ cannot move.
-    fed.procs["island-0"].signal(signal.SIGSTOP)
+    fed.signal("island-0", signal.SIGSTOP)
     mark = len(fed.events())
-    fed.wait_for("island-0's lease to expire", lambda: lost_since(fed, mark, "island-0"))
-    before = coordinator_state(fed.addr)
+    fed.wait_for(lambda: lost_since(fed, mark, "island-0"), WAIT_S, "island-0's lease to expire")
+    before = coordinator_state(fed.address)
     n_rejected = len(fed.events(event="rejected"))
-    codes = rogue_attacks(fed.addr, "test")
+    codes = rogue_attacks(fed.address, "test")
     assert codes[:4] == ["UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "INVALID_ARGUMENT"], codes
     assert codes[4] in ("FAILED_PRECONDITION", "ALREADY_EXISTS"), codes
-    assert coordinator_state(fed.addr) == before, "a rejected message changed the global parameters"
+    assert coordinator_state(fed.address) == before, "a rejected message changed the global parameters"
     rejected = fed.events(event="rejected")[n_rejected:]
     assert len(rejected) == 5 and all(e["island"] == "island-0" for e in rejected), rejected
     for code, event in zip(codes, rejected, strict=True):
@@ -355,22 +203,27 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
 
     # Restart island-1 with the same command and run dir; thaw island-0 once island-1 is back in.
     mark = len(fed.events())
-    fed.start_island("island-1", secret="s1")
-    fed.wait_for("island-1 to rejoin", lambda: [e for e in fed.events()[mark:] if e["event"] == "island_joined"])
-    fed.procs["island-0"].signal(signal.SIGCONT)
-    resumed = fed.wait_for("island-1 to resume", lambda: fed.events("island-1", "resumed"))[0]
+    fed.start_island("island-1", args=["--secret", "s1"])
+    fed.wait_for(
+        lambda: [e for e in fed.events()[mark:] if e["event"] == "island_joined"], WAIT_S, "island-1 to rejoin"
+    )
+    fed.signal("island-0", signal.SIGCONT)
+    resumed = fed.wait_for(lambda: fed.events("resumed", island="island-1"), WAIT_S, "island-1 to resume")[0]
     # Its own checkpoint: the round it had reached, and its inner step counter as it was when it trained that round.
-    started = {e["round"]: e["step"] for e in fed.events("island-1", "train_start")}
+    started = {e["round"]: e["step"] for e in fed.events("train_start", island="island-1")}
     assert resumed["round"] >= 1 and resumed["step"] == started[resumed["round"]] > 0, (resumed, started)
-    back = fed.wait_for("a round with island-1 again", lambda: [
-        c for c in fed.events()[mark:] if c["event"] == "round" and "island-1" in c["islands"]])[0]  # fmt: skip
-    fed.wait_exit()
+    back = fed.wait_for(
+        lambda: [c for c in fed.events()[mark:] if c["event"] == "round" and "island-1" in c["islands"]],
+        WAIT_S,
+        "a round with island-1 again",
+    )[0]
+    fed.wait_exit(WAIT_S)
 
     commits = check_run(fed, rounds, ["island-0", "island-1"])
     between = commits[commits.index(alone) : commits.index(back)]
     assert between and all("island-1" not in c["islands"] for c in between)
-    assert fed.events("island-1", "joined")[-1]["round"] >= resumed["round"]
-    summary = json.loads((fed.coord_dir / "summary.json").read_text())
+    assert fed.events("joined", island="island-1")[-1]["round"] >= resumed["round"]
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
     assert summary["islands_lost"] >= 2 and summary["rejected"] >= 5, summary
 
 
@@ -387,44 +240,52 @@ def test_coordinator_restart_supervisor_and_fewer_devices(federation: Callable[.
     rounds = 14
     fed = federation(f"train.rounds={rounds}", "quorum.min_islands=2", "islands.devices=2", "train.microbatch=2")
     fed.start_coordinator()
-    fed.start_island("island-0", devices=2, supervised=True)
-    fed.start_island("island-1", devices=2)
+    fed.start_island("island-0", env=devices_env(2), supervised=True)
+    fed.start_island("island-1", env=devices_env(2))
 
     # Coordinator: SIGKILL after two committed rounds, restart on the same address with the same run dir.
-    fed.wait_for("two committed rounds", lambda: len(fed.commits()) >= 2)
-    fed.procs["coordinator"].kill()
-    logged = len(fed.commits())
-    synced_before = max(e["round"] for name in ("island-0", "island-1") for e in fed.events(name, "synced"))
-    shutil.copy(fed.coord_dir / "metrics.jsonl", fed.root / "coordinator-before-kill.jsonl")
+    fed.wait_for(lambda: len(fed.rounds()) >= 2, WAIT_S, "two committed rounds")
+    fed.kill("coordinator")
+    logged = len(fed.rounds())
+    synced_before = max(e["round"] for name in ("island-0", "island-1") for e in fed.events("synced", island=name))
+    pre_kill = fed.rounds()  # read before the restart drops the events of the round that was in flight
     fed.start_coordinator()
-    resumed = fed.wait_for("the coordinator to resume", lambda: fed.events(event="resumed"))[0]
+    resumed = fed.wait_for(lambda: fed.events(event="resumed"), WAIT_S, "the coordinator to resume")[0]
     # At most the round in flight is lost, and no island ever held a round the coordinator cannot restore.
     assert logged - 1 <= resumed["round"] <= logged and resumed["round"] >= synced_before, (resumed, logged)
-    fed.wait_for("a round committed after the restart", lambda: [c for c in fed.commits()
-                                                                if c["round"] >= resumed["round"]])  # fmt: skip
+    fed.wait_for(
+        lambda: [c for c in fed.rounds() if c["round"] >= resumed["round"]],
+        WAIT_S,
+        "a round committed after the restart",
+    )
 
     # Island-0 is supervised: SIGKILL its worker; the supervisor starts a new one. Island-1 loses a device:
     # SIGKILL, then restart it where only one host device exists.
     supervisor_dir = fed.island_dir("island-0")
     worker = int((supervisor_dir / "worker.pid").read_text())
-    n_resumed0 = len(fed.events("island-0", "resumed"))
-    commits_before = len(fed.commits())
+    n_resumed0 = len(fed.events("resumed", island="island-0"))
+    commits_before = len(fed.rounds())
     os.kill(worker, signal.SIGKILL)
-    fed.procs["island-1"].kill()
-    fed.start_island("island-1", devices=1)
-    fed.wait_for("a new worker", lambda: (supervisor_dir / "worker.pid").read_text().strip() not in ("", str(worker)))
-    fed.wait_for("island-0's new worker to resume", lambda: len(fed.events("island-0", "resumed")) > n_resumed0)
-    reduced = fed.wait_for("island-1 on fewer devices", lambda: fed.events("island-1", "devices_reduced"))[0]
+    fed.kill("island-1")
+    fed.start_island("island-1", env=devices_env(1))
+    fed.wait_for(
+        lambda: (supervisor_dir / "worker.pid").read_text().strip() not in ("", str(worker)), WAIT_S, "a new worker"
+    )
+    fed.wait_for(
+        lambda: len(fed.events("resumed", island="island-0")) > n_resumed0, WAIT_S, "island-0's new worker to resume"
+    )
+    reduced = fed.wait_for(
+        lambda: fed.events("devices_reduced", island="island-1"), WAIT_S, "island-1 on fewer devices"
+    )[0]
     assert reduced["configured"] == 2 and reduced["available"] == 1, reduced
-    fed.wait_for("island-1 to resume", lambda: fed.events("island-1", "resumed"))
-    fed.wait_exit()
+    fed.wait_for(lambda: fed.events("resumed", island="island-1"), WAIT_S, "island-1 to resume")
+    fed.wait_exit(WAIT_S)
 
     commits = check_run(fed, rounds, ["island-0", "island-1"])
     # min_islands=2: every round, before and after each fault, holds both islands, and island-1 kept its batch
     # (tokens per push, checked in check_run) by accumulating microbatches on one device.
     assert all(c["islands"] == ["island-0", "island-1"] for c in commits)
     assert len(commits) > commits_before
-    pre_kill = [e for e in read_events_file(fed.root / "coordinator-before-kill.jsonl") if e["event"] == "round"]
     assert [c["round"] for c in pre_kill] == list(range(logged))
     for old in pre_kill[: resumed["round"]]:
         assert old["digest"] == commits[old["round"]]["digest"], "a committed round changed after the restart"
@@ -439,19 +300,25 @@ def test_coordinator_restarts_behind_its_islands(federation: Callable[..., Feder
     fed.start_coordinator()
     fed.start_island("island-0")
     fed.start_island("island-1")
-    fed.wait_for("three committed rounds", lambda: len(fed.commits()) >= 3)
-    fed.procs["coordinator"].kill()
-    assert len(fed.commits()) == 3  # min_islands=2 and both islands wait for the dead coordinator's round 3
-    fed.start_coordinator()
-    resumed = fed.wait_for("the coordinator to resume", lambda: fed.events(event="resumed"))[0]
-    assert resumed["round"] == 2, resumed
-    fed.wait_exit()
 
-    commits = fed.commits()
+    def islands_hold_round_3() -> bool:
+        # The coordinator logs round 2's commit a moment before its islands receive θ_3: kill after both did.
+        synced = [fed.events("synced", island=name) for name in ("island-0", "island-1")]
+        return len(fed.rounds()) >= 3 and all(any(e["round"] >= 3 for e in events) for events in synced)
+
+    fed.wait_for(islands_hold_round_3, WAIT_S, "three committed rounds, held by both islands", poll_s=0.02)
+    fed.kill("coordinator")
+    assert len(fed.rounds()) == 3  # min_islands=2 and both islands wait for the dead coordinator's round 3
+    fed.start_coordinator()
+    resumed = fed.wait_for(lambda: fed.events(event="resumed"), WAIT_S, "the coordinator to resume")[0]
+    assert resumed["round"] == 2, resumed
+    fed.wait_exit(WAIT_S)
+
+    commits = fed.rounds()
     assert [c["round"] for c in commits] == list(range(rounds))
     digest_after = {c["round"] + 1: c["digest"] for c in commits}
     for name in ("island-0", "island-1"):
-        events = fed.events(name)
+        events = fed.events(island=name)
         dropped = [e for e in events if e["event"] == "push_dropped" and "future" in e["reason"]]
         assert dropped, f"{name} never noticed the coordinator went back"
         resync = [e for e in after_event(events, dropped[-1]) if e["event"] == "synced"]
@@ -462,10 +329,6 @@ def test_coordinator_restarts_behind_its_islands(federation: Callable[..., Feder
 
 def after_event(events: list[dict[str, Any]], marker: dict[str, Any]) -> list[dict[str, Any]]:
     return events[events.index(marker) + 1 :]
-
-
-def read_events_file(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -501,23 +364,25 @@ def test_chaos_random_kills(federation: Callable[..., Federation], seed: int) ->
             if now >= when:
                 fed.start_island(name)
                 del restarts[name]
-        if plan and len(fed.commits()) >= plan[0]:
+        if plan and len(fed.rounds()) >= plan[0]:
             plan.pop(0)
             time.sleep(rng.uniform(0.0, 0.8))  # a random moment inside the round
             alive = [n for n in names if n not in restarts]
             victim = rng.choice(alive)
-            fed.procs[victim].kill()
-            kills.append((len(fed.commits()), victim))
-            if any(e["round"] >= 2 for e in fed.events(victim, "synced")):  # it has a complete checkpoint
-                expect_resume.append((victim, len(fed.events(victim, "resumed"))))
+            fed.kill(victim)
+            kills.append((len(fed.rounds()), victim))
+            if any(e["round"] >= 2 for e in fed.events("synced", island=victim)):  # it has a complete checkpoint
+                expect_resume.append((victim, len(fed.events("resumed", island=victim))))
             restarts[victim] = time.monotonic() + rng.uniform(0.2, 3.0)
         time.sleep(0.1)
-    fed.wait_exit(timeout=2 * WAIT_S)
+    fed.wait_exit(2 * WAIT_S)
 
     assert len(kills) == 5, kills
     check_run(fed, rounds, names, tokens=8 * 16 * 2)
     for victim, resumes_before in expect_resume:
-        assert len(fed.events(victim, "resumed")) > resumes_before, f"{victim} did not resume from its checkpoint"
+        assert len(fed.events("resumed", island=victim)) > resumes_before, (
+            f"{victim} did not resume from its checkpoint"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -528,24 +393,21 @@ def test_launch_equals_simulate(tmp_path: Path, tiny_config: Path, jax_cache: Pa
     # min_islands = count: every round holds every island, as in the simulation.
     overrides = ["train.rounds=3", "quorum.min_islands=2", "codec.uplink=int8", "codec.downlink=int8",
                  "network.pull_wait_s=2"]  # fmt: skip
-    env = Federation(tmp_path, tiny_config, [], jax_cache).env()
-    procs = {
-        mode: Proc(mode, [mode, str(tiny_config), "--run-dir", str(tmp_path / mode), "--no-progress", *overrides],
-                   env, tmp_path / f"{mode}.log").start()
-        for mode in ("launch", "simulate")
-    }  # fmt: skip
-    try:
+    # `diloco launch` and `diloco simulate` as two processes of a harness (each in its own process group, so the
+    # cleanup also reaches launch's children).
+    with Federation(tiny_config, overrides, tmp_path / "procs", cwd=REPO, env=ENV, jax_cache=jax_cache) as fed:
+        procs = {
+            mode: fed.spawn(mode, [mode, str(tiny_config), "--run-dir", str(tmp_path / mode), "--no-progress",
+                                   *overrides])
+            for mode in ("launch", "simulate")
+        }  # fmt: skip
         for mode, proc in procs.items():
-            assert proc.popen is not None
-            assert proc.popen.wait(timeout=WAIT_S) == 0, f"{mode} failed:\n{proc.tail(30)}"
-    finally:
-        for proc in procs.values():
-            proc.kill_group()
+            assert proc.wait(timeout=WAIT_S) == 0, f"{mode} failed:\n{fed.logs(30)}"
     launched = json.loads((tmp_path / "launch" / "summary.json").read_text())
     simulated = json.loads((tmp_path / "simulate" / "summary.json").read_text())
     assert launched["rounds"] == simulated["rounds"] == 3
     assert launched["params_digest"] == simulated["params_digest"]
     assert launched["final_eval_loss"] == pytest.approx(simulated["final_eval_loss"], rel=1e-6)
     for name in ("island-0", "island-1"):
-        synced = read_events(tmp_path / "launch" / "islands" / name, "synced")
+        synced = read_events(tmp_path / "launch" / "islands" / name / "metrics.jsonl", "synced")
         assert synced[-1]["round"] == 3 and synced[-1]["digest"] == simulated["params_digest"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from diloco.config import load_config
-from diloco.rundir import read_metrics
+from diloco.rundir import read_events
 from diloco.simulate import build_setup, run_simulation
 from islands.inner import make_inner_optimizer
 from islands.island import Island
@@ -39,7 +39,7 @@ def test_diloco_run_writes_the_run_directory(tiny_config: Path, tmp_path: Path) 
     n_params = summary["param_count"]
     assert summary["bytes_up"] == summary["bytes_down"] == 3 * 2 * 4 * n_params  # fp32, 2 islands, 3 rounds
     assert summary["tokens"] == 3 * 2 * 4 * 8 * 16
-    events = read_metrics(run)
+    events = read_events(run / "metrics.jsonl")
     assert all({"event", "t"} <= set(e) for e in events)
     rounds = [e for e in events if e["event"] == "round"]
     assert [e["round"] for e in rounds] == [0, 1, 2]
@@ -72,12 +72,10 @@ def test_one_island_fedavg_lr1_equals_plain_training(tiny_config: Path, tmp_path
     cfg = load_config(tiny_config, overrides)
     summary = run_simulation(cfg, tmp_path / "fedavg", show_progress=False)
     setup = build_setup(cfg)
-    plain = Island(
-        "plain", setup.model, make_inner_optimizer(cfg.inner, cfg.total_inner_steps), setup.streams[0]
-    )
+    plain = Island("plain", setup.model, make_inner_optimizer(cfg.inner, cfg.total_inner_steps), setup.streams[0])
     plain.start(setup.init_params)
     losses = plain.train(cfg.total_inner_steps).losses
-    inner = [e["loss"] for e in read_metrics(tmp_path / "fedavg") if e["event"] == "inner"]
+    inner = [e["loss"] for e in read_events(tmp_path / "fedavg" / "metrics.jsonl") if e["event"] == "inner"]
     np.testing.assert_allclose(inner, losses[1::2], rtol=1e-5, atol=1e-5)  # log_every = 2
     from diloco.simulate import Evaluator
 
@@ -97,9 +95,7 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(tiny_config: Path, tm
     deadline = time.monotonic() + 180
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
-        done = metrics.exists() and sum(
-            '"event": "round"' in line for line in metrics.read_text().splitlines()
-        )
+        done = metrics.exists() and sum('"event": "round"' in line for line in metrics.read_text().splitlines())
         if done and done >= 2:
             break
         assert child.poll() is None, child.communicate()[1][-2000:]
@@ -112,7 +108,7 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(tiny_config: Path, tm
     again = subprocess.run(cmd, env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
     resumed = json.loads((run_dir / "summary.json").read_text())
-    events = read_metrics(run_dir)
+    events = read_events(run_dir / "metrics.jsonl")
     resumes = [e for e in events if e["event"] == "resumed"]
     assert len(resumes) == 1 and 1 <= resumes[0]["round"] < 6
     assert [e["round"] for e in events if e["event"] == "round"] == list(range(6))  # none repeated or lost
