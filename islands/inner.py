@@ -103,9 +103,13 @@ def place_tree(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:
     Parameters and the optimizer moments that mirror them get the same layout because it is a pure function of
     the shape; scalars (step counts) are replicated.
     """
-    # may_alias=False: the result is donated to the train step, which must never free the caller's buffers
-    # (in `simulate` every island starts from the coordinator's own global parameters).
-    return jax.tree.map(lambda x: jax.device_put(x, param_sharding(mesh, x.shape, shard_params), may_alias=False), tree)
+    # The result is donated to the train step, which must never free the caller's buffers (in `simulate` every
+    # island starts from the coordinator's own global parameters). `may_alias=False` alone is not enough: putting a
+    # one-device array on a replicated multi-device sharding reuses its buffer as the first shard (JAX 0.10.2), so
+    # copy first and let the placement alias only the copy.
+    return jax.tree.map(
+        lambda x: jax.device_put(jnp.array(x, copy=True), param_sharding(mesh, x.shape, shard_params)), tree
+    )
 
 
 def _constrain(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:

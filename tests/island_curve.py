@@ -24,8 +24,11 @@ def curve(devices: int, microbatch: int, shard: bool) -> dict:
     stream = BatchStream(tokens, batch_size=8, seq_len=16, seed=0, stream_id=0)
     tx = make_inner_optimizer(InnerConfig(lr=1e-2, warmup_steps=2), total_steps=12)
     island = Island("t", model, tx, stream, n_devices=devices, microbatch=microbatch, shard_params=shard)
-    island.start(model.init(jax.random.key(0)))
+    init = model.init(jax.random.key(0))  # arrays on device 0, like the coordinator's global parameters
+    island.start(init)
     run = island.train(12)
+    island.set_params(init)
+    island.train(1)
     leaves = jax.tree.leaves(island.state.params)
     return {
         "losses": run.losses.tolist(),
@@ -33,6 +36,8 @@ def curve(devices: int, microbatch: int, shard: bool) -> dict:
         "passes": island.passes,
         "param_sum": float(sum(np.abs(np.asarray(x)).sum() for x in leaves)),
         "sharded": any(not x.sharding.is_fully_replicated for x in leaves),
+        # the train step donates its state: it must never have freed the caller's arrays
+        "caller_params_intact": not any(x.is_deleted() for x in jax.tree.leaves(init)),
     }
 
 

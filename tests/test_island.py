@@ -37,6 +37,7 @@ def test_one_and_four_devices_give_the_same_curve() -> None:
     assert (one["passes"], four["passes"], accumulated["passes"], four_accumulated["passes"]) == (1, 1, 4, 2)
     assert four["devices"] == 4 and sharded["sharded"] and not four["sharded"]
     assert one["losses"][-1] < one["losses"][0] - 0.3  # it learns
+    assert all(c["caller_params_intact"] for c in (one, accumulated, four, four_accumulated, sharded))
     for other in (four, accumulated, four_accumulated, sharded):
         np.testing.assert_allclose(other["losses"], one["losses"], rtol=2e-4, atol=2e-4)
         assert other["param_sum"] == pytest.approx(one["param_sum"], rel=1e-4)
