@@ -29,7 +29,7 @@ import numpy as np
 
 from diloco.checkpoint import CheckpointStore
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
-from diloco.membership import Action, RoundView, decide
+from diloco.membership import REJOIN, Action, RoundView, decide
 from diloco.rounds import Commit, GlobalState, OuterLoop, RoundError
 from diloco.rundir import RunDir
 from diloco.simulate import Evaluator, Setup
@@ -160,7 +160,8 @@ class Coordinator:
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         with self.cond:
             if req.island not in self.last_seen and not self.done:
-                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {req.island} is not a member; join again")
+                # Its lease expired (a stall, a partition): not an attack, so no `rejected` event; it joins again.
+                return pb.HeartbeatReply(round=self.loop.round, lease_s=self.cfg.quorum.lease_s, state=REJOIN)
             self.last_seen[req.island] = self.clock()
             return pb.HeartbeatReply(round=self.loop.round, lease_s=self.cfg.quorum.lease_s, state=self._state_name())
 

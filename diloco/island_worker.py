@@ -30,6 +30,7 @@ import numpy as np
 
 from diloco.checkpoint import CheckpointStore
 from diloco.config import RunConfig, config_digest, to_dict
+from diloco.membership import REJOIN
 from diloco.rundir import RunDir
 from diloco.simulate import build_setup
 from islands.compress import compress_tree, decoded_tree, is_lossless
@@ -106,14 +107,17 @@ class IslandWorker:
     def _meta(self) -> dict[str, Any]:
         return {"run_id": self.cfg.run.name, "island": self.name}
 
-    def join(self, have_round: int) -> pb.JoinReply:
-        req = pb.JoinRequest(
+    def _join_request(self, have_round: int) -> pb.JoinRequest:
+        return pb.JoinRequest(
             **self._meta(),
             config_digest=bytes.fromhex(config_digest(self.cfg)),
             config_json=json.dumps(to_dict(self.cfg), sort_keys=True),
             last_round=have_round,
             devices=len(self.island.mesh.devices.flat),
         )
+
+    def join(self, have_round: int) -> pb.JoinReply:
+        req = self._join_request(have_round)
         first = self.global_params is None and self.round < 0
         wait = self.cfg.network.connect_timeout_s if first else self.give_up_s
         reply = _retry_forever(lambda: self.client.join(req), f"join {self.client_target}", wait)
@@ -126,19 +130,13 @@ class IslandWorker:
                 reply = self.client.heartbeat(
                     pb.HeartbeatRequest(**self._meta(), round=max(self.round, 0), step=self.island.state.step)
                 )
-                self.state_name = reply.state
-            except TransportError as exc:
-                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:  # declared lost: join again, keep state
-                    try:
-                        self.client.join(
-                            pb.JoinRequest(
-                                **self._meta(), config_digest=bytes.fromhex(config_digest(self.cfg)),
-                                config_json=json.dumps(to_dict(self.cfg), sort_keys=True), last_round=self.round,
-                            )
-                        )  # fmt: skip
-                    except TransportError:
-                        pass
-                # otherwise the coordinator is away; the main loop's retries handle it
+                if reply.state == REJOIN:  # declared lost (we stalled): join again, keeping our own state
+                    self.client.join(self._join_request(self.round))
+                    self.rd.log("rejoined", round=reply.round, island=self.name)
+                else:
+                    self.state_name = reply.state
+            except TransportError:
+                pass  # the coordinator is away; the main loop's retries handle it
 
     def pull(self, have_round: int, full: bool = False) -> PullPayload:
         req = pb.PullRequest(**self._meta(), have_round=have_round, full=full)

@@ -45,6 +45,10 @@ class QuorumConfig:
             raise ValueError("quorum.deadline_k must be >= 0 and quorum.history >= 1")
 
 
+REJOIN = "rejoin"
+"""Heartbeat state telling an island whose lease expired to join again (it keeps its own state)."""
+
+
 class Action(Enum):
     WAIT = "wait"
     CLOSE = "close"
