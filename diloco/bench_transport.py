@@ -31,11 +31,12 @@ from typing import Any
 import numpy as np
 
 from transport import diloco_pb2 as pb
+from transport.codecs import EncodedTensor
 from transport.config import TransportConfig
 from transport.grpc_client import GrpcTransport
 from transport.handler import PullPayload
 from transport.shaper import LinkProfile, LinkShaper
-from transport.tensors import EncodedTensorLike, WireTensor
+from transport.tensors import EncodedTensorLike
 
 MIB = 1 << 20
 RUN_ID = "bench-transport"
@@ -121,15 +122,15 @@ class _ServerProcess:
             self.proc.kill()
 
 
-def _payload(layout: list[int], seed: int) -> list[WireTensor]:
+def _payload(layout: list[int], seed: int) -> list[EncodedTensor]:
     rng = np.random.default_rng(seed)
     return [
-        WireTensor(name, "fp32", "float32", shape, 0, 0, rng.standard_normal(shape[0], np.float32).tobytes())
+        EncodedTensor(name, "fp32", "float32", shape, 0, 0, rng.standard_normal(shape[0], np.float32).tobytes())
         for name, (shape, _) in _spec(layout).items()
     ]
 
 
-def _push(client: GrpcTransport, fragment: int, tensors: list[WireTensor]) -> float:
+def _push(client: GrpcTransport, fragment: int, tensors: list[EncodedTensor]) -> float:
     meta = pb.PushMeta(run_id=RUN_ID, island="bench", round=0, fragment=fragment, tokens=1)
     t0 = time.perf_counter()
     reply = client.push(meta, tensors)

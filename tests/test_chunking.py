@@ -15,18 +15,18 @@ from transport.chunking import (
     iter_trailed_views,
     payload_digest,
 )
+from transport.codecs import EncodedTensor
 from transport.errors import Rejected
-from transport.tensors import WireTensor
 
 CODECS = frozenset({"fp32"})
 
 
-def tensors_of(sizes: list[int], seed: int = 0) -> list[WireTensor]:
+def tensors_of(sizes: list[int], seed: int = 0) -> list[EncodedTensor]:
     rng = np.random.default_rng(seed)
     out = []
     for i, n in enumerate(sizes):
         a = rng.standard_normal(n).astype("<f4")
-        out.append(WireTensor(f"t{i}", "fp32", "float32", (n,), 0, 0, a.tobytes()))
+        out.append(EncodedTensor(f"t{i}", "fp32", "float32", (n,), 0, 0, a.tobytes()))
     return out
 
 
@@ -140,7 +140,7 @@ def test_header_inconsistencies(stream, mutate, words):
 
 
 def test_empty_payload_still_has_one_chunk():
-    tensors = [WireTensor("e", "fp32", "float32", (0,), 0, 0, b"")]
+    tensors = [EncodedTensor("e", "fp32", "float32", (0,), 0, 0, b"")]
     header = build_header(tensors, 1024)
     assert header.chunk_count == 1 and header.total_bytes == 0
     chunks = trailed(tensors, 1024)

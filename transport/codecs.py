@@ -163,8 +163,8 @@ class EncodedTensor:
     """Quantization block size (int8/int4), 0 for fp32/bf16."""
     zstd_level: int
     """zstd level the payload was compressed with, 0 if the payload is not zstd-compressed."""
-    payload: bytes
-    """The bytes laid out as the module docstring says."""
+    payload: bytes | memoryview
+    """The bytes laid out as the module docstring says (a received tensor's is a view of the receive buffer)."""
 
     @property
     def numel(self) -> int:
@@ -174,7 +174,7 @@ class EncodedTensor:
     @property
     def nbytes(self) -> int:
         """Bytes on the wire (payload only)."""
-        return len(self.payload)
+        return memoryview(self.payload).nbytes
 
     @property
     def raw_nbytes(self) -> int:

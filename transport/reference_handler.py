@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from transport import diloco_pb2 as pb
+from transport.codecs import EncodedTensor
 from transport.handler import PullPayload
-from transport.tensors import EncodedTensorLike, WireTensor
+from transport.tensors import EncodedTensorLike
 
 
 def params_digest(params: Mapping[str, np.ndarray]) -> bytes:
@@ -29,10 +30,10 @@ def params_digest(params: Mapping[str, np.ndarray]) -> bytes:
     return h.digest()
 
 
-def fp32_tensor(name: str, array: np.ndarray) -> WireTensor:
+def fp32_tensor(name: str, array: np.ndarray) -> EncodedTensor:
     """An fp32-encoded tensor (the lossless codec's layout: little-endian float32)."""
     a = np.ascontiguousarray(array, dtype="<f4")
-    return WireTensor(name, "fp32", "float32", tuple(a.shape), 0, 0, a.tobytes())
+    return EncodedTensor(name, "fp32", "float32", tuple(a.shape), 0, 0, a.tobytes())
 
 
 class ReferenceHandler:

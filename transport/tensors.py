@@ -8,13 +8,12 @@ memory bounded while a large payload streams in.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from transport import codecs
 from transport import diloco_pb2 as pb
 
 
@@ -28,26 +27,6 @@ class EncodedTensorLike(Protocol):
     block_size: int
     zstd_level: int
     payload: bytes | memoryview
-
-
-@dataclass(frozen=True)
-class WireTensor:
-    """An encoded tensor as received off the wire (used when ``transport.codecs`` is unavailable)."""
-
-    name: str
-    codec: str
-    dtype: str
-    shape: tuple[int, ...]
-    block_size: int
-    zstd_level: int
-    payload: bytes | memoryview
-
-
-def _codecs() -> Any | None:
-    try:
-        return importlib.import_module("transport.codecs")
-    except ImportError:
-        return None
 
 
 def payload_nbytes(tensor: EncodedTensorLike) -> int:
@@ -69,8 +48,8 @@ def to_meta(tensor: EncodedTensorLike) -> pb.TensorMeta:
 
 
 def from_meta(meta: pb.TensorMeta, payload: bytes | memoryview) -> EncodedTensorLike:
-    """Rebuild an encoded tensor from its meta and payload bytes (the codecs' own type when available)."""
-    fields = dict(
+    """Rebuild an encoded tensor from its meta and payload bytes."""
+    return codecs.EncodedTensor(
         name=meta.name,
         codec=meta.codec,
         dtype=meta.dtype,
@@ -79,20 +58,11 @@ def from_meta(meta: pb.TensorMeta, payload: bytes | memoryview) -> EncodedTensor
         zstd_level=int(meta.zstd_level),
         payload=payload,
     )
-    codecs = _codecs()
-    cls = getattr(codecs, "EncodedTensor", None) if codecs is not None else None
-    if cls is not None:
-        return cls(**fields)
-    return WireTensor(**fields)
 
 
 def known_codecs() -> frozenset[str]:
     """Codec names this process can decode."""
-    codecs = _codecs()
-    names = getattr(codecs, "KINDS", None) if codecs is not None else None
-    if names is not None:
-        return frozenset(names)
-    return frozenset({"fp32"})
+    return frozenset(codecs.KINDS)
 
 
 def _decode_fp32(tensor: EncodedTensorLike) -> np.ndarray:
@@ -114,14 +84,9 @@ def decoder() -> Callable[[EncodedTensorLike], np.ndarray]:
     array itself: that one is a zero-copy view of the receive buffer, so a lossless payload costs its size
     in memory once, not twice. Read-only, so nobody can modify the received bytes through it by accident.
     """
-    codecs = _codecs()
-    full = getattr(codecs, "decode", None) if codecs is not None else None
 
     def decode(tensor: EncodedTensorLike) -> np.ndarray:
-        if _is_plain_fp32(tensor) or full is None:
-            array = _decode_fp32(tensor)
-        else:
-            array = full(tensor)
+        array = _decode_fp32(tensor) if _is_plain_fp32(tensor) else codecs.decode(tensor)
         array.flags.writeable = False
         return array
 
