@@ -128,6 +128,14 @@ def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) ->
         rd.close()
 
 
+def _fresh_totals(setup: Setup) -> dict[str, Any]:
+    """Run totals of either mode; stored in checkpoint metadata so a resumed run keeps counting."""
+    return {
+        "rounds": 0, "syncs": 0, "tokens": 0, "bytes_up": 0, "bytes_down": 0, "inner_s": 0.0,
+        "initial_eval_loss": None, "param_count": setup.n_params,
+    }  # fmt: skip
+
+
 def _summary(cfg: RunConfig, rd: RunDir, totals: dict[str, Any], final_eval: float, digest: str) -> dict:
     wall = rd.elapsed()
     return {
@@ -160,10 +168,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
     for isl in islands:
         isl.start(loop.params)
     evaluate = Evaluator(setup.model, setup.eval_stack)
-    totals: dict[str, Any] = {
-        "rounds": 0, "syncs": 0, "tokens": 0, "bytes_up": 0, "bytes_down": 0, "inner_s": 0.0,
-        "initial_eval_loss": None, "param_count": setup.n_params,
-    }  # fmt: skip
+    totals = _fresh_totals(setup)
 
     stores = _stores(cfg, rd, ["coordinator", *names])
     restored = latest_common_step(stores) if stores else None
@@ -281,10 +286,7 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
     island.start(setup.init_params)
     evaluate = Evaluator(setup.model, setup.eval_stack)
     grad_bytes = setup.n_params * 4
-    totals: dict[str, Any] = {
-        "rounds": 0, "syncs": 0, "tokens": 0, "bytes_up": 0, "bytes_down": 0, "inner_s": 0.0,
-        "initial_eval_loss": None, "param_count": setup.n_params,
-    }  # fmt: skip
+    totals = _fresh_totals(setup)
     stores = _stores(cfg, rd, ["sync"])
     restored = latest_common_step(stores) if stores else None
     if restored is not None:
