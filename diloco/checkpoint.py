@@ -3,17 +3,27 @@
 orbax writes each step into a temporary directory and renames it when complete, so a process killed mid-save
 leaves the previous step restorable. `latest_common_step` finds the newest step that every owner finished,
 which is where a run that checkpoints several owners per round resumes.
+
+States are saved as the pytrees they are (`save_state` / `restore_state`): `GlobalState` (diloco/rounds.py) and
+`IslandState` (islands/island.py) are registered dataclasses whose array fields go to orbax and whose static
+fields (host ints: round, step, data cursor) go to the JSON metadata beside them. A restore reads into a freshly
+built state of the same run (`like`), which fixes structure, dtypes and shardings. So adding a field to either
+state touches only the dataclass; this module needs no change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orbax.checkpoint as ocp
 
-PyTree = Any
+from transport.codecs import PyTree
+
+State = TypeVar("State")
+_HOST = "state_host_fields"
 
 
 class CheckpointStore:
@@ -53,3 +63,24 @@ def latest_common_step(stores: Sequence[CheckpointStore]) -> int | None:
     for store in stores[1:]:
         common &= set(store.steps())
     return max(common) if common else None
+
+
+def _is_static(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get("static"))
+
+
+def save_state(store: CheckpointStore, step: int, state: Any, meta: dict[str, Any]) -> None:
+    """Save a registered-dataclass state: arrays through orbax, host fields with `meta` (fields that are None, such
+    as a lossless codec's residual, are absent: a restore of the same run expects them absent too)."""
+    fields = dataclasses.fields(state)
+    host = {f.name: getattr(state, f.name) for f in fields if _is_static(f)}
+    arrays = {f.name: getattr(state, f.name) for f in fields if not _is_static(f)}
+    store.save(step, {k: v for k, v in arrays.items() if v is not None}, {**meta, _HOST: host})
+
+
+def restore_state(store: CheckpointStore, step: int, like: State) -> tuple[State, dict[str, Any]]:
+    """The state saved at `step`, read into the structure and layouts of `like`, and the caller's metadata."""
+    template = {f.name: getattr(like, f.name) for f in dataclasses.fields(like) if not _is_static(f)}
+    arrays, meta = store.restore(step, {k: v for k, v in template.items() if v is not None})
+    host = meta.pop(_HOST)
+    return dataclasses.replace(like, **{**template, **arrays, **host}), meta  # type: ignore[type-var]

@@ -1,8 +1,9 @@
-"""The `diloco` command line: simulate, bench (launch, coordinator, island, status follow the federation issue).
+"""The `diloco` command line: launch, coordinator, island, status, simulate, bench.
 
 Every command takes `--run-dir DIR` (where one applies) and trailing `key=value` config overrides. A user
-mistake (config, data, model path, run directory) ends with one line on stderr and exit code 2, never a
-traceback.
+mistake (config, data, model path, run directory, a refused island ...) is a `transport.errors.UserError`: it ends
+with one line on stderr and exit code 2, never a traceback. Each command imports what it needs when it runs, so
+`diloco --help` and `diloco status` start without importing JAX.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from diloco.errors import USER_ERRORS
+from transport.errors import UserError
 
 
 def _add_common(p: argparse.ArgumentParser, with_config: bool = True) -> None:
@@ -56,25 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("address", help="HOST:PORT of the coordinator")
     st.add_argument("--json", action="store_true", help="print the raw status JSON")
 
-    bench = sub.add_parser("bench", help="benchmarks that print JSON")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    ov = bsub.add_parser("overhead", help="island inner-step throughput vs a bare jitted optax loop")
-    _add_common(ov)
-    ov.add_argument("--repeats", type=int, default=5)
-    ov.add_argument("--steps", type=int, default=50)
-    conv = bsub.add_parser("convergence", help="L1 / L4 / sync on one config: the DiLoCo acceptance runs")
-    _add_common(conv)
-    conv.add_argument("--islands", type=int, default=4)
-    codec = bsub.add_parser("codec", help="pseudo-gradient codecs: ratio, GB/s, error")
-    codec.add_argument("--size-mb", type=float, default=64.0)
-    codec.add_argument("--repeats", type=int, default=5)
-    from diloco.bench_federation import add_parsers
+    from diloco.bench import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
 
-    add_parsers(bsub)  # recovery, faults
-    tr = bsub.add_parser("transport", help="gRPC goodput on loopback, unshaped and shaped")
-    tr.add_argument("--payload-mb", type=float, default=256.0)
-    tr.add_argument("--shaped-mbps", type=float, default=50.0)
-    tr.add_argument("--shaped-mb", type=float, default=20.0)
+    add_bench_parser(sub)
     return parser
 
 
@@ -94,31 +79,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.bench == "overhead":
-        from diloco.bench_overhead import run_overhead_bench
-        from diloco.config import load_config
+    from diloco.bench import run_bench
 
-        result = run_overhead_bench(load_config(args.config, args.overrides), args.steps, args.repeats)
-    elif args.bench == "convergence":
-        from diloco.bench_convergence import run_convergence_bench
-        from diloco.config import load_config
-
-        cfg = load_config(args.config, args.overrides)
-        run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-convergence")
-        result = run_convergence_bench(cfg, run_dir, args.islands)
-    elif args.bench in ("recovery", "faults"):
-        from diloco.bench_federation import run_from_args
-
-        result = run_from_args(args)
-    elif args.bench == "codec":
-        from diloco.bench_codec import run_codec_bench
-
-        result = run_codec_bench(args.size_mb, args.repeats)
-    else:
-        from diloco.bench_transport import run_transport_bench
-
-        result = run_transport_bench(args.payload_mb, args.shaped_mbps, args.shaped_mb)
-    print(json.dumps(result, indent=2))
+    print(json.dumps(run_bench(args), indent=2))
     return 0
 
 
@@ -196,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(argv) if argv is not None else None
     try:
         return COMMANDS[args.command](args)
-    except USER_ERRORS as exc:
+    except UserError as exc:
         print(f"diloco: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -3,8 +3,9 @@
 Each section is a frozen dataclass with a docstring under every field and a `__post_init__` that validates its
 own values and names the offending key. The sections that belong to a package live there (`ModelConfig` and
 `DataConfig` in islands, `InnerConfig` in islands.inner, `OuterConfig` in outer_optimizer) so that the
-dependency direction of DESIGN.md holds; this module only assembles them and does the generic work: reading
-TOML, applying overrides, type checking, suggesting the closest key for a typo, writing the resolved config back.
+dependency direction of docs/architecture.md ("Package boundaries") holds; this module only assembles them and
+does the generic work: reading TOML, applying overrides, type checking, suggesting the closest key for a typo,
+writing the resolved config back.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from islands.models import ModelConfig
 from outer_optimizer import OuterConfig
 from transport.codecs import CodecError, CodecSpec
 from transport.config import TransportConfig
+from transport.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user mistake in a config file or override; the message is one line naming the key."""
 
 

@@ -7,9 +7,11 @@ the pure `membership.decide`; this class only applies it:
   push   -> a validated pseudo-gradient joins the open round (the transport already checked credentials, run id,
             round, names, shapes, dtypes, finiteness and digest; nothing unchecked reaches θ)
   tick   -> leases expire, the adaptive deadline passes, or everyone has pushed: the round closes
-  close  -> token-weighted mean (islands in name order), outer step, û = decode(encode(u + e)), θ += û,
-            evaluate, checkpoint (orbax, atomic, finished before any island can see θ_{r+1}), notify pulls
-  pull   -> the committed û of the last round (island one round behind) or the full θ (new, restarted, lagging)
+  close  -> `GlobalRun.close_round` (the same as simulate's): token-weighted mean, outer step, θ += û with
+            û = decode(encode(u + e)), evaluate, checkpoint (finished before any island can see θ_{r+1}); then
+            wake the waiting pulls
+  pull   -> what the pure `membership.answer_pull` says: the committed û of the last round (island one round
+            behind), the full θ (new, restarted, lagging), wait for the open round, or push first
 
 A coordinator killed at any moment restarts from its last checkpoint: the round in flight is lost, islands that
 pushed into it push again after resyncing, and nothing half-applied ever existed.
@@ -21,45 +23,26 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import numpy as np
 
-from diloco.checkpoint import CheckpointStore
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
-from diloco.membership import REJOIN, Action, RoundView, decide
-from diloco.rounds import Commit, GlobalState, OuterLoop, RoundError
+from diloco.global_run import GlobalRun
+from diloco.membership import REJOIN, Action, PullKind, PullView, RoundView, answer_pull, decide
+from diloco.rounds import Commit, OuterLoop, RoundError
 from diloco.rundir import RunDir
-from diloco.simulate import Evaluator, Setup
-from islands.compress import decoded_tree, is_lossless
+from diloco.setup import Setup
+from diloco.summary import Totals
+from islands.compress import decoded_tree
 from transport import diloco_pb2 as pb
-from transport.codecs import CodecSpec, encode_tree, flatten_named
+from transport.codecs import CodecSpec, EncodedTensor, encode_tree, flatten_named
 from transport.digest import tree_digest
 from transport.errors import Rejected
 from transport.handler import PullPayload
-from transport.tensors import EncodedTensorLike
 
-PyTree = Any
 FP32 = CodecSpec(kind="fp32")
-
-
-@dataclass
-class Totals:
-    """Run totals that survive a coordinator restart (stored in the checkpoint's metadata)."""
-
-    tokens: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    compute_s: float = 0.0
-    island_wall_s: float = 0.0
-    islands_joined: int = 0
-    islands_lost: int = 0
-    rejected: int = 0
-    initial_eval_loss: float | None = None
-    final_eval_loss: float | None = None
-    durations: list[float] = field(default_factory=list)
 
 
 class Coordinator:
@@ -72,19 +55,24 @@ class Coordinator:
         self.names = cfg.islands.island_names
         self.digest = bytes.fromhex(config_digest(cfg))
         self.config_dict = to_dict(cfg)
-        self.loop = OuterLoop.fresh(setup.init_params, cfg.outer.build(), cfg.codec.spec("downlink"))
+        self.world = GlobalRun(cfg, rd, setup, durable=True)
+        self.world.start(self.world.latest_step())
         self.model_spec = {name: (tuple(a.shape), "float32") for name, a in flatten_named(setup.init_params).items()}
-        self.evaluate = Evaluator(setup.model, setup.eval_stack)
-        self.totals = Totals()
         self.cond = threading.Condition()
         self.last_seen: dict[str, float] = {}
         self.last_loss: dict[str, float] = {}
         self.last_commit: Commit | None = None
-        self.store = CheckpointStore(rd.checkpoints / "coordinator") if cfg.train.checkpoint_every else None
-        self._restore_or_start()
         self.opened_at = clock()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    @property
+    def loop(self) -> OuterLoop:
+        return self.world.loop
+
+    @property
+    def totals(self) -> Totals:
+        return self.world.totals
 
     @property
     def run_id(self) -> str:
@@ -92,31 +80,10 @@ class Coordinator:
 
     @property
     def done(self) -> bool:
-        return self.loop.round >= self.cfg.train.rounds
-
-    def _restore_or_start(self) -> None:
-        steps = self.store.steps() if self.store else []
-        if not steps:
-            self.totals.initial_eval_loss = self.totals.final_eval_loss = self.evaluate(self.loop.params)
-            self.rd.log("eval", step=0, eval_loss=self.totals.initial_eval_loss)
-            return
-        like: dict[str, Any] = {"params": self.loop.params, "outer": self.loop.state.outer_opt_state}
-        if not is_lossless(self.loop.downlink):
-            like["down_residual"] = {k: np.zeros(s, np.float32) for k, (s, _) in self.model_spec.items()}
-        state, meta = self.store.restore(steps[-1], like)  # type: ignore[union-attr]
-        self.loop.state = GlobalState(
-            params=state["params"],
-            outer_opt_state=state["outer"],
-            down_residual=state.get("down_residual"),
-            round=meta["round"],
-        )
-        self.totals = Totals(**meta["totals"])
-        self.rd.truncate_after_round(self.loop.round)
-        self.rd.log("resumed", round=self.loop.round, digest=tree_digest(self.loop.params))
+        return self.world.done
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        self.world.close()
 
     # -- CoordinatorHandler ------------------------------------------------------------------------------------
 
@@ -175,9 +142,7 @@ class Coordinator:
     def current_round(self, fragment: int) -> int:
         return self.loop.round
 
-    def push(
-        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensorLike], arrays: dict[str, np.ndarray]
-    ) -> pb.PushReply:
+    def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray]) -> pb.PushReply:
         with self.cond:
             if self.done:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
@@ -207,35 +172,32 @@ class Coordinator:
 
     def pull(self, req: pb.PullRequest) -> PullPayload:
         with self.cond:
-            if not req.full and req.have_round > self.loop.round:
-                # Only possible when this coordinator restarted from a checkpoint older than what it had sent
-                # (train.checkpoint_every > 1): waiting would deadlock (the island never pushes for our round).
-                raise Rejected(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"island {req.island} is at round {req.have_round} but the coordinator restarted at round "
-                    f"{self.loop.round}; pull the full parameters",
-                )
-            if not req.full and req.have_round >= self.loop.round and not self.done:
-                if req.have_round == self.loop.round and req.island not in self.loop.pending:
-                    # e.g. this coordinator restarted and lost the round in flight: the island must push again
-                    raise Rejected(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"round {self.loop.round} has no pseudo-gradient from island {req.island}; push it first",
-                    )
-                self.cond.wait_for(
-                    lambda: req.have_round < self.loop.round or self.done, timeout=self.cfg.network.pull_wait_s
-                )
-                if req.have_round >= self.loop.round and not self.done:
-                    # ABORTED is retryable: the island backs off and asks again while it keeps its lease.
-                    raise Rejected(grpc.StatusCode.ABORTED, f"round {self.loop.round} is still open; retry")
-            digest = bytes.fromhex(tree_digest(self.loop.params))
-            commit = self.last_commit
-            if not req.full and commit is not None and req.have_round == commit.round == self.loop.round - 1:
-                kind, tensors = "update", commit.encoded
+            answer = answer_pull(self._pull_view(req))
+            if answer.kind is PullKind.WAIT:
+                self.cond.wait_for(lambda: answer_pull(self._pull_view(req)).kind is not PullKind.WAIT,
+                                   timeout=self.cfg.network.pull_wait_s)  # fmt: skip
+                answer = answer_pull(self._pull_view(req))
+            if answer.kind is PullKind.WAIT:  # ABORTED is retryable: the island asks again, keeping its lease
+                raise Rejected(grpc.StatusCode.ABORTED, f"{answer.reason}; retry")
+            if answer.kind in (PullKind.PUSH_FIRST, PullKind.RESYNC):
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {req.island}: {answer.reason}")
+            if answer.kind is PullKind.UPDATE:
+                assert self.last_commit is not None
+                tensors: Sequence[EncodedTensor] = self.last_commit.encoded
             else:
-                kind, tensors = "full", encode_tree(flatten_named(self.loop.params), FP32)
+                tensors = encode_tree(flatten_named(self.loop.params), FP32)
             self.totals.bytes_down += sum(len(t.payload) for t in tensors)
-            return PullPayload(round=self.loop.round, fragment=0, kind=kind, param_digest=digest, tensors=tensors)
+            digest = bytes.fromhex(tree_digest(self.loop.params))
+            return PullPayload(
+                round=self.loop.round, fragment=0, kind=answer.kind.value, param_digest=digest, tensors=tensors
+            )
+
+    def _pull_view(self, req: pb.PullRequest) -> PullView:
+        return PullView(
+            have_round=req.have_round, full=req.full, round=self.loop.round, done=self.done,
+            pushed=req.island in self.loop.pending,
+            last_commit_round=self.last_commit.round if self.last_commit is not None else None,
+        )  # fmt: skip
 
     def status(self) -> pb.StatusReply:
         with self.cond:
@@ -256,7 +218,7 @@ class Coordinator:
                 round=self.loop.round,
                 state=self._state_name(),
                 islands=islands,
-                detail_json=json.dumps(self.summary(partial=True)),
+                detail_json=json.dumps(self.live_status()),
             )
 
     def on_rejected(self, island: str, reason: str) -> None:
@@ -280,7 +242,7 @@ class Coordinator:
             opened_at=self.opened_at,
             last_seen=dict(self.last_seen),
             pushed=frozenset(self.loop.pending),
-            durations=self.totals.durations,
+            durations=self.world.durations,
         )
         decision = decide(now, view, self.cfg.quorum)
         for name in sorted(decision.lost):
@@ -288,55 +250,19 @@ class Coordinator:
             self.totals.islands_lost += 1
             self.rd.log("island_lost", round=self.loop.round, island=name, reason="lease expired")
         if decision.action is Action.CLOSE:
-            self._close_locked(now, decision.reason)
-
-    def _close_locked(self, now: float, reason: str) -> None:
-        commit = self.loop.commit()
-        self.last_commit = commit
-        seconds = now - self.opened_at
-        self.totals.durations = [*self.totals.durations, seconds][-self.cfg.quorum.history :]
-        self.opened_at = now
-        eval_loss = self.evaluate(self.loop.params)
-        self.totals.final_eval_loss = eval_loss
-        losses = [self.last_loss[n] for n in commit.islands if n in self.last_loss]
-        self.rd.log(
-            "round", round=commit.round, loss=float(np.mean(losses)) if losses else None, eval_loss=eval_loss,
-            tokens=self.totals.tokens, bytes_up=self.totals.bytes_up, bytes_down=self.totals.bytes_down,
-            islands=list(commit.islands), digest=commit.digest, seconds=round(seconds, 4), reason=reason,
-        )  # fmt: skip
-        every = self.cfg.train.checkpoint_every
-        if self.store is not None and (self.loop.round % every == 0 or self.done):
-            saved: dict[str, Any] = {"params": self.loop.params, "outer": self.loop.state.outer_opt_state}
-            if self.loop.state.down_residual is not None:
-                saved["down_residual"] = self.loop.state.down_residual
-            self.store.save(self.loop.round, saved, {"round": self.loop.round, "totals": self.totals.__dict__})
-            # Durable before visible: no island may hold θ_{r+1} that a restarted coordinator does not have.
-            # (The lock is held, so no pull sees the new round before this returns.) The round event is
-            # logged before the save, so a kill in between loses the event with the round (truncated on
-            # resume, then rerun), never a committed round without its event.
-            self.store.wait()
-        self.cond.notify_all()
+            losses = [self.last_loss[n] for n in self.loop.pending if n in self.last_loss]
+            # The lock is held, so no pull sees θ_{r+1} before it is durable (GlobalRun with durable=True).
+            seconds = now - self.opened_at
+            self.last_commit = self.world.close_round(losses=losses, seconds=seconds, reason=decision.reason)
+            self.opened_at = now
+            self.cond.notify_all()
 
     # -- reporting ---------------------------------------------------------------------------------------------
 
-    def summary(self, partial: bool = False) -> dict[str, Any]:
-        t = self.totals
-        return {
-            "mode": "diloco",
-            "rounds": self.loop.round,
-            "rounds_planned": self.cfg.train.rounds,
-            "final_eval_loss": t.final_eval_loss,
-            "initial_eval_loss": t.initial_eval_loss,
-            "tokens": t.tokens,
-            "bytes_up": t.bytes_up,
-            "bytes_down": t.bytes_down,
-            "wall_s": round(self.rd.elapsed(), 3),
-            "compute_utilization": round(t.compute_s / t.island_wall_s, 4) if t.island_wall_s > 0 else 0.0,
-            "islands_lost": t.islands_lost,
-            "islands_joined": t.islands_joined,
-            "rejected": t.rejected,
-            "islands_alive": sorted(self.last_seen),
-            "last_losses": dict(self.last_loss),
-            "params_digest": tree_digest(self.loop.params),
-            **({} if partial else {"syncs": self.loop.round}),
-        }
+    def summary(self) -> dict[str, Any]:
+        """summary.json's contents (diloco/summary.py), the same keys as `simulate` writes."""
+        return self.world.summary()
+
+    def live_status(self) -> dict[str, Any]:
+        """The summary so far plus who is alive and their last losses: `diloco status` and `launch`'s display."""
+        return {**self.summary(), "islands_alive": sorted(self.last_seen), "last_losses": dict(self.last_loss)}

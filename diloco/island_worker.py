@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,31 +27,29 @@ import grpc
 import jax
 import numpy as np
 
-from diloco.checkpoint import CheckpointStore
+from diloco.checkpoint import CheckpointStore, restore_state, save_state
 from diloco.config import RunConfig, config_digest, to_dict
 from diloco.membership import REJOIN
 from diloco.rundir import RunDir
-from diloco.simulate import build_setup
-from islands.compress import compress_tree, decoded_tree, is_lossless
-from islands.inner import make_inner_optimizer
-from islands.island import Island
-from outer_optimizer import apply_update, pseudo_gradient
+from diloco.setup import build_setup, make_island
+from islands.compress import decoded_tree
+from islands.island import RoundPush
+from outer_optimizer import apply_update
 from transport import diloco_pb2 as pb
-from transport.codecs import flatten_named
+from transport.client import IslandClient
+from transport.codecs import PyTree
 from transport.digest import tree_digest
-from transport.errors import TransportError
+from transport.errors import TransportError, UserError
 from transport.handler import PullPayload
 from transport.shaper import LinkShaper, load_link_profiles, profile_for
 from transport.tensors import decoder
 
-PyTree = Any
 
-
-class IslandError(ValueError):
+class IslandError(UserError, ValueError):
     """A user mistake that stops an island (name not in the config, coordinator refuses the config...)."""
 
 
-class CoordinatorAway(ConnectionError):
+class CoordinatorAway(UserError, ConnectionError):
     """The coordinator did not answer for longer than the island is willing to wait."""
 
 
@@ -75,32 +72,25 @@ def _retry_forever(fn: Any, what: str, give_up_s: float) -> Any:
 
 
 class IslandWorker:
-    def __init__(self, cfg: RunConfig, name: str, client: Any, rd: RunDir) -> None:
+    def __init__(self, cfg: RunConfig, name: str, client: IslandClient, rd: RunDir) -> None:
         if name not in cfg.islands.island_names:
             raise IslandError(
                 f"island '{name}' is not in the config's islands.names ({', '.join(cfg.islands.island_names)})"
             )
         self.cfg, self.name, self.client, self.rd = cfg, name, client, rd
         self.give_up_s = cfg.network.coordinator_wait_s
-        index = cfg.islands.island_names.index(name)
-        setup = build_setup(cfg)
+        setup = build_setup(cfg, islands=[name])
         self.like = setup.init_params
         n_devices = min(cfg.islands.devices, len(jax.local_devices()))
         if n_devices < cfg.islands.devices:
             rd.log("devices_reduced", island=name, configured=cfg.islands.devices, available=n_devices)
-        tx = make_inner_optimizer(cfg.inner, cfg.total_inner_steps)
-        self.island = Island(
-            name, setup.model, tx, setup.streams[index], n_devices=n_devices, microbatch=cfg.train.microbatch,
-            shard_params=cfg.islands.shard_params,
-        )  # fmt: skip
-        self.uplink = cfg.codec.spec("uplink")
+        self.island = make_island(cfg, name, setup.model, setup.streams[name], n_devices)
         self.store = CheckpointStore(rd.checkpoints) if cfg.train.checkpoint_every else None
         self.round = -1
         self.global_params: PyTree = None
         self.state_name = "starting"
         self._stop = threading.Event()
         self._decode = decoder()
-        self.client_target = getattr(client, "target", "coordinator")
 
     # -- coordinator RPCs --------------------------------------------------------------------------------------
 
@@ -120,7 +110,7 @@ class IslandWorker:
         req = self._join_request(have_round)
         first = self.global_params is None and self.round < 0
         wait = self.cfg.network.connect_timeout_s if first else self.give_up_s
-        reply = _retry_forever(lambda: self.client.join(req), f"join {self.client_target}", wait)
+        reply = _retry_forever(lambda: self.client.join(req), f"join {self.client.target}", wait)
         self.rd.log("joined", round=reply.round, island=self.name, state=reply.state)
         return reply
 
@@ -163,19 +153,19 @@ class IslandWorker:
         self.island.set_params(new)
         self.rd.log("synced", round=self.round, island=self.name, kind=payload.kind, digest=digest)
 
-    def _push(self, meta: pb.PushMeta, encoded: list, nbytes: int) -> bool:
+    def _push(self, meta: pb.PushMeta, push: RoundPush) -> bool:
         """Push Δ; False when the round closed without it (a slow island, a restarted coordinator): Δ is dropped."""
         try:
-            _retry_forever(lambda: self.client.push(meta, encoded), "push", self.give_up_s)
+            _retry_forever(lambda: self.client.push(meta, push.sent.encoded), "push", self.give_up_s)
         except TransportError as exc:
             if exc.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                 raise
             self.rd.log("push_dropped", round=self.round, island=self.name, reason=exc.reason)
             return False
-        self.rd.log("pushed", round=self.round, island=self.name, bytes_up=nbytes, loss=meta.loss)
+        self.rd.log("pushed", round=self.round, island=self.name, bytes_up=push.sent.payload_nbytes, loss=meta.loss)
         return True
 
-    def _pull_after_push(self, meta: pb.PushMeta, encoded: list, nbytes: int) -> PullPayload:
+    def _pull_after_push(self, meta: pb.PushMeta, push: RoundPush) -> PullPayload:
         """Wait for the round to close. A coordinator that restarted and lost our push says so: push again.
 
         When the push is refused too (the round closed meanwhile, or the coordinator restarted at an older
@@ -188,28 +178,16 @@ class IslandWorker:
                 if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 self.rd.log("repush", round=self.round, island=self.name, reason=exc.reason)
-                if not self._push(meta, encoded, nbytes):
+                if not self._push(meta, push):
                     break
         return self.pull(-1, full=True)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
-    def _saved(self) -> dict[str, Any]:
-        st = self.island.state
-        saved = {"params": self.global_params, "inner": st.inner_opt_state}
-        if not is_lossless(self.uplink):
-            # Always present for a lossy uplink (zeros before the first accepted push), so a restore knows the
-            # structure it reads: the residual is a flat {leaf name: array} dict, not a params-shaped tree.
-            saved["residual"] = st.residual if st.residual is not None else self._zero_residual()
-        return saved
-
-    def _zero_residual(self) -> dict[str, np.ndarray]:
-        return {k: np.zeros(v.shape, np.float32) for k, v in flatten_named(self.like).items()}
-
     def save(self) -> None:
+        """IslandState after adopting θ_r (so its params are the global ones) with the round it belongs to."""
         if self.store is not None:
-            st = self.island.state
-            self.store.save(self.round, self._saved(), {"round": self.round, "step": st.step, "cursor": st.data_cursor})
+            save_state(self.store, self.round, self.island.state, {"round": self.round})
 
     def restore(self) -> int:
         """Resume from this island's own checkpoint if it has one; returns its round (-1: none)."""
@@ -217,15 +195,12 @@ class IslandWorker:
         self.island.start(self.like)
         if not steps:
             return -1
-        like: dict[str, Any] = {"params": self.like, "inner": self.island.state.inner_opt_state}
-        if not is_lossless(self.uplink):
-            like["residual"] = self._zero_residual()
-        saved, meta = self.store.restore(steps[-1], like)  # type: ignore[union-attr]
-        self.island.start(saved["params"], saved["inner"], step=meta["step"], cursor=meta["cursor"])
-        self.island.state = replace(self.island.state, residual=saved.get("residual"))
-        self.global_params = jax.tree.map(np.asarray, saved["params"])
+        assert self.store is not None and self.island.state is not None
+        state, meta = restore_state(self.store, steps[-1], self.island.state)
+        self.island.restore(state)
+        self.global_params = jax.tree.map(np.asarray, state.params)
         self.round = meta["round"]
-        self.rd.log("resumed", round=self.round, island=self.name, step=meta["step"])
+        self.rd.log("resumed", round=self.round, island=self.name, step=state.step)
         return self.round
 
     # -- the loop ----------------------------------------------------------------------------------------------
@@ -247,22 +222,18 @@ class IslandWorker:
             cycle_from = time.perf_counter()
             while self.round < self.cfg.train.rounds and self.state_name != "done":
                 self.rd.log("train_start", round=self.round, island=self.name, step=self.island.state.step)
-                run = self.island.train(H)
-                assert self.island.state is not None
-                delta = pseudo_gradient(self.global_params, self.island.state.params)
-                sent = compress_tree(jax.device_get(delta), self.island.state.residual, self.uplink)
-                for i in range(self.cfg.train.log_every - 1, H, self.cfg.train.log_every):
-                    self.rd.log("inner", round=self.round, island=self.name, step=run.first_step + i + 1,
-                                loss=float(run.losses[i]))  # fmt: skip
+                push = self.island.train_round(self.global_params, H)
+                run = push.run
+                self.rd.log_inner(self.round, self.name, run.first_step, run.losses, self.cfg.train.log_every)
                 meta = pb.PushMeta(
                     **self._meta(), round=self.round, tokens=run.tokens, inner_steps=H, loss=float(run.losses[-1]),
                     compute_s=run.seconds, wall_s=time.perf_counter() - cycle_from,
                 )  # fmt: skip
                 cycle_from = time.perf_counter()
-                if self._push(meta, sent.encoded, sent.nbytes):
-                    self.island.state = replace(self.island.state, residual=sent.residual)
+                if self._push(meta, push):
+                    self.island.keep_residual(push)  # only an accepted push carries its residual (Island.keep_residual)
                     contributed += 1
-                self.adopt(self._pull_after_push(meta, sent.encoded, sent.nbytes))
+                self.adopt(self._pull_after_push(meta, push))
                 self.save()
         finally:
             self._stop.set()
@@ -275,7 +246,7 @@ class IslandWorker:
         return contributed
 
 
-def make_client(cfg: RunConfig, name: str, target: str, secret: str | None) -> Any:
+def make_client(cfg: RunConfig, name: str, target: str, secret: str | None) -> IslandClient:
     from transport.grpc_client import GrpcTransport
 
     shaper = None

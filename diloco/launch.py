@@ -27,9 +27,10 @@ from rich.table import Table
 from diloco.config import RunConfig, load_config
 from diloco.procs import Federation, FederationError
 from diloco.progress import format_eta
+from transport.errors import UserError
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """A child process failed in a way the user must see (its own one-line error is in the message)."""
 
 

@@ -1,4 +1,5 @@
-"""Membership and quorum as one pure function: `decide(now, round_view, cfg) -> Decision`.
+"""Membership and quorum as one pure function, `decide(now, round_view, cfg) -> Decision`, and what a pull
+returns as another, `answer_pull(pull_view) -> PullAnswer`.
 
 The coordinator calls it whenever something happens (a push, a heartbeat, a tick) and does what it says. It
 holds no state and reads no clock, so every branch is table-tested. Rules:
@@ -112,3 +113,69 @@ def decide(now: float, view: RoundView, cfg: QuorumConfig) -> Decision:
             f"late: {', '.join(waiting_for)}",
         )
     return out(Action.WAIT, f"waiting for {', '.join(waiting_for)} (deadline in {deadline - elapsed:.1f}s)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a pull returns: `answer_pull(request, coordinator view) -> PullAnswer`, as pure as `decide`.
+
+
+class PullKind(Enum):
+    UPDATE = "update"
+    """û of the round just closed: the island holds θ_r and applies θ_{r+1} = θ_r + û (the cheap, usual path)."""
+    FULL = "full"
+    """The whole θ: the island is new, restarted, behind by more than one round, or asked for it."""
+    WAIT = "wait"
+    """The island's round is still open: hold the call until it closes (then decide again), or tell it to retry."""
+    PUSH_FIRST = "push_first"
+    """The open round has no push from this island (a restarted coordinator lost it): push again, then pull."""
+    RESYNC = "resync"
+    """The island is ahead of the coordinator (restarted from an older checkpoint): it must pull the full θ."""
+
+
+@dataclass(frozen=True)
+class PullView:
+    """A pull request and what the coordinator knows, as plain values."""
+
+    have_round: int
+    """The round whose θ the island holds (-1: none)."""
+    full: bool
+    """The island asked for the full parameters."""
+    round: int
+    """The coordinator's open round r: it holds θ_r."""
+    done: bool
+    """Every planned round is committed."""
+    pushed: bool
+    """This island's pseudo-gradient for the open round was accepted."""
+    last_commit_round: int | None
+    """The round whose û this coordinator committed last in this process (None: none since it started)."""
+
+
+@dataclass(frozen=True)
+class PullAnswer:
+    kind: PullKind
+    reason: str
+
+
+def answer_pull(v: PullView) -> PullAnswer:
+    if not v.full and v.have_round > v.round:
+        # Only when this coordinator restarted from a checkpoint older than what it had sent (checkpoint_every > 1):
+        # waiting would deadlock, since the island never pushes for our round.
+        return PullAnswer(
+            PullKind.RESYNC,
+            f"the island is at round {v.have_round} but the coordinator restarted at round {v.round}; "
+            "pull the full parameters",
+        )
+    if not v.full and v.have_round == v.round and not v.done:
+        if not v.pushed:
+            reason = f"round {v.round} has no pseudo-gradient from the island; push it first"
+            return PullAnswer(PullKind.PUSH_FIRST, reason)
+        return PullAnswer(PullKind.WAIT, f"round {v.round} is still open")
+    if not v.full and v.last_commit_round is not None and v.have_round == v.last_commit_round == v.round - 1:
+        return PullAnswer(PullKind.UPDATE, f"the island holds θ_{v.have_round}: the update of round {v.have_round}")
+    if v.full:
+        why = "asked for"
+    elif v.have_round < 0:
+        why = "the island holds no parameters"
+    else:
+        why = f"the island holds θ_{v.have_round} and this coordinator keeps only the last round's update"
+    return PullAnswer(PullKind.FULL, f"full θ_{v.round}: {why}")

@@ -9,7 +9,7 @@ coordinator's run dir is RUN_DIR, island NAME's is RUN_DIR/islands/NAME.
 Options, for the callers that need them: `supervise` runs islands under their supervisor (launch; a test's
 supervised island), else `--no-supervise` so that a SIGKILL kills the island and not a supervisor that restarts it
 behind our back; `wrap` prefixes every command (`Namespace.wrap`: the whole federation inside a kernel-shaped
-network namespace, diloco.netns); `jax_cache` shares one persistent XLA compilation cache so restarted processes
+network namespace, tests/netns.py); `jax_cache` shares one persistent XLA compilation cache so restarted processes
 load their compiled steps instead of compiling again; `new_session` puts each child in its own process group so
 that a final SIGKILL also reaches what it started (a supervisor's worker). Per process, `start_island` takes extra
 arguments (`--secret`) and environment (`devices_env(1)`: a restart on fewer devices); a coordinator restarted
@@ -225,9 +225,6 @@ class Federation:
         self.signal(name, signal.SIGKILL)
         self.processes()[name].wait(timeout=30)
 
-    def kill_island(self, name: str) -> None:
-        self.kill(name)
-
     def check_alive(self) -> None:
         """Raise if a process that was not killed on purpose exited with an error."""
         for name, proc in self.processes().items():
@@ -322,6 +319,3 @@ class Federation:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-__all__ = ["Federation", "FederationError", "child_env", "devices_env", "read_events"]

@@ -12,17 +12,14 @@ digest proves. The same object serves `diloco simulate` (called directly) and th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import optax
 
-from islands.compress import Residual, compress_tree
+from islands.compress import Residual, compress_tree, zero_residual
 from outer_optimizer import apply_update, make_outer_step, weighted_mean
-from transport.codecs import CodecSpec, EncodedTensor
+from transport.codecs import CodecSpec, EncodedTensor, PyTree
 from transport.digest import tree_digest
-
-PyTree = Any
 
 
 @jax.tree_util.register_dataclass
@@ -31,7 +28,8 @@ class GlobalState:
     params: PyTree
     outer_opt_state: PyTree
     down_residual: Residual = None
-    """What the downlink codec dropped from past updates (error feedback), added to the next update."""
+    """What the downlink codec dropped from past updates (error feedback), added to the next update: zeros at the
+    start for a lossy codec, None for a lossless one."""
     round: int = field(default=0, metadata={"static": True})
     """Rounds committed so far; θ here is θ_round (host int)."""
 
@@ -72,7 +70,8 @@ class OuterLoop:
 
     @classmethod
     def fresh(cls, params: PyTree, tx: optax.GradientTransformation, downlink: CodecSpec) -> OuterLoop:
-        return cls(GlobalState(params=params, outer_opt_state=tx.init(params), round=0), tx, downlink)
+        state = GlobalState(params, tx.init(params), zero_residual(params, downlink), round=0)
+        return cls(state, tx, downlink)
 
     @property
     def round(self) -> int:

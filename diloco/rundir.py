@@ -1,4 +1,4 @@
-"""The run directory contract (DESIGN.md): config.toml, metrics.jsonl, summary.json, checkpoints/.
+"""The run directory (README.md, "Reading a run directory"): config.toml, metrics.jsonl, summary.json, checkpoints/.
 
 metrics.jsonl holds one JSON object per line with at least `event` and `t` (seconds since the run started,
 continued across resumes). A run directory belongs to one run: opening it with a different config is refused
@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from diloco.config import RunConfig, diff_keys, dump_toml, from_dict, to_dict
+from transport.errors import UserError
 
 
-class RunDirError(ValueError):
+class RunDirError(UserError, ValueError):
     """The run directory is unusable (another run's, unreadable, not a directory)."""
 
 
@@ -74,6 +76,11 @@ class RunDir:
     def log(self, event: str, **fields: Any) -> None:
         record = {"event": event, "t": round(self.elapsed(), 4), **fields}
         self._metrics.write(json.dumps(record) + "\n")
+
+    def log_inner(self, round: int, island: str, first_step: int, losses: Sequence[float], every: int) -> None:
+        """One `inner` event every `every` steps of a round's inner losses (steps are counted from 1)."""
+        for i in range(every - 1, len(losses), every):
+            self.log("inner", round=round, island=island, step=first_step + i + 1, loss=float(losses[i]))
 
     def truncate_after_round(self, completed_rounds: int) -> None:
         """On resume, drop events of rounds that the restored checkpoint does not contain (they will rerun)."""

@@ -20,13 +20,14 @@ from typing import Any
 from diloco.config import RunConfig
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir
-from diloco.simulate import build_setup
+from diloco.setup import build_setup
 from transport.auth import Authenticator, resolve_secret
+from transport.errors import UserError
 from transport.grpc_server import start_server
 from transport.service import DilocoService
 
 
-class ListenError(OSError):
+class ListenError(UserError, OSError):
     """The coordinator cannot listen where it was told to."""
 
 
@@ -56,7 +57,7 @@ def serve(cfg: RunConfig, run_dir: Path, listen: str, progress: bool = True, lin
     check_listen(listen)
     secrets = island_secrets(cfg)
     rd = RunDir(run_dir, cfg)
-    coordinator = Coordinator(cfg, rd, build_setup(cfg))
+    coordinator = Coordinator(cfg, rd, build_setup(cfg, islands=()))
     service = DilocoService(
         coordinator, cfg.run.name, coordinator.model_spec, authenticator=Authenticator(secrets),
         config=cfg.transport, on_rejected=coordinator.on_rejected,
@@ -84,7 +85,7 @@ def serve(cfg: RunConfig, run_dir: Path, listen: str, progress: bool = True, lin
             now = time.monotonic()
             if progress and now - last_line > 5:
                 last_line = now
-                s = coordinator.summary(partial=True)
+                s = coordinator.live_status()
                 print(f"round {s['rounds']}/{cfg.train.rounds} alive {len(s['islands_alive'])} "
                       f"eval {s['final_eval_loss']:.4f} up {s['bytes_up']:,}B down {s['bytes_down']:,}B "
                       f"rejected {s['rejected']}", file=sys.stderr, flush=True)  # fmt: skip

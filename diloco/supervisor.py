@@ -8,7 +8,6 @@ by gradient accumulation. Exit code 2 (a user mistake) is never retried: it woul
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -43,13 +42,3 @@ def supervise(worker_argv: Sequence[str], run_dir: Path, max_restarts: int = 5, 
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         print(f"diloco island: worker died ({why}); restart {restarts}/{max_restarts}", file=sys.stderr, flush=True)
         time.sleep(backoff_s * restarts)
-
-
-def worker_pid(run_dir: Path) -> int | None:
-    try:
-        return int((run_dir / "worker.pid").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-__all__ = ["supervise", "worker_pid", "os"]

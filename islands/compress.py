@@ -9,14 +9,20 @@ reconstruct. Both sides then compute with the decoded values, which is what keep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from transport.codecs import CodecSpec, EncodedTensor, compress_tree_with_feedback, flatten_named, unflatten_named
+from transport.codecs import (
+    CodecSpec,
+    EncodedTensor,
+    PyTree,
+    compress_tree_with_feedback,
+    flatten_named,
+    unflatten_named,
+)
 
-PyTree = Any
 Residual = dict[str, np.ndarray] | None
+"""Error-feedback state: leaf name -> float32 array, or None for a lossless codec (nothing is ever dropped)."""
 
 
 @dataclass(frozen=True)
@@ -28,12 +34,24 @@ class Compressed:
     """What this message could not carry, to add to the next one (None for a lossless codec)."""
 
     @property
-    def nbytes(self) -> int:
+    def payload_nbytes(self) -> int:
+        """Bytes this message puts on the wire (its tensors' encoded payloads; the metadata is not counted)."""
         return sum(t.nbytes for t in self.encoded)
 
 
 def is_lossless(spec: CodecSpec) -> bool:
     return spec.kind == "fp32"
+
+
+def zero_residual(tree: PyTree, spec: CodecSpec) -> Residual:
+    """The residual a sender starts with: zeros for every leaf of `tree` when `spec` is lossy, else None.
+
+    Starting from zeros (not None) gives a state whose structure never changes during a run, so a checkpoint
+    restores into the freshly built state as it is (diloco/checkpoint.py) with no special case.
+    """
+    if is_lossless(spec):
+        return None
+    return {name: np.zeros(np.shape(leaf), np.float32) for name, leaf in flatten_named(tree, to_numpy=False).items()}
 
 
 def compress_tree(tree: PyTree, residual: Residual, spec: CodecSpec) -> Compressed:

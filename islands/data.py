@@ -8,18 +8,32 @@ last `val_fraction` as held-out validation data.
 Batch k of an island is a pure function of (seed, island index, k): random windows whose offsets come
 from `np.random.default_rng((seed, island, k))`. The only state is the host int k (the cursor), which the
 island checkpoints, so a resumed island neither repeats nor skips a batch, and a re-run is bit-identical.
-Corpora are memory-mapped (np.memmap) so an island touches only the pages its windows read.
+A single-file corpus is memory-mapped (np.memmap) so an island touches only the pages its windows read;
+a multi-file source is read once into one array.
+
+Built-in corpus: the source spec `stdlib:` (data.kind = "text") is the running Python's own standard-library
+sources, read at run time from `sysconfig.get_paths()["stdlib"]` (never copied into the repo), so a fresh clone
+trains with no download and no extra data. `stdlib:email,json` keeps only those top-level packages and modules:
+one family per island in `data.paths` gives non-IID data. See `stdlib_files` for what is included. The corpus is
+whatever Python runs the job, so losses and digests are comparable only across runs on the same Python version.
+
+An island process passes `load_sources(..., only={i})` and the coordinator `only=set()`: other islands' training
+data is then neither read nor copied (non-IID sources are read only for their validation tails).
 """
 
 from __future__ import annotations
 
 import bisect
+import difflib
 import glob
 import os
-from collections.abc import Iterator
+import sysconfig
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
+from transport.errors import UserError
 
 KINDS: tuple[str, ...] = ("text", "tokens", "synthetic")
 TOKEN_DTYPES: tuple[str, ...] = ("uint16", "uint32")
@@ -29,9 +43,20 @@ FULL_CHECK_TOKENS = 1 << 26
 
 _CHUNK = 1 << 22
 
+STDLIB_PREFIX = "stdlib:"
+"""A source spec starting with this names the built-in corpus (see `stdlib_files`)."""
 
-class DataError(ValueError):
-    """A user error in the data section of the config or in the data itself (missing, empty, too small)."""
+STDLIB_TEST_DIRS: frozenset[str] = frozenset({"test", "tests", "idle_test"})
+"""Directories skipped at any depth of the standard library: its test suites (Lib/test, ctypes/test,
+unittest/test, distutils/tests, lib2to3/tests, idlelib/idle_test, tkinter/test, ...)."""
+
+STDLIB_FIXTURES: frozenset[str] = frozenset({"__hello__", "__phello__"})
+"""Top-level modules skipped: fixtures of the frozen-module tests, not library code."""
+
+
+class DataError(UserError, ValueError):
+    """A user error in the data section of the config or in the data itself (missing, empty, too small): a
+    UserError, so the CLI prints it as one line with exit code 2."""
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -51,8 +76,10 @@ class DataConfig:
 
     path: str = ""
     """One corpus shared by all islands (IID): a file, a directory (all its files, sorted by name, hidden
-    files skipped) or a glob pattern (matches sorted). Split into disjoint per-island shards, see
-    shard_block_tokens."""
+    files skipped), a glob pattern (matches sorted), or "stdlib:" (kind = "text" only), the built-in corpus:
+    the installed Python's standard-library .py sources without their test suites (about 12 MB), read at run
+    time; "stdlib:json,email" keeps only those top-level packages or modules. Relative paths are relative to
+    the current directory. Split into disjoint per-island shards, see shard_block_tokens."""
 
     shard_block_tokens: int = 8192
     """IID split granularity: the training corpus is cut into blocks of this many tokens, which a seeded
@@ -60,8 +87,10 @@ class DataConfig:
     a corpus ordered by topic, play or date would not be IID). 0 = one contiguous slice per island."""
 
     paths: tuple[str, ...] = ()
-    """Non-IID data: one source (file, directory or glob) per island, in island order; its length must
-    equal the number of islands. Mutually exclusive with path."""
+    """Non-IID data: one source (file, directory, glob or "stdlib:NAME,...") per island, in island order; its
+    length must equal the number of islands. Mutually exclusive with path. With the built-in corpus, give each
+    island its own family of standard-library packages, e.g. ["stdlib:email,http", "stdlib:asyncio,concurrent",
+    "stdlib:json,xml"] (comma-separated top-level package or module names)."""
 
     token_dtype: str = "uint16"
     """kind = "tokens" only: the integer type of the stored token ids, "uint16" or "uint32"."""
@@ -104,6 +133,11 @@ class DataConfig:
             )
         if self.kind != "synthetic" and not (self.path or self.paths):
             raise DataError(f"data.path (or data.paths, one per island) must be set for data.kind = {self.kind!r}")
+        if self.kind == "tokens":
+            specs = [("data.path", self.path), *((f"data.paths[{i}]", p) for i, p in enumerate(self.paths))]
+            for key, spec in specs:
+                if spec.startswith(STDLIB_PREFIX):
+                    raise DataError(f"{key} {spec!r} is text: the built-in corpus needs data.kind = 'text'")
 
 
 @dataclass(frozen=True)
@@ -114,11 +148,24 @@ class TokenSource:
     name: str
     """How errors refer to it, e.g. "data.path 'corpus.txt'"."""
     train: np.ndarray
+    """Empty when the source was opened for its validation tail only (see n_train)."""
     val: np.ndarray
+    n_train: int
+    """Length of the training part, known even when it was not read (for the too-small checks)."""
 
 
-def resolve_files(spec: str, where: str) -> list[str]:
-    """The files a path spec names: a file, a directory's files (sorted) or a glob's matches (sorted)."""
+def _missing_hint(key: str) -> str:
+    """The override that fixes a missing source: a fresh clone has no data files, but always the built-in corpus."""
+    if key == "data.path":
+        return "set data.path=FILE, or data.path=stdlib: for the built-in corpus"
+    return f"fix {key}: a FILE, or 'stdlib:NAME,...' for part of the built-in corpus"
+
+
+def resolve_files(spec: str, where: str, key: str = "data.path") -> list[str]:
+    """The files a path spec names: a file, a directory's files (sorted), a glob's matches (sorted), or the
+    built-in corpus ("stdlib:..."; see stdlib_files). key (e.g. "data.paths[1]") is named in the error."""
+    if spec.startswith(STDLIB_PREFIX):
+        return stdlib_files(spec[len(STDLIB_PREFIX) :], where)
     spec = os.path.expanduser(spec)
     if any(c in spec for c in "*?["):
         files = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
@@ -132,28 +179,152 @@ def resolve_files(spec: str, where: str) -> list[str]:
     elif os.path.isfile(spec):
         files = [spec]
     else:
-        raise DataError(f"{where}: no such file or directory")
+        raise DataError(f"{where}: no such file or directory ({_missing_hint(key)})")
     return files
 
 
-def _map_file(path: str, dtype: np.dtype, where: str) -> np.ndarray:
+def _stdlib_top_level(root: str) -> dict[str, str]:
+    """Importable top-level names of the standard library -> their path (a package dir or a module file).
+
+    Only identifiers count, which leaves out site-packages, lib-dynload, config-3.x-* and the machine-specific
+    _sysconfigdata_*-*.py; test suites and fixtures are left out too."""
+    out: dict[str, str] = {}
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return out
+    for entry in entries:
+        name = entry.name
+        if entry.is_dir():
+            stem = name
+        elif name.endswith(".py") and entry.is_file():
+            stem = name[:-3]
+        else:
+            continue
+        if stem.isidentifier() and stem != "__pycache__" and stem not in STDLIB_TEST_DIRS | STDLIB_FIXTURES:
+            out[stem] = entry.path
+    return out
+
+
+def _package_files(top: str, rel: str, out: list[tuple[str, str]]) -> None:
+    """Append (relative path, path) of every non-empty .py module under package dir `top`, skipping test
+    suites, test_*.py, caches and non-importable directories."""
+    try:
+        entries = list(os.scandir(top))
+    except OSError:
+        return
+    for entry in entries:
+        name = entry.name
+        if entry.is_dir():
+            if name.isidentifier() and name != "__pycache__" and name not in STDLIB_TEST_DIRS:
+                _package_files(entry.path, f"{rel}/{name}", out)
+        elif (
+            name.endswith(".py")
+            and name[:-3].isidentifier()
+            and not name.startswith("test_")
+            and entry.is_file()
+            and entry.stat().st_size > 0
+        ):
+            out.append((f"{rel}/{name}", entry.path))
+
+
+def stdlib_files(names: str, where: str) -> list[str]:
+    """The built-in corpus: the .py sources of the running Python's standard library
+    (`sysconfig.get_paths()["stdlib"]`), read where they are installed.
+
+    `names` is "" (the whole library) or comma-separated top-level package or module names ("email,json").
+    Included: every importable module (a .py file whose name, and whose directories' names, are identifiers).
+    Excluded: site-packages, compiled extensions, test suites (directories named test, tests or idle_test at
+    any depth, and files named test_*.py), the frozen-module fixtures __hello__ and __phello__, and empty
+    files (mostly bare __init__.py, which add no tokens). Files are sorted by their '/'-separated path
+    relative to the stdlib directory, so the corpus is the same on every run of the same Python."""
+    root = sysconfig.get_paths()["stdlib"]
+    top = _stdlib_top_level(root)
+    wanted = [n.strip() for n in names.split(",")] if names.strip() else sorted(top)
+    for name in wanted:
+        if name in top:
+            continue
+        if not name:
+            raise DataError(f"{where}: an empty name in the list (write e.g. 'stdlib:email,json')")
+        if name in STDLIB_TEST_DIRS | STDLIB_FIXTURES:
+            raise DataError(f"{where}: '{name}' is test code, which the built-in corpus leaves out")
+        if "." in name:
+            raise DataError(f"{where}: '{name}': name top-level packages or modules only (e.g. '{name.split('.')[0]}')")
+        close = difflib.get_close_matches(name, list(top), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise DataError(f"{where}: no standard-library package or module '{name}' in {root}{hint}")
+    found: list[tuple[str, str]] = []
+    for name in sorted(set(wanted)):
+        path = top[name]
+        if path.endswith(".py"):
+            if os.path.getsize(path) > 0:
+                found.append((f"{name}.py", path))
+        else:
+            _package_files(path, name, found)
+    if not found:
+        what = f"'{names}'" if names.strip() else "the standard library"
+        raise DataError(f"{where}: {what} has no .py sources in {root} (is this a Python without its sources?)")
+    return [path for _, path in sorted(found)]
+
+
+def _token_count(path: str, dtype: np.dtype, where: str) -> int:
+    """How many tokens the file holds, without reading it (the sizes locate the validation tail)."""
     try:
         size = os.path.getsize(path)
-        if size == 0:
-            raise DataError(f"{where}: the file is empty")
-        if size % dtype.itemsize:
-            raise DataError(
-                f"{where}: the file has {size} bytes, not a whole number of {dtype.name} tokens "
-                f"({dtype.itemsize} bytes each; check data.token_dtype)"
-            )
-        return np.memmap(path, dtype=dtype, mode="r")
     except OSError as err:
         raise DataError(f"{where}: cannot read the file ({err.strerror or err})") from err
+    if size == 0:
+        raise DataError(f"{where}: the file is empty")
+    if size % dtype.itemsize:
+        raise DataError(
+            f"{where}: the file has {size} bytes, not a whole number of {dtype.name} tokens "
+            f"({dtype.itemsize} bytes each; check data.token_dtype)"
+        )
+    return size // dtype.itemsize
 
 
-def check_vocab(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+def _read_tokens(
+    files: list[str], counts: list[int], labels: list[str], dtype: np.dtype, vocab_size: int, lo: int
+) -> np.ndarray:
+    """Tokens lo.. of the files' concatenation, each file's part checked against the vocabulary.
+
+    One file stays a zero-copy memmap (only the pages used are ever read). Several files are read with one
+    readinto each straight into a single array (a memmap per file and then a concatenation would copy twice,
+    which for the standard library's ~700 small files is the slower way), skipping files that end before lo."""
+    if len(files) == 1:
+        try:
+            arr = np.memmap(files[0], dtype=dtype, mode="r")[lo:]
+        except OSError as err:
+            raise DataError(f"{labels[0]}: cannot read the file ({err.strerror or err})") from err
+        check_vocab(arr, vocab_size, labels[0], base=lo)
+        return arr
+    out = np.empty(sum(counts) - lo, dtype)
+    raw = memoryview(out.view(np.uint8))
+    size = dtype.itemsize
+    start = pos = 0
+    for path, count, label in zip(files, counts, labels, strict=True):
+        skip = min(max(0, lo - start), count)  # tokens of this file before lo
+        start += count
+        n = count - skip
+        if n == 0:
+            continue
+        try:
+            with open(path, "rb") as f:
+                f.seek(skip * size)
+                got = f.readinto(raw[pos * size : (pos + n) * size])
+        except OSError as err:
+            raise DataError(f"{label}: cannot read the file ({err.strerror or err})") from err
+        if got != n * size:
+            raise DataError(f"{label}: the file changed while it was being read")
+        check_vocab(out[pos : pos + n], vocab_size, label, base=skip)
+        pos += n
+    return out
+
+
+def check_vocab(tokens: np.ndarray, vocab_size: int, where: str, base: int = 0) -> None:
     """Raise DataError if a token id is >= vocab_size: every id of files up to FULL_CHECK_TOKENS tokens,
-    else 16 evenly spaced chunks and the tail (a full pass would read the whole corpus at every start)."""
+    else 16 evenly spaced chunks and the tail (a full pass would read the whole corpus at every start).
+    base: the index of tokens[0] in its file, so the error points into the file."""
     if np.iinfo(tokens.dtype).max < vocab_size:
         return
     n = len(tokens)
@@ -166,7 +337,7 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, where: str) -> None:
         if chunk.max() >= vocab_size:
             i = int(np.argmax(chunk >= vocab_size))
             raise DataError(
-                f"{where}: token id {int(chunk[i])} at index {start + i} is >= model.vocab_size "
+                f"{where}: token id {int(chunk[i])} at index {base + start + i} is >= model.vocab_size "
                 f"({vocab_size}) (wrong data.token_dtype or model.vocab_size?)"
             )
 
@@ -197,77 +368,122 @@ def synthetic_tokens(n: int, vocab_size: int, seed: int, alphabet: int = 32, bra
     return symbols[np.asarray(out, dtype=np.int64)].astype(np.int32)
 
 
+def _n_val(n: int, val_fraction: float) -> int:
+    return max(1, int(n * val_fraction))
+
+
 def split_tail(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(head, tail) where the tail is the last val_fraction of the tokens (at least one token)."""
-    n_val = max(1, int(len(tokens) * val_fraction))
+    n_val = _n_val(len(tokens), val_fraction)
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
 
 
-def open_source(cfg: DataConfig, spec: str, where: str, vocab_size: int, seed: int) -> TokenSource:
-    """Load one source (for kind = "synthetic", spec is ignored) and split off its validation tail."""
+def open_source(
+    cfg: DataConfig,
+    spec: str,
+    where: str,
+    vocab_size: int,
+    seed: int,
+    key: str = "data.path",
+    tail_only: bool = False,
+) -> TokenSource:
+    """Load one source (for kind = "synthetic", spec is ignored) and split off its validation tail.
+
+    key is the config key the spec came from (named in a missing-path error). tail_only reads just the
+    validation tail (train is then empty; n_train still counts it): what an island needs of the other
+    islands' non-IID sources."""
     if cfg.kind == "synthetic":
-        tokens = synthetic_tokens(cfg.synthetic_tokens, vocab_size, seed)
-    else:
-        dtype = np.dtype(np.uint8 if cfg.kind == "text" else cfg.token_dtype)
-        arrays = []
-        files = resolve_files(spec, where)
-        for path in files:
-            # Name the file only when the spec (a directory or glob) does not already.
-            label = where if files == [os.path.expanduser(spec)] else f"{where}: file {path!r}"
-            arr = _map_file(path, dtype, label)
-            check_vocab(arr, vocab_size, label)
-            arrays.append(arr)
-        # A single file stays a zero-copy memmap; several are concatenated in memory.
-        tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-    train, val = split_tail(tokens, cfg.val_fraction)
-    return TokenSource(name=where, train=train, val=val)
+        train, val = split_tail(synthetic_tokens(cfg.synthetic_tokens, vocab_size, seed), cfg.val_fraction)
+        return TokenSource(name=where, train=train, val=val, n_train=len(train))
+    dtype = np.dtype(np.uint8 if cfg.kind == "text" else cfg.token_dtype)
+    files = resolve_files(spec, where, key)
+    # Name the file only when the spec (a directory, glob or stdlib:) does not already.
+    single = files == [os.path.expanduser(spec)]
+    labels = [where if single else f"{where}: file {path!r}" for path in files]
+    counts = [_token_count(path, dtype, label) for path, label in zip(files, labels, strict=True)]
+    total = sum(counts)
+    n_train = total - _n_val(total, cfg.val_fraction)
+    tokens = _read_tokens(files, counts, labels, dtype, vocab_size, lo=n_train if tail_only else 0)
+    if tail_only:
+        return TokenSource(name=where, train=tokens[:0], val=tokens, n_train=n_train)
+    return TokenSource(name=where, train=tokens[:n_train], val=tokens[n_train:], n_train=n_train)
 
 
-def split_iid(tokens: np.ndarray, n_islands: int, block: int, seed: int) -> list[np.ndarray]:
-    """Disjoint shards covering `tokens`: blocks of `block` tokens dealt to islands in a seeded random order
-    (each shard keeps its blocks in corpus order), or contiguous slices when block is 0 or there is one island
-    (a single memmapped file is then never copied). A corpus too small for 8 blocks per island gets smaller
-    blocks."""
-    n = len(tokens)
+def iid_layout(n: int, n_islands: int, block: int, seed: int) -> list[list[tuple[int, int]]]:
+    """Each island's IID shard of n training tokens as (start, stop) ranges in corpus order: blocks of `block`
+    tokens dealt to islands in a seeded random order, or one contiguous slice per island when block is 0 or
+    there is one island. A corpus too small for 8 blocks per island gets smaller blocks."""
     if block == 0 or n_islands == 1:
         bounds = [i * n // n_islands for i in range(n_islands + 1)]
-        return [tokens[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        return [[(lo, hi)] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     block = max(1, min(block, n // (8 * n_islands)))  # a small corpus still deals each island >= 8 blocks
     n_blocks = -(-n // block)
     order = np.random.default_rng((seed, n_islands, block)).permutation(n_blocks)
+    return [
+        [(b * block, min((b + 1) * block, n)) for b in np.sort(order[i::n_islands]).tolist()] for i in range(n_islands)
+    ]
+
+
+def split_iid(
+    tokens: np.ndarray, n_islands: int, block: int, seed: int, only: Collection[int] | None = None
+) -> list[np.ndarray]:
+    """Disjoint shards covering `tokens`, laid out by iid_layout. A one-range shard is a view (a single
+    memmapped file is then never copied); others are concatenated. With `only`, just those islands' shards are
+    built and the others are empty arrays of the same dtype."""
     shards = []
-    for i in range(n_islands):
-        mine = np.sort(order[i::n_islands])
-        parts = [tokens[b * block : (b + 1) * block] for b in mine]
-        shards.append(np.concatenate(parts) if parts else tokens[:0])
+    for i, ranges in enumerate(iid_layout(len(tokens), n_islands, block, seed)):
+        if only is not None and i not in only:
+            shards.append(tokens[:0])
+        elif len(ranges) == 1:
+            shards.append(tokens[ranges[0][0] : ranges[0][1]])
+        else:
+            parts = [tokens[lo:hi] for lo, hi in ranges]
+            shards.append(np.concatenate(parts) if parts else tokens[:0])
     return shards
 
 
 def load_sources(
-    cfg: DataConfig, n_islands: int, vocab_size: int, seed: int, seq_len: int = 1
+    cfg: DataConfig,
+    n_islands: int,
+    vocab_size: int,
+    seed: int,
+    seq_len: int = 1,
+    only: Collection[int] | None = None,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """(training tokens of each island, validation tokens).
 
     IID (data.path or synthetic): the corpus's tail is the validation split and the rest is cut into
-    n_islands contiguous, disjoint shards covering it. Non-IID (data.paths): source i is island i's
+    n_islands disjoint shards covering it (see iid_layout). Non-IID (data.paths): source i is island i's
     training data minus its tail; the validation split is all tails concatenated in island order.
-    Every shard and the validation split must hold at least seq_len + 1 tokens (one example).
+    Every shard and the validation split must hold at least seq_len + 1 tokens (one example); every island's
+    size is checked even with `only`, so all islands of a run accept or refuse the same config.
+
+    only: island indices; then only those islands' shards are built (bit-identical to the full call) and the
+    other entries are empty arrays of the same dtype, so an island process does not read or copy the others'
+    training data (non-IID: their sources are read only for the validation tails).
     """
     _check_count("n_islands", n_islands, 1)
     _check_count("model.vocab_size", vocab_size, 1)
     _check_count("seed", seed, 0)
     need = _check_count("model.seq_len", seq_len, 1) + 1
+    for i in only or ():
+        if _check_count("only", i, 0) >= n_islands:
+            raise DataError(f"only must hold island indices below n_islands = {n_islands} (got {i})")
     if cfg.paths:
         if len(cfg.paths) != n_islands:
             raise DataError(
                 f"data.paths has {len(cfg.paths)} entries but there are {n_islands} islands "
                 "(non-IID data needs exactly one source per island)"
             )
-        sources = [open_source(cfg, p, f"data.paths[{i}] {p!r}", vocab_size, seed) for i, p in enumerate(cfg.paths)]
+        wanted = range(n_islands) if only is None else only
+        sources = [
+            open_source(cfg, p, f"data.paths[{i}] {p!r}", vocab_size, seed, f"data.paths[{i}]", i not in wanted)
+            for i, p in enumerate(cfg.paths)
+        ]
         for i, src in enumerate(sources):
-            if len(src.train) < need:
+            if src.n_train < need:
                 raise DataError(
-                    f"{src.name}: island {i}'s training data has {len(src.train)} tokens after the "
+                    f"{src.name}: island {i}'s training data has {src.n_train} tokens after the "
                     f"validation tail but seq_len + 1 = {need} are needed"
                 )
         shards = [src.train for src in sources]
@@ -278,14 +494,15 @@ def load_sources(
             f"data.synthetic_tokens ({cfg.synthetic_tokens})" if cfg.kind == "synthetic" else f"data.path {cfg.path!r}"
         )
         src = open_source(cfg, cfg.path, where, vocab_size, seed)
-        shards = split_iid(src.train, n_islands, cfg.shard_block_tokens, seed)
         n = len(src.train)
-        for i, shard in enumerate(shards):
-            if len(shard) < need:
+        sizes = [sum(hi - lo for lo, hi in r) for r in iid_layout(n, n_islands, cfg.shard_block_tokens, seed)]
+        for i, size in enumerate(sizes):
+            if size < need:
                 raise DataError(
-                    f"{where}: island {i}'s training shard has {len(shard)} tokens but seq_len + 1 = {need} "
+                    f"{where}: island {i}'s training shard has {size} tokens but seq_len + 1 = {need} "
                     f"are needed ({n} training tokens are too few for {n_islands} islands)"
                 )
+        shards = split_iid(src.train, n_islands, cfg.shard_block_tokens, seed, only)
         val, name = src.val, where
     if len(val) < need:
         raise DataError(

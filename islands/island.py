@@ -3,7 +3,10 @@
 The island owns `IslandState(step, params, inner_opt_state, residual, data_cursor)`. Between rounds it keeps its
 inner AdamW state (DiLoCo keeps inner optimizer state across rounds) and replaces only its parameters with the
 global ones. The same class runs inside `diloco simulate` (many islands in one process) and inside an island
-process of `diloco launch`.
+process of `diloco launch`, and both call the same round step (docs/architecture.md, "The round"):
+
+    train_round(θ_r, H) -> H inner steps, Δ = θ_r - θ_local, encode(Δ + e) with error feedback -> RoundPush
+    keep_residual(push) -> the push was accepted: carry what its codec dropped into the next round
 """
 
 from __future__ import annotations
@@ -11,18 +14,31 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Protocol
 
 import jax
 import numpy as np
 import optax
 
-from islands.data import BatchStream
+from islands.compress import Compressed, Residual, compress_tree, zero_residual
 from islands.inner import make_train_step, place_tree
 from islands.mesh import accumulation_steps, batch_sharding, build_mesh
 from islands.models import Model
+from outer_optimizer import pseudo_gradient
+from transport.codecs import CodecSpec, PyTree
 
-PyTree = Any
+
+class Batches(Protocol):
+    """Where an island's batches come from: `islands.data.BatchStream`, or the sync baseline's union of streams."""
+
+    batch_size: int
+    seq_len: int
+    cursor: int
+    """Index of the next batch (host int, checkpointed): batch k is a pure function of k."""
+
+    def next(self) -> np.ndarray:
+        """int32 [batch_size, seq_len + 1], then advance the cursor."""
+        ...
 
 
 @jax.tree_util.register_dataclass
@@ -30,8 +46,9 @@ PyTree = Any
 class IslandState:
     params: PyTree
     inner_opt_state: PyTree
-    residual: PyTree = None
-    """What the uplink codec dropped last round (error feedback); None until a lossy codec is used."""
+    residual: Residual = None
+    """What the uplink codec dropped so far (error feedback): zeros at the start for a lossy codec, None for a
+    lossless one, so the state's structure is fixed for the whole run."""
     step: int = field(default=0, metadata={"static": True})
     """Inner steps taken so far (host int)."""
     data_cursor: int = field(default=0, metadata={"static": True})
@@ -48,6 +65,16 @@ class InnerRun:
     first_step: int
 
 
+@dataclass(frozen=True)
+class RoundPush:
+    """One round of an island: its H inner steps and the compressed pseudo-gradient they produced."""
+
+    run: InnerRun
+    sent: Compressed
+    """encode(Δ + e): the bytes to push, the Δ the coordinator will decode, and the residual to keep if it is
+    accepted."""
+
+
 class Island:
     """An island's training engine on a mesh of its local devices."""
 
@@ -56,7 +83,8 @@ class Island:
         name: str,
         model: Model,
         tx: optax.GradientTransformation,
-        stream: BatchStream,
+        stream: Batches,
+        uplink: CodecSpec | None = None,
         n_devices: int = 1,
         microbatch: int = 0,
         shard_params: bool = False,
@@ -66,6 +94,7 @@ class Island:
         self.model = model
         self.tx = tx
         self.stream = stream
+        self.uplink = uplink or CodecSpec(kind="fp32")
         self.mesh = build_mesh(n_devices, devices)
         self.shard_params = shard_params
         self.passes = accumulation_steps(stream.batch_size, microbatch, n_devices)
@@ -80,12 +109,19 @@ class Island:
         return place_tree(tree, self.mesh, self.shard_params)
 
     def start(self, params: PyTree, opt_state: PyTree | None = None, step: int = 0, cursor: int = 0) -> None:
-        """Begin (or resume) from params, with a fresh inner optimizer state unless one is given."""
+        """Begin from params with a fresh inner optimizer state and a zero residual (or resume: `restore`)."""
         placed = self.place(params)
         opt = self.place(self.tx.init(placed) if opt_state is None else opt_state)
-        self.state = IslandState(params=placed, inner_opt_state=opt, step=step, data_cursor=cursor)
+        residual = zero_residual(params, self.uplink)
+        self.state = IslandState(params=placed, inner_opt_state=opt, residual=residual, step=step, data_cursor=cursor)
         self.stream.cursor = cursor
         self._step_fn = make_train_step(self.model.loss, self.tx, self.mesh, self.shard_params)
+
+    def restore(self, state: IslandState) -> None:
+        """Continue from a saved state (a checkpoint restored into the layout of this island's fresh state)."""
+        self.start(state.params, state.inner_opt_state, step=state.step, cursor=state.data_cursor)
+        assert self.state is not None
+        self.state = replace(self.state, residual=state.residual)
 
     def set_params(self, params: PyTree) -> None:
         """Adopt new global parameters; the inner optimizer state is kept (DiLoCo)."""
@@ -120,3 +156,23 @@ class Island:
         )
         tokens = n_steps * self.stream.batch_size * self.stream.seq_len
         return InnerRun(losses=host_losses, tokens=tokens, seconds=seconds, first_step=first_step)
+
+    def train_round(self, global_params: PyTree, n_steps: int) -> RoundPush:
+        """H inner steps from θ_r, then Δ = θ_r - θ_local compressed as encode(Δ + e) (DiLoCo with error feedback).
+
+        The island's residual is not changed here: the caller decides whether the push counted (`keep_residual`).
+        """
+        run = self.train(n_steps)
+        assert self.state is not None
+        delta = pseudo_gradient(global_params, self.state.params)
+        return RoundPush(run, compress_tree(jax.device_get(delta), self.state.residual, self.uplink))
+
+    def keep_residual(self, push: RoundPush) -> None:
+        """The push reached the coordinator's round: keep what its codec dropped, to send next round.
+
+        This is the one place where the drivers may differ: `simulate` delivers every push, so it always keeps the
+        residual; an island process keeps it only when the coordinator accepted the push. A refused push never
+        reached θ, so its residual must not be carried either (its Δ is simply lost, as the fault model says).
+        """
+        assert self.state is not None
+        self.state = replace(self.state, residual=push.sent.residual)

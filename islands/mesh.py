@@ -15,10 +15,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from transport.errors import UserError
+
 AXIS = "data"
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """The island asked for devices it does not have, or a batch its devices cannot split."""
 
 

@@ -14,16 +14,15 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 
-PyTree = object
 
-
-def pseudo_gradient(global_params: PyTree, local_params: PyTree) -> PyTree:
-    """Δ = global - local (the sign DESIGN.md fixes: an outer *descent* step subtracts it)."""
+def pseudo_gradient(global_params: optax.Params, local_params: optax.Params) -> optax.Updates:
+    """Δ = global - local (the sign docs/architecture.md fixes, "The round": an outer *descent* step subtracts it)."""
     return jax.tree.map(lambda g, p: g - p, global_params, local_params)
 
 
-def weighted_mean(deltas: Sequence[PyTree], weights: Sequence[float]) -> PyTree:
+def weighted_mean(deltas: Sequence[optax.Updates], weights: Sequence[float]) -> optax.Updates:
     """Σ w_i Δ_i / Σ w_i, summed left to right in the order given (deterministic float sums)."""
     if len(deltas) == 0:
         raise ValueError("weighted_mean needs at least one pseudo-gradient")

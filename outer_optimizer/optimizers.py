@@ -17,8 +17,6 @@ from dataclasses import dataclass
 import jax
 import optax
 
-PyTree = object
-
 
 @dataclass(frozen=True)
 class OuterConfig:
@@ -79,15 +77,17 @@ OUTER_OPTIMIZERS: dict[str, Callable[[OuterConfig], optax.GradientTransformation
 
 def make_outer_step(
     tx: optax.GradientTransformation,
-) -> Callable[[PyTree, optax.OptState, PyTree], tuple[PyTree, optax.OptState]]:
+) -> Callable[[optax.Params, optax.OptState, optax.Updates], tuple[optax.Updates, optax.OptState]]:
     """A pure jitted `outer_update(params, opt_state, pseudo_grad) -> (update, opt_state)`.
 
     It returns the *update* u rather than θ + u so that the caller can quantize u for the downlink and commit
-    exactly the decoded û it sends (DESIGN.md: "commit exactly what is sent").
+    exactly the decoded û it sends (docs/architecture.md, "The round": commit exactly what is sent).
     """
 
     @jax.jit
-    def outer_update(params: PyTree, opt_state: optax.OptState, pseudo_grad: PyTree) -> tuple[PyTree, PyTree]:
+    def outer_update(
+        params: optax.Params, opt_state: optax.OptState, pseudo_grad: optax.Updates
+    ) -> tuple[optax.Updates, optax.OptState]:
         updates, new_state = tx.update(pseudo_grad, opt_state, params)
         return updates, new_state
 
@@ -95,6 +95,6 @@ def make_outer_step(
 
 
 @jax.jit
-def apply_update(params: PyTree, update: PyTree) -> PyTree:
+def apply_update(params: optax.Params, update: optax.Updates) -> optax.Params:
     """θ + û, the one float add every replica performs identically."""
     return jax.tree.map(lambda p, u: p + u, params, update)

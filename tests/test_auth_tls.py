@@ -15,13 +15,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from tests.reference_handler import ReferenceHandler, fp32_tensor
 from transport import diloco_pb2 as pb
 from transport.auth import Authenticator, SecretError, TlsConfig, resolve_secret
 from transport.config import TransportConfig
 from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport
 from transport.grpc_server import start_server
-from transport.reference_handler import ReferenceHandler, fp32_tensor
 from transport.service import DilocoService
 
 RUN = "run-a"

@@ -201,8 +201,9 @@ def test_wire_falls_back_to_protobuf_for_anything_else():
 
 
 def test_wire_chunks_equal_message_chunks():
+    from tests.wire_helpers import push_chunks
     from transport import diloco_pb2 as pb
-    from transport.client_core import push_chunks, push_wire_chunks
+    from transport.client_core import push_wire_chunks
 
     tensors = tensors_of([300, 10, 700])
     meta = pb.PushMeta(run_id="r", island="i0", tokens=1)

@@ -27,7 +27,7 @@ from transport.codecs import (
     encode,
     encode_tree,
     flatten_named,
-    payload_nbytes,
+    raw_payload_nbytes,
     unflatten_named,
 )
 
@@ -140,7 +140,7 @@ def test_round_trip_within_documented_bound(x, spec):
     enc = encode("t", x, spec)
     assert enc.shape == x.shape and enc.dtype == "float32" and enc.codec == spec.kind
     if not spec.zstd_level:
-        assert enc.nbytes == enc.raw_nbytes == payload_nbytes(spec.kind, x.size, spec.block_size)
+        assert enc.nbytes == enc.raw_nbytes == raw_payload_nbytes(spec.kind, x.size, spec.block_size)
     assert_within_bound(x, decode(enc), spec)
 
 

@@ -17,15 +17,27 @@ from diloco.config import (
     load_config,
     to_dict,
 )
+from islands.data import load_sources
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["tiny.toml", "shakespeare.toml"])
+SHIPPED = ["tiny.toml", "local.toml", "faults.toml", "convergence.toml"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs_load(name: str) -> None:
     cfg = load_config(REPO / "configs" / name)
     assert cfg.outer.kind == "nesterov"
-    assert cfg.data.path.endswith("tinyshakespeare.txt")
+    assert cfg.data.path == "stdlib:"  # the built-in corpus: a fresh clone runs with no data files
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_data_loads_on_a_fresh_clone(name: str) -> None:
+    cfg = load_config(REPO / "configs" / name)
+    n = len(cfg.islands.island_names)
+    shards, val = load_sources(cfg.data, n, cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len, only={n - 1})
+    assert len(shards[n - 1]) > 100_000 and len(val) > 100_000
 
 
 def test_overrides_are_typed_and_nested() -> None:
@@ -75,7 +87,7 @@ def test_broken_and_missing_files(tmp_path: Path) -> None:
 
 
 def test_resolved_config_round_trips_through_toml() -> None:
-    cfg = load_config(REPO / "configs" / "shakespeare.toml", ["outer.lr=0.3"])
+    cfg = load_config(REPO / "configs" / "convergence.toml", ["outer.lr=0.3"])
     text = dump_toml(to_dict(cfg))
     again = from_dict(RunConfig, tomllib.loads(text))
     assert again == cfg

@@ -1,15 +1,28 @@
 """Island data: sources, IID shards and non-IID paths, validation split, deterministic resumable batches,
-synthetic corpus, and every user error. Each test writes its own small files in tmp_path."""
+synthetic corpus, the built-in stdlib: corpus, one-island loading, and every user error. Each test writes its own
+small files in tmp_path or reads small standard-library packages (json, email), never the shared data."""
 
 from __future__ import annotations
 
 import math
+import os
+import sysconfig
 
 import numpy as np
 import pytest
 
 from islands import data
-from islands.data import BatchStream, DataConfig, DataError, eval_batches, load_sources, synthetic_tokens
+from islands.data import (
+    BatchStream,
+    DataConfig,
+    DataError,
+    eval_batches,
+    load_sources,
+    stdlib_files,
+    synthetic_tokens,
+)
+
+STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def write_tokens(path, values, dtype="uint16"):
@@ -122,7 +135,9 @@ def test_uint16_tokens_and_vocab_boundary(tmp_path):
 
 def test_text_is_bytes(tmp_path):
     (tmp_path / "a.txt").write_bytes(bytes(range(256)) * 4)
-    shards, val = load_sources(DataConfig(path=str(tmp_path / "a.txt"), val_fraction=0.25, shard_block_tokens=0), 2, 256, 0)
+    shards, val = load_sources(
+        DataConfig(path=str(tmp_path / "a.txt"), val_fraction=0.25, shard_block_tokens=0), 2, 256, 0
+    )
     assert shards[0].dtype == np.uint8
     np.testing.assert_array_equal(np.concatenate([*shards, val]), np.tile(np.arange(256), 4))
     np.testing.assert_array_equal(val, np.arange(256))
@@ -235,7 +250,11 @@ def test_missing_file_empty_glob_and_empty_directory(tmp_path):
     missing = str(tmp_path / "nope.txt")
     with pytest.raises(DataError) as err:
         load_sources(DataConfig(path=missing), 1, 256, 0)
-    assert_one_line(err, f"data.path {missing!r}: no such file or directory")
+    assert_one_line(
+        err,
+        f"data.path {missing!r}: no such file or directory (set data.path=FILE, or data.path=stdlib: for the "
+        "built-in corpus)",
+    )
     pattern = str(tmp_path / "*.bin")
     with pytest.raises(DataError) as err:
         load_sources(DataConfig(path=pattern), 1, 256, 0)
@@ -322,3 +341,163 @@ def test_stream_argument_errors(kwargs, fragment):
     with pytest.raises(DataError) as err:
         BatchStream(np.arange(100), **args)
     assert_one_line(err, fragment)
+
+
+# ---------------------------------------------------------------- built-in corpus (stdlib:)
+
+
+def rel(path: str) -> str:
+    return os.path.relpath(path, STDLIB).replace(os.sep, "/")
+
+
+def test_stdlib_is_a_deterministic_list_of_library_sources_without_tests():
+    files = stdlib_files("", "data.path 'stdlib:'")
+    assert files == stdlib_files("", "x")  # deterministic
+    names = [rel(f) for f in files]
+    assert len(files) > 100 and names == sorted(names)
+    assert {"os.py", "json/decoder.py", "email/message.py"} <= set(names)
+    for name in names:
+        parts = name.split("/")
+        assert name.endswith(".py") and not name.startswith(".."), name
+        assert not {"test", "tests", "idle_test", "site-packages", "__pycache__"} & set(parts), name
+        assert not parts[-1].startswith("test_") and parts[0] not in {"__hello__.py", "__phello__"}, name
+    assert all(os.path.getsize(f) > 0 for f in files)  # empty __init__.py files add nothing
+
+
+@pytest.mark.parametrize("names", ["json,email", "email, json", "json,email,json"])
+def test_stdlib_names_select_package_families(names):
+    files = stdlib_files(names, "x")
+    tops = {rel(f).split("/")[0] for f in files}
+    assert tops == {"email", "json"}
+    assert files == stdlib_files("email,json", "x")  # the order of the names does not matter
+    cfg = DataConfig(path=f"stdlib:{names}", val_fraction=0.1, shard_block_tokens=0)
+    shards, val = load_sources(cfg, 1, 256, 0)
+    corpus = b"".join(open(f, "rb").read() for f in files)
+    assert bytes(shards[0]) + bytes(val) == corpus and shards[0].dtype == np.uint8
+
+
+def test_stdlib_module_and_whole_library_load():
+    shards, val = load_sources(DataConfig(path="stdlib:os"), 1, 256, 0)
+    with open(os.path.join(STDLIB, "os.py"), "rb") as f:
+        assert bytes(shards[0]) + bytes(val) == f.read()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragments"),
+    [
+        ({"path": "stdlib:jsn"}, ["data.path 'stdlib:jsn': no standard-library package or module 'jsn'", "'json'?"]),
+        (
+            {"paths": ("stdlib:json", "stdlib:emial,http")},
+            ["data.paths[1] 'stdlib:emial,http'", "'emial'", "did you mean 'email'?"],
+        ),
+        ({"path": "stdlib:json,zzzqqq"}, ["module 'zzzqqq' in "]),
+        ({"path": "stdlib:test"}, ["'test' is test code"]),
+        ({"path": "stdlib:email.mime"}, ["'email.mime': name top-level packages or modules only (e.g. 'email')"]),
+        ({"path": "stdlib:json,,email"}, ["an empty name in the list"]),
+        ({"path": "stdlib:site-packages"}, ["no standard-library package or module 'site-packages'"]),
+    ],
+)
+def test_stdlib_bad_names_are_one_line_naming_the_key(kwargs, fragments):
+    n = len(kwargs.get("paths", ())) or 1
+    with pytest.raises(DataError) as err:
+        load_sources(DataConfig(**kwargs), n, 256, 0)
+    assert_one_line(err, *fragments)
+
+
+def test_stdlib_is_text_only():
+    with pytest.raises(DataError) as err:
+        DataConfig(kind="tokens", paths=("a.bin", "stdlib:json"))
+    assert_one_line(err, "data.paths[1] 'stdlib:json' is text: the built-in corpus needs data.kind = 'text'")
+
+
+@pytest.mark.parametrize(
+    ("non_iid", "fragment"),
+    [
+        (False, "no such file or directory (set data.path=FILE, or data.path=stdlib: for the built-in corpus)"),
+        (True, "no such file or directory (fix data.paths[1]: a FILE, or 'stdlib:NAME,...' for part of the built-in"),
+    ],
+)
+def test_missing_path_names_the_override(tmp_path, non_iid, fragment):
+    missing = str(tmp_path / "x.txt")
+    cfg = DataConfig(paths=("stdlib:json", missing)) if non_iid else DataConfig(path=missing)
+    with pytest.raises(DataError) as err:
+        load_sources(cfg, 2 if non_iid else 1, 256, 0)
+    assert_one_line(err, repr(missing), fragment)
+
+
+# ---------------------------------------------------------------- one island's shard (only=)
+
+
+def make_dir_source(root, name: str, sizes: list[int]) -> str:
+    d = root / name
+    d.mkdir()
+    for j, size in enumerate(sizes):
+        (d / f"part{j}.txt").write_bytes(((np.arange(size) * (j + 3) + len(name)) % 251).astype(np.uint8).tobytes())
+    return str(d)
+
+
+def mixed_sources(tmp_path) -> DataConfig:
+    """A directory whose validation tail spans files, a single (memmapped) file, and the built-in corpus."""
+    single = tmp_path / "one.txt"
+    single.write_bytes(b"single file " * 300)
+    return DataConfig(paths=(make_dir_source(tmp_path, "d", [3000, 40, 25]), str(single), "stdlib:json"))
+
+
+ONLY_CASES = {
+    "iid-stdlib-blocks": (3, lambda tmp: DataConfig(path="stdlib:json", shard_block_tokens=512)),
+    "iid-stdlib-contiguous": (3, lambda tmp: DataConfig(path="stdlib:json", shard_block_tokens=0)),
+    "iid-tokens-file": (
+        4,
+        lambda tmp: DataConfig(kind="tokens", path=write_tokens(tmp / "c.bin", np.arange(20_000) % 256)),
+    ),
+    "iid-synthetic": (2, lambda tmp: DataConfig(kind="synthetic", synthetic_tokens=5000, shard_block_tokens=64)),
+    "non-iid-stdlib": (3, lambda tmp: DataConfig(paths=("stdlib:json", "stdlib:email", "stdlib:http,html"))),
+    "non-iid-mixed": (3, mixed_sources),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONLY_CASES))
+def test_only_builds_one_island_bit_identical_to_the_full_split(tmp_path, case):
+    n_islands, make = ONLY_CASES[case]
+    cfg = make(tmp_path)
+    full, full_val = load_sources(cfg, n_islands, 256, seed=7, seq_len=8)
+    for i in range(n_islands):
+        shards, val = load_sources(cfg, n_islands, 256, seed=7, seq_len=8, only={i})
+        np.testing.assert_array_equal(shards[i], full[i])
+        assert shards[i].dtype == full[i].dtype and len(shards[i]) > 0
+        np.testing.assert_array_equal(val, full_val)
+        assert all(len(s) == 0 and s.dtype == full[i].dtype for j, s in enumerate(shards) if j != i)
+    none, none_val = load_sources(cfg, n_islands, 256, seed=7, seq_len=8, only=set())  # the coordinator's call
+    assert all(len(s) == 0 for s in none)
+    np.testing.assert_array_equal(none_val, full_val)
+
+
+def test_only_reads_other_islands_sources_just_for_their_tails(tmp_path, monkeypatch):
+    d0 = make_dir_source(tmp_path, "a", [500, 500])
+    d1 = make_dir_source(tmp_path, "b", [2000, 30])  # 5 % of 2030 = 101 tokens: the tail reaches into part0
+    d2 = make_dir_source(tmp_path, "c", [2000, 200])  # the tail (110) lies in part1: part0 is never opened
+    opened: list[str] = []
+    real_open = open
+
+    def spy(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(data, "open", spy, raising=False)
+    cfg = DataConfig(paths=(d0, d1, d2))
+    shards, val = load_sources(cfg, 3, 256, 0, seq_len=4, only={0})
+    assert os.path.join(d2, "part0.txt") not in opened
+    assert {os.path.join(d0, "part0.txt"), os.path.join(d0, "part1.txt"), os.path.join(d1, "part0.txt")} <= set(opened)
+    assert len(shards[0]) == 950 and len(val) == 50 + 101 + 110
+
+
+def test_only_still_checks_every_island_and_its_index(tmp_path):
+    big, small = tmp_path / "big.txt", tmp_path / "small.txt"
+    big.write_bytes(b"x" * 1000)
+    small.write_bytes(b"y" * 20)
+    with pytest.raises(DataError) as err:  # island 1 is too small even when island 0 loads alone
+        load_sources(DataConfig(paths=(str(big), str(small))), 2, 256, 0, seq_len=32, only={0})
+    assert_one_line(err, "island 1's training data has 19 tokens")
+    with pytest.raises(DataError) as err:
+        load_sources(DataConfig(path=str(big)), 2, 256, 0, only={2})
+    assert_one_line(err, "only must hold island indices below n_islands = 2 (got 2)")

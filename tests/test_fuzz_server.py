@@ -12,13 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.reference_handler import ReferenceHandler, fp32_tensor
+from tests.wire_helpers import push_chunks
 from transport import diloco_pb2 as pb
 from transport import diloco_pb2_grpc as pb_grpc
 from transport.auth import Authenticator, call_metadata
-from transport.client_core import push_chunks
 from transport.config import TransportConfig
 from transport.grpc_server import start_server
-from transport.reference_handler import ReferenceHandler, fp32_tensor
 from transport.service import DilocoService
 
 RUN = "fuzz-run"

@@ -10,17 +10,17 @@ import grpc
 import numpy as np
 import pytest
 
+from tests.reference_handler import ReferenceHandler, fp32_tensor, params_digest
+from tests.wire_helpers import push_chunks
 from transport import diloco_pb2 as pb
 from transport import diloco_pb2_grpc as pb_grpc
 from transport.auth import Authenticator, call_metadata
-from transport.client_core import push_chunks
 from transport.codecs import CodecSpec, decode, encode
 from transport.config import TransportConfig, TransportConfigError
 from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport
 from transport.grpc_server import start_server
 from transport.inprocess import InProcessTransport
-from transport.reference_handler import ReferenceHandler, fp32_tensor, params_digest
 from transport.service import DilocoService
 from transport.shaper import LinkProfile, LinkShaper
 
@@ -77,6 +77,37 @@ def delta(value=0.25, codec="int8"):
 
 def meta(island="i0", round_=0, **kw):
     return pb.PushMeta(run_id=RUN, island=island, round=round_, fragment=0, tokens=kw.pop("tokens", 1000), **kw)
+
+
+def test_both_clients_are_island_clients(env):
+    from transport.client import IN_PROCESS_TARGET, IslandClient
+
+    c = env.client()
+    assert isinstance(c, IslandClient)
+    assert c.target == (env.server.address if env.kind == "grpc" else IN_PROCESS_TARGET)
+
+
+def test_call_once_is_the_one_failure_mapping():
+    from transport.client_core import call_once
+    from transport.errors import Rejected
+    from transport.shaper import LinkDown
+
+    def failing(exc):
+        def fn():
+            raise exc
+
+        return fn
+
+    cases = [
+        (LinkDown("cut"), grpc.StatusCode.UNAVAILABLE, "link down: cut"),
+        (Rejected(grpc.StatusCode.INVALID_ARGUMENT, "bad shape"), grpc.StatusCode.INVALID_ARGUMENT, "bad shape"),
+        (grpc.RpcError("no status"), grpc.StatusCode.UNKNOWN, "no status"),
+    ]
+    for exc, code, reason in cases:
+        with pytest.raises(TransportError) as info:
+            call_once(None, failing(exc))
+        assert (info.value.code, info.value.reason) == (code, reason)
+    assert call_once(None, lambda: 7) == 7
 
 
 def code_of(fn) -> grpc.StatusCode:
@@ -277,7 +308,7 @@ def test_config_validation_names_the_key():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_transport_bench_small():
-    from diloco.bench_transport import run_transport_bench
+    from diloco.bench.transport import run_transport_bench
 
     r = run_transport_bench(payload_mb=8, shaped_mbps=40.0, shaped_mb=1, rss_payload_mb=8, tensor_mb=1)
     assert r["unshaped_gbps"] > 0 and 0.5 < r["shaped_fraction"] < 1.2

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from diloco.config import load_config
-from diloco.simulate import build_setup
+from diloco.setup import build_setup
 from islands.inner import make_inner_optimizer
 from islands.island import Island
 from islands.mesh import MeshError, accumulation_steps
@@ -57,13 +57,13 @@ def test_island_asks_for_devices_it_does_not_have(tiny_config) -> None:
     setup = build_setup(cfg)
     tx = make_inner_optimizer(cfg.inner, 10)
     with pytest.raises(MeshError, match="xla_force_host_platform_device_count=64"):
-        Island("x", setup.model, tx, setup.streams[0], n_devices=64)
+        Island("x", setup.model, tx, setup.streams["island-0"], n_devices=64)
 
 
 def test_train_advances_step_cursor_and_never_frees_the_callers_params(tiny_config) -> None:
     cfg = load_config(tiny_config)
     setup = build_setup(cfg)
-    island = Island("x", setup.model, make_inner_optimizer(cfg.inner, 10), setup.streams[0])
+    island = Island("x", setup.model, make_inner_optimizer(cfg.inner, 10), setup.streams["island-0"])
     island.start(setup.init_params)
     run = island.train(3)
     assert island.state.step == 3 and island.state.data_cursor == 3 and run.tokens == 3 * 8 * 16

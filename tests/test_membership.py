@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.membership import Action, QuorumConfig, RoundView, adaptive_deadline, decide
+from diloco.membership import (
+    Action,
+    PullKind,
+    PullView,
+    QuorumConfig,
+    RoundView,
+    adaptive_deadline,
+    answer_pull,
+    decide,
+)
 
 CFG = QuorumConfig(min_islands=2, lease_s=10, deadline_k=3, min_deadline_s=5, max_deadline_s=100)
 SEEN = {"a": 95.0, "b": 95.0, "c": 95.0}
@@ -47,3 +56,36 @@ def test_quorum_config_validation() -> None:
         QuorumConfig(min_islands=0)
     with pytest.raises(ValueError, match="max_deadline_s must be >= quorum.min_deadline_s"):
         QuorumConfig(min_deadline_s=10, max_deadline_s=5)
+
+
+def _pull(have, *, full=False, round_=5, done=False, pushed=True, last=4) -> PullView:
+    return PullView(have_round=have, full=full, round=round_, done=done, pushed=pushed, last_commit_round=last)
+
+
+@pytest.mark.parametrize(
+    ("view", "kind", "reason"),
+    [
+        # the usual path: the island holds θ_4, round 4 was just committed here -> its update
+        (_pull(4), PullKind.UPDATE, "update of round 4"),
+        # it asked for everything, or holds nothing (new, restarted)
+        (_pull(4, full=True), PullKind.FULL, "asked for"),
+        (_pull(-1), PullKind.FULL, "holds no parameters"),
+        # behind by two rounds: only the last update is kept
+        (_pull(3), PullKind.FULL, "keeps only the last round's update"),
+        # a coordinator restarted from its checkpoint has committed nothing since: full θ
+        (_pull(4, last=None), PullKind.FULL, "keeps only the last round's update"),
+        # its round is still open and it pushed: wait for the commit
+        (_pull(5), PullKind.WAIT, "round 5 is still open"),
+        # ... but it has not pushed (the coordinator restarted and lost the push): push first
+        (_pull(5, pushed=False), PullKind.PUSH_FIRST, "no pseudo-gradient from the island"),
+        # the run is complete: whoever holds the last round gets the full θ instead of waiting
+        (_pull(5, done=True), PullKind.FULL, "full θ_5"),
+        # ahead of a coordinator that restarted behind it: resync, never wait (it would deadlock)
+        (_pull(7), PullKind.RESYNC, "restarted at round 5"),
+        (_pull(7, full=True), PullKind.FULL, "asked for"),
+    ],
+)
+def test_answer_pull(view, kind, reason) -> None:
+    answer = answer_pull(view)
+    assert answer.kind is kind
+    assert reason in answer.reason

@@ -15,15 +15,12 @@ import pytest
 
 from diloco.config import load_config
 from diloco.rundir import read_events
-from diloco.simulate import build_setup, run_simulation
+from diloco.setup import Evaluator, build_setup
+from diloco.simulate import run_simulation
+from diloco.summary import SUMMARY_KEYS
 from islands.inner import make_inner_optimizer
 from islands.island import Island
 from tests.conftest import REPO, child_env
-
-SUMMARY_KEYS = {
-    "rounds", "final_eval_loss", "tokens", "bytes_up", "bytes_down", "wall_s", "compute_utilization",
-    "islands_lost", "islands_joined",
-}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -33,7 +30,7 @@ def test_diloco_run_writes_the_run_directory(tiny_config: Path, tmp_path: Path) 
     run = tmp_path / "run"
     assert {p.name for p in run.iterdir()} >= {"config.toml", "metrics.jsonl", "summary.json", "checkpoints"}
     assert load_config(run / "config.toml") == cfg  # the resolved config reloads to the same run
-    assert SUMMARY_KEYS <= set(json.loads((run / "summary.json").read_text()))
+    assert tuple(json.loads((run / "summary.json").read_text())) == SUMMARY_KEYS
     assert summary["rounds"] == 3 and summary["syncs"] == 3
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 1.0
     n_params = summary["param_count"]
@@ -72,13 +69,12 @@ def test_one_island_fedavg_lr1_equals_plain_training(tiny_config: Path, tmp_path
     cfg = load_config(tiny_config, overrides)
     summary = run_simulation(cfg, tmp_path / "fedavg", show_progress=False)
     setup = build_setup(cfg)
-    plain = Island("plain", setup.model, make_inner_optimizer(cfg.inner, cfg.total_inner_steps), setup.streams[0])
+    stream = setup.streams["island-0"]
+    plain = Island("plain", setup.model, make_inner_optimizer(cfg.inner, cfg.total_inner_steps), stream)
     plain.start(setup.init_params)
     losses = plain.train(cfg.total_inner_steps).losses
     inner = [e["loss"] for e in read_events(tmp_path / "fedavg" / "metrics.jsonl") if e["event"] == "inner"]
     np.testing.assert_allclose(inner, losses[1::2], rtol=1e-5, atol=1e-5)  # log_every = 2
-    from diloco.simulate import Evaluator
-
     plain_eval = Evaluator(setup.model, setup.eval_stack)(plain.state.params)
     assert summary["final_eval_loss"] == pytest.approx(plain_eval, abs=1e-5)
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import grpc
 
-from transport.errors import Rejected
+from transport.errors import Rejected, UserError
 
 ISLAND_KEY = "x-diloco-island"
 SECRET_KEY = "x-diloco-secret"
 
 
-class SecretError(ValueError):
+class SecretError(UserError, ValueError):
     """A secret reference that cannot be resolved."""
 
 

@@ -23,12 +23,16 @@ import itertools
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
 from transport import diloco_pb2 as pb
 from transport.errors import Rejected
-from transport.tensors import EncodedTensorLike, from_meta, to_meta
+from transport.tensors import from_meta, to_meta
+
+if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
+    from transport.codecs import EncodedTensor
 
 DIGEST_BYTES = 32
 BACKGROUND_MIN_BYTES = 8 << 20
@@ -41,12 +45,12 @@ def new_hasher() -> hashlib._Hash:
 
     Integrity, not identity, is what this digest is for, and SHA-256 runs on the CPU's SHA extensions: measured
     2.6x faster than blake2b here (0.44 vs 0.17 GB/s on a loaded core), which is most of a stream's CPU cost.
-    Parameter digests (transport.digest) stay blake2b, as DESIGN.md specifies.
+    Parameter digests (transport.digest) stay blake2b (docs/architecture.md, "Digests").
     """
     return hashlib.sha256()
 
 
-def payload_digest(tensors: Sequence[EncodedTensorLike]) -> bytes:
+def payload_digest(tensors: Sequence[EncodedTensor]) -> bytes:
     """SHA-256 of the concatenated payloads, in order (what the stream's trailer declares)."""
     h = new_hasher()
     for t in tensors:
@@ -59,14 +63,14 @@ def chunk_count(total_bytes: int, chunk_bytes: int) -> int:
     return max(1, -(-total_bytes // chunk_bytes))
 
 
-def build_header(tensors: Sequence[EncodedTensorLike], chunk_bytes: int) -> pb.PayloadHeader:
+def build_header(tensors: Sequence[EncodedTensor], chunk_bytes: int) -> pb.PayloadHeader:
     """The stream's header: tensor metas, chunk count and total bytes (reads no payload byte)."""
     metas = [to_meta(t) for t in tensors]
     total = sum(m.nbytes for m in metas)
     return pb.PayloadHeader(tensors=metas, chunk_count=chunk_count(total, chunk_bytes), total_bytes=total)
 
 
-def iter_chunk_views(tensors: Sequence[EncodedTensorLike], chunk_bytes: int) -> Iterator[list[memoryview]]:
+def iter_chunk_views(tensors: Sequence[EncodedTensor], chunk_bytes: int) -> Iterator[list[memoryview]]:
     """Walk the concatenated payloads in pieces of ``chunk_bytes`` (the last may be shorter), copying nothing.
 
     Each item is the list of ``memoryview`` slices (of one or more tensors) that make up one chunk. Always
@@ -94,7 +98,7 @@ def iter_chunk_views(tensors: Sequence[EncodedTensorLike], chunk_bytes: int) -> 
 class _BackgroundDigest:
     """`payload_digest` computed by a helper thread while the chunks stream (hashlib releases the GIL)."""
 
-    def __init__(self, tensors: Sequence[EncodedTensorLike]) -> None:
+    def __init__(self, tensors: Sequence[EncodedTensor]) -> None:
         self._views = [memoryview(t.payload).cast("B") for t in tensors]
         self._cancelled = threading.Event()
         self._digest = b""
@@ -121,7 +125,7 @@ class _BackgroundDigest:
 
 
 def iter_trailed_views(
-    tensors: Sequence[EncodedTensorLike], chunk_bytes: int
+    tensors: Sequence[EncodedTensor], chunk_bytes: int
 ) -> Iterator[tuple[list[memoryview], bytes]]:
     """`iter_chunk_views` with each chunk's trailer: ``b""``, except the digest of the payload on the last.
 
@@ -154,7 +158,7 @@ def iter_trailed_views(
     yield pending, hasher.digest()
 
 
-def iter_chunk_data(tensors: Sequence[EncodedTensorLike], chunk_bytes: int) -> Iterator[bytes]:
+def iter_chunk_data(tensors: Sequence[EncodedTensor], chunk_bytes: int) -> Iterator[bytes]:
     """Like `iter_chunk_views`, each chunk as one ``bytes`` (what a protobuf message field needs)."""
     for pieces in iter_chunk_views(tensors, chunk_bytes):
         yield pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)
@@ -235,7 +239,7 @@ class Reassembler:
         """The payload digest the sender declared (its trailer); empty until the last chunk has arrived."""
         return self._digest
 
-    def finish(self) -> list[EncodedTensorLike]:
+    def finish(self) -> list[EncodedTensor]:
         """Check count, size and digest; return the tensors (payloads are slices of the buffer)."""
         if self._next_index != self.header.chunk_count:
             raise Rejected(
@@ -251,7 +255,7 @@ class Reassembler:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "payload digest mismatch")
         return [from_meta(m, self._view[a:b]) for m, a, b in self._spans]
 
-    def take_completed(self) -> list[EncodedTensorLike]:
+    def take_completed(self) -> list[EncodedTensor]:
         """Tensors whose bytes have all arrived since the last call (not yet digest-checked).
 
         Lets the receiver decode tensor by tensor while the rest of the stream is still arriving; nothing

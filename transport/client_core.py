@@ -1,68 +1,171 @@
-"""What every client transport does the same way: chunk and shape pushes, receive and check pulls, retry.
+"""What both island clients do the same way: one attempt, one mapping of failures, retries, chunks, pulls.
 
-Shared by the gRPC client and the in-process transport so both move exactly the same chunks through the same
-checks. The link shaper (``transport.shaper.LinkShaper``) is charged once per RPC (`start_message`) and once
-per chunk (`transmit`: "up" for push chunks, "down" for pull chunks); its ``LinkDown`` becomes UNAVAILABLE,
-which is retried. Retries use tenacity at this RPC boundary only: exponential backoff with full jitter,
-attempts and deadlines from `TransportConfig`, and only for codes in ``RETRYABLE_CODES``.
+``transport.grpc_client.GrpcTransport`` and ``transport.inprocess.InProcessTransport`` implement the same
+``transport.client.IslandClient`` and differ only in how one attempt reaches a ``DilocoService`` (a gRPC
+channel, or a direct call). Everything else lives here once, so both move exactly the same chunks through the
+same checks and fail the same way:
+
+* **One attempt** (`call_once`): charge the link shaper's per-message latency, run the call, and map every
+  failure to ``TransportError``: the shaper's ``LinkDown`` becomes UNAVAILABLE (what a real network would
+  give, so it is retried), a ``Rejected`` from the service keeps its code and reason, and a
+  ``grpc.RpcError`` keeps its status (it only occurs over gRPC). This is the only place failures are mapped.
+* **Retries** (`with_retries`): tenacity at this RPC boundary only, exponential backoff with full jitter,
+  attempts and deadlines from ``TransportConfig``, and only for codes in ``RETRYABLE_CODES``.
+* **Pushes** (`push_wire_chunks`): ~1 MiB chunks, meta + header on the first, the digest trailer on the last;
+  each chunk pays its link time ("up") before it goes.
+* **Pulls** (`receive_pull`): reassembled with the checks the server applies to pushes; each chunk pays its
+  link time ("down") as it arrives.
+
+`RetryingClient` bundles the state both clients hold (island, credentials, config, shaper) and the
+attempt-plus-retries wrapper; each subclass adds its constructor and its six calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Protocol, Self, TypedDict, TypeVar
 
 import grpc
 import tenacity
 
 from transport import diloco_pb2 as pb
+from transport.auth import call_metadata
 from transport.chunking import Reassembler, build_header, check_header, iter_trailed_views
 from transport.config import TransportConfig
 from transport.errors import Rejected, TransportError
 from transport.handler import PB_TO_KIND, PullPayload
-from transport.tensors import EncodedTensorLike, known_codecs, payload_nbytes
+from transport.shaper import Direction, LinkDown
+from transport.tensors import known_codecs, payload_nbytes
 from transport.wire import PUSH_DATA_FIELD, encode_data_chunk, parse_pull_chunk
+
+if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
+    from transport.codecs import EncodedTensor
 
 T = TypeVar("T")
 
-try:  # the shaper is optional for the wire; LinkDown is a ConnectionError either way
-    from transport.shaper import LinkDown
-except ImportError:  # pragma: no cover - shaper ships with the package
-    LinkDown = ConnectionError  # type: ignore[misc,assignment]
+Sleep = Callable[[float], None]
+"""How a client waits between retries (``time.sleep`` unless a test passes a recorder)."""
 
 
-def link_down_error(e: BaseException) -> TransportError:
-    """``LinkDown`` as the gRPC status a real network would give."""
-    return TransportError(grpc.StatusCode.UNAVAILABLE, f"link down: {e}")
+class ShaperLike(Protocol):
+    """What a client needs from a link shaper (``transport.shaper.LinkShaper`` or a test double).
+
+    Both calls block for the simulated link time and raise ``LinkDown`` while the link is down.
+    """
+
+    def start_message(self, direction: Direction) -> None:
+        """Pay the one-way latency of one message (once per RPC attempt)."""
+        ...
+
+    def transmit(self, nbytes: int, direction: Direction) -> None:
+        """Pay the bandwidth of ``nbytes`` payload bytes (once per chunk)."""
+        ...
 
 
-def push_chunks(
-    meta: pb.PushMeta, tensors: Sequence[EncodedTensorLike], chunk_bytes: int, shaper: Any | None = None
-) -> Iterator[pb.PushChunk]:
-    """The chunks of one push as messages: meta + header on the first, the digest trailer on the last; each
-    pays its link time first."""
-    header = build_header(tensors, chunk_bytes)
-    for i, (pieces, digest) in enumerate(iter_trailed_views(tensors, chunk_bytes)):
-        data = b"".join(pieces)
+class ClientOptions(TypedDict, total=False):
+    """The keyword options both island clients take (``GrpcTransport``, ``InProcessTransport``), said once."""
+
+    config: TransportConfig | None
+    """Deadlines, retries, chunk size and limits; None is the client's default (``TransportConfig()`` over gRPC,
+    the service's own config in-process)."""
+    shaper: ShaperLike | None
+    """Link shaper charged per message and per chunk, to make the link behave like a WAN one; None: unshaped."""
+    sleep: Sleep | None
+    """How to wait between retries; None is ``time.sleep`` (tests pass a recorder to see the backoff)."""
+
+
+def call_once(shaper: ShaperLike | None, fn: Callable[[], T]) -> T:
+    """One attempt of an RPC, whose every failure comes out as a ``TransportError`` that `with_retries` judges.
+
+    The single mapping of failures for both clients: ``LinkDown`` -> UNAVAILABLE (retryable, like a real
+    network outage), ``Rejected`` -> its own code and reason, ``grpc.RpcError`` -> its status and details.
+    """
+    try:
         if shaper is not None:
-            shaper.transmit(len(data), "up")
-        if i == 0:
-            yield pb.PushChunk(index=0, meta=meta, header=header, data=data, digest=digest)
-        else:
-            yield pb.PushChunk(index=i, data=data, digest=digest)
+            shaper.start_message("up")
+        return fn()
+    except LinkDown as e:
+        raise TransportError(grpc.StatusCode.UNAVAILABLE, f"link down: {e}") from None
+    except Rejected as e:
+        raise TransportError(e.code, e.reason) from None
+    except grpc.RpcError as e:
+        code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
+        details = e.details() if isinstance(e, grpc.Call) else str(e)
+        raise TransportError(code, details or "") from None
+
+
+def with_retries(config: TransportConfig, attempt: Callable[[], T], sleep: Sleep | None = None) -> T:
+    """Run ``attempt`` until it succeeds, fails with a non-retryable code, or attempts run out.
+
+    The final ``TransportError`` records how many attempts were made (``attempts``).
+    """
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(config.max_attempts),
+        wait=tenacity.wait_random_exponential(multiplier=config.backoff_initial_s, max=config.backoff_max_s),
+        retry=tenacity.retry_if_exception(lambda e: isinstance(e, TransportError) and e.retryable),
+        reraise=True,
+        **({"sleep": sleep} if sleep is not None else {}),
+    )
+    try:
+        return retrying(attempt)
+    except TransportError as e:
+        e.attempts = int(retrying.statistics.get("attempt_number", 1))
+        raise
+
+
+class RetryingClient:
+    """The part of an island client that does not depend on how bytes reach the service.
+
+    Holds what every call needs (``target``, ``island``, credentials as call metadata, and the `ClientOptions`:
+    ``config``, the optional ``shaper``, the retry ``sleep``) and runs each call as attempts of `call_once`
+    under `with_retries`. Subclasses implement the ``IslandClient`` calls with `_retried` and `_push_stream`;
+    ``close`` releases nothing unless a subclass holds something (a channel).
+    """
+
+    def __init__(
+        self, target: str, island: str, secret: str | None, options: ClientOptions, default_config: TransportConfig
+    ) -> None:
+        self.target = target
+        self.island = island
+        self.config = options.get("config") or default_config
+        self.shaper = options.get("shaper")
+        self._sleep = options.get("sleep")
+        self._metadata = call_metadata(island, secret)
+
+    def _retried(self, fn: Callable[[], T]) -> T:
+        """``fn`` as one RPC: attempts of `call_once` (shaper charge + failure mapping), retried."""
+        return with_retries(self.config, lambda: call_once(self.shaper, fn), self._sleep)
+
+    def _push_stream(
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor]
+    ) -> Callable[[], Iterator[pb.PushChunk | bytes]]:
+        """A fresh chunk stream per attempt; the header (metas only, no digest) is built once for all of them."""
+        header = build_header(tensors, self.config.chunk_bytes)
+        return lambda: push_wire_chunks(meta, tensors, self.config.chunk_bytes, self.shaper, header)
+
+    def close(self) -> None:
+        """Nothing to release here; a subclass that holds a channel closes it."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def push_wire_chunks(
     meta: pb.PushMeta,
-    tensors: Sequence[EncodedTensorLike],
+    tensors: Sequence[EncodedTensor],
     chunk_bytes: int,
-    shaper: Any | None = None,
+    shaper: ShaperLike | None = None,
     header: pb.PayloadHeader | None = None,
 ) -> Iterator[pb.PushChunk | bytes]:
-    """Same chunks as `push_chunks`, but every chunk after the first already serialized (one copy each).
+    """The chunks of one push: the first a message (meta + header), every later one already serialized.
 
-    The payload is hashed chunk by chunk as the chunks are pulled by the wire (``iter_trailed_views``), so
-    the first byte goes out at once. ``header`` (from `build_header`) may be passed to reuse it across retries.
+    Serializing the data chunks by hand (``transport.wire``) costs one copy each instead of protobuf's three.
+    The payload is hashed chunk by chunk as the wire pulls them (``iter_trailed_views``), so the first byte goes
+    out at once and the digest rides on the last chunk. ``header`` (from `build_header`) may be passed to reuse
+    it across retries.
     """
     header = header if header is not None else build_header(tensors, chunk_bytes)
     for i, (pieces, digest) in enumerate(iter_trailed_views(tensors, chunk_bytes)):
@@ -74,10 +177,12 @@ def push_wire_chunks(
             yield encode_data_chunk(PUSH_DATA_FIELD, i, *pieces, digest=digest)
 
 
-def receive_pull(chunks: Iterable[Any], config: TransportConfig, shaper: Any | None = None) -> PullPayload:
+def receive_pull(
+    chunks: Iterable[pb.PullChunk | bytes], config: TransportConfig, shaper: ShaperLike | None = None
+) -> PullPayload:
     """Reassemble a pull stream with the same checks the server applies to pushes.
 
-    Items are parsed chunks, or serialized ones (``bytes``, from the in-process transport).
+    Items are parsed chunks, or serialized ones (``bytes``, as the in-process service yields them).
     """
     it = (parse_pull_chunk(c) if isinstance(c, bytes) else c for c in chunks)
     first = next(it, None)
@@ -106,22 +211,6 @@ def receive_pull(chunks: Iterable[Any], config: TransportConfig, shaper: Any | N
     )
 
 
-def push_size(tensors: Sequence[EncodedTensorLike]) -> int:
+def push_size(tensors: Sequence[EncodedTensor]) -> int:
     """Payload bytes of a push (for its deadline); no digest, so it costs nothing."""
     return sum(payload_nbytes(t) for t in tensors)
-
-
-def with_retries(config: TransportConfig, attempt: Callable[[], T], sleep: Callable[[float], None] | None = None) -> T:
-    """Run ``attempt`` until it succeeds, fails with a non-retryable code, or attempts run out."""
-    retrying = tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(config.max_attempts),
-        wait=tenacity.wait_random_exponential(multiplier=config.backoff_initial_s, max=config.backoff_max_s),
-        retry=tenacity.retry_if_exception(lambda e: isinstance(e, TransportError) and e.retryable),
-        reraise=True,
-        **({"sleep": sleep} if sleep is not None else {}),
-    )
-    try:
-        return retrying(attempt)
-    except TransportError as e:
-        e.attempts = int(retrying.statistics.get("attempt_number", 1))
-        raise

@@ -35,6 +35,11 @@ separately as the fields of :class:`EncodedTensor`). ``n`` is the element count,
   the high nibble of byte ``i``, each a two's-complement nibble; for odd ``n`` the last high nibble is 0.
 * ``zstd_level > 0``: the bytes above as one zstd frame that records its content size.
 
+Three sizes describe one tensor, each with one name: *dense* (``dense_nbytes``, ``4 * n``: the float32
+reference for compression ratios and for the decode size limit ``max_dense_nbytes``), *raw* (the layout above
+before zstd: ``raw_payload_nbytes(kind, n, block_size)``, ``EncodedTensor.raw_nbytes``, what a received
+payload must decode to) and *payload* (the bytes actually carried, after zstd: ``EncodedTensor.nbytes``).
+
 Quantization runs as one jitted JAX function per codec (numpy inputs run on the host CPU without a copy when
 they are 64-byte aligned; JAX arrays run on their own device, so a GPU island moves only the compressed bytes
 to the host). Decoding is plain numpy, so the same bytes give the same array bit for bit on every host: the
@@ -74,7 +79,7 @@ __all__ = [
     "encode",
     "encode_tree",
     "flatten_named",
-    "payload_nbytes",
+    "raw_payload_nbytes",
     "unflatten_named",
 ]
 
@@ -98,8 +103,13 @@ DTYPES: dict[str, np.dtype] = {
 MAX_BLOCK_SIZE = 1 << 16
 MAX_ZSTD_LEVEL = 22
 MAX_NDIM = 32
-DEFAULT_MAX_RAW_NBYTES = 1 << 34
-"""Default cap (16 GiB) on a decoded tensor's float32 size, so forged metadata cannot make us allocate."""
+DEFAULT_MAX_DENSE_NBYTES = 1 << 34
+"""Default cap (16 GiB) on a decoded tensor's float32 (dense) size, so forged metadata cannot make us allocate."""
+
+PyTree = Any
+"""A JAX pytree (nested dicts, lists, tuples, registered dataclasses) of arrays: parameters, optimizer states,
+pseudo-gradients. The project's one alias for it (outer_optimizer, which imports nothing of ours, uses optax's
+`Params`/`Updates`)."""
 
 _ALIGN = 64  # XLA:CPU aliases host buffers (no copy) only when they are 64-byte aligned
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -173,13 +183,13 @@ class EncodedTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes on the wire (payload only)."""
+        """Bytes of the payload as carried (after zstd): what the wire moves for this tensor."""
         return memoryview(self.payload).nbytes
 
     @property
     def raw_nbytes(self) -> int:
-        """Payload size before zstd, as implied by the metadata."""
-        return payload_nbytes(self.codec, self.numel, self.block_size)
+        """Payload size before zstd, as implied by the metadata (equal to ``nbytes`` without zstd)."""
+        return raw_payload_nbytes(self.codec, self.numel, self.block_size)
 
     @property
     def dense_nbytes(self) -> int:
@@ -187,8 +197,12 @@ class EncodedTensor:
         return 4 * self.numel
 
 
-def payload_nbytes(kind: str, numel: int, block_size: int) -> int:
-    """Exact uncompressed payload size of a tensor of ``numel`` elements."""
+def raw_payload_nbytes(kind: str, numel: int, block_size: int) -> int:
+    """Exact size of the ``kind`` layout of ``numel`` elements before zstd (the module docstring's layout).
+
+    What a payload must be (or decompress to), computed from metadata alone, so a receiver can check a
+    payload before trusting it. The bytes a tensor actually carries are ``EncodedTensor.nbytes``.
+    """
     if kind == "fp32":
         return 4 * numel
     if kind == "bf16":
@@ -419,7 +433,7 @@ def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
     )
 
 
-def _check_meta(enc: EncodedTensor, max_raw_nbytes: int) -> None:
+def _check_meta(enc: EncodedTensor, max_dense_nbytes: int) -> None:
     name = enc.name
     if enc.codec not in KINDS:
         raise CodecError(f"tensor {name!r}: unknown codec {enc.codec!r}")
@@ -432,8 +446,8 @@ def _check_meta(enc: EncodedTensor, max_raw_nbytes: int) -> None:
         or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)
     ):
         raise CodecError(f"tensor {name!r}: invalid shape {shape!r}")
-    if 4 * math.prod(shape) > max_raw_nbytes:
-        raise CodecError(f"tensor {name!r}: shape {shape} exceeds the size limit of {max_raw_nbytes} bytes")
+    if 4 * math.prod(shape) > max_dense_nbytes:
+        raise CodecError(f"tensor {name!r}: shape {shape} exceeds the size limit of {max_dense_nbytes} bytes")
     if enc.codec in QMAX:
         bs = enc.block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0 or bs % 2 or bs > MAX_BLOCK_SIZE:
@@ -467,16 +481,16 @@ def _dequantize(codes: np.ndarray, scale: np.ndarray, block_size: int) -> np.nda
     return out
 
 
-def decode(enc: EncodedTensor, *, max_raw_nbytes: int = DEFAULT_MAX_RAW_NBYTES) -> np.ndarray:
+def decode(enc: EncodedTensor, *, max_dense_nbytes: int = DEFAULT_MAX_DENSE_NBYTES) -> np.ndarray:
     """Decode bytes into a new numpy array of ``enc.shape`` and ``enc.dtype``; deterministic bit for bit.
 
     Raises :class:`CodecError` (naming the tensor) on any malformed input: bad metadata, a payload of the
     wrong length, a zstd frame that claims or yields a size other than expected, non-finite or negative
     scales, or non-finite decoded values.
     """
-    _check_meta(enc, max_raw_nbytes)
+    _check_meta(enc, max_dense_nbytes)
     name, n = enc.name, enc.numel
-    expected = payload_nbytes(enc.codec, n, enc.block_size)
+    expected = raw_payload_nbytes(enc.codec, n, enc.block_size)
     data: bytes | bytearray | memoryview = enc.payload
     if enc.zstd_level:
         data = _zstd_decompress(name, bytes(data), expected)
@@ -521,14 +535,14 @@ def encode_tree(named: Mapping[str, Any], spec: CodecSpec) -> list[EncodedTensor
 
 
 def decode_tree(
-    encoded: Iterable[EncodedTensor], *, max_raw_nbytes: int = DEFAULT_MAX_RAW_NBYTES
+    encoded: Iterable[EncodedTensor], *, max_dense_nbytes: int = DEFAULT_MAX_DENSE_NBYTES
 ) -> dict[str, np.ndarray]:
     """Decode a list of tensors into a name -> array dict (sorted by name); duplicate names are refused."""
     out: dict[str, np.ndarray] = {}
     for enc in encoded:
         if enc.name in out:
             raise CodecError(f"tensor {enc.name!r} appears twice")
-        out[enc.name] = decode(enc, max_raw_nbytes=max_raw_nbytes)
+        out[enc.name] = decode(enc, max_dense_nbytes=max_dense_nbytes)
     return dict(sorted(out.items()))
 
 

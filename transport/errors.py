@@ -1,4 +1,9 @@
-"""Errors of the wire layer.
+"""Errors: the root of every user-facing error, and the errors of the wire layer.
+
+``UserError`` is the one base class of "the user got something wrong" (a config key, a data file, an island
+name, a coordinator that refuses the config): the CLI catches exactly this type and prints its message as one
+line with exit code 2, never a traceback. It lives here, in the package at the bottom of the import graph, so
+that every package can subclass it without a hub module that imports them all (docs/architecture.md).
 
 ``Rejected`` is raised on the receiving side (by the transport's own checks or by the coordinator's handler)
 and becomes a gRPC status with a reason; ``TransportError`` is what a client raises once an RPC has failed for
@@ -15,6 +20,10 @@ RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset(
 )
 
 
+class UserError(Exception):
+    """A mistake the user can fix; its message is one line that names the config key, file, island or tensor."""
+
+
 class Rejected(Exception):
     """A message refused with a gRPC status code and a human-readable reason."""
 
@@ -24,7 +33,7 @@ class Rejected(Exception):
         self.reason = reason
 
 
-class TransportError(ConnectionError):
+class TransportError(UserError, ConnectionError):
     """An RPC that failed for good: ``code`` is the final gRPC status, ``reason`` the peer's explanation."""
 
     def __init__(self, code: grpc.StatusCode, reason: str, attempts: int = 1) -> None:

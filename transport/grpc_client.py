@@ -1,42 +1,38 @@
-"""gRPC client for the diloco.v1 protocol (used by an island to talk to the coordinator).
+"""gRPC client for the diloco.v1 protocol: an island's ``IslandClient`` to a coordinator in another process.
 
 Every RPC carries the island's credentials as metadata, has a deadline from `TransportConfig` (streams get
 extra time proportional to their size), is retried with backoff on retryable codes only, and fails for good
-with a `TransportError(code, reason)`. Pushes are streamed as ~1 MiB chunks through the optional link shaper.
-All RPCs are idempotent on the server, which is what makes the retries safe.
+with a `TransportError(code, reason)` (``transport.client_core``, shared with the in-process transport). The
+two streaming RPCs take the chunk fast path: push data chunks go out pre-serialized, pull data chunks are
+parsed zero-copy (``transport.wire``). All RPCs are idempotent on the server, which is what makes the retries
+safe.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import grpc
 
 from transport import diloco_pb2 as pb
 from transport import diloco_pb2_grpc as pb_grpc
-from transport.auth import TlsConfig, call_metadata
-from transport.chunking import build_header
-from transport.client_core import (
-    LinkDown,
-    link_down_error,
-    push_size,
-    push_wire_chunks,
-    receive_pull,
-    with_retries,
-)
+from transport.auth import TlsConfig
+from transport.client_core import ClientOptions, RetryingClient, push_size, receive_pull
 from transport.config import TransportConfig
-from transport.errors import Rejected, TransportError
 from transport.handler import PullPayload
-from transport.tensors import EncodedTensorLike
+from transport.shaper import LinkDown
 from transport.wire import parse_pull_chunk, serialize_chunk
+
+if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
+    from transport.codecs import EncodedTensor
 
 T = TypeVar("T")
 
 
-class GrpcTransport:
-    """Client side of the diloco.v1 service over one gRPC channel. Thread-safe."""
+class GrpcTransport(RetryingClient):
+    """``IslandClient`` over one gRPC channel to ``target`` (``host:port``). Thread-safe."""
 
     def __init__(
         self,
@@ -44,23 +40,17 @@ class GrpcTransport:
         island: str,
         secret: str | None = None,
         *,
-        config: TransportConfig | None = None,
         tls: TlsConfig | None = None,
-        shaper: Any | None = None,
-        sleep: Callable[[float], None] | None = None,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        self.target = target
-        self.island = island
-        self.config = config or TransportConfig()
-        self.shaper = shaper
-        self._sleep = sleep
-        self._metadata = call_metadata(island, secret)
-        options = self.config.grpc_options()
+        """Open a channel to ``target`` (TLS when ``tls`` is given) for ``island``; `ClientOptions` for the rest."""
+        super().__init__(target, island, secret, options, default_config=TransportConfig())
+        channel_options = self.config.grpc_options()
         if tls is None:
-            self._channel = grpc.insecure_channel(target, options=options)
+            self._channel = grpc.insecure_channel(target, options=channel_options)
         else:
             self._channel = grpc.secure_channel(
-                target, tls.channel_credentials(), options=options + tls.channel_options()
+                target, tls.channel_credentials(), options=channel_options + tls.channel_options()
             )
         self._stub = pb_grpc.DilocoStub(self._channel)
         # The two streaming RPCs use the chunk fast path (pre-serialized / zero-copy parsed data chunks).
@@ -79,55 +69,30 @@ class GrpcTransport:
         """Close the channel."""
         self._channel.close()
 
-    def __enter__(self) -> GrpcTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- plumbing -------------------------------------------------------------------------------------
-
-    def _attempt(self, fn: Callable[[], T]) -> T:
-        try:
-            if self.shaper is not None:
-                self.shaper.start_message("up")
-            return fn()
-        except LinkDown as e:
-            raise link_down_error(e) from None
-        except Rejected as e:
-            raise TransportError(e.code, e.reason) from None
-        except grpc.RpcError as e:
-            raise TransportError(e.code(), e.details() or "") from None
-
     def _unary(self, method: Callable[..., T], request: Any) -> T:
-        return with_retries(
-            self.config,
-            lambda: self._attempt(lambda: method(request, timeout=self.config.rpc_timeout_s, metadata=self._metadata)),
-            self._sleep,
-        )
-
-    # -- API ------------------------------------------------------------------------------------------
+        """A unary RPC with the per-call deadline and the credentials, retried."""
+        return self._retried(lambda: method(request, timeout=self.config.rpc_timeout_s, metadata=self._metadata))
 
     def join(self, req: pb.JoinRequest) -> pb.JoinReply:
-        """Join the run."""
+        """See ``IslandClient.join``."""
         return self._unary(self._stub.Join, req)
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
-        """Renew the lease."""
+        """See ``IslandClient.heartbeat``."""
         return self._unary(self._stub.Heartbeat, req)
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
-        """Leave the run."""
+        """See ``IslandClient.leave``."""
         return self._unary(self._stub.Leave, req)
 
     def status(self) -> pb.StatusReply:
-        """Coordinator status."""
+        """See ``IslandClient.status``."""
         return self._unary(self._stub.Status, pb.StatusRequest())
 
-    def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensorLike]) -> pb.PushReply:
-        """Stream one pseudo-gradient; retried pushes are deduplicated by the server."""
+    def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor]) -> pb.PushReply:
+        """Stream one pseudo-gradient, with a deadline that grows with its size; retries are deduplicated."""
         timeout = self.config.stream_deadline_s(push_size(tensors))
-        header = build_header(tensors, self.config.chunk_bytes)  # metas only; the digest is hashed as it streams
+        stream = self._push_stream(meta, tensors)
 
         def once() -> pb.PushReply:
             link_failure: list[BaseException] = []
@@ -136,7 +101,7 @@ class GrpcTransport:
 
             def chunks() -> Iterator[pb.PushChunk | bytes]:
                 try:
-                    yield from push_wire_chunks(meta, tensors, self.config.chunk_bytes, self.shaper, header)
+                    yield from stream()
                 except LinkDown as e:
                     # Runs in gRPC's sending thread. Cancel (RST) before this iterator ends, so the server
                     # sees a cancelled call rather than a truncated stream it would report as malformed.
@@ -152,11 +117,11 @@ class GrpcTransport:
             try:
                 return future.result()
             except (grpc.RpcError, grpc.FutureCancelledError):
-                if link_failure:
+                if link_failure:  # the call failed because the link did: report that, so it maps to UNAVAILABLE
                     raise LinkDown(str(link_failure[0])) from None
                 raise
 
-        return with_retries(self.config, lambda: self._attempt(once), self._sleep)
+        return self._retried(once)
 
     def pull(self, req: pb.PullRequest) -> PullPayload:
         """Receive the committed update (or full params) as chunks, checked like a push."""
@@ -167,7 +132,7 @@ class GrpcTransport:
             try:
                 return receive_pull(call, self.config, self.shaper)
             except BaseException:
-                call.cancel()
+                call.cancel()  # stop the server streaming the rest of a payload we refused
                 raise
 
-        return with_retries(self.config, lambda: self._attempt(once), self._sleep)
+        return self._retried(once)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
 from transport import diloco_pb2 as pb
-from transport.tensors import EncodedTensorLike
+
+if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
+    from transport.codecs import EncodedTensor
 
 PullKindName = Literal["update", "full"]
 
@@ -35,7 +37,7 @@ class PullPayload:
     fragment: int
     kind: PullKindName
     param_digest: bytes
-    tensors: Sequence[EncodedTensorLike]
+    tensors: Sequence[EncodedTensor]
 
 
 class CoordinatorHandler(Protocol):
@@ -58,7 +60,7 @@ class CoordinatorHandler(Protocol):
         ...
 
     def push(
-        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensorLike], arrays: dict[str, np.ndarray]
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray]
     ) -> pb.PushReply:
         """A validated pseudo-gradient: encoded tensors and their decoded, finite arrays.
 

@@ -1,7 +1,7 @@
 """The transport-independent service: authenticate, validate, reassemble, deduplicate, then call the handler.
 
 Both the gRPC servicer and the in-process transport run every message through this class, so the checks
-(DESIGN.md "bad input never touches state") and the idempotency rule are the same everywhere:
+(docs/architecture.md, "Errors": bad input never touches state) and the idempotency rule are the same everywhere:
 
 * a push is keyed by (island, round, fragment); the server remembers the digest and reply of each accepted
   push, so a retried duplicate (same digest) gets the same reply without reaching the handler again, and a

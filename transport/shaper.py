@@ -21,7 +21,7 @@ Model, per direction ("up" = island -> coordinator, "down" = coordinator -> isla
   `LinkDown` during one, and a transfer still in flight when one begins fails at its start (the RPC layer
   turns that into UNAVAILABLE and retries). `set_partitioned` simulates an unscheduled partition.
 
-`transfer_time_s` is the matching pure cost model (used by benchmarks and the cost model in DESIGN.md).
+`transfer_time_s` is the matching pure cost model (used by benchmarks and the cost model in docs/architecture.md).
 The clock and sleep are injected so unit tests can run on a fake clock and check times exactly.
 """
 
@@ -38,6 +38,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+from transport.errors import UserError
+
 Direction = Literal["up", "down"]
 DIRECTIONS: tuple[str, str] = ("up", "down")
 
@@ -52,7 +54,7 @@ class LinkDown(ConnectionError):
     """The link is in a scheduled outage (or a simulated partition)."""
 
 
-class LinkProfileError(ValueError):
+class LinkProfileError(UserError, ValueError):
     """A link profile (or a link profile file) is invalid; the message is one line naming the key."""
 
     def __init__(self, message: str, key: str | None = None, detail: str | None = None) -> None:

@@ -1,21 +1,24 @@
 """Validation before state: every check a message must pass before the coordinator's handler sees it.
 
-DESIGN.md promises that malformed, oversized, NaN or forged pseudo-gradients are rejected with a reason and
-never touch θ. The checks here are pure functions that raise `Rejected(code, reason)`; the service runs them
-in order (identity, run id, round, tensor specs, then after the bytes arrived: digest, decode, finiteness)
-and only then calls the handler.
+The fault model (docs/architecture.md) promises that malformed, oversized, NaN or forged pseudo-gradients are
+rejected with a reason and never touch θ. The checks here are pure functions that raise `Rejected(code, reason)`;
+the service runs them in order (identity, run id, round, tensor specs, then after the bytes arrived: digest, decode,
+finiteness) and only then calls the handler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
 from transport import diloco_pb2 as pb
 from transport.errors import Rejected
-from transport.tensors import EncodedTensorLike
+
+if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
+    from transport.codecs import EncodedTensor
 
 TensorSpec = tuple[tuple[int, ...], str]
 """Expected (shape, decoded dtype) of one tensor."""
@@ -91,14 +94,7 @@ def check_tensor_metas(metas: Sequence[pb.TensorMeta], expected: Mapping[str, Te
             )
 
 
-def decode_and_check(
-    tensors: Sequence[EncodedTensorLike], decode: Callable[[EncodedTensorLike], np.ndarray]
-) -> dict[str, np.ndarray]:
-    """Decode every tensor (codecs check payload lengths and refuse bombs) and require finite values."""
-    return {t.name: decode_one(t, decode) for t in tensors}
-
-
-def decode_one(tensor: EncodedTensorLike, decode: Callable[[EncodedTensorLike], np.ndarray]) -> np.ndarray:
+def decode_one(tensor: EncodedTensor, decode: Callable[[EncodedTensor], np.ndarray]) -> np.ndarray:
     """Decode one tensor; undecodable, misshapen or non-finite -> INVALID_ARGUMENT."""
     try:
         array = decode(tensor)

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from transport.errors import UserError
+
 Params = Any
 """A pytree (nested dicts/lists) of float32 jax arrays."""
 
@@ -25,7 +27,7 @@ KINDS: tuple[str, ...] = ("transformer", "moe", "custom")
 """The model kinds `build_model` knows."""
 
 
-class ModelError(ValueError):
+class ModelError(UserError, ValueError):
     """A user error in the model section of the config (bad sizes, an entry that does not import)."""
 
 

@@ -1,7 +1,8 @@
-"""Codec benchmark: compression ratio, encode/decode throughput and error of the pseudo-gradient codecs.
+"""`diloco bench codec`: compression ratio, encode/decode throughput and error of the pseudo-gradient codecs.
 
-Feeds the DiLoCo cost model (DESIGN.md): bytes up per round are ``P * b/8 / z``; this measures ``b`` (bits
-per value incl. block scales), ``z`` (zstd ratio on top) and what the host pays in time to get them.
+Feeds the DiLoCo cost model (docs/architecture.md, "Cost model"): bytes up per round are ``P * b/8 / z``; this
+measures ``b`` (bits per value incl. block scales), ``z`` (zstd ratio on top) and what the host pays in time to get
+them.
 
 Data: a pseudo-gradient-like float32 matrix (rows x 4096): standard normal values times a per-row scale
 drawn log-normally around 1e-3 (rows of a weight matrix move by very different amounts), with a few
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco.bench.errors import BenchError
 from transport.codecs import KINDS, QMAX, CodecSpec, decode, encode
 
 _COLS = 4096
@@ -77,9 +79,9 @@ def run_codec_bench(
 ) -> dict[str, Any]:
     """Benchmark every codec with and without zstd on ``size_mb`` MiB of float32; returns a JSON-able dict."""
     if size_mb <= 0:
-        raise ValueError(f"size_mb must be positive (got {size_mb})")
+        raise BenchError(f"bench codec: --size-mb must be positive (got {size_mb})")
     if repeats < 1:
-        raise ValueError(f"repeats must be at least 1 (got {repeats})")
+        raise BenchError(f"bench codec: --repeats must be at least 1 (got {repeats})")
     x = make_pseudo_gradient(size_mb)
     dense = x.nbytes
     results = []

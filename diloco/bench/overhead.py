@@ -17,8 +17,9 @@ from typing import Any
 import jax
 import optax
 
+from diloco.bench.errors import BenchError
 from diloco.config import RunConfig
-from diloco.simulate import build_setup
+from diloco.setup import build_setup
 from islands.inner import make_inner_optimizer
 from islands.island import Island
 from islands.mesh import batch_sharding, build_mesh, replicated
@@ -66,8 +67,12 @@ def _bare_loop(cfg: RunConfig, loss_fn: Any, params: PyTree, stream: Any) -> Any
 
 
 def run_overhead_bench(cfg: RunConfig, steps: int = 50, repeats: int = 5) -> dict[str, Any]:
-    setup = build_setup(cfg)
-    stream = setup.streams[0]
+    """Time `repeats` ABBA pairs of `steps` inner steps, island against bare loop; medians of the ratios."""
+    if steps < 1 or repeats < 1:
+        raise BenchError(f"bench overhead: --steps and --repeats must be >= 1 (got {steps}, {repeats})")
+    name = cfg.islands.island_names[0]
+    setup = build_setup(cfg, islands=[name])  # one island's data: what one island trains on
+    stream = setup.streams[name]
     tx = make_inner_optimizer(cfg.inner, cfg.total_inner_steps)
     island = Island("bench", setup.model, tx, stream, n_devices=cfg.islands.devices, microbatch=0)
     island.start(setup.init_params)

@@ -1,6 +1,6 @@
-"""Transport benchmark: goodput of a real chunked gRPC push, shaped efficiency, and receiver peak memory.
+"""`diloco bench transport`: goodput of a real chunked gRPC push, shaped efficiency, and receiver peak memory.
 
-Measures what the DESIGN.md cost model assumes of the wire (``T_comm = bytes / bandwidth + RTT``):
+Measures what the cost model (docs/architecture.md) assumes of the wire (``T_comm = bytes / bandwidth + RTT``):
 
 * ``unshaped_gbps``: payload bytes / wall time of a `GrpcTransport.push` of ``payload_mb`` MiB of fp32
   tensors (``tensor_mb`` MiB each, like a model's weight matrices) over loopback, including chunking, both
@@ -15,7 +15,7 @@ Measures what the DESIGN.md cost model assumes of the wire (``T_comm = bytes / b
   server runs in its own process (``multiprocessing`` spawn) so the figure is the receiver alone; it is
   reported next to the bound ``2 x payload + 200 MiB`` and the process's RSS before receiving (imports).
 
-Run: ``python -m diloco.bench_transport [payload_mb=256 shaped_mbps=50 repeats=3 ...]`` (or ``diloco bench transport``).
+Run: ``diloco bench transport [--payload-mb 256] [--shaped-mbps 50] [--shaped-mb 20]`` (JSON on stdout).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from diloco.bench.errors import BenchError
 from transport import diloco_pb2 as pb
 from transport.codecs import EncodedTensor
 from transport.config import TransportConfig
 from transport.grpc_client import GrpcTransport
 from transport.handler import PullPayload
 from transport.shaper import LinkProfile, LinkShaper
-from transport.tensors import EncodedTensorLike
 
 MIB = 1 << 20
 RUN_ID = "bench-transport"
@@ -58,7 +58,7 @@ class _SinkHandler:
         return 0
 
     def push(
-        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensorLike], arrays: dict[str, np.ndarray]
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray]
     ) -> pb.PushReply:
         return pb.PushReply(accepted=True)
 
@@ -109,7 +109,7 @@ class _ServerProcess:
         self.proc = ctx.Process(target=_serve, args=(child, layouts, config), daemon=True)
         self.proc.start()
         if not self._conn.poll(120):
-            raise RuntimeError("benchmark server did not start within 120 s")
+            raise BenchError("bench transport: the receiving server did not start within 120 s")
         self.address = f"127.0.0.1:{self._conn.recv()}"
 
     def memory(self, client: GrpcTransport) -> dict[str, float]:
@@ -136,7 +136,7 @@ def _push(client: GrpcTransport, fragment: int, tensors: list[EncodedTensor]) ->
     reply = client.push(meta, tensors)
     elapsed = time.perf_counter() - t0
     if not reply.accepted:
-        raise RuntimeError(f"benchmark push refused: {reply.detail}")
+        raise BenchError(f"bench transport: push refused: {reply.detail}")
     return elapsed
 
 
@@ -152,7 +152,7 @@ def run_transport_bench(
     sizes = {"payload_mb": payload_mb, "shaped_mb": shaped_mb, "rss_payload_mb": rss_payload_mb}
     for key, value in {**sizes, "tensor_mb": tensor_mb, "shaped_mbps": shaped_mbps, "repeats": repeats}.items():
         if not value > 0:
-            raise ValueError(f"bench transport: {key} must be > 0 (got {value})")
+            raise BenchError(f"bench transport: {key} must be > 0 (got {value})")
     tensor_bytes = int(tensor_mb * MIB)
     big, small, rss = (_layout(int(sizes[k] * MIB), tensor_bytes) for k in sizes)
     config = TransportConfig(max_payload_mb=max(payload_mb, rss_payload_mb) + 1, rpc_timeout_s=600)

@@ -1,4 +1,4 @@
-"""A small, real `CoordinatorHandler` that keeps its state in memory: for transport tests and benchmarks.
+"""A small, real `CoordinatorHandler` that keeps its state in memory: the transport tests' server-side peer.
 
 It is not the DiLoCo coordinator (that lives in ``diloco/``): it applies each accepted push as
 ``θ -= lr * Δ`` immediately and serves θ as full fp32 parameters, which is enough to observe whether the
@@ -16,7 +16,6 @@ import numpy as np
 from transport import diloco_pb2 as pb
 from transport.codecs import EncodedTensor
 from transport.handler import PullPayload
-from transport.tensors import EncodedTensorLike
 
 
 def params_digest(params: Mapping[str, np.ndarray]) -> bytes:
@@ -82,7 +81,7 @@ class ReferenceHandler:
         return self.round
 
     def push(
-        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensorLike], arrays: dict[str, np.ndarray]
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray]
     ) -> pb.PushReply:
         with self._lock:
             for name, delta in arrays.items():

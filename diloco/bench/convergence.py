@@ -7,6 +7,7 @@ Three runs of one config, each with the same inner steps per island:
 Reported: LM / Ls and the share of the data-parallel gain that DiLoCo keeps, (L1 - LM) / (L1 - Ls), with the
 number of syncs each needed. Each run keeps its own run directory (metrics.jsonl has the loss curves), and a
 finished run is not recomputed when the command is repeated with the same --run-dir.
+The published curves (BENCHMARKS.md) are those metrics.jsonl files, kept as benchmarks/convergence/KEY.metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, from_dict, to_dict
 from diloco.simulate import run_simulation
 
@@ -26,6 +28,9 @@ def _variant(cfg: RunConfig, **sections: dict[str, Any]) -> RunConfig:
 
 
 def run_convergence_bench(cfg: RunConfig, run_dir: Path, islands: int = 4) -> dict[str, Any]:
+    """The three runs (resumed when already there in `run_dir`) and the ratios that compare them."""
+    if islands < 2:
+        raise BenchError(f"bench convergence: --islands must be >= 2 to compare with one island (got {islands})")
     names = list(cfg.islands.names[:islands]) if len(cfg.islands.names) >= islands else []
     runs = {
         "L1": _variant(cfg, islands={"count": 1, "names": []}, train={"mode": "diloco"}),

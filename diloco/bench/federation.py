@@ -1,7 +1,7 @@
 """Federation benchmarks under faults: recovery time of a killed island, and convergence with an island lost.
 
 Both start a real federation (coordinator + island processes over gRPC, diloco.procs.Federation) and act on it
-with SIGKILL, the fault DESIGN.md's fault model promises to survive ("island process killed mid-round" and
+with SIGKILL, the fault docs/architecture.md's fault model promises to survive ("island process killed mid-round" and
 "island comes back").
 
 * `run_recovery_bench` — time to rejoin. Islands run with the config's WAN link profile (network.links, the
@@ -11,47 +11,60 @@ with SIGKILL, the fault DESIGN.md's fault model promises to survive ("island pro
   the same command line. The figure is the wall time from that restart to its first `train_start` event:
   process start, imports, restoring its own checkpoint, join, pulling θ_r over its link, digest check.
   Acceptance bound: parameter bytes (fp32 params × 4) / the link's down bandwidth + 10 s.
+
+  The run is sized to what it measures (`plan_recovery`), so that the survivors cannot finish it while the
+  victim restarts, however fast this machine trains: the victim stays a member while it is down (quorum.lease_s
+  is raised to outlast its absence), so every round without it closes at the deadline, never sooner than
+  quorum.min_deadline_s; and train.rounds is set to kill_after + 2 (the round open at the kill, to which the
+  victim may already have pushed, and the first round committed without it) + the rounds that can close during a
+  restart of up to RESTART_ROOM × the bound (floor(window / min_deadline_s) + 1) + RECOVERY_MARGIN_ROUNDS (the
+  victim trains with the others again). A restart slower than that window fails the benchmark with one line.
 * `run_fault_bench` — convergence under faults (DiLoCo, arXiv 2311.08105, claims robustness to islands that
   drop out). Two runs of one config and seed: fault-free, and one where an island is SIGKILLed at round ≈ R/3
   and restarted at ≈ 2R/3 (it resumes its inner state and data cursor from its own checkpoint and pulls θ).
   Acceptance: final eval losses within 3% of each other.
 
-Run: ``python -m diloco.bench_federation recovery configs/local.toml [--run-dir DIR] [key=value ...]`` and
-``python -m diloco.bench_federation faults configs/faults.toml [--run-dir DIR] [key=value ...]``; each prints JSON.
+Run: ``diloco bench recovery configs/local.toml [--run-dir DIR] [--victim NAME] [--kill-after N] [key=value ...]``
+and ``diloco bench faults configs/faults.toml [--run-dir DIR] [--victim NAME] [key=value ...]``; each prints JSON.
+A federation that fails (a process crashes, a wait times out) ends the benchmark with a BenchError naming the
+log directory, not a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, load_config
-from diloco.procs import Federation
+from diloco.procs import Federation, FederationError
 from transport.shaper import load_link_profiles, profile_for
 
 RECOVERY_SLACK_S = 10.0
 """The recovery bound's allowance for starting a process, importing JAX and restoring a checkpoint."""
 
+RESTART_ROOM = 2.0
+"""The recovery run has room for a restart this many times its bound; a slower one fails the benchmark."""
+
+RECOVERY_MARGIN_ROUNDS = 2
+"""Rounds after the victim's return, so that the result shows it training with the others again."""
+
 FAULT_TOLERANCE = 0.03
 """Largest accepted relative difference between the final eval losses with and without the fault."""
 
 
-class BenchError(ValueError):
-    """The benchmark cannot run with this config (the message names the key)."""
-
-
-def param_count(cfg: RunConfig) -> int:
-    """Number of model parameters (the full θ an island pulls when it rejoins is this many fp32 values)."""
+def full_theta_bytes(cfg: RunConfig) -> int:
+    """Bytes of the full fp32 θ a rejoining island pulls: the model's parameter count × 4 (shapes only, no data)."""
     import jax
-    import numpy as np
 
-    from diloco.simulate import build_setup
+    from islands.models import build_model, param_count
 
-    return int(sum(np.size(leaf) for leaf in jax.tree.leaves(build_setup(cfg).init_params)))
+    return 4 * param_count(jax.eval_shape(build_model(cfg.model).init, jax.random.key(cfg.run.seed)))
 
 
 def _pick_victim(cfg: RunConfig, victim: str | None, by_link: bool) -> str:
@@ -67,11 +80,61 @@ def _pick_victim(cfg: RunConfig, victim: str | None, by_link: bool) -> str:
     return names[-1]
 
 
+def _check_can_lose_one(cfg: RunConfig) -> None:
+    if cfg.islands.count < 2 or cfg.quorum.min_islands > cfg.islands.count - 1:
+        raise BenchError("the run must go on without one island: need islands.count >= 2 and "
+                         f"quorum.min_islands <= islands.count - 1 (got {cfg.quorum.min_islands})")  # fmt: skip
+    if cfg.train.checkpoint_every != 1:
+        raise BenchError("train.checkpoint_every must be 1: the restarted island resumes from its own checkpoint")
+
+
 def _rounds_with(fed: Federation, name: str, after_round: int = -1) -> list[int]:
     return [r["round"] for r in fed.rounds() if r["round"] > after_round and name in r.get("islands", [])]
 
 
+@contextlib.contextmanager
+def _federation(config_path: str | Path, overrides: Sequence[str], run_dir: Path) -> Iterator[Federation]:
+    """A Federation whose failure ends the benchmark as one BenchError line; the details stay in its logs."""
+    try:
+        with Federation(config_path, overrides, run_dir) as fed:
+            yield fed
+    except FederationError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BenchError(f"{first} (logs: {run_dir / 'logs'})") from None
+
+
 # -- recovery ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """How long the recovery run is, and why (see the module docstring)."""
+
+    rounds: int
+    """train.rounds of the run."""
+    lease_s: float
+    """quorum.lease_s of the run: longer than the victim's absence, so it is never dropped."""
+    restart_window_s: float
+    """The longest restart the run has room to measure."""
+
+    def overrides(self) -> list[str]:
+        return [f"train.rounds={self.rounds}", f"quorum.lease_s={self.lease_s}"]
+
+
+def plan_recovery(cfg: RunConfig, kill_after: int, bound_s: float) -> RecoveryPlan:
+    """Size the recovery run from the bench's own parameters so that it cannot end before the victim is back.
+
+    While the victim is a member that has not pushed, a round closes only at the deadline, which is never shorter
+    than quorum.min_deadline_s: at most floor(window / min_deadline_s) + 1 rounds close during a restart window.
+    The victim is away for at most two rounds before its restart (each at most quorum.max_deadline_s) plus the
+    window, and the lease must outlast that.
+    """
+    q = cfg.quorum
+    window = RESTART_ROOM * bound_s
+    during_restart = math.floor(window / q.min_deadline_s) + 1
+    rounds = kill_after + 2 + during_restart + RECOVERY_MARGIN_ROUNDS
+    lease_s = max(q.lease_s, math.ceil(2 * q.max_deadline_s + window))
+    return RecoveryPlan(rounds=rounds, lease_s=float(lease_s), restart_window_s=window)
 
 
 def run_recovery_bench(
@@ -82,23 +145,25 @@ def run_recovery_bench(
     kill_after: int = 3,
     timeout_s: float = 900.0,
 ) -> dict[str, Any]:
+    """Kill one island after `kill_after` rounds, restart it once the run went on without it, time its return."""
     cfg = load_config(config_path, overrides)
     if not cfg.network.links:
         raise BenchError("network.links is empty: the recovery bound needs the island's link profile")
-    if cfg.train.checkpoint_every != 1:
-        raise BenchError("train.checkpoint_every must be 1: a restarted island resumes from its own checkpoint")
-    if not 1 <= kill_after < cfg.train.rounds - 2:
-        raise BenchError(f"kill_after must be in [1, train.rounds - 2) (train.rounds is {cfg.train.rounds})")
+    _check_can_lose_one(cfg)
+    if kill_after < 1:
+        raise BenchError(f"kill_after must be >= 1 (got {kill_after})")
     victim = _pick_victim(cfg, victim, by_link=True)
     down_mbps = profile_for(load_link_profiles(cfg.network.links), victim).down_mbps
-    param_bytes = param_count(cfg) * 4
+    param_bytes = full_theta_bytes(cfg)
     transfer_s = param_bytes * 8 / (down_mbps * 1e6) if down_mbps > 0 else 0.0
     bound_s = transfer_s + RECOVERY_SLACK_S
+    plan = plan_recovery(cfg, kill_after, bound_s)
+    run_overrides = [*overrides, *plan.overrides()]
     t0 = time.monotonic()
-    with Federation(config_path, overrides, run_dir) as fed:
+    with _federation(config_path, run_overrides, run_dir) as fed:
         fed.start()
         fed.wait_rounds(kill_after, timeout_s)
-        fed.kill_island(victim)
+        fed.kill(victim)
         killed_round = len(fed.rounds())  # the round that was open when it died
         # Restart once the federation has moved on without it, so the island must pull the full θ.
         fed.wait_for(
@@ -117,7 +182,16 @@ def run_recovery_bench(
 
         t_restart = time.monotonic()
         fed.start_island(victim)
-        fed.wait_for(new_event_times, timeout_s, f"{victim}'s first train_start after its restart", poll_s=0.02)
+        try:
+            fed.wait_for(new_event_times, timeout_s, f"{victim}'s first train_start after its restart", poll_s=0.02)
+        except FederationError:
+            if fed.coordinator is not None and fed.coordinator.poll() == 0:  # the run ended without it
+                raise BenchError(
+                    f"{victim} did not train again within the run's {plan.rounds} rounds, which leave room for a "
+                    f"restart of {plan.restart_window_s:.1f} s ({RESTART_ROOM:g} x the bound {bound_s:.1f} s): "
+                    f"it took longer (logs: {run_dir / 'logs'})"
+                ) from None
+            raise
         after = fed.events(island=victim)[seen:]
         summary = fed.wait_done(timeout_s)
         rejoined_rounds = _rounds_with(fed, victim, after_round=restarted_round - 1)
@@ -126,9 +200,13 @@ def run_recovery_bench(
     return {
         "bench": "recovery",
         "config": str(config_path),
-        "overrides": list(overrides),
+        "overrides": run_overrides,
         "run_dir": str(run_dir),
         "victim": victim,
+        "kill_after": kill_after,
+        "rounds_planned": plan.rounds,
+        "lease_s": plan.lease_s,
+        "restart_window_s": round(plan.restart_window_s, 3),
         "killed_in_round": killed_round,
         "restarted_in_round": restarted_round,
         "recovery_s": round(figure_s, 3),
@@ -159,12 +237,12 @@ def _one_run(
     timeout_s: float,
 ) -> dict[str, Any]:
     t0 = time.monotonic()
-    with Federation(config_path, overrides, run_dir) as fed:
+    with _federation(config_path, overrides, run_dir) as fed:
         fed.start()
         if fault is not None:
             victim, kill_at, restart_at = fault
             fed.wait_rounds(kill_at, timeout_s)
-            fed.kill_island(victim)
+            fed.kill(victim)
             fed.wait_rounds(restart_at, timeout_s)
             fed.start_island(victim)
         summary = fed.wait_done(timeout_s)
@@ -178,7 +256,12 @@ def _one_run(
         "run_dir": str(run_dir),
     }
     if fault is not None:
-        out["rounds_without_victim"] = [r["round"] for r in rounds if fault[0] not in r.get("islands", [])]
+        victim, kill_at, restart_at = fault
+        out["rounds_without_victim"] = [r["round"] for r in rounds if victim not in r.get("islands", [])]
+        # Whether the restarted island contributed again before the run ended (it had R - 2R/3 rounds to).
+        out["rounds_with_victim_after_restart"] = [
+            r["round"] for r in rounds if r["round"] >= restart_at and victim in r.get("islands", [])
+        ]
     return out
 
 
@@ -189,15 +272,12 @@ def run_fault_bench(
     victim: str | None = None,
     timeout_s: float = 1200.0,
 ) -> dict[str, Any]:
+    """The config's run twice, fault-free and with one island killed at R/3 and back at 2R/3; compare losses."""
     cfg = load_config(config_path, overrides)
     R = cfg.train.rounds
     if R < 6:
         raise BenchError(f"train.rounds must be >= 6 to kill at R/3 and restart at 2R/3 (got {R})")
-    if cfg.islands.count < 2 or cfg.quorum.min_islands > cfg.islands.count - 1:
-        raise BenchError("the run must go on without one island: need islands.count >= 2 and "
-                         f"quorum.min_islands <= islands.count - 1 (got {cfg.quorum.min_islands})")  # fmt: skip
-    if cfg.train.checkpoint_every != 1:
-        raise BenchError("train.checkpoint_every must be 1: the restarted island resumes from its own checkpoint")
+    _check_can_lose_one(cfg)
     victim = _pick_victim(cfg, victim, by_link=False)
     kill_at, restart_at = max(1, R // 3), max(2, 2 * R // 3)
     clean = _one_run(config_path, overrides, run_dir / "fault_free", None, timeout_s)
@@ -221,27 +301,3 @@ def run_fault_bench(
         "tolerance": FAULT_TOLERANCE,
         "pass": rel <= FAULT_TOLERANCE,
     }
-
-
-# -- command line --------------------------------------------------------------------------------------------------
-
-
-def add_parsers(bsub: Any) -> None:
-    """Add `recovery` and `faults` to the `diloco bench` subparsers (`bsub` from add_subparsers)."""
-    helps = {
-        "recovery": "time for a SIGKILLed island to rejoin vs params/bandwidth + 10 s",
-        "faults": "final eval loss with an island killed at R/3, back at 2R/3, vs fault-free",
-    }
-    for name, text in helps.items():
-        p = bsub.add_parser(name, help=text)
-        p.add_argument("config", help="TOML run config")
-        p.add_argument("--run-dir", type=Path, default=None, help="where the runs go (default: runs/bench-NAME-TIME)")
-        p.add_argument("--victim", default=None, help="island to kill (default: slowest downlink / last name)")
-        p.set_defaults(accepts_overrides=True)
-
-
-def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    run_dir = args.run_dir or Path("runs") / f"bench-{args.bench}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if args.bench == "recovery":
-        return run_recovery_bench(args.config, args.overrides, run_dir, victim=args.victim)
-    return run_fault_bench(args.config, args.overrides, run_dir, victim=args.victim)

@@ -1,4 +1,4 @@
-"""Kernel-shaped WAN links for tests and benchmarks: processes in a private network namespace.
+"""Kernel-shaped WAN links for tests: processes in a private network namespace (test_netns, test_kernel_shaped).
 
 Why: the in-process link shaper in `transport` models a WAN in Python; this module makes the *kernel* do
 it, so real gRPC processes talking over real TCP sockets see a real bottleneck (TCP congestion control,

@@ -1,0 +1,78 @@
+"""`diloco bench`: a failed benchmark is one line and exit 2, and the recovery run is sized to outlast the restart.
+
+Nothing here runs a benchmark for real (BENCHMARKS.md does); the federation is replaced by a stand-in that fails.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diloco.bench import BenchError
+from diloco.bench import federation as fed_bench
+from diloco.cli import main
+from diloco.config import load_config
+from diloco.procs import FederationError
+from tests.conftest import REPO
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], args: list[str], *fragments: str) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("diloco: error:") and "\n" not in err and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_bad_bench_argument_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    _one_line_error(capsys, ["bench", "codec", "--size-mb", "0"], "--size-mb must be positive")
+
+
+def test_federation_failure_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Crashing:
+        """Stands in for diloco.procs.Federation: its coordinator dies at start, with logs in the message."""
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def __enter__(self) -> Crashing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def start(self) -> None:
+            raise FederationError("coordinator exited with code 1: boom\n  coordinator.log (rc 1):\n    boom", "x")
+
+    monkeypatch.setattr(fed_bench, "Federation", Crashing)
+    run_dir = tmp_path / "faults"
+    args = ["bench", "faults", str(REPO / "configs" / "faults.toml"), "--run-dir", str(run_dir)]
+    _one_line_error(capsys, args, "coordinator exited with code 1: boom", f"logs: {run_dir / 'fault_free' / 'logs'}")
+
+
+def test_bench_error_is_a_value_error() -> None:
+    assert issubclass(BenchError, ValueError)
+
+
+@pytest.mark.parametrize("kill_after", [1, 3, 7])
+def test_recovery_run_outlasts_a_restart_of_twice_the_bound(kill_after: int) -> None:
+    cfg = load_config(REPO / "configs" / "local.toml")
+    bound_s = 10.08
+    plan = fed_bench.plan_recovery(cfg, kill_after, bound_s)
+    q = cfg.quorum
+    # Rounds left after the kill, less the two before the restart and the margin, each at least min_deadline_s long
+    # while the victim is a member that has not pushed: they cover the restart window.
+    restart_rounds = plan.rounds - kill_after - 2 - fed_bench.RECOVERY_MARGIN_ROUNDS
+    assert restart_rounds * q.min_deadline_s > plan.restart_window_s == fed_bench.RESTART_ROOM * bound_s
+    # The victim stays a member through its absence: two rounds of at most max_deadline_s, then the window.
+    assert plan.lease_s >= 2 * q.max_deadline_s + plan.restart_window_s
+    assert plan.overrides() == [f"train.rounds={plan.rounds}", f"quorum.lease_s={plan.lease_s}"]
+    assert load_config(REPO / "configs" / "local.toml", plan.overrides()).train.rounds == plan.rounds
+
+
+def test_full_theta_bytes_counts_the_model_without_its_data() -> None:
+    cfg = load_config(REPO / "configs" / "local.toml", ["data.path=/nonexistent/corpus.txt"])
+    assert fed_bench.full_theta_bytes(cfg) == 4 * 118_016  # the cost model's P in BENCHMARKS.md

@@ -1,0 +1,68 @@
+"""What an island talks to the coordinator through: the `IslandClient` protocol.
+
+An island (``diloco.island_worker``) only ever needs these seven calls, so it is written against this protocol
+and not against a concrete client. Two implementations ship, and both move the same chunks through the same
+service checks, shaper charges and retries (``transport.client_core``):
+
+* ``transport.grpc_client.GrpcTransport``: over a gRPC channel to a coordinator process (``target`` is its
+  ``host:port``);
+* ``transport.inprocess.InProcessTransport``: calling a ``DilocoService`` in the same process, no sockets
+  (``target`` is ``"in-process"``); the transport tests run every client test against both.
+
+Every call either returns the coordinator's reply or raises ``transport.errors.TransportError`` (after
+retries, with the final gRPC status code and the peer's reason); nothing else escapes, so a caller has one
+failure type to handle. Every call is idempotent on the coordinator, which is what makes the retries safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from transport import diloco_pb2 as pb
+from transport.handler import PullPayload
+
+if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
+    from transport.codecs import EncodedTensor
+
+IN_PROCESS_TARGET = "in-process"
+"""The ``target`` of a client that calls the service in the same process."""
+
+
+@runtime_checkable
+class IslandClient(Protocol):
+    """One island's connection to the coordinator; every method raises only ``TransportError``.
+
+    Runtime-checkable so the tests can assert both implementations still have every member.
+    """
+
+    target: str
+    """Where the calls go, for messages: ``host:port`` over gRPC, ``"in-process"`` without sockets."""
+
+    def join(self, req: pb.JoinRequest) -> pb.JoinReply:
+        """(Re)join the run: the reply says the current round and whether full parameters are needed."""
+        ...
+
+    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        """Renew the island's lease; the reply may tell it to rejoin."""
+        ...
+
+    def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
+        """Leave the run cleanly, so the coordinator stops waiting for this island."""
+        ...
+
+    def status(self) -> pb.StatusReply:
+        """A snapshot of the coordinator (membership, round, losses, bytes)."""
+        ...
+
+    def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor]) -> pb.PushReply:
+        """Send one encoded pseudo-gradient; a retried push is deduplicated by (island, round, fragment)."""
+        ...
+
+    def pull(self, req: pb.PullRequest) -> PullPayload:
+        """Receive the committed update of a round, or the full parameters, checked like a push."""
+        ...
+
+    def close(self) -> None:
+        """Release the connection; the client is unusable afterwards."""
+        ...
