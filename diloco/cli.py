@@ -4,6 +4,11 @@ Every command takes `--run-dir DIR` (where one applies) and trailing `key=value`
 mistake (config, data, model path, run directory, a refused island ...) is a `transport.errors.UserError`: it ends
 with one line on stderr and exit code 2, never a traceback. Each command imports what it needs when it runs, so
 `diloco --help` and `diloco status` start without importing JAX.
+
+Secure by default (diloco/tls.py): the coordinator listens on loopback unless told otherwise, and beyond loopback
+only with island secrets and TLS (or `--insecure`); `--tls-*` flags override the config's `network.tls_*` keys
+for this process; everything a command creates (run dirs, checkpoints, logs, keys) is private to the user
+(umask 077, inherited by every child process).
 """
 
 from __future__ import annotations
@@ -16,8 +21,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transport.errors import UserError
+
+if TYPE_CHECKING:
+    from diloco.config import RunConfig
 
 
 def _add_common(p: argparse.ArgumentParser, with_config: bool = True) -> None:
@@ -26,6 +35,21 @@ def _add_common(p: argparse.ArgumentParser, with_config: bool = True) -> None:
     p.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/NAME-TIMESTAMP)")
     p.epilog = "Trailing section.key=value arguments override the config, e.g. outer.lr=0.5 train.mode=sync."
     p.set_defaults(accepts_overrides=True)
+
+
+def _add_tls(p: argparse.ArgumentParser, server: bool) -> None:
+    """--tls-* flags; they override network.tls_* of the config for this process (default None: keep the config)."""
+    if server:
+        p.add_argument("--tls-cert", default=None, help="PEM server certificate (with --tls-key: serve TLS)")
+        p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+        p.add_argument("--tls-ca", default=None, help="PEM CA of the islands' client certificates (mutual TLS)")
+    else:
+        p.add_argument("--tls-ca", default=None, help="PEM CA that signed the coordinator's certificate (TLS on)")
+        p.add_argument("--tls-cert", default=None, help="PEM client certificate, for a mutual-TLS coordinator")
+        p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+        p.add_argument("--tls-server-name", default=None, help="name to verify in the coordinator's certificate")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow what is refused beyond loopback: no secrets, or secrets without TLS")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,20 +66,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     coord = sub.add_parser("coordinator", help="the global coordinator (gRPC server)")
     _add_common(coord)
-    coord.add_argument("--listen", default="0.0.0.0:50051", help="HOST:PORT to listen on (port 0: any free port)")
+    coord.add_argument("--listen", default="127.0.0.1:50051",
+                       help="HOST:PORT (port 0: any free port); beyond loopback needs secrets and TLS")  # fmt: skip
     coord.add_argument("--quiet", action="store_true", help="no status lines")
+    _add_tls(coord, server=True)
 
     isl = sub.add_parser("island", help="one island (region), supervised: restarted when it crashes")
     _add_common(isl)
     isl.add_argument("--name", required=True, help="this island's name (one of islands.names)")
     isl.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
-    isl.add_argument("--secret", default=None, help="secret: literal, env:VAR or file:PATH (default: from config)")
+    isl.add_argument("--secret", default=None,
+                     help="env:VAR or file:PATH (a literal works but shows in ps); default: from config")  # fmt: skip
     isl.add_argument("--no-supervise", action="store_true", help="run the worker in this process, no restarts")
     isl.add_argument("--max-restarts", type=int, default=5)
+    _add_tls(isl, server=False)
 
     st = sub.add_parser("status", help="membership, round, losses, bytes, rejected messages of a coordinator")
     st.add_argument("address", help="HOST:PORT of the coordinator")
     st.add_argument("--json", action="store_true", help="print the raw status JSON")
+    st.add_argument("--name", default=None, help="an island's name: credentials, needed when the run has secrets")
+    st.add_argument("--secret", default=None, help="that island's secret: env:VAR, file:PATH (or a literal)")
+    _add_tls(st, server=False)
 
     from diloco.bench import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
 
@@ -89,50 +120,90 @@ OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from diloco.config import load_config
     from diloco.launch import launch
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     run_dir = args.run_dir or _default_run_dir(cfg.run.name)
     summary = launch(args.config, args.overrides, run_dir, progress=not args.no_progress)
     print(json.dumps({"run_dir": str(run_dir), **summary}, indent=2))
     return 0
 
 
-def _coordinator(args: argparse.Namespace) -> int:
-    from diloco.config import load_config
-    from diloco.serve import serve
+TLS_KEYS = ("tls_cert", "tls_key", "tls_ca", "tls_server_name")
+
+
+def _load(args: argparse.Namespace) -> RunConfig:
+    """The command's config: file + overrides + --tls-* flags, with a warning for literal secrets on the line."""
+    from diloco.config import literal_secrets, load_config, with_network
 
     cfg = load_config(args.config, args.overrides)
-    serve(cfg, args.run_dir or _default_run_dir(f"{cfg.run.name}-coordinator"), args.listen, not args.quiet)
+    flags = {k: getattr(args, k) for k in TLS_KEYS if getattr(args, k, None) is not None}
+    if flags:
+        cfg = with_network(cfg, **flags)
+    _warn_literal(literal_secrets(cfg))
+    return cfg
+
+
+def _warn_literal(keys: Sequence[str]) -> None:
+    """A literal secret on the command line works (tests, a quick try) but other local users can read a process's
+    arguments (ps, /proc/PID/cmdline): say so once."""
+    if keys:
+        print(f"diloco: warning: {', '.join(keys)} is a literal secret on the command line, readable by other local "
+              "users (ps); prefer env:VAR or file:PATH", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from diloco.serve import serve
+
+    cfg = _load(args)
+    run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-coordinator")
+    serve(cfg, run_dir, args.listen, not args.quiet, insecure=args.insecure)
     return 0
 
 
 def _island(args: argparse.Namespace) -> int:
-    from diloco.config import load_config
     from diloco.island_worker import IslandError, run_island_process
     from diloco.supervisor import supervise
-    from transport.auth import resolve_secret
+    from diloco.tls import check_client_exposure, client_tls
+    from transport.auth import is_secret_reference, resolve_secret
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     names = cfg.islands.island_names
     if args.name not in names:
         raise IslandError(f"island '{args.name}' is not in the config's islands.names ({', '.join(names)})")
     run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-{args.name}")
+    # Settled before supervising: a secret that does not resolve, a bad TLS file or a secret about to travel in
+    # clear is one line from the command the user typed, not a worker that fails again at every restart.
+    ref = args.secret or (cfg.network.secrets[names.index(args.name)] if cfg.network.secrets else None)
+    if args.secret and not is_secret_reference(args.secret):
+        _warn_literal(["--secret"])
+    secret = resolve_secret(ref) if ref else None
+    net = cfg.network
+    tls = client_tls(net.tls_ca, net.tls_cert, net.tls_key, net.tls_server_name)
+    check_client_exposure(args.coordinator, sends_secret=secret is not None, encrypted=tls is not None,
+                          insecure=args.insecure)  # fmt: skip
     if not args.no_supervise:
         argv = [a for a in (sys.argv[1:] if args.argv is None else args.argv) if a != "--no-supervise"]
         return supervise([*argv, "--no-supervise", "--run-dir", str(run_dir)], run_dir, args.max_restarts)
-    ref = args.secret or (cfg.network.secrets[names.index(args.name)] if cfg.network.secrets else None)
-    secret = resolve_secret(ref) if ref else None
     result = run_island_process(cfg, args.name, args.coordinator, run_dir, secret)
     print(json.dumps(result), flush=True)
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from diloco.status import show_status
+    from diloco.status import StatusError, show_status
+    from diloco.tls import check_client_exposure, client_tls
+    from transport.auth import is_secret_reference, resolve_secret
 
-    return show_status(args.address, args.json)
+    if bool(args.name) != bool(args.secret):
+        raise StatusError("--name and --secret go together: they are one island's credentials")
+    if args.secret and not is_secret_reference(args.secret):
+        _warn_literal(["--secret"])
+    secret = resolve_secret(args.secret) if args.secret else None
+    tls = client_tls(*(getattr(args, k) or "" for k in ("tls_ca", "tls_cert", "tls_key", "tls_server_name")))
+    check_client_exposure(args.address, sends_secret=secret is not None, encrypted=tls is not None,
+                          insecure=args.insecure)  # fmt: skip
+    return show_status(args.address, args.json, island=args.name, secret=secret, tls=tls)
 
 
 COMMANDS = {
@@ -145,7 +216,21 @@ COMMANDS = {
 }
 
 
+PRIVATE_UMASK = 0o077
+"""Everything diloco creates is the user's alone (dirs 0700, files 0600): run dirs hold the model (checkpoints),
+metrics, logs and launch's TLS keys. A umask, rather than a chmod per file, also covers what libraries write
+(orbax checkpoints) and every child process (the umask is inherited across fork and exec)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    previous_umask = os.umask(PRIVATE_UMASK)
+    try:
+        return _main(argv)
+    finally:
+        os.umask(previous_umask)  # only matters when main() is called in-process (tests)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     # gRPC's C core logs its own errors to stderr; diloco reports them as one line instead (override to debug).
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     parser = build_parser()

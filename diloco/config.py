@@ -26,6 +26,7 @@ from islands.data import DataConfig
 from islands.inner import InnerConfig
 from islands.models import ModelConfig
 from outer_optimizer import OuterConfig
+from transport.auth import REDACTED_SECRET, is_secret_reference, redact_secret
 from transport.codecs import CodecError, CodecSpec
 from transport.config import TransportConfig
 from transport.errors import UserError
@@ -135,13 +136,37 @@ class CodecConfig:
         return CodecSpec(kind=getattr(self, direction), block_size=self.block_size, zstd_level=self.zstd_level)
 
 
+LOCAL = {"local": True}
+"""Field metadata: a per-process setting (which TLS files this process uses), not part of the run's identity.
+`to_dict` leaves it out, so the coordinator and each island may set their own and still agree on the config
+digest, and rotating a certificate does not make a run directory "another run"."""
+SECRET_REFS = {"secret_refs": True}
+"""Field metadata: secret references; `to_dict` keeps env:/file: references and redacts literals."""
+
+
 @dataclass(frozen=True)
 class NetworkConfig:
     links: str = ""
     """WAN link profile file (e.g. configs/links/wan3.toml) shaping every island's link; "" = unshaped."""
-    secrets: tuple[str, ...] = ()
-    """One secret per island (in islands.names order): a literal, "env:VAR" or "file:PATH". Empty: `launch`
-    makes random ones; a standalone coordinator then accepts any island (no authentication)."""
+    secrets: tuple[str, ...] = field(default=(), metadata=SECRET_REFS)
+    """One secret per island (in islands.names order), written "env:VAR" or "file:PATH": the reference is what
+    config dumps, the run directory and the config sent at join carry, never the secret. A literal secret is
+    refused in a config file (config files are shared with every island and often committed) and accepted only
+    as a command-line override, with a warning. Empty: `launch` makes random ones; a standalone coordinator then
+    authenticates nobody, so it refuses to listen beyond loopback without --insecure. With secrets, Status
+    needs an island's credentials too."""
+    tls_cert: str = field(default="", metadata=LOCAL)
+    """PEM certificate (chain) this process presents: the coordinator's server certificate, or an island's client
+    certificate for a mutual-TLS coordinator. Per process (`--tls-cert` overrides it); "" = none."""
+    tls_key: str = field(default="", metadata=LOCAL)
+    """The unencrypted PEM private key of tls_cert (keep it mode 0600). Per process (`--tls-key`)."""
+    tls_ca: str = field(default="", metadata=LOCAL)
+    """PEM CA certificate(s). On an island or `diloco status`: what verifies the coordinator's certificate (setting
+    it turns TLS on). On the coordinator: what verifies the islands' client certificates; setting it makes
+    every client present one (mutual TLS). Per process (`--tls-ca`)."""
+    tls_server_name: str = field(default="", metadata=LOCAL)
+    """Client only: the name to verify in the coordinator's certificate when it differs from the host dialled
+    (e.g. dialling an IP whose certificate names a DNS name); setting it turns TLS on. Per process."""
     pull_wait_s: float = 10.0
     """How long a pull for a round that is still open waits for the commit before asking the island to retry."""
     connect_timeout_s: float = 30.0
@@ -153,6 +178,8 @@ class NetworkConfig:
         for key in ("pull_wait_s", "connect_timeout_s", "coordinator_wait_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"network.{key} must be > 0 (got {getattr(self, key)})")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("network.tls_cert and network.tls_key must be set together")
 
 
 @dataclass(frozen=True)
@@ -301,15 +328,90 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
             raise ConfigError(f"config file '{p}' is not valid TOML: {exc}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"config file '{p}' is not UTF-8 text") from None
+        _refuse_literal_secrets(data, p)
     return from_dict(RunConfig, apply_overrides(data, overrides))
+
+
+def _refuse_literal_secrets(data: dict[str, Any], path: Path) -> None:
+    """A secret written in clear in a config file defeats the secret: the file is read by every island (each would
+    hold every other island's secret), copied between machines and often committed. References only."""
+    network = data.get("network")
+    refs = network.get("secrets") if isinstance(network, dict) else None
+    for i, ref in enumerate(refs if isinstance(refs, list) else []):
+        if isinstance(ref, str) and not is_secret_reference(ref):
+            what = "the placeholder of a redacted secret" if ref == REDACTED_SECRET else "a literal secret"
+            raise ConfigError(
+                f"network.secrets[{i}] in config file '{path}' is {what}; write env:VAR or file:PATH "
+                "(a config file is shared with every island, so it must name where each secret lives, not hold it)"
+            )
+
+
+SECRET_FLAGS = ("--secret",)
+"""Command-line options whose value is a secret reference (or, discouraged, a literal secret)."""
+
+
+def redact_argv(argv: typing.Sequence[str]) -> list[str]:
+    """A command line safe to record (a lock file, a log): the value of `--secret` and of a `network.secrets=`
+    override become references as written, literals replaced by `REDACTED_SECRET`."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if i and argv[i - 1] in SECRET_FLAGS:
+            out.append(redact_secret(arg))
+        elif eq and flag in SECRET_FLAGS:
+            out.append(f"{flag}={redact_secret(value)}")
+        elif eq and flag.strip() == "network.secrets":
+            refs = parse_override(arg)[1]
+            safe = [redact_secret(str(r)) for r in refs] if isinstance(refs, list) else REDACTED_SECRET
+            out.append(f"network.secrets={json.dumps(safe)}")
+        else:
+            out.append(arg)
+    return out
+
+
+def with_network(cfg: RunConfig, **changes: Any) -> RunConfig:
+    """`cfg` with some `[network]` keys replaced (the CLI's --tls-* flags), validated like a loaded config."""
+    try:
+        return dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, **changes))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def literal_secrets(cfg: RunConfig) -> list[str]:
+    """The dotted keys of literal secrets in a loaded config (only command-line overrides can put them there)."""
+    return [f"network.secrets[{i}]" for i, ref in enumerate(cfg.network.secrets) if not is_secret_reference(ref)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Writing the resolved config back, and a digest that identifies a run.
 
 
+def _shareable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(value):
+            if f.metadata.get("local"):
+                continue
+            item = _shareable(getattr(value, f.name))
+            out[f.name] = [redact_secret(ref) for ref in item] if f.metadata.get("secret_refs") else item
+        return out
+    if isinstance(value, list | tuple):
+        return [_shareable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _shareable(v) for k, v in value.items()}
+    return value
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    """A config as plain JSON data: the run's identity, safe to write or send anywhere.
+
+    Everything that leaves the process goes through here (the run dir's config.toml, the config an island sends
+    at join, the config digest), so this is where secrets are kept out: secret references stay as written
+    (env:VAR, file:PATH), a literal secret becomes `REDACTED_SECRET`, and per-process keys (`LOCAL`: TLS files)
+    are left out. The digest therefore covers references, not values: the coordinator and each island agree
+    while each process holds only the secrets it needs.
+    """
+    return json.loads(json.dumps(_shareable(cfg)))
 
 
 def _toml_value(value: Any) -> str:
@@ -335,7 +437,8 @@ def dump_toml(data: dict[str, Any]) -> str:
 
 
 def config_digest(cfg: RunConfig) -> str:
-    """Identifies a run's resolved config (what coordinator and islands must agree on)."""
+    """Identifies a run's resolved config (what coordinator and islands must agree on): `to_dict`'s view, so secret
+    references (never values) and no per-process key."""
     canonical = json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
 

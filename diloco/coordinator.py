@@ -31,14 +31,15 @@ import numpy as np
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
 from diloco.global_run import GlobalRun
 from diloco.membership import REJOIN, Action, PullKind, PullView, RoundView, answer_pull, decide
+from diloco.rejections import RejectionLog, clip
 from diloco.rounds import Commit, OuterLoop, RoundError
 from diloco.rundir import RunDir
 from diloco.setup import Setup
 from diloco.summary import Totals
 from islands.compress import decoded_tree
+from islands.island import DivergedError
 from transport import diloco_pb2 as pb
-from transport.codecs import CodecSpec, EncodedTensor, encode_tree, flatten_named
-from transport.digest import tree_digest
+from transport.codecs import CodecError, CodecSpec, EncodedTensor, encode_tree, flatten_named
 from transport.errors import Rejected
 from transport.handler import PullPayload
 
@@ -62,6 +63,12 @@ class Coordinator:
         self.last_seen: dict[str, float] = {}
         self.last_loss: dict[str, float] = {}
         self.last_commit: Commit | None = None
+        self.rejections = RejectionLog()
+        self.dropped: dict[str, str] = {}
+        """Islands whose contribution to the open round was dropped at commit, and why (they may not push again)."""
+        # An island trains at most H steps of batch_size sequences of seq_len tokens per round: a larger claimed
+        # weight is a lie (it would give that island the whole mean), so it is capped to this.
+        self.max_tokens = cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len
         self.opened_at = clock()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -116,12 +123,13 @@ class Coordinator:
             )
 
     def _config_mismatch(self, req: pb.JoinRequest) -> str:
-        theirs = getattr(req, "config_json", "")
+        """Name the differing keys when the island's config_json is a readable object (it is only ever a hint)."""
         try:
-            keys = diff_keys(self.config_dict, json.loads(theirs)) if theirs else []
-        except (json.JSONDecodeError, AttributeError):
+            theirs = json.loads(req.config_json) if req.config_json else None
+            keys = diff_keys(self.config_dict, theirs) if isinstance(theirs, dict) else []
+        except (ValueError, TypeError, RecursionError):  # not JSON, unhashable keys, nested beyond reason
             keys = []
-        named = f" in: {', '.join(keys[:10])}" if keys else ""
+        named = f" in: {', '.join(clip(k, 60) for k in keys[:10])}" if keys else ""
         return f"island {req.island}'s config differs from the coordinator's{named}; start both from one config"
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
@@ -143,7 +151,17 @@ class Coordinator:
         return self.loop.round
 
     def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray]) -> pb.PushReply:
+        """A pseudo-gradient the transport validated; checked against the round before it joins it.
+
+        Nothing is queued or logged as accepted before every check passed: the island is one of the run's, the round
+        is open, Δ was taken from θ_r itself (`base_digest`), its token weight is possible. A weight above what H
+        steps of the configured batch hold is capped (see `max_tokens`).
+        """
         with self.cond:
+            self._refuse_if_diverged()
+            if meta.island not in self.names:
+                who = clip(meta.island, 60)
+                raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {who!r} is not in this run")
             if self.done:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
             if meta.round != self.loop.round:  # the round may have closed while this push streamed in
@@ -151,27 +169,41 @@ class Coordinator:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"pseudo-gradient for round {meta.round} but round {self.loop.round} is open",
                 )
+            if bytes(meta.base_digest) != bytes.fromhex(self.world.params_digest):
+                raise Rejected(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"island {meta.island}'s pseudo-gradient was not taken from θ_{self.loop.round} (base_digest "
+                    f"{bytes(meta.base_digest).hex()[:16] or 'missing'}); pull the full parameters",
+                )
+            if meta.island in self.dropped:
+                raise Rejected(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"island {meta.island}'s pseudo-gradient for round {meta.round} was dropped: "
+                    f"{self.dropped[meta.island]}",
+                )
+            tokens = min(int(meta.tokens), self.max_tokens)
             tree = decoded_tree({k: np.array(v, np.float32) for k, v in arrays.items()}, self.loop.params)
             try:
-                self.loop.submit(meta.island, meta.round, tree, int(meta.tokens))
+                self.loop.submit(meta.island, meta.round, tree, tokens)
             except RoundError as exc:
                 raise Rejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
             nbytes = sum(len(t.payload) for t in tensors)
             self.last_seen[meta.island] = self.clock()
-            self.totals.tokens += int(meta.tokens)
+            self.totals.tokens += tokens
             self.totals.bytes_up += nbytes
             self.totals.compute_s += float(meta.compute_s)
             self.totals.island_wall_s += float(meta.wall_s)
             self.last_loss[meta.island] = float(meta.loss)
             self.rd.log(
-                "push", round=meta.round, island=meta.island, tokens=int(meta.tokens), bytes_up=nbytes,
-                loss=float(meta.loss),
+                "push", round=meta.round, island=meta.island, tokens=tokens, bytes_up=nbytes, loss=float(meta.loss),
+                **({"tokens_claimed": int(meta.tokens)} if tokens != meta.tokens else {}),
             )  # fmt: skip
             self._tick_locked()
             return pb.PushReply(accepted=True, round=self.loop.round, detail="accepted")
 
     def pull(self, req: pb.PullRequest) -> PullPayload:
         with self.cond:
+            self._refuse_if_diverged()
             answer = answer_pull(self._pull_view(req))
             if answer.kind is PullKind.WAIT:
                 self.cond.wait_for(lambda: answer_pull(self._pull_view(req)).kind is not PullKind.WAIT,
@@ -187,10 +219,14 @@ class Coordinator:
             else:
                 tensors = encode_tree(flatten_named(self.loop.params), FP32)
             self.totals.bytes_down += sum(len(t.payload) for t in tensors)
-            digest = bytes.fromhex(tree_digest(self.loop.params))
+            digest = bytes.fromhex(self.world.params_digest)
             return PullPayload(
                 round=self.loop.round, fragment=0, kind=answer.kind.value, param_digest=digest, tensors=tensors
             )
+
+    def _refuse_if_diverged(self) -> None:
+        if self.world.diverged is not None:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, str(self.world.diverged))
 
     def _pull_view(self, req: pb.PullRequest) -> PullView:
         return PullView(
@@ -222,16 +258,25 @@ class Coordinator:
             )
 
     def on_rejected(self, island: str, reason: str) -> None:
+        """Count every refusal; log a truncated sample of them (diloco/rejections.py), never one line per attack."""
         if reason.startswith(f"{grpc.StatusCode.ABORTED.name}:"):
             return  # "the round is still open, ask again" answers a pull; it refuses nothing
         with self.cond:
             self.totals.rejected += 1
-            self.rd.log("rejected", round=self.loop.round, island=island, reason=reason)
+            admitted = self.rejections.admit(self.clock(), island, reason)
+            self._log_suppressed(admitted.suppressed)
+            if admitted.event is not None:
+                self.rd.log("rejected", round=self.loop.round, **admitted.event)
+
+    def _log_suppressed(self, counts: dict[str, int]) -> None:
+        if counts:
+            self.rd.log("rejected_suppressed", round=self.loop.round, counts=counts)
 
     # -- rounds ------------------------------------------------------------------------------------------------
 
     def tick(self) -> None:
         with self.cond:
+            self._log_suppressed(self.rejections.flush(self.clock()))
             self._tick_locked()
 
     def _tick_locked(self) -> None:
@@ -250,12 +295,32 @@ class Coordinator:
             self.totals.islands_lost += 1
             self.rd.log("island_lost", round=self.loop.round, island=name, reason="lease expired")
         if decision.action is Action.CLOSE:
+            self._close_locked(now, decision.reason)
+
+    def _close_locked(self, now: float, reason: str) -> None:
+        """Commit the round. If its contributions cannot be committed (their update overflows float32 and the
+        downlink codec refuses it), drop the largest one, say so, and try again: an island's input may cost that
+        island its round, never the coordinator its life. A round left with no contribution stays open."""
+        while self.loop.pending:
             losses = [self.last_loss[n] for n in self.loop.pending if n in self.last_loss]
-            # The lock is held, so no pull sees θ_{r+1} before it is durable (GlobalRun with durable=True).
-            seconds = now - self.opened_at
-            self.last_commit = self.world.close_round(losses=losses, seconds=seconds, reason=decision.reason)
+            try:
+                # The lock is held, so no pull sees θ_{r+1} before it is durable (GlobalRun with durable=True).
+                self.last_commit = self.world.close_round(losses=losses, seconds=now - self.opened_at, reason=reason)
+            except DivergedError:
+                # The committed model exploded and was undone (GlobalRun); the run must stop: every later call is
+                # refused with the reason (`_refuse_if_diverged`) and `serve` exits with it.
+                self.cond.notify_all()
+                return
+            except (CodecError, ArithmeticError) as exc:  # commit is all or nothing: θ and the round are unchanged
+                culprit = self.loop.largest_contribution()
+                self.loop.withdraw(culprit)
+                self.dropped[culprit] = clip(str(exc))
+                self.rd.log("contribution_dropped", round=self.loop.round, island=culprit, reason=self.dropped[culprit])
+                continue
+            self.dropped.clear()
             self.opened_at = now
             self.cond.notify_all()
+            return
 
     # -- reporting ---------------------------------------------------------------------------------------------
 

@@ -11,10 +11,17 @@ Both drivers own one `GlobalRun`. Closing a round is the same everywhere (docs/a
 
 The drivers differ only in how contributions arrive (direct calls, or validated pushes over the wire) and in
 when a round closes (every island has trained, or `membership.decide`).
+
+A committed model whose evaluation is NaN/Inf or has exploded (`diverged_reason`) is not kept: the commit is undone
+(θ, the outer state, the round and its contributions stay as they were, nothing is checkpointed), a `diverged`
+event is logged, and `close_round` raises `DivergedError` with one line naming the round, the losses and the
+settings to change; every later `close_round` raises it again. `simulate` ends there (exit code 2); the coordinator
+process stops the run (diloco/serve.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,7 +32,23 @@ from diloco.rounds import Commit, OuterLoop
 from diloco.rundir import RunDir
 from diloco.setup import Evaluator, Setup
 from diloco.summary import Totals, summary
+from islands.island import DivergedError, divergence_advice
 from transport.digest import tree_digest
+
+DIVERGENCE_FACTOR = 2.0
+"""A committed model whose eval loss is above this many times the initial model's has diverged. The initial model
+predicts about uniformly, so being twice as wrong as that is no spike of a healthy run; 0 turns the check off
+(NaN/Inf is always caught)."""
+
+
+def diverged_reason(eval_loss: float, initial: float | None, factor: float = DIVERGENCE_FACTOR) -> str | None:
+    """Why a committed model counts as diverged, or None. Only a positive initial loss scales the limit (a custom
+    model's loss may be negative, where "2x" means nothing): then only NaN/Inf counts."""
+    if not math.isfinite(eval_loss):
+        return f"eval loss is {eval_loss}"
+    if factor > 0 and initial is not None and initial > 0 and eval_loss > factor * initial:
+        return f"eval loss {eval_loss:.4g} is over {factor:g}x the initial {initial:.4g}"
+    return None
 
 
 class GlobalRun:
@@ -42,6 +65,11 @@ class GlobalRun:
         """Seconds of the last quorum.history rounds: the coordinator's adaptive deadline survives a restart."""
         self.store = CheckpointStore(rd.checkpoints / "coordinator") if cfg.train.checkpoint_every else None
         self.durable = durable
+        self.divergence_factor = DIVERGENCE_FACTOR
+        self.diverged: DivergedError | None = None
+        """Set when a commit diverged (and was undone): the run must stop; `close_round` raises it from then on."""
+        self.params_digest = tree_digest(self.loop.params)
+        """Digest of θ at the current round, computed once per commit (Status and pulls read it, never rehash)."""
 
     @property
     def done(self) -> bool:
@@ -54,10 +82,11 @@ class GlobalRun:
             self.rd.log("eval", step=0, eval_loss=self.totals.initial_eval_loss)
             return
         self.loop.state, meta = restore_state(self.store, step, self.loop.state)
+        self.params_digest = tree_digest(self.loop.params)
         self.totals = Totals.from_meta(meta["totals"])
         self.durations = list(meta.get("durations", []))
         self.rd.truncate_after_round(self.loop.round)
-        self.rd.log("resumed", round=self.loop.round, digest=tree_digest(self.loop.params))
+        self.rd.log("resumed", round=self.loop.round, digest=self.params_digest)
 
     def latest_step(self) -> int | None:
         steps = self.store.steps() if self.store is not None else []
@@ -70,13 +99,28 @@ class GlobalRun:
 
         `deliveries`: how many islands receive this update without a pull (simulate hands it to each island
         directly; the coordinator counts its downlink bytes per pull instead).
+
+        Raises DivergedError, with θ and the round unchanged, when the committed model diverged (module docstring).
         """
+        if self.diverged is not None:
+            raise self.diverged
+        # OuterLoop has no snapshot API: its state is an immutable pytree and its pending contributions a dict, so
+        # keeping both references is enough to undo a commit.
+        before, pending = self.loop.state, dict(self.loop._pending)
         commit = self.loop.commit()
+        eval_loss = self.evaluate(self.loop.params)
+        why = diverged_reason(eval_loss, self.totals.initial_eval_loss, self.divergence_factor)
+        if why is not None:
+            # All or nothing, as for a commit that fails: θ_r stays the global model (and the checkpoint), the round
+            # stays open with its contributions.
+            self.loop.state, self.loop._pending = before, pending
+            self._diverge(commit, why, eval_loss, losses)
+        self.params_digest = commit.digest
         t = self.totals
         t.rounds = self.loop.round
         t.syncs += 1
         t.bytes_down += sum(e.nbytes for e in commit.encoded) * deliveries
-        t.final_eval_loss = self.evaluate(self.loop.params)
+        t.final_eval_loss = eval_loss
         self.durations = [*self.durations, seconds][-self.cfg.quorum.history :]
         self.rd.log(
             "round", round=commit.round, loss=float(np.mean(losses)) if len(losses) else None,
@@ -93,10 +137,34 @@ class GlobalRun:
                 self.store.wait()
         return commit
 
+    def _diverge(self, commit: Commit, why: str, eval_loss: float, losses: Sequence[float]) -> None:
+        """Log the `diverged` event, remember the error for every later close, and raise it.
+
+        The advice depends on where it blew up: islands whose own losses exploded point at the inner optimizer;
+        islands that trained fine while their average step wrecked the model point at the outer one.
+        """
+        island_losses = [float(x) for x in losses]
+        worst = max(island_losses, default=math.nan, key=lambda x: math.inf if math.isnan(x) else x)
+        inner_blew_up = any(diverged_reason(x, self.totals.initial_eval_loss, self.divergence_factor) for x in losses)
+        outer = self.cfg.outer
+        advice = (
+            divergence_advice(self.cfg.inner) if inner_blew_up or not island_losses
+            else f"lower outer.lr ({outer.lr:g}) or outer.momentum ({outer.momentum:g})"
+        )  # fmt: skip
+        islands = f"; islands' last loss up to {worst:.4g}" if island_losses else ""
+        self.rd.log(
+            "diverged", round=commit.round, eval_loss=eval_loss, initial_eval_loss=self.totals.initial_eval_loss,
+            loss=worst if island_losses else None, islands=list(commit.islands), reason=why,
+        )  # fmt: skip
+        self.diverged = DivergedError(
+            f"the global model diverged at round {commit.round} and was not kept: {why}{islands}; {advice}"
+        )
+        raise self.diverged
+
     def summary(self) -> dict:
         return summary(
             self.cfg, self.totals, wall_s=self.rd.elapsed(), param_count=self.param_count,
-            params_digest=tree_digest(self.loop.params),
+            params_digest=self.params_digest,
         )  # fmt: skip
 
     def close(self) -> None:

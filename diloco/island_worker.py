@@ -33,7 +33,7 @@ from diloco.membership import REJOIN
 from diloco.rundir import RunDir
 from diloco.setup import build_setup, make_island
 from islands.compress import decoded_tree
-from islands.island import RoundPush
+from islands.island import DivergedError, RoundPush
 from outer_optimizer import apply_update
 from transport import diloco_pb2 as pb
 from transport.client import IslandClient
@@ -88,6 +88,8 @@ class IslandWorker:
         self.store = CheckpointStore(rd.checkpoints) if cfg.train.checkpoint_every else None
         self.round = -1
         self.global_params: PyTree = None
+        self.global_digest = ""
+        """Digest of global_params (θ_r): sent with every push, so the coordinator knows which θ Δ was taken from."""
         self.state_name = "starting"
         self._stop = threading.Event()
         self._decode = decoder()
@@ -148,7 +150,7 @@ class IslandWorker:
                 self.rd.log("digest_mismatch", round=payload.round, island=self.name, ours=digest)
                 return self.adopt(self.pull(-1, full=True))
             raise IslandError(f"full parameters of round {payload.round} fail their digest check")
-        self.global_params = new
+        self.global_params, self.global_digest = new, digest
         self.round = payload.round
         self.island.set_params(new)
         self.rd.log("synced", round=self.round, island=self.name, kind=payload.kind, digest=digest)
@@ -199,6 +201,7 @@ class IslandWorker:
         state, meta = restore_state(self.store, steps[-1], self.island.state)
         self.island.restore(state)
         self.global_params = jax.tree.map(np.asarray, state.params)
+        self.global_digest = tree_digest(self.global_params)
         self.round = meta["round"]
         self.rd.log("resumed", round=self.round, island=self.name, step=state.step)
         return self.round
@@ -228,6 +231,7 @@ class IslandWorker:
                 meta = pb.PushMeta(
                     **self._meta(), round=self.round, tokens=run.tokens, inner_steps=H, loss=float(run.losses[-1]),
                     compute_s=run.seconds, wall_s=time.perf_counter() - cycle_from,
+                    base_digest=bytes.fromhex(self.global_digest),
                 )  # fmt: skip
                 cycle_from = time.perf_counter()
                 if self._push(meta, push):
@@ -235,24 +239,35 @@ class IslandWorker:
                     contributed += 1
                 self.adopt(self._pull_after_push(meta, push))
                 self.save()
+        except DivergedError as exc:
+            # Say so before dying, so a coordinator does not wait for this island until its lease runs out.
+            self._leave(f"diverged: {exc}"[:200])
+            raise
         finally:
             self._stop.set()
             if self.store is not None:
                 self.store.close()
+        self._leave("done")
+        return contributed
+
+    def _leave(self, reason: str) -> None:
         try:
-            self.client.leave(pb.LeaveRequest(**self._meta(), reason="done"))
+            self.client.leave(pb.LeaveRequest(**self._meta(), reason=reason))
         except TransportError:
             pass
-        return contributed
 
 
 def make_client(cfg: RunConfig, name: str, target: str, secret: str | None) -> IslandClient:
+    """The island's gRPC client: TLS (mutual with a client certificate) when network.tls_* says so."""
+    from diloco.tls import client_tls
     from transport.grpc_client import GrpcTransport
 
     shaper = None
     if cfg.network.links:
         shaper = LinkShaper(profile_for(load_link_profiles(cfg.network.links), name), seed=cfg.run.seed)
-    return GrpcTransport(target, name, secret, config=cfg.transport, shaper=shaper)
+    net = cfg.network
+    tls = client_tls(net.tls_ca, net.tls_cert, net.tls_key, net.tls_server_name)
+    return GrpcTransport(target, name, secret, config=cfg.transport, shaper=shaper, tls=tls)
 
 
 def run_island_process(cfg: RunConfig, name: str, target: str, run_dir: Path, secret: str | None) -> dict:

@@ -11,9 +11,11 @@ supervised island), else `--no-supervise` so that a SIGKILL kills the island and
 behind our back; `wrap` prefixes every command (`Namespace.wrap`: the whole federation inside a kernel-shaped
 network namespace, tests/netns.py); `jax_cache` shares one persistent XLA compilation cache so restarted processes
 load their compiled steps instead of compiling again; `new_session` puts each child in its own process group so
-that a final SIGKILL also reaches what it started (a supervisor's worker). Per process, `start_island` takes extra
-arguments (`--secret`) and environment (`devices_env(1)`: a restart on fewer devices); a coordinator restarted
-after a kill listens on the address it had, so its islands find it again.
+that a final SIGKILL also reaches what it started (a supervisor's worker); `hide_env` names variables of this
+process that no child may inherit (launch: secrets, so that each process gets only its own). Per process,
+`start_coordinator` and `start_island` take extra arguments (`--secret`, `--tls-*`) and environment (a secret,
+`devices_env(1)`: a restart on fewer devices); a coordinator restarted after a kill listens on the address it
+had, so its islands find it again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -85,6 +87,7 @@ class Federation:
         quiet: bool = True,
         jax_cache: Path | None = None,
         new_session: bool = True,
+        hide_env: Collection[str] = (),
     ) -> None:
         self.config = str(config)
         self.overrides = list(overrides)
@@ -98,7 +101,7 @@ class Federation:
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
             }
-        self.env = child_env(self.cfg, extra)
+        self.env = {k: v for k, v in child_env(self.cfg, extra).items() if k not in hide_env or k in extra}
         self.cwd = cwd
         self.supervise = supervise
         self.quiet = quiet
@@ -178,13 +181,16 @@ class Federation:
             *self.overrides,
         ]  # fmt: skip
 
-    def start_coordinator(self, timeout_s: float = 180.0, env: Mapping[str, str] | None = None) -> str:
+    def start_coordinator(
+        self, timeout_s: float = 180.0, env: Mapping[str, str] | None = None, args: Sequence[str] = ()
+    ) -> str:
         """Start the coordinator and return the address it wrote to RUN_DIR/coordinator.addr: on port 0 the first
-        time, on the address it had when restarted (its islands keep retrying that one)."""
+        time, on the address it had when restarted (its islands keep retrying that one). `args` are extra CLI
+        arguments (`--tls-cert ...`), `env` extra environment (the islands' secrets)."""
         addr_file = self.run_dir / "coordinator.addr"
         addr_file.unlink(missing_ok=True)
         listen = self.address or "127.0.0.1:0"
-        argv = ["coordinator", self.config, "--listen", listen, "--run-dir", str(self.run_dir)]
+        argv = ["coordinator", self.config, "--listen", listen, "--run-dir", str(self.run_dir), *args]
         self.spawn(COORDINATOR, [*argv, *(["--quiet"] if self.quiet else []), *self.overrides], env)
         self.address = self.wait_for(
             lambda: addr_file.read_text().strip() if addr_file.exists() else None, timeout_s, "coordinator address"

@@ -21,6 +21,7 @@ from diloco.config import RunConfig
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir
 from diloco.setup import build_setup
+from diloco.tls import check_exposure, server_tls
 from transport.auth import Authenticator, resolve_secret
 from transport.errors import UserError
 from transport.grpc_server import start_server
@@ -53,22 +54,35 @@ def check_listen(listen: str) -> None:
             raise ListenError(f"cannot listen on {listen}: {exc.strerror}") from None
 
 
-def serve(cfg: RunConfig, run_dir: Path, listen: str, progress: bool = True, linger_s: float = 15.0) -> dict[str, Any]:
+def serve(
+    cfg: RunConfig, run_dir: Path, listen: str, progress: bool = True, linger_s: float = 15.0, *, insecure: bool = False
+) -> dict[str, Any]:
+    """Run the coordinator until the run is done or a signal stops it.
+
+    Security is settled before anything slow starts (diloco/tls.py): TLS files are checked, and beyond loopback
+    the coordinator refuses to listen without island secrets and TLS unless `insecure`. With secrets, Status
+    needs an island's credentials too (it reveals the run's membership, losses and progress).
+    """
     check_listen(listen)
+    net = cfg.network
+    tls = server_tls(net.tls_cert, net.tls_key, net.tls_ca)
+    check_exposure(listen, authenticated=bool(net.secrets), encrypted=tls is not None, insecure=insecure)
     secrets = island_secrets(cfg)
     rd = RunDir(run_dir, cfg)
     coordinator = Coordinator(cfg, rd, build_setup(cfg, islands=()))
     service = DilocoService(
         coordinator, cfg.run.name, coordinator.model_spec, authenticator=Authenticator(secrets),
-        config=cfg.transport, on_rejected=coordinator.on_rejected,
+        config=cfg.transport, on_rejected=coordinator.on_rejected, status_requires_auth=secrets is not None,
+        islands=cfg.islands.island_names, uplink_codec=cfg.codec.uplink,
     )  # fmt: skip
     try:
-        server = start_server(service, listen)
+        server = start_server(service, listen, tls=tls)
     except (OSError, RuntimeError, ValueError) as exc:
         coordinator.close()
         rd.close()
         raise ListenError(f"cannot listen on {listen} ({exc}); is the port already in use?") from None
     (run_dir / "coordinator.addr").write_text(server.address)
+    rd.set_address(server.address)  # a second coordinator on this run dir is told where this one listens
     print(f"diloco coordinator listening on {server.address} (run {cfg.run.name}, round {coordinator.loop.round})",
           flush=True)  # fmt: skip
     stop = threading.Event()
@@ -82,6 +96,8 @@ def serve(cfg: RunConfig, run_dir: Path, listen: str, progress: bool = True, lin
     try:
         while not stop.is_set():
             coordinator.tick()
+            if coordinator.world.diverged is not None:  # a commit blew up (undone): stop rather than serve on
+                raise coordinator.world.diverged
             now = time.monotonic()
             if progress and now - last_line > 5:
                 last_line = now

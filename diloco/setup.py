@@ -65,6 +65,7 @@ def make_island(cfg: RunConfig, name: str, model: Model, stream: Batches, n_devi
         n_devices=cfg.islands.devices if n_devices is None else n_devices,
         microbatch=cfg.train.microbatch,
         shard_params=cfg.islands.shard_params,
+        inner=cfg.inner,
     )
 
 

@@ -3,7 +3,13 @@
 A crash (a non-zero exit that is not a user error, or death by a signal the supervisor did not send) restarts the
 worker after a backoff; the new worker resumes from the island's own checkpoint and rejoins the current round. A
 worker restarted on fewer devices (a device lost) builds its mesh on the devices it sees and keeps the island's batch
-by gradient accumulation. Exit code 2 (a user mistake) is never retried: it would only fail again.
+by gradient accumulation. Exit code 2 (a user mistake, a diverged island) is never retried: it would only fail
+again.
+
+The worker, not the supervisor, holds the run directory's lock (diloco/rundir.py): a dead worker's lock is gone
+with it, so its restart takes the directory at once. Before each start the supervisor checks that no one else
+holds it (an island started twice on one --run-dir), so that it refuses with one line naming the holder instead
+of spawning a worker that would be refused, and without overwriting the holder's worker.pid.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from diloco.rundir import check_free
 
 USER_ERROR = 2
 
@@ -33,6 +41,7 @@ def supervise(worker_argv: Sequence[str], run_dir: Path, max_restarts: int = 5, 
         signal.signal(s, forward)
     run_dir.mkdir(parents=True, exist_ok=True)
     while True:
+        check_free(run_dir)
         child = subprocess.Popen([sys.executable, "-m", "diloco.cli", *worker_argv])
         (run_dir / "worker.pid").write_text(str(child.pid))
         code = child.wait()

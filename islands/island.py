@@ -7,6 +7,10 @@ process of `diloco launch`, and both call the same round step (docs/architecture
 
     train_round(θ_r, H) -> H inner steps, Δ = θ_r - θ_local, encode(Δ + e) with error feedback -> RoundPush
     keep_residual(push) -> the push was accepted: carry what its codec dropped into the next round
+
+After its H steps an island checks that every loss and every parameter is finite, and stops with `DivergedError`
+(a user error: exit code 2, never restarted) naming the island, the first bad step and the settings to change,
+instead of sending a NaN pseudo-gradient that the codec and the coordinator would refuse round after round.
 """
 
 from __future__ import annotations
@@ -17,15 +21,45 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from islands.compress import Compressed, Residual, compress_tree, zero_residual
-from islands.inner import make_train_step, place_tree
+from islands.inner import InnerConfig, make_train_step, place_tree
 from islands.mesh import accumulation_steps, batch_sharding, build_mesh
 from islands.models import Model
 from outer_optimizer import pseudo_gradient
 from transport.codecs import CodecSpec, PyTree
+from transport.errors import UserError
+
+
+class DivergedError(UserError):
+    """Training blew up (NaN/Inf, or an exploded loss): a setting to change, not a crash to retry.
+
+    A user error, so the CLI prints one line and exits with code 2, which neither the island supervisor nor
+    `launch` restarts: the same settings would diverge again, at the same step.
+    """
+
+
+def divergence_advice(inner: InnerConfig | None = None) -> str:
+    """Which settings to look at, with their values when known (the usual causes, most likely first)."""
+    if inner is None:
+        return "lower inner.lr, keep inner.clip_norm > 0 (0 turns clipping off) or raise inner.warmup_steps"
+    clip = (
+        "set inner.clip_norm > 0 (it is 0: no clipping)" if inner.clip_norm == 0
+        else f"lower inner.clip_norm ({inner.clip_norm:g})"
+    )  # fmt: skip
+    return f"lower inner.lr ({inner.lr:g}), {clip} or raise inner.warmup_steps ({inner.warmup_steps})"
+
+
+@jax.jit
+def _all_finite(tree: PyTree) -> jax.Array:
+    """One device reduction over every leaf: the host reads back a single bool, not the parameters."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 class Batches(Protocol):
@@ -89,8 +123,11 @@ class Island:
         microbatch: int = 0,
         shard_params: bool = False,
         devices: list[jax.Device] | None = None,
+        inner: InnerConfig | None = None,
     ) -> None:
+        """`inner`, when given, only puts the values of the inner settings into a divergence message."""
         self.name = name
+        self.inner = inner
         self.model = model
         self.tx = tx
         self.stream = stream
@@ -147,6 +184,7 @@ class Island:
             losses.append(metrics["loss"])
         host_losses = np.asarray(jax.device_get(losses), dtype=np.float32)
         seconds = time.perf_counter() - t0
+        self.check_finite(host_losses, params, first_step)
         self.state = replace(
             self.state,
             params=params,
@@ -156,6 +194,28 @@ class Island:
         )
         tokens = n_steps * self.stream.batch_size * self.stream.seq_len
         return InnerRun(losses=host_losses, tokens=tokens, seconds=seconds, first_step=first_step)
+
+    def check_finite(self, losses: np.ndarray, params: PyTree, first_step: int) -> None:
+        """Raise DivergedError naming the first inner step whose loss is NaN/Inf, or the parameters if they are.
+
+        Checked once per `train` call rather than per step, because reading a loss back every step would stall the
+        device pipeline; the first bad step is still named exactly. The parameters are checked too (one reduction
+        on device) because the last step's update can overflow after a finite loss, and Δ is formed from them.
+        """
+        bad = np.flatnonzero(~np.isfinite(losses))
+        if bad.size:
+            i = int(bad[0])
+            before = f" (it was {losses[i - 1]:.4g} at step {first_step + i})" if i > 0 else ""
+            raise DivergedError(
+                f"island {self.name} diverged: loss is {losses[i]} at inner step {first_step + i + 1}{before}; "
+                f"{divergence_advice(self.inner)}"
+            )
+        if not bool(_all_finite(params)):
+            last = f" (loss {losses[-1]:.4g})" if len(losses) else ""
+            raise DivergedError(
+                f"island {self.name} diverged: its parameters hold NaN or Inf after inner step "
+                f"{first_step + len(losses)}{last}; {divergence_advice(self.inner)}"
+            )
 
     def train_round(self, global_params: PyTree, n_steps: int) -> RoundPush:
         """H inner steps from θ_r, then Δ = θ_r - θ_local compressed as encode(Δ + e) (DiLoCo with error feedback).

@@ -1,20 +1,61 @@
-"""Aggregation of pseudo-gradients (DiLoCo, arXiv 2311.08105, Algorithm 1, line 12).
+"""Aggregation of pseudo-gradients (DiLoCo, arXiv 2311.08105, Algorithm 1, line 12), plain or Byzantine-robust.
 
 A pseudo-gradient is Δ_i = θ_global - θ_i: global parameters minus the island's parameters after its H inner
 steps. Its sign matches an ordinary gradient (it points uphill), so an outer optimizer can treat it as one.
 
-The mean is weighted by the tokens each island trained on, so a slow island that finished fewer steps (or
-trained a smaller batch) counts for less. Islands are summed in the order given; callers pass them sorted by
-island name so that every process adds the same floats in the same order and gets bit-identical results.
+`weighted_mean` is DiLoCo's rule: weighted by the tokens each island trained on, so a slow island that finished
+fewer steps (or trained a smaller batch) counts for less. One island that authenticates but sends garbage owns it,
+though: any single input moves a mean arbitrarily far (Blanchard et al., NeurIPS 2017), so a Δ scaled by 10^6
+moves θ by thousands and float32-max values overflow the outer step. The robust rules bound what one island can do:
+
+    norm_clip     scale each Δ_i down to at most norm_bound × the round's median island norm, then the token-weighted
+                  mean (norm bounding, Sun et al. 2019, arXiv 1911.07963; the bound is relative to the round's
+                  median so no absolute scale needs tuning, cf. centered clipping, arXiv 2012.10333). An attacker
+                  keeps its direction but not its size; with no island clipped it is bit-identical to the mean.
+    trimmed_mean  coordinate-wise: drop the t largest and t smallest of the n values, average the rest
+    median        coordinate-wise median (both: Yin et al. 2018, arXiv 1803.01498): with at most t Byzantine islands
+                  (median: fewer than half) every coordinate stays inside the honest islands' range, whatever they
+                  send.
+
+The order-statistic rules count every island once, ignoring tokens: a weighted median would let a self-reported
+weight buy votes, and every island trains the same H steps of the same batch, so the weights are equal anyway.
+
+Non-finite input never makes a non-finite aggregate under the robust rules: an island whose norm is not finite in
+float32 is scaled to 0 by norm_clip (its token weight stays in the denominator: it moved nothing), and the
+order-statistic rules read a NaN or ±inf coordinate as 0 (no move) before they rank.
+
+Every rule is a pure function of (pseudo-gradients, weights) that returns an `Aggregated`: the Δ and, per island,
+the share of its Δ that was used, for logging. The weights are host numbers (tokens), the island count is static,
+so each rule traces under `jax.jit`. Islands are taken in the order given; callers pass them sorted by island name,
+and ties between equal values are broken by that order, so every process computes bit-identical results.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import optax
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Aggregated:
+    """What a rule made of one round's pseudo-gradients."""
+
+    delta: optax.Updates
+    """The aggregate Δ (float32) the outer optimizer descends along."""
+    kept: jax.Array
+    """float32 [n], in the order given: how much of each island's Δ the rule used, 1 = all of it. norm_clip: the
+    scale applied to Δ_i; trimmed_mean and median: the share of coordinates at which Δ_i's value was kept."""
+
+
+Rule = Callable[[Sequence[optax.Updates], Sequence[float]], Aggregated]
+"""A rule: (pseudo-gradients in island-name order, their token weights) -> Aggregated."""
 
 
 def pseudo_gradient(global_params: optax.Params, local_params: optax.Params) -> optax.Updates:
@@ -22,17 +63,187 @@ def pseudo_gradient(global_params: optax.Params, local_params: optax.Params) -> 
     return jax.tree.map(lambda g, p: g - p, global_params, local_params)
 
 
+def _check(rule: str, deltas: Sequence[optax.Updates], weights: Sequence[float]) -> None:
+    """The inputs every rule requires; the message names the rule."""
+    if len(deltas) == 0:
+        raise ValueError(f"{rule} needs at least one pseudo-gradient")
+    if len(deltas) != len(weights):
+        raise ValueError(f"{rule} got {len(deltas)} pseudo-gradients but {len(weights)} weights")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"{rule} weights must be >= 0 with a positive sum (got {list(weights)})")
+
+
 def weighted_mean(deltas: Sequence[optax.Updates], weights: Sequence[float]) -> optax.Updates:
     """Σ w_i Δ_i / Σ w_i, summed left to right in the order given (deterministic float sums)."""
-    if len(deltas) == 0:
-        raise ValueError("weighted_mean needs at least one pseudo-gradient")
-    if len(deltas) != len(weights):
-        raise ValueError(f"weighted_mean got {len(deltas)} pseudo-gradients but {len(weights)} weights")
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"weighted_mean weights must be >= 0 with a positive sum (got {list(weights)})")
+    _check("weighted_mean", deltas, weights)
     total = float(sum(weights))
     scales = [float(w) / total for w in weights]
     acc = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) * scales[0], deltas[0])
     for delta, scale in zip(deltas[1:], scales[1:], strict=True):
         acc = jax.tree.map(lambda a, x, s=scale: a + jnp.asarray(x, jnp.float32) * s, acc, delta)
     return acc
+
+
+def mean(deltas: Sequence[optax.Updates], weights: Sequence[float]) -> Aggregated:
+    """Rule "mean": `weighted_mean` itself (bit-identical to DiLoCo's aggregation); every island fully kept."""
+    return Aggregated(weighted_mean(deltas, weights), jnp.ones(len(deltas), jnp.float32))
+
+
+# -- norm_clip ----------------------------------------------------------------------------------------------------
+
+
+def _global_norm(delta: optax.Updates) -> jax.Array:
+    """‖Δ‖₂ in float32 as d · sqrt(Σ (x/d)²) with d ≈ max |x|, so that squares neither overflow (values above
+    ~1e19) nor underflow (below ~1e-19); +inf where the norm itself exceeds float32.
+
+    d is max |x| / 8 (or · 8 below 1), a power-of-two scaling: XLA on CPU divides through a reciprocal and flushes
+    subnormals to zero, so dividing by max |x| itself near float32 max would make every x/d zero.
+    """
+    leaves = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(delta)]
+    m = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0.0) for x in leaves]))
+    d = jnp.where((m > 0) & jnp.isfinite(m), jnp.where(m > 1, m * 0.125, m * 8.0), 1.0)
+    norm = d * jnp.sqrt(sum(jnp.sum(jnp.square(x / d)) for x in leaves))
+    return jnp.where(jnp.isfinite(norm), norm, jnp.inf)
+
+
+def global_norms(deltas: Sequence[optax.Updates]) -> jax.Array:
+    """float32 [n]: each island's global L2 norm; +inf where it exceeds float32 or Δ holds NaN/inf."""
+    return jnp.stack([_global_norm(d) for d in deltas])
+
+
+def lower_median(values: jax.Array) -> jax.Array:
+    """The ((n-1)//2)-th smallest value: the median for odd n, the lower middle one for even n.
+
+    The lower one, so that with two islands an inflated Δ is clipped against the other island's norm rather than
+    against their average (which it would dominate), and with 4 islands one large attacker cannot raise it.
+    """
+    return jnp.sort(values)[(values.shape[0] - 1) // 2]
+
+
+def clip_scales(norms: jax.Array, bound: float) -> jax.Array:
+    """float32 [n] in [0, 1]: min(1, bound · lower_median(norms) / norm_i), and 0 for a non-finite norm.
+
+    Exactly 1.0 for an island within the bound, so that its Δ is multiplied by 1 (bit-exact). A median of 0 (half
+    the islands sent zeros) scales every non-zero Δ to 0: the round moves nothing rather than trusting a minority.
+    """
+    limit = bound * lower_median(norms)
+    scaled = jnp.where(norms <= limit, 1.0, limit / norms)
+    return jnp.where(jnp.isfinite(norms), scaled, 0.0).astype(jnp.float32)
+
+
+def valid_norm_bound(bound: float) -> bool:
+    """A finite bound >= 1: below 1 even the median island would be shrunk (that is outer.lr's job)."""
+    return math.isfinite(bound) and bound >= 1
+
+
+def _scaled(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x · scale, and exactly 0 where scale is 0 (so inf · 0 never makes a NaN)."""
+    x = jnp.asarray(x, jnp.float32)
+    return jnp.where(scale > 0, x * scale, 0.0)
+
+
+def norm_clip(deltas: Sequence[optax.Updates], weights: Sequence[float], bound: float) -> Aggregated:
+    """Rule "norm_clip": each Δ_i scaled to norm <= bound × lower_median(norms), then `weighted_mean`.
+
+    ‖aggregate‖ <= bound × median norm whatever one island sends; when no island is clipped every scale is 1.0
+    and the result is bit-identical to `weighted_mean` (so honest runs keep their digests).
+    """
+    _check("norm_clip", deltas, weights)
+    if not valid_norm_bound(bound):
+        raise ValueError(f"norm_clip bound must be a finite number >= 1 (got {bound})")
+    scales = clip_scales(global_norms(deltas), bound)
+    clipped = [jax.tree.map(lambda x, i=i: _scaled(x, scales[i]), d) for i, d in enumerate(deltas)]
+    return Aggregated(weighted_mean(clipped, weights), scales)
+
+
+# -- trimmed_mean and median --------------------------------------------------------------------------------------
+
+
+def valid_trim(trim: float) -> bool:
+    """A fraction in [0, 0.5) or a whole count >= 1 (a fraction of 0.5 or more would trim every value)."""
+    return 0 <= trim < 0.5 or (math.isfinite(trim) and trim >= 1 and trim == int(trim))
+
+
+def trim_count(trim: float, n: int) -> int:
+    """Values dropped at each end of every coordinate for n islands: `trim` itself when >= 1 (a count), else
+    ceil(trim · n) (a fraction: the Byzantine share to tolerate, rounded up so that 0.25 drops one of 3 or 4).
+
+    Never more than (n-1)//2, so one value (odd n) or two (even n) remain: with too few islands for the asked trim
+    the rule becomes the coordinate-wise median, and with 2 islands (or 1) it is their plain mean.
+    """
+    wanted = int(trim) if trim >= 1 else math.ceil(round(trim * n, 9))  # round: 0.3 · 10 is 3.0000000000000004
+    return min(wanted, (n - 1) // 2)
+
+
+@partial(jax.jit, static_argnums=1)
+def _middle_mean(values: tuple[jax.Array, ...], t: int) -> tuple[jax.Array, jax.Array]:
+    """Per coordinate of n same-shaped arrays: the mean of the values ranked t .. n-t-1, and how many coordinates
+    of each island were among them (int [n]). Non-finite values count as 0; ties rank in the given (island) order.
+
+    Ranks by comparing every pair (n² elementwise compares, fused by jit) rather than sorting: with a handful of
+    islands that is one pass over memory, where XLA's CPU sort along the island axis took seconds per 4M values.
+    """
+    n = len(values)
+    share = 1.0 / (n - 2 * t)
+    clean = [jnp.where(jnp.isfinite(x), x, 0.0) for x in values]
+    acc, counts = None, []
+    for i, x in enumerate(clean):
+        below = [(clean[j] <= x) if j < i else (clean[j] < x) for j in range(n) if j != i]  # the stable rank
+        rank = sum((b.astype(jnp.int32) for b in below), jnp.zeros(x.shape, jnp.int32))
+        kept = (rank >= t) & (rank < n - t)
+        term = jnp.where(kept, x * share, 0.0)  # scaled before the sum: float32-max values cannot overflow it
+        acc = term if acc is None else acc + term
+        counts.append(jnp.sum(kept, dtype=jnp.int32))
+    return acc, jnp.stack(counts)
+
+
+def _order_statistic(rule: str, deltas: Sequence[optax.Updates], t: int) -> Aggregated:
+    """`_middle_mean` over every leaf of the islands' pytrees, and each island's share of kept coordinates."""
+    leaves = [jax.tree.flatten(d) for d in deltas]
+    treedef = leaves[0][1]
+    if any(td != treedef for _, td in leaves):
+        raise ValueError(f"{rule} got pseudo-gradients of different structures")
+    out, counts, size = [], jnp.zeros(len(deltas), jnp.int32), 0
+    for j in range(treedef.num_leaves):
+        values = tuple(jnp.asarray(flat[j], jnp.float32) for flat, _ in leaves)
+        value, count = _middle_mean(values, t)
+        out.append(value)
+        counts, size = counts + count, size + values[0].size
+    kept = counts.astype(jnp.float32) / max(size, 1)
+    return Aggregated(jax.tree.unflatten(treedef, out), kept)
+
+
+def trimmed_mean(deltas: Sequence[optax.Updates], weights: Sequence[float], trim: float) -> Aggregated:
+    """Rule "trimmed_mean": coordinate-wise mean after dropping trim_count(trim, n) values at each end.
+
+    With at most trim_count Byzantine islands every coordinate lies within the honest islands' values (Yin et al.
+    2018). Weights are validated but unused (every island counts once; see the module docstring).
+    """
+    _check("trimmed_mean", deltas, weights)
+    if not valid_trim(trim):
+        raise ValueError(f"trimmed_mean trim must be a fraction in [0, 0.5) or a whole count >= 1 (got {trim})")
+    return _order_statistic("trimmed_mean", deltas, trim_count(trim, len(deltas)))
+
+
+def median(deltas: Sequence[optax.Updates], weights: Sequence[float]) -> Aggregated:
+    """Rule "median": coordinate-wise median (the mean of the two middle values for even n); the trimmed mean with
+    the most trimming, so it holds while fewer than half the islands are Byzantine (Yin et al. 2018)."""
+    _check("median", deltas, weights)
+    return _order_statistic("median", deltas, (len(deltas) - 1) // 2)
+
+
+RULES = ("mean", "norm_clip", "trimmed_mean", "median")
+"""The values of outer.aggregate."""
+
+
+def make_rule(kind: str, norm_bound: float, trim: float) -> Rule:
+    """The rule `kind` names, with its parameter bound in (norm_bound for norm_clip, trim for trimmed_mean)."""
+    rules: dict[str, Rule] = {
+        "mean": mean,
+        "norm_clip": lambda deltas, weights: norm_clip(deltas, weights, norm_bound),
+        "trimmed_mean": lambda deltas, weights: trimmed_mean(deltas, weights, trim),
+        "median": median,
+    }
+    if kind not in rules:
+        raise ValueError(f"aggregation rule must be one of {', '.join(RULES)} (got {kind!r})")
+    return rules[kind]

@@ -85,9 +85,9 @@ def _write(path: Path, cert, key=None) -> None:
         )
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
+def make_test_pki(d: Path) -> Path:
+    """ca.crt, server.crt/.key (localhost, 127.0.0.1), client.crt/.key in `d`: made here, independently of the
+    product's own generator (diloco/tls.py), so that each checks the other."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _cert(_name("diloco-test-ca"), _name("diloco-test-ca"), ca_key, ca_key, ca=True)
     _write(d / "ca", ca)
@@ -97,6 +97,11 @@ def pki(tmp_path_factory):
     cli_key = ec.generate_private_key(ec.SECP256R1())
     _write(d / "client", _cert(_name("island-i0"), ca.subject, cli_key, ca_key), cli_key)
     return d
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_test_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _serve(tls):
@@ -164,3 +169,94 @@ def test_tls_config_errors(tmp_path):
         TlsConfig(cert_file=str(tmp_path / "a"))
     with pytest.raises(ValueError, match="tls.ca_file: file not found"):
         TlsConfig(ca_file=str(tmp_path / "missing.crt"))
+
+
+# -- secrets never leave as values; the product's TLS checks and local PKI -------------------------------------------
+
+
+def test_literal_secrets_are_redacted_and_the_placeholder_never_authenticates():
+    from transport.auth import REDACTED_SECRET, redact_secret
+
+    assert redact_secret("env:S") == "env:S" and redact_secret("file:/run/s") == "file:/run/s"
+    assert redact_secret("hunter2") == REDACTED_SECRET
+    with pytest.raises(SecretError, match="placeholder"):
+        resolve_secret(REDACTED_SECRET)
+
+
+def test_tls_config_errors_are_user_errors(tmp_path):
+    from transport.errors import UserError
+
+    with pytest.raises(UserError, match="tls.cert_file: file not found"):
+        TlsConfig(cert_file=str(tmp_path / "a.crt"), key_file=str(tmp_path / "a.key"))
+
+
+def test_tls_files_are_checked_with_one_line_naming_key_and_flag(pki, tmp_path):
+    from diloco.tls import TlsSetupError, client_tls, server_tls
+
+    crt, key, ca = str(pki / "server.crt"), str(pki / "server.key"), str(pki / "ca.crt")
+    assert server_tls("", "", "") is None and client_tls("", "", "", "") is None
+    assert server_tls(crt, key, "").ca_file is None  # TLS, no client certificate required
+    assert server_tls(crt, key, ca).ca_file == ca  # mutual TLS
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnope\n-----END CERTIFICATE-----\n")
+    cases = [
+        (lambda: server_tls("", "", ca), "network.tls_cert / --tls-cert is required"),
+        (lambda: server_tls(str(tmp_path / "none.crt"), key, ""), "network.tls_cert / --tls-cert: cannot read"),
+        (lambda: server_tls(str(garbage), key, ""), "is not a PEM certificate"),
+        (lambda: server_tls(crt, str(garbage), ""), "network.tls_key / --tls-key: " + f"{garbage} is not a PEM"),
+        (lambda: server_tls(crt, str(pki / "client.key"), ""), "is not the key of"),
+        (lambda: server_tls(crt, key, str(garbage)), "network.tls_ca / --tls-ca"),
+        (lambda: client_tls(ca, str(pki / "client.crt"), "", ""), "network.tls_key / --tls-key is required"),
+    ]
+    for call, expected in cases:
+        with pytest.raises(TlsSetupError) as info:
+            call()
+        assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_loopback_rule():
+    from diloco.tls import ExposureError, check_client_exposure, exposure_problem, is_loopback
+
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert is_loopback(host), host
+    for host in ("", "0.0.0.0", "::", "10.0.0.1", "example.com", "localhost.evil.com"):
+        assert not is_loopback(host), host
+    assert exposure_problem("127.0.0.1:0", authenticated=False, encrypted=False) is None
+    assert exposure_problem("[::1]:0", authenticated=False, encrypted=False) is None
+    assert exposure_problem("0.0.0.0:1", authenticated=True, encrypted=True) is None
+    assert "network.secrets" in exposure_problem("0.0.0.0:1", authenticated=False, encrypted=True)
+    assert "in clear" in exposure_problem(":1", authenticated=True, encrypted=False)
+    check_client_exposure("10.0.0.1:1", sends_secret=False, encrypted=False, insecure=False)
+    check_client_exposure("10.0.0.1:1", sends_secret=True, encrypted=True, insecure=False)
+    check_client_exposure("127.0.0.1:1", sends_secret=True, encrypted=False, insecure=False)
+    check_client_exposure("10.0.0.1:1", sends_secret=True, encrypted=False, insecure=True)
+    with pytest.raises(ExposureError, match="in clear to 10.0.0.1:1"):
+        check_client_exposure("10.0.0.1:1", sends_secret=True, encrypted=False, insecure=False)
+
+
+def test_local_pki_is_private_and_gives_mutual_tls(tmp_path):
+    """What `launch` makes: private keys 0600 in a 0700 dir, no CA key on disk, a server certificate valid for
+    127.0.0.1 (what the islands dial) and client certificates the server requires."""
+    import stat
+
+    from diloco.tls import make_local_pki, server_tls
+
+    pki = make_local_pki(tmp_path / "tls", ["i0", "i1"])
+    assert stat.S_IMODE((tmp_path / "tls").stat().st_mode) == 0o700
+    assert sorted(p.name for p in (tmp_path / "tls").iterdir()) == [
+        "ca.crt", "client-i0.crt", "client-i0.key", "client-i1.crt", "client-i1.key", "server.crt", "server.key",
+    ]  # fmt: skip
+    for key in (tmp_path / "tls").glob("*.key"):
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
+    h = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
+    svc = DilocoService(h, RUN, h.model_spec(), authenticator=Authenticator({"i0": "s0"}), config=CFG)
+    srv = start_server(svc, "127.0.0.1:0", tls=server_tls(*(str(p) for p in (pki.server_cert, pki.server_key, pki.ca))))
+    try:
+        with GrpcTransport(f"127.0.0.1:{srv.port}", "i0", "s0", config=CFG, tls=pki.client_tls("i0")) as c:
+            assert _push(c).accepted
+        with GrpcTransport(f"127.0.0.1:{srv.port}", "i0", "s0", config=CFG, tls=TlsConfig(ca_file=str(pki.ca))) as c:
+            with pytest.raises(TransportError) as info:
+                c.status()
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE  # no client certificate: no handshake
+    finally:
+        srv.stop(0)

@@ -258,3 +258,86 @@ def test_reassembly_into_a_reused_larger_buffer_exposes_only_this_stream():
     out = r.finish()
     assert [bytes(t.payload) for t in out] == [t.payload for t in tensors]
     assert len(memoryview(out[0].payload).obj) == 5000  # the pooled buffer, sliced to this payload
+
+
+@pytest.mark.parametrize(
+    "codec, shape, block, zstd, nbytes, ok",
+    [
+        ("fp32", (3, 5), 0, 0, 60, True),
+        ("fp32", (3, 5), 0, 0, 64, False),  # not what the shape makes
+        ("bf16", (7,), 0, 0, 14, True),
+        ("int8", (300,), 256, 0, 2 * 4 + 300, True),
+        ("int4", (301,), 256, 0, 2 * 4 + 151, True),
+        ("int4", (301,), 0, 0, 2 * 4 + 151, False),  # a block size of 0 would divide by zero
+        ("int8", (300,), 3, 0, 400, False),  # odd block size
+        ("fp32", (1000,), 0, 3, 4000 + 15 + 62, True),  # zstd's worst case for 4000 bytes (zstd.h)
+        ("fp32", (1000,), 0, 3, 4000 + 15 + 63, False),
+        ("fp32", (1000,), 0, 3, 0, False),
+        ("fp32", (1000,), 0, 23, 100, False),  # no such zstd level
+        ("fp32", (1,) * 33, 0, 0, 4, False),  # more dimensions than any tensor has
+    ],
+)
+def test_declared_size_must_be_what_shape_and_codec_make(codec, shape, block, zstd, nbytes, ok):
+    import zstandard
+
+    from transport import diloco_pb2 as pb
+    from transport.chunking import check_declared_size, zstd_bound
+
+    assert zstd_bound(4000) == 4000 + 15 + 62 and zstd_bound(1 << 20) == (1 << 20) + (1 << 12)
+    noise = np.random.default_rng(0).bytes(4000)  # incompressible: close to the worst case, never above it
+    assert 4000 < len(zstandard.ZstdCompressor(level=3, write_content_size=True).compress(noise)) <= zstd_bound(4000)
+    meta = pb.TensorMeta(name="t", codec=codec, dtype="float32", shape=shape, block_size=block, zstd_level=zstd,
+                         nbytes=nbytes)  # fmt: skip
+    if ok:
+        check_declared_size(meta)
+    else:
+        with pytest.raises(Rejected) as info:
+            check_declared_size(meta)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'t'" in info.value.reason
+
+
+def test_budget_is_reserved_before_the_buffer_and_returned_by_close():
+    from transport.chunking import ByteBudget
+
+    tensors = tensors_of([600, 500])
+    header = build_header(tensors, 1000)
+    budget = ByteBudget(2 * header.total_bytes + 10)
+    first = Reassembler(header, 1 << 20, 100, CODECS, budget=budget)
+    second = Reassembler(header, 1 << 20, 100, CODECS, budget=budget)
+    assert budget.used == 2 * header.total_bytes
+    with pytest.raises(Rejected) as info:
+        Reassembler(header, 1 << 20, 100, CODECS, budget=budget)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and budget.used == 2 * header.total_bytes
+    first.close()
+    first.close()  # idempotent: returned once
+    assert budget.used == header.total_bytes
+    for i, data, digest in trailed(tensors, 1000):
+        second.add(i, data, digest)
+    second.finish()
+    second.close()
+    assert budget.used == 0
+
+
+def test_a_failed_stream_gives_its_pooled_buffer_up_and_a_finished_one_keeps_it():
+    pool = BufferPool(keep=2, min_bytes=64)
+    tensors = tensors_of([600, 500])
+    header = build_header(tensors, 1000)
+    failed = Reassembler(header, 1 << 20, 100, CODECS, pool=pool)
+    failed.close()
+    assert pool._buffers == [], "a rejected stream's buffer must not wait in the pool"
+    done = Reassembler(header, 1 << 20, 100, CODECS, pool=pool)
+    for i, data, digest in trailed(tensors, 1000):
+        done.add(i, data, digest)
+    done.finish()
+    done.close()
+    assert len(pool._buffers) == 1
+
+
+def test_large_buffers_are_maps_whose_unwritten_pages_cost_nothing():
+    import mmap
+
+    from transport.chunking import LAZY_MIN_BYTES, _fresh
+
+    assert isinstance(_fresh(LAZY_MIN_BYTES), mmap.mmap)
+    assert isinstance(_fresh(LAZY_MIN_BYTES - 1), bytearray)
+    assert len(_fresh(0)) == 0

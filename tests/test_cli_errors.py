@@ -145,3 +145,76 @@ def test_config_that_differs_from_the_coordinators(tiny_config: Path, tmp_path: 
     finally:
         coord.kill()
         coord.wait()
+
+
+# -- secure defaults: where a coordinator listens, which secrets a config may hold, TLS files ---------------------
+
+
+def test_coordinator_listens_on_loopback_by_default() -> None:
+    from diloco.cli import build_parser
+
+    assert build_parser().parse_args(["coordinator", "c.toml"]).listen == "127.0.0.1:50051"
+
+
+def test_open_coordinator_without_secrets_is_refused(tiny_config: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    run_dir = tmp_path / "c"
+    _fails(capsys, ["coordinator", str(tiny_config), "--listen", "0.0.0.0:0", "--run-dir", str(run_dir)],
+           "refusing to listen on 0.0.0.0:0 without island secrets (network.secrets) and TLS (network.tls_cert/"
+           "tls_key or --tls-cert/--tls-key): anyone who reaches it could join and push into the global model; "
+           "listen on 127.0.0.1, configure them, or pass --insecure")  # fmt: skip
+    assert not run_dir.exists()  # refused before anything was created
+
+
+def test_secrets_without_tls_beyond_loopback_are_refused(tiny_config: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("T_S0", "s0")
+    monkeypatch.setenv("T_S1", "s1")
+    _fails(capsys, ["coordinator", str(tiny_config), "--listen", "[::]:0", "--run-dir", str(tmp_path / "c"),
+                    'network.secrets=["env:T_S0", "env:T_S1"]'],
+           "refusing to listen on [::]:0 without TLS (network.tls_cert/tls_key or --tls-cert/--tls-key): island "
+           "secrets would cross the network in clear")  # fmt: skip
+
+
+def test_literal_secret_in_a_config_file_is_refused(tmp_path: Path, corpus: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    path = _config(tmp_path, corpus, '\n[network]\nsecrets = ["env:S0", "hunter2"]\n')
+    _fails(capsys, ["simulate", str(path)],
+           f"network.secrets[1] in config file '{path}' is a literal secret; write env:VAR or file:PATH")  # fmt: skip
+    assert "hunter2" not in capsys.readouterr().err
+    # A run directory's config.toml reused as a config: its placeholder is no secret either.
+    path.write_text(TINY_TOML.format(corpus=corpus) + '\n[network]\nsecrets = ["<literal secret redacted>", "env:S"]\n')
+    _fails(capsys, ["simulate", str(path)], "network.secrets[0] in config file")
+    _fails(capsys, ["simulate", str(path)], "is the placeholder of a redacted secret")
+
+
+def test_tls_flags_are_checked_before_anything_starts(tiny_config: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    base = ["coordinator", str(tiny_config), "--listen", "127.0.0.1:0", "--run-dir", str(tmp_path / "c")]
+    missing = tmp_path / "missing.crt"
+    _fails(capsys, [*base, "--tls-ca", str(tmp_path / "ca.crt")],
+           "network.tls_cert / --tls-cert is required for a TLS coordinator")  # fmt: skip
+    _fails(capsys, [*base, "--tls-cert", str(missing)], "network.tls_cert and network.tls_key must be set together")
+    _fails(capsys, [*base, "--tls-cert", str(missing), "--tls-key", str(missing)],
+           f"network.tls_cert / --tls-cert: cannot read {missing} (No such file or directory)")  # fmt: skip
+    assert not (tmp_path / "c").exists()
+
+
+def test_clients_refuse_to_send_a_secret_in_clear(tiny_config: Path, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("T_S0", "s0")
+    expected = "refusing to send an island secret in clear to 10.9.8.7:50051: set network.tls_ca (or --tls-ca)"
+    _fails(capsys, ["island", str(tiny_config), "--name", "island-0", "--coordinator", "10.9.8.7:50051",
+                    "--secret", "env:T_S0"], expected)  # fmt: skip
+    _fails(capsys, ["status", "10.9.8.7:50051", "--name", "island-0", "--secret", "env:T_S0"], expected)
+    _fails(capsys, ["status", "127.0.0.1:1", "--name", "island-0"], "--name and --secret go together")
+
+
+def test_literal_secret_on_the_command_line_warns(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["island", str(tiny_config), "--name", "island-0", "--coordinator", "10.9.8.7:1",
+                 "--secret", "hunter2"]) == 2  # fmt: skip
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("diloco: warning: --secret is a literal secret on the command line")
+    assert lines[1].startswith("diloco: error: refusing to send an island secret in clear") and len(lines) == 2
+    assert "hunter2" not in "\n".join(lines)

@@ -160,7 +160,8 @@ def coordinator_state(addr: str) -> tuple[int, str]:
     from transport.config import TransportConfig
     from transport.grpc_client import GrpcTransport
 
-    with GrpcTransport(addr, "observer", config=TransportConfig(max_attempts=3, rpc_timeout_s=20)) as client:
+    # With secrets set, Status needs an island's credentials (the run's are s0, s1).
+    with GrpcTransport(addr, "island-0", "s0", config=TransportConfig(max_attempts=3, rpc_timeout_s=20)) as client:
         reply = client.status()
     return reply.round, json.loads(reply.detail_json)["params_digest"]
 

@@ -28,7 +28,14 @@ ROUND = 3
 CHUNK = 32  # 96 payload bytes -> 3 chunks, so reordering and truncation are meaningful
 PER_EXAMPLE = 50
 EXAMPLES = 205
-CONFIG = TransportConfig(max_payload_mb=1.0)
+# Room for a whole batch in flight at once: this test is about validation, not admission (test_hostile_wire.py).
+CONFIG = TransportConfig(
+    max_payload_mb=1.0,
+    max_streams=PER_EXAMPLE,
+    max_streams_per_island=PER_EXAMPLE,
+    max_unary_calls=PER_EXAMPLE,
+    max_unary_calls_per_island=PER_EXAMPLE,
+)
 
 MUTATIONS = [
     "random_chunks",
@@ -62,7 +69,7 @@ MUTATIONS = [
 def live():
     handler = ReferenceHandler(RUN, PARAMS)
     service = DilocoService(handler, RUN, handler.model_spec(), authenticator=Authenticator(SECRETS), config=CONFIG)
-    server = start_server(service, max_workers=8)
+    server = start_server(service)
     channel = grpc.insecure_channel(server.address, options=CONFIG.grpc_options())
     stub = pb_grpc.DilocoStub(channel)
     raw_push = channel.stream_unary(

@@ -303,6 +303,16 @@ def test_config_validation_names_the_key():
     with pytest.raises(TransportConfigError, match="transport.max_message_bytes"):
         TransportConfig(chunk_bytes=4 << 20, max_message_bytes=4 << 20)
     assert ("grpc.max_receive_message_length", 4 << 20) in TransportConfig().grpc_options()
+    for bad, key in (
+        ({"max_streams": 4, "max_streams_per_island": 5}, "max_streams_per_island"),
+        ({"max_unary_calls_per_island": 0}, "max_unary_calls_per_island"),
+        ({"max_payload_mb": 100, "max_buffered_mb": 99}, "max_buffered_mb"),
+        ({"idle_timeout_s": 0}, "idle_timeout_s"),
+        ({"max_streams": 300}, "max_pending_calls"),  # fewer pending calls than threads: a slot never usable
+    ):
+        with pytest.raises(TransportConfigError, match=f"transport.{key} "):
+            TransportConfig(**bad)
+    assert TransportConfig().server_threads == 16 + 16 + 2
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ with `hmac.compare_digest` (constant time) against the one configured for that n
 one island name, and the service requires the message's island field to equal the authenticated one, so an
 island cannot push as another (UNAUTHENTICATED for bad credentials, PERMISSION_DENIED for impersonation).
 Secrets in metadata are only confidential over TLS; `TlsConfig` builds gRPC SSL credentials (server, and
-client with an optional client certificate for mutual TLS).
+client with an optional client certificate for mutual TLS). A secret's *reference* (``env:VAR``, ``file:PATH``)
+may be written down and sent (config dumps, the config an island sends at join); a literal never is: it is
+replaced by `REDACTED_SECRET` (`redact_secret`), which `resolve_secret` refuses.
 """
 
 from __future__ import annotations
@@ -25,12 +27,33 @@ ISLAND_KEY = "x-diloco-island"
 SECRET_KEY = "x-diloco-secret"
 
 
+REDACTED_SECRET = "<literal secret redacted>"
+"""What a literal secret becomes in every dump of a config (run dir's config.toml, the config sent at join).
+`resolve_secret` refuses it, so a dumped config reused as input can never authenticate with a known string."""
+
+
 class SecretError(UserError, ValueError):
     """A secret reference that cannot be resolved."""
 
 
+def is_secret_reference(ref: str) -> bool:
+    """True for ``env:VAR`` and ``file:PATH``: they name where a secret lives, so they may be written down and
+    shared; anything else is the secret itself."""
+    return ref.startswith(("env:", "file:"))
+
+
+def redact_secret(ref: str) -> str:
+    """A reference as written, a literal replaced by `REDACTED_SECRET`: what may leave the process."""
+    return ref if is_secret_reference(ref) else REDACTED_SECRET
+
+
 def resolve_secret(ref: str) -> str:
     """Resolve a secret written as a literal, ``env:VAR`` or ``file:PATH`` (file content, stripped)."""
+    if ref == REDACTED_SECRET:
+        raise SecretError(
+            f"secret {REDACTED_SECRET!r} is the placeholder a dumped config holds, not a secret; "
+            "give the island's secret as env:VAR or file:PATH"
+        )
     if ref.startswith("env:"):
         var = ref[4:]
         value = os.environ.get(var)
@@ -90,6 +113,10 @@ class Authenticator:
         return island
 
 
+class TlsError(UserError, ValueError):
+    """TLS files that are missing or do not go together; one line naming the field."""
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """TLS files (PEM). Server: cert+key (+ca to require client certs). Client: ca (+cert+key for mTLS)."""
@@ -105,16 +132,16 @@ class TlsConfig:
 
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("tls.cert_file and tls.key_file must be given together")
+            raise TlsError("tls.cert_file and tls.key_file must be given together")
         for key in ("ca_file", "cert_file", "key_file"):
             path = getattr(self, key)
             if path is not None and not Path(path).is_file():
-                raise ValueError(f"tls.{key}: file not found: {path}")
+                raise TlsError(f"tls.{key}: file not found: {path}")
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Server credentials; mutual TLS (client certificate required) when ``ca_file`` is set."""
         if self.cert_file is None or self.key_file is None:
-            raise ValueError("tls.cert_file and tls.key_file are required on the server")
+            raise TlsError("tls.cert_file and tls.key_file are required on the server")
         pair = (Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())
         ca = Path(self.ca_file).read_bytes() if self.ca_file else None
         return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)

@@ -9,17 +9,25 @@ it is handed to the wire and attaches the digest to the last one, so sending sta
 a full hashing pass over the payload (hashlib releases the GIL on large buffers, so the hash overlaps with
 gRPC's own work).
 
-Receiver: `Reassembler` checks the declared header against limits *before* allocating (oversize ->
-RESOURCE_EXHAUSTED), preallocates exactly one buffer of the declared size, writes each chunk into it in
-order (duplicate, reordered, overflowing or missing chunks -> INVALID_ARGUMENT), hashes each chunk as it
-lands, takes the digest from the last chunk's trailer (refused on any other chunk), and on `finish` checks
-count, size and digest; the returned tensors' payloads are zero-copy slices of that buffer.
+Receiver: `Reassembler` checks the declared header against limits and against itself *before* allocating:
+oversize -> RESOURCE_EXHAUSTED; each tensor's declared size must be what its shape and codec make
+(``transport.codecs.raw_payload_nbytes``; with zstd, at most zstd's worst case for that size), so a header
+cannot claim a large buffer for a small tensor. The declared total is reserved from the server's `ByteBudget`
+(all streams in flight together; RESOURCE_EXHAUSTED beyond it). Then it maps exactly one buffer of that
+size, writes each chunk into it in order (duplicate, reordered, overflowing or missing chunks ->
+INVALID_ARGUMENT), hashes each chunk as it lands, takes the digest from the last chunk's trailer (refused on
+any other chunk), and on `finish` checks count, size and digest; the returned tensors' payloads are zero-copy
+slices of that buffer. Buffers are anonymous memory maps: the pages a stalled stream never wrote cost nothing,
+and `Reassembler.close` returns the reservation and, for a stream that did not finish, the whole mapping to
+the operating system (a rejected stream leaves no memory behind).
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import math
+import mmap
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -38,6 +46,8 @@ DIGEST_BYTES = 32
 BACKGROUND_MIN_BYTES = 8 << 20
 """Payloads at least this big are hashed by a helper thread (sender) / into pooled buffers (receiver)."""
 _HASH_STEP = 1 << 20
+LAZY_MIN_BYTES = 64 << 10
+"""Receive buffers at least this big are anonymous memory maps: zero pages until written, unmapped when freed."""
 
 
 def new_hasher() -> hashlib._Hash:
@@ -174,12 +184,23 @@ class Reassembler:
         max_tensors: int,
         known_codecs: frozenset[str],
         pool: BufferPool | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         check_header(header, max_payload_bytes, max_tensors, known_codecs)
         self.header = header
+        self._budget = budget
+        if budget is not None:
+            budget.reserve(header.total_bytes)
+        self._pool = pool or RECEIVE_BUFFERS
+        self._finished = False
         # The one payload-sized allocation of the receive path (reused across streams when the pool has a
         # free buffer); chunks are written straight into it. Bytes past `_offset` are never exposed.
-        self._buf = (pool or RECEIVE_BUFFERS).acquire(header.total_bytes)
+        self._buf: bytearray | mmap.mmap | None = None
+        try:
+            self._buf = self._pool.acquire(header.total_bytes)
+        except BaseException:
+            self.close()
+            raise
         self._view = memoryview(self._buf)[: header.total_bytes]
         self._offset = 0
         self._next_index = 0
@@ -193,6 +214,11 @@ class Reassembler:
     def received_bytes(self) -> int:
         """Payload bytes written so far."""
         return self._offset
+
+    @property
+    def received_chunks(self) -> int:
+        """Chunks written so far."""
+        return self._next_index
 
     def add(self, index: int, data: bytes | memoryview, digest: bytes = b"") -> None:
         """Write chunk ``index``; chunks must arrive exactly once and in order; the last carries ``digest``."""
@@ -253,7 +279,19 @@ class Reassembler:
             )
         if self._hasher.digest() != self._digest:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "payload digest mismatch")
+        self._finished = True
         return [from_meta(m, self._view[a:b]) for m, a, b in self._spans]
+
+    def close(self) -> None:
+        """Return the budget reservation; a stream that did not finish also gives its buffer up (the pool forgets
+        it, so the memory goes back to the system once the last view of it is gone). Idempotent."""
+        if self._budget is not None:
+            self._budget.release(self.header.total_bytes)
+            self._budget = None
+        if self._buf is not None and not self._finished:
+            self._pool.forget(self._buf)
+        self._buf = None
+        self._view = memoryview(b"")
 
     def take_completed(self) -> list[EncodedTensor]:
         """Tensors whose bytes have all arrived since the last call (not yet digest-checked).
@@ -272,12 +310,13 @@ class Reassembler:
 class BufferPool:
     """Reuse of large reassembly buffers from one stream to the next.
 
-    A fresh payload-sized buffer costs a page fault per 4 KiB page on first touch, which on a VM costs as
-    much as hashing the payload (0.15-0.7 s per 256 MiB measured here), and glibc serves such sizes with a
-    fresh ``mmap`` every time. A coordinator receives same-sized pushes round after round, so the pool keeps
-    the last ``keep`` buffers of `BACKGROUND_MIN_BYTES` or more and hands one out again once nothing refers
-    to it any more: no payload view, no array and no tensor of an earlier stream can see it being reused.
-    The cost is up to ``keep`` idle buffers of memory.
+    A fresh payload-sized buffer (an anonymous map, `_fresh`) costs a page fault per 4 KiB page on first
+    touch, which on a VM costs as much as hashing the payload (0.15-0.7 s per 256 MiB measured here). A
+    coordinator receives same-sized pushes round after round, so the pool keeps the last ``keep`` buffers of
+    `BACKGROUND_MIN_BYTES` or more and hands one out again once nothing refers to it any more: no payload
+    view, no array and no tensor of an earlier stream can see it being reused. The cost is up to ``keep``
+    idle buffers of memory; a stream that fails makes the pool `forget` its buffer, so hostile streams
+    cannot park memory here.
     """
 
     def __init__(self, keep: int = 2, min_bytes: int = BACKGROUND_MIN_BYTES) -> None:
@@ -286,10 +325,10 @@ class BufferPool:
         self._buffers: list[bytearray] = []
         self._lock = threading.Lock()
 
-    def acquire(self, nbytes: int) -> bytearray:
+    def acquire(self, nbytes: int) -> bytearray | mmap.mmap:
         """A buffer of at least ``nbytes`` (at most twice that when reused); contents are unspecified."""
         if nbytes < self.min_bytes or self.keep <= 0:
-            return bytearray(nbytes)
+            return _fresh(nbytes)
         with self._lock:
             for i in range(len(self._buffers)):
                 # Free when only the pool's list (and getrefcount's argument) refers to it: every memoryview,
@@ -297,10 +336,58 @@ class BufferPool:
                 if nbytes <= len(self._buffers[i]) <= 2 * nbytes and sys.getrefcount(self._buffers[i]) <= 2:
                     self._buffers.append(self._buffers.pop(i))  # most recently used last
                     return self._buffers[-1]
-            fresh = bytearray(nbytes)
+            fresh = _fresh(nbytes)
             self._buffers.append(fresh)
             del self._buffers[: -self.keep]  # forget the oldest; whoever still uses it keeps it alive
             return fresh
+
+    def forget(self, buffer: bytearray | mmap.mmap) -> None:
+        """Drop ``buffer`` from the pool (a rejected stream's: its memory should go, not wait for reuse)."""
+        with self._lock:
+            self._buffers = [b for b in self._buffers if b is not buffer]
+
+
+def _fresh(nbytes: int) -> bytearray | mmap.mmap:
+    """A new receive buffer: an anonymous map from `LAZY_MIN_BYTES` up (memory only for the pages written), else a
+    small bytearray."""
+    try:
+        return mmap.mmap(-1, nbytes) if nbytes >= LAZY_MIN_BYTES else bytearray(nbytes)
+    except (OSError, MemoryError, OverflowError):
+        raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot allocate a {nbytes}-byte buffer now") from None
+
+
+class ByteBudget:
+    """Payload bytes that all streams in flight may declare together (``transport.max_buffered_mb``).
+
+    Each stream reserves its declared total before its buffer exists and returns it when it ends, accepted or
+    not; a stream whose reservation does not fit is refused with RESOURCE_EXHAUSTED. Thread-safe.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        """Bytes reserved now."""
+        return self._used
+
+    def reserve(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` or refuse with RESOURCE_EXHAUSTED."""
+        with self._lock:
+            if self._used + nbytes > self.limit:
+                raise Rejected(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{nbytes} more payload bytes would exceed the {self.limit} bytes all streams in flight may "
+                    f"hold ({self._used} held now); retry later",
+                )
+            self._used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Return a reservation."""
+        with self._lock:
+            self._used -= nbytes
 
 
 RECEIVE_BUFFERS = BufferPool()
@@ -310,7 +397,8 @@ RECEIVE_BUFFERS = BufferPool()
 def check_header(
     header: pb.PayloadHeader, max_payload_bytes: int, max_tensors: int, known_codecs: frozenset[str]
 ) -> None:
-    """Check a declared header against limits and itself, before any allocation."""
+    """Check a declared header against limits and itself, before any allocation (the codec names first, then
+    each tensor's size against its shape and codec: `check_declared_size`)."""
     if header.total_bytes > max_payload_bytes:
         raise Rejected(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -348,3 +436,39 @@ def check_header(
             )
         if any(d < 0 for d in meta.shape):
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {meta.name!r}: negative dimension")
+        check_declared_size(meta)
+
+
+def zstd_bound(nbytes: int) -> int:
+    """The most bytes zstd can turn ``nbytes`` into (``ZSTD_COMPRESSBOUND`` of zstd.h)."""
+    small = (128 << 10) - nbytes >> 11 if nbytes < 128 << 10 else 0
+    return nbytes + (nbytes >> 8) + small
+
+
+def check_declared_size(meta: pb.TensorMeta) -> None:
+    """A tensor's declared ``nbytes`` is what its shape and codec make: exactly, or without zstd's worst case.
+
+    Checked from the header alone, before any buffer exists, so that a tiny tensor cannot book a huge buffer.
+    ``transport.codecs`` (and JAX with it) is imported here, not with the module, like ``transport.tensors``.
+    """
+    from transport import codecs
+
+    name = meta.name
+    if len(meta.shape) > codecs.MAX_NDIM:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: more than {codecs.MAX_NDIM} dimensions")
+    if meta.codec in codecs.QMAX and not (0 < meta.block_size <= codecs.MAX_BLOCK_SIZE and meta.block_size % 2 == 0):
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: invalid block size {meta.block_size}")
+    if not 0 <= meta.zstd_level <= codecs.MAX_ZSTD_LEVEL:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: invalid zstd level {meta.zstd_level}")
+    raw = codecs.raw_payload_nbytes(meta.codec, math.prod(meta.shape), meta.block_size)
+    if meta.zstd_level == 0 and meta.nbytes != raw:
+        raise Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"tensor {name!r} declares {meta.nbytes} bytes; {meta.codec} of shape {tuple(meta.shape)} is {raw}",
+        )
+    if meta.zstd_level and not 0 < meta.nbytes <= zstd_bound(raw):
+        raise Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"tensor {name!r} declares {meta.nbytes} zstd bytes; {meta.codec} of shape {tuple(meta.shape)} "
+            f"compresses to at most {zstd_bound(raw)}",
+        )

@@ -1,4 +1,4 @@
-"""Configuration of the wire: chunking, message limits, deadlines and retry policy.
+"""Configuration of the wire: chunking, message limits, deadlines, retry policy and the server's limits.
 
 A frozen dataclass with a docstring under each field and validation in ``__post_init__`` (a ``ValueError``
 naming the key), like every config in the project; the run config nests it under ``[transport]``.
@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIB = 1024 * 1024
+SPARE_THREADS = 2
+"""Server threads beyond the slots: a call refused because every slot is taken is still answered at once."""
 
 
 class TransportConfigError(ValueError):
@@ -49,6 +51,43 @@ class TransportConfig:
     idempotency_cache: int = 4096
     """Accepted pushes remembered per server (key, digest, reply) to answer retried duplicates."""
 
+    max_streams: int = 16
+    """Push and pull streams the server serves at once, all islands together; one more is refused at once with
+    RESOURCE_EXHAUSTED, never queued. A stream holds a server thread for its whole life, so the server's pool has
+    a thread for each of these plus one for each of `max_unary_calls`: streams can never take the threads that
+    heartbeats, joins and Status need (transport/admission.py)."""
+
+    max_streams_per_island: int = 4
+    """Streams one island may hold at once: its push and its pull, plus room for a retry that starts before the
+    server has noticed (by `idle_timeout_s`) that the attempt it replaces is dead."""
+
+    max_unary_calls: int = 16
+    """Join, Heartbeat, Leave and Status calls served at once (their own threads; see `max_streams`). Every call
+    holds its thread until its one message has arrived, so a client that never sends it could otherwise hold
+    them all for `first_message_timeout_s`."""
+
+    max_unary_calls_per_island: int = 4
+    """Unary calls one island (or, for unauthenticated Status, all anonymous callers together) may hold at once:
+    its heartbeat and its main thread's call, with room to spare."""
+
+    max_pending_calls: int = 256
+    """Calls the server holds at once, running or waiting for a thread; beyond it gRPC itself refuses them with
+    RESOURCE_EXHAUSTED, so a flood of calls cannot grow the server's memory without bound."""
+
+    first_message_timeout_s: float = 30.0
+    """How long any call may take to deliver its first message once it is open; then the server cancels it. The
+    slowest planned link (`min_bandwidth_mbps`) brings a full first chunk (about `chunk_bytes` plus the header) in
+    a fraction of this."""
+
+    idle_timeout_s: float = 30.0
+    """How long a stream may go without a chunk (a push waiting for the client's next one, a pull waiting for the
+    client to take one); then the server cancels it and frees its buffer. A stream must also keep an average of
+    `min_bandwidth_mbps` after its first `rpc_timeout_s`, so trickling a byte at a time does not hold it open."""
+
+    max_buffered_mb: float = 4096.0
+    """Payload MiB that all pushes in flight may declare together; a push whose header would exceed it is refused
+    with RESOURCE_EXHAUSTED before anything is allocated. At least `max_payload_mb`."""
+
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
             ("chunk_bytes", self.chunk_bytes >= 1024, "must be >= 1024"),
@@ -65,10 +104,32 @@ class TransportConfig:
             ("backoff_initial_s", self.backoff_initial_s >= 0, "must be >= 0"),
             ("backoff_max_s", self.backoff_max_s >= self.backoff_initial_s, "must be >= backoff_initial_s"),
             ("idempotency_cache", self.idempotency_cache >= 1, "must be >= 1"),
-        ]
+            ("max_streams", self.max_streams >= 1, "must be >= 1"),
+            ("max_streams_per_island", 1 <= self.max_streams_per_island <= self.max_streams,
+             f"must be in 1..max_streams ({self.max_streams})"),
+            ("max_unary_calls", self.max_unary_calls >= 1, "must be >= 1"),
+            ("max_unary_calls_per_island", 1 <= self.max_unary_calls_per_island <= self.max_unary_calls,
+             f"must be in 1..max_unary_calls ({self.max_unary_calls})"),
+            ("max_pending_calls", self.max_pending_calls >= self.server_threads,
+             f"must be >= the server's threads (max_streams + max_unary_calls + {SPARE_THREADS})"),
+            ("first_message_timeout_s", self.first_message_timeout_s > 0, "must be > 0"),
+            ("idle_timeout_s", self.idle_timeout_s > 0, "must be > 0"),
+            ("max_buffered_mb", self.max_buffered_mb >= self.max_payload_mb,
+             f"must be >= max_payload_mb ({self.max_payload_mb})"),
+        ]  # fmt: skip
         for key, ok, why in checks:
             if not ok:
                 raise TransportConfigError(f"transport.{key} = {getattr(self, key)!r} {why}")
+
+    @property
+    def server_threads(self) -> int:
+        """Threads of the server's pool: one per stream and unary slot, and spares that answer refusals at once."""
+        return self.max_streams + self.max_unary_calls + SPARE_THREADS
+
+    @property
+    def max_buffered_bytes(self) -> int:
+        """``max_buffered_mb`` in bytes."""
+        return int(self.max_buffered_mb * MIB)
 
     @property
     def max_payload_bytes(self) -> int:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import grpc
 
 #: Status codes worth retrying: the peer may be back, or the link may recover (LinkDown maps to UNAVAILABLE).
+#: CANCELLED too: a client only ever sees it when the server's watchdog cut a stream that stalled (a client's own
+#: cancels come out as LinkDown), and the same call over a recovered link may well succeed.
 RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
 )
 
 

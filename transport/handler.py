@@ -1,14 +1,17 @@
 """The interface between the wire and the coordinator.
 
-The transport owns bytes, credentials and validation; the coordinator owns rounds and θ. It plugs into
-the server (gRPC or in-process) by implementing `CoordinatorHandler`. The handler is only ever called with
-messages that passed every check in `transport.validate`; it may still refuse one by raising
-`transport.errors.Rejected(code, reason)`, which becomes a gRPC status and an ``on_rejected`` callback.
+The transport owns bytes, credentials, limits and validation; the coordinator owns rounds and θ. It plugs
+into the server (gRPC or in-process) by implementing `CoordinatorHandler`. The handler is only ever called
+with messages that passed every check in `transport.validate`, from an island the service knows (one of its
+``islands``, authenticated when secrets are set); it may still refuse one by raising
+`transport.errors.Rejected(code, reason)`, which becomes a gRPC status and an ``on_rejected`` callback (a
+`RejectionSink`). Any other exception it raises is answered INTERNAL with a generic reason and logged by the
+service; it never reaches the client and never stops the server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -20,6 +23,11 @@ if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
     from transport.codecs import EncodedTensor
 
 PullKindName = Literal["update", "full"]
+
+RejectionSink = Callable[[str, str], None]
+"""``on_rejected(island, "CODE: reason")``: called once per refused call. Both strings came over the wire in part,
+so the service bounds them (island 64, reason about 200 characters) and escapes control characters; a flood of
+hostile calls calls it once each, so a sink that writes them somewhere should rate-limit itself."""
 
 KIND_TO_PB: dict[str, int] = {"update": pb.PULL_KIND_UPDATE, "full": pb.PULL_KIND_FULL}
 PB_TO_KIND: dict[int, PullKindName] = {pb.PULL_KIND_UPDATE: "update", pb.PULL_KIND_FULL: "full"}

@@ -3,21 +3,34 @@
 Both the gRPC servicer and the in-process transport run every message through this class, so the checks
 (docs/architecture.md, "Errors": bad input never touches state) and the idempotency rule are the same everywhere:
 
+* the caller is known from the call metadata alone, before any message is read (`authenticate`): with
+  secrets, the island they belong to; without, the island it names, which must be one of the run's
+  (``islands``) either way, so invented names can neither act nor make the coordinator remember them;
 * a push is keyed by (island, round, fragment); the server remembers the digest and reply of each accepted
   push, so a retried duplicate (same digest) gets the same reply without reaching the handler again, and a
   different payload for an already-accepted key is refused with ALREADY_EXISTS. The digest is the stream's
   trailer (last chunk), so a duplicate is recognised once the whole stream is in; a key already accepted
   skips the round check, so a retry after the round closed still gets its original reply;
-* checks that need only the first chunk (credentials, run id, island, round, tensor specs, declared sizes)
-  run before any payload byte is buffered; digest, decode and finiteness run once the bytes are in.
-Every refusal is a `Rejected` (code + reason) and is reported through ``on_rejected(island, reason)``.
+* checks that need only the first chunk (run id, island, push metadata, round, tensor specs, declared sizes)
+  run before any payload byte is buffered, and the declared total is reserved from a budget shared by all
+  pushes in flight (``max_buffered_mb``); digest, decode and finiteness run once the bytes are in; a push
+  that fails gives its buffer back at once.
+
+Every answer goes through `answering`: a refusal is a `Rejected` (code + reason) whose reason is made
+`printable` (bounded, control characters escaped: it may carry an attacker's strings) and is reported once
+through ``on_rejected(island, "CODE: reason")``; an unexpected exception of ours becomes INTERNAL with a
+generic reason, its traceback logged once per place it comes from, and the process goes on. A failure of the
+client's own stream (it cancelled, its link broke) is neither: it comes out as it went in.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import traceback
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import grpc
@@ -25,24 +38,32 @@ import numpy as np
 
 from transport import diloco_pb2 as pb
 from transport.auth import ISLAND_KEY, Authenticator
-from transport.chunking import Reassembler, build_header, check_header, iter_trailed_views
+from transport.chunking import ByteBudget, Reassembler, build_header, check_header, iter_trailed_views
 from transport.config import TransportConfig
 from transport.errors import Rejected
-from transport.handler import KIND_TO_PB, CoordinatorHandler
+from transport.handler import KIND_TO_PB, CoordinatorHandler, RejectionSink
 from transport.tensors import decoder, known_codecs
 from transport.validate import (
     ModelSpec,
+    check_join,
+    check_leave,
     check_push_meta,
     check_round,
     check_run_and_island,
     check_tensor_metas,
     decode_one,
+    printable,
     spec_for,
 )
-from transport.wire import PULL_DATA_FIELD, encode_data_chunk
+from transport.wire import PULL_DATA_FIELD, Undecodable, encode_data_chunk
 
 Metadata = Iterable[tuple[str, str | bytes]] | None
 T = TypeVar("T")
+LOG = logging.getLogger(__name__)
+ANONYMOUS = "(anonymous)"
+"""The caller of a Status that needs no credentials (its admission slots are shared by all such callers)."""
+INTERNAL_REASON = "internal error while answering this call (the server logged it)"
+_MAX_LOGGED_PLACES = 64
 
 
 def _claimed_island(metadata: Metadata) -> str:
@@ -50,6 +71,34 @@ def _claimed_island(metadata: Metadata) -> str:
         if key == ISLAND_KEY:
             return value.decode(errors="replace") if isinstance(value, bytes) else value
     return ""
+
+
+class Answered(Rejected):
+    """A refusal already made printable and reported through ``on_rejected``: report it no more."""
+
+
+class ClientGone(Exception):
+    """The client's own stream failed (it cancelled, its link broke, the watchdog ended it): ``cause``."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def from_client(messages: Iterable[T]) -> Iterator[T]:
+    """``messages`` with every failure of the client's side wrapped in `ClientGone`, so that it is told apart
+    from a failure of ours (INTERNAL); a `Rejected` (a verdict on the stream) passes as it is."""
+    it = iter(messages)
+    while True:
+        try:
+            message = next(it)
+        except StopIteration:
+            return
+        except Rejected:
+            raise
+        except Exception as e:
+            raise ClientGone(e) from e
+        yield message
 
 
 class DilocoService:
@@ -63,10 +112,14 @@ class DilocoService:
         *,
         authenticator: Authenticator | None = None,
         config: TransportConfig | None = None,
-        on_rejected: Callable[[str, str], None] | None = None,
+        on_rejected: RejectionSink | None = None,
         max_staleness: int = 0,
         status_requires_auth: bool = False,
+        islands: Collection[str] | None = None,
+        uplink_codec: str | None = None,
     ) -> None:
+        """``islands``: the run's island names (None: any name, for tests); ``uplink_codec``: the one codec pushes
+        may use (None: any known one)."""
         self.handler = handler
         self.run_id = run_id
         self.model_spec = model_spec
@@ -75,70 +128,121 @@ class DilocoService:
         self.on_rejected = on_rejected
         self.max_staleness = max_staleness
         self.status_requires_auth = status_requires_auth
+        self.islands = frozenset(islands) if islands is not None else None
+        self.uplink_codec = uplink_codec
+        self.budget = ByteBudget(self.config.max_buffered_bytes)
         self._codecs = known_codecs()
         self._decode = decoder()
         self._accepted: OrderedDict[tuple[str, int, int], tuple[bytes, pb.PushReply]] = OrderedDict()
         # Serialises the dedup check and the handler call, so concurrent duplicates are applied once.
         self._commit_lock = threading.Lock()
+        self._logged_places: set[tuple[str, str, int]] = set()
+        self._log_lock = threading.Lock()
 
-    # -- plumbing -------------------------------------------------------------------------------------
+    # -- answering ------------------------------------------------------------------------------------
 
-    def _guard(self, metadata: Metadata, fn: Callable[[], T]) -> T:
+    def report(self, metadata: Metadata, rejected: Rejected) -> Answered:
+        """Report a refusal once (through ``on_rejected``) and return it printable, ready to raise."""
+        if isinstance(rejected, Answered):
+            return rejected
+        answered = Answered(rejected.code, printable(rejected.reason))
+        if self.on_rejected is not None:
+            self.on_rejected(printable(_claimed_island(metadata), 64), str(answered))
+        return answered
+
+    @contextmanager
+    def answering(self, metadata: Metadata) -> Iterator[None]:
+        """Run one answer: a `Rejected` comes out reported and printable, an unexpected exception as INTERNAL
+        (logged once per place), a client failure (`ClientGone`) as the exception the client's stream raised."""
         try:
-            return fn()
+            yield
+        except ClientGone as e:
+            raise e.cause from None
         except Rejected as e:
-            if self.on_rejected is not None:
-                self.on_rejected(_claimed_island(metadata), str(e))
-            raise
+            raise self.report(metadata, e) from None
+        except Exception as e:
+            self._log_unexpected(e)
+            raise self.report(metadata, Rejected(grpc.StatusCode.INTERNAL, INTERNAL_REASON)) from None
+
+    def _log_unexpected(self, exc: Exception) -> None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = frames[-1] if frames else None
+        place = (type(exc).__name__, where.filename if where else "?", where.lineno or 0 if where else 0)
+        with self._log_lock:
+            if place in self._logged_places:
+                return
+            if len(self._logged_places) < _MAX_LOGGED_PLACES:
+                self._logged_places.add(place)
+        LOG.error("unexpected %s while answering a call (logged once per place)", place[0], exc_info=exc)
+
+    # -- identity -------------------------------------------------------------------------------------
+
+    def authenticate(self, metadata: Metadata) -> str:
+        """The calling island, from the call metadata alone (nothing of the call's messages is read).
+
+        With secrets, the island they are valid for (UNAUTHENTICATED otherwise); without, the island the
+        metadata names. Either way it must be one of ``islands``: an unknown name is PERMISSION_DENIED.
+        """
+        caller = self.auth.authenticate(metadata)
+        name = caller if caller is not None else _claimed_island(metadata)
+        if not name:
+            raise Rejected(grpc.StatusCode.UNAUTHENTICATED, f"no island name in the call metadata ({ISLAND_KEY})")
+        if self.islands is not None and name not in self.islands:
+            raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {name!r} is not an island of this run")
+        return name
+
+    def status_caller(self, metadata: Metadata) -> str:
+        """Who asks for Status: an authenticated island when Status requires credentials, else `ANONYMOUS`
+        (the name in the metadata is then not trusted, and not needed)."""
+        return self.authenticate(metadata) if self.status_requires_auth else ANONYMOUS
 
     def _identify(self, metadata: Metadata, run_id: str, island: str) -> None:
-        caller = self.auth.authenticate(metadata)
-        check_run_and_island(run_id, island, self.run_id, caller)
+        check_run_and_island(run_id, island, self.run_id, self.authenticate(metadata))
+
+    def first_message(self, metadata: Metadata, messages: Iterable[Any], expected: type[T]) -> T:
+        """The one request message of a call, read from ``messages`` (a server reads nothing else of it)."""
+        with self.answering(metadata):
+            message = next(from_client(messages), None)
+            if isinstance(message, Undecodable):
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {message.expected}: {message.error}")
+            if not isinstance(message, expected):
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"the call carries no {expected.__name__}")
+            return message
 
     # -- unary RPCs -----------------------------------------------------------------------------------
 
     def join(self, metadata: Metadata, req: pb.JoinRequest) -> pb.JoinReply:
         """Join (or rejoin) after authentication."""
-
-        def run() -> pb.JoinReply:
+        with self.answering(metadata):
             self._identify(metadata, req.run_id, req.island)
+            check_join(req)
             return self.handler.join(req)
-
-        return self._guard(metadata, run)
 
     def heartbeat(self, metadata: Metadata, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         """Lease renewal."""
-
-        def run() -> pb.HeartbeatReply:
+        with self.answering(metadata):
             self._identify(metadata, req.run_id, req.island)
             return self.handler.heartbeat(req)
 
-        return self._guard(metadata, run)
-
     def leave(self, metadata: Metadata, req: pb.LeaveRequest) -> pb.LeaveReply:
         """Clean departure."""
-
-        def run() -> pb.LeaveReply:
+        with self.answering(metadata):
             self._identify(metadata, req.run_id, req.island)
+            check_leave(req)
             return self.handler.leave(req)
-
-        return self._guard(metadata, run)
 
     def status(self, metadata: Metadata) -> pb.StatusReply:
         """Status snapshot (read-only; credentials required only if configured)."""
-
-        def run() -> pb.StatusReply:
-            if self.status_requires_auth:
-                self.auth.authenticate(metadata)
+        with self.answering(metadata):
+            self.status_caller(metadata)
             return self.handler.status()
-
-        return self._guard(metadata, run)
 
     # -- push -----------------------------------------------------------------------------------------
 
-    def push(self, metadata: Metadata, chunks: Iterable[pb.PushChunk]) -> pb.PushReply:
+    def push(self, metadata: Metadata, chunks: Iterable[pb.PushChunk | Undecodable]) -> pb.PushReply:
         """Receive one chunked pseudo-gradient, validate it completely, then hand it to the coordinator."""
-        return self._guard(metadata, lambda: self._push(metadata, iter(chunks)))
+        with self.answering(metadata):
+            return self._push(metadata, from_client(chunks))
 
     def _cached(self, key: tuple[str, int, int], digest: bytes) -> pb.PushReply | None:
         hit = self._accepted.get(key)
@@ -151,18 +255,19 @@ class DilocoService:
             )
         return hit[1]
 
-    def _push(self, metadata: Metadata, chunks: Iterator[pb.PushChunk]) -> pb.PushReply:
-        first = next(chunks, None)
+    def _push(self, metadata: Metadata, chunks: Iterator[Any]) -> pb.PushReply:
+        caller = self.authenticate(metadata)  # before the first chunk is read
+        first = _decoded(next(chunks, None), 0)
         if first is None:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "empty push stream")
         if not (first.HasField("meta") and first.HasField("header")):
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk must carry meta and header")
         meta, header = first.meta, first.header
-        self._identify(metadata, meta.run_id, meta.island)
+        check_run_and_island(meta.run_id, meta.island, self.run_id, caller)
+        check_push_meta(meta, header.tensors, self.model_spec, self.uplink_codec)
         key = (meta.island, meta.round, meta.fragment)
         with self._commit_lock:
             seen = key in self._accepted
-        check_push_meta(meta)
         if not seen:
             # A retry of an accepted push may come after its round closed; it is answered from the cache
             # once its digest (the trailer) has arrived, so only a new key is held to the current round here.
@@ -171,19 +276,13 @@ class DilocoService:
         if self.model_spec is not None:
             check_tensor_metas(header.tensors, spec_for(self.model_spec, meta.fragment))
 
-        buf = Reassembler(header, self.config.max_payload_bytes, self.config.max_tensors, self._codecs)
-        arrays: dict[str, np.ndarray] = {}
-        chunk: Any = first
-        while chunk is not None:
-            if chunk is not first and (chunk.HasField("meta") or chunk.HasField("header")):
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunk.index} repeats the metadata")
-            buf.add(chunk.index, chunk.data, chunk.digest)
-            # Decode each tensor as soon as its bytes are in, overlapping decode with the transfer. The
-            # arrays are only used after `finish` has checked the digest of the whole payload.
-            for t in buf.take_completed():
-                arrays[t.name] = decode_one(t, self._decode)
-            chunk = next(chunks, None)
-        tensors = buf.finish()
+        buf = Reassembler(
+            header, self.config.max_payload_bytes, self.config.max_tensors, self._codecs, budget=self.budget
+        )
+        try:
+            tensors, arrays = self._receive(buf, first, chunks)
+        finally:
+            buf.close()  # the budget back; a failed stream's buffer is given up at once
 
         with self._commit_lock:
             cached = self._cached(key, buf.digest)
@@ -200,13 +299,28 @@ class DilocoService:
                     self._accepted.popitem(last=False)
             return reply
 
+    def _receive(self, buf: Reassembler, first: Any, chunks: Iterator[Any]) -> tuple[list, dict[str, np.ndarray]]:
+        """Write every chunk into ``buf``, decoding each tensor as soon as its bytes are in (overlapping decode
+        with the transfer); the arrays are only used after `finish` has checked the digest of the whole."""
+        arrays: dict[str, np.ndarray] = {}
+        chunk: Any = first
+        while chunk is not None:
+            if chunk is not first and (chunk.HasField("meta") or chunk.HasField("header")):
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunk.index} repeats the metadata")
+            buf.add(chunk.index, chunk.data, chunk.digest)
+            for t in buf.take_completed():
+                arrays[t.name] = decode_one(t, self._decode)
+            chunk = _decoded(next(chunks, None), buf.received_chunks)
+        return buf.finish(), arrays
+
     # -- pull -----------------------------------------------------------------------------------------
 
     def pull(self, metadata: Metadata, req: pb.PullRequest) -> Iterator[pb.PullChunk | bytes]:
         """Ask the coordinator for the payload, then stream it in chunks (header on the first)."""
-
-        def prepare() -> Iterator[pb.PullChunk | bytes]:
+        with self.answering(metadata):
             self._identify(metadata, req.run_id, req.island)
+            if self.model_spec is not None:
+                spec_for(self.model_spec, req.fragment)
             payload = self.handler.pull(req)
             header = build_header(payload.tensors, self.config.chunk_bytes)
             limit = self.config.max_payload_bytes
@@ -223,9 +337,19 @@ class DilocoService:
                 param_digest=payload.param_digest,
                 payload=header,
             )
-            return _pull_chunks(pull_header, payload.tensors, self.config.chunk_bytes)
+        return self._answered_chunks(metadata, _pull_chunks(pull_header, payload.tensors, self.config.chunk_bytes))
 
-        return self._guard(metadata, prepare)
+    def _answered_chunks(self, metadata: Metadata, chunks: Iterator[T]) -> Iterator[T]:
+        """``chunks``, with a failure while making one answered like any other."""
+        with self.answering(metadata):
+            yield from chunks
+
+
+def _decoded(chunk: Any, position: int) -> Any:
+    """``chunk`` (the stream's ``position``-th, from 0), or INVALID_ARGUMENT when its bytes did not parse."""
+    if isinstance(chunk, Undecodable):
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"chunk #{position} is undecodable: {chunk.error}")
+    return chunk
 
 
 def _pull_chunks(header: pb.PullHeader, tensors: Iterable, chunk_bytes: int) -> Iterator[pb.PullChunk | bytes]:

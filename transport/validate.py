@@ -2,12 +2,22 @@
 
 The fault model (docs/architecture.md) promises that malformed, oversized, NaN or forged pseudo-gradients are
 rejected with a reason and never touch θ. The checks here are pure functions that raise `Rejected(code, reason)`;
-the service runs them in order (identity, run id, round, tensor specs, then after the bytes arrived: digest, decode,
-finiteness) and only then calls the handler.
+the service runs them in order (identity, run id, push metadata, round, tensor specs, then after the bytes
+arrived: digest, decode, finiteness) and only then calls the handler.
+
+Every field is the sender's word, so each is held to what an honest island can send: the numbers of a push
+(loss, seconds, tokens) finite, non-negative where they count something, never subnormal (no measurement is
+1e-310 s, and a total divided by one becomes infinite); its fragment one the model has; its codec the run's;
+texts no longer than anything legitimate (a join's config, a leave's reason). Decoded float32 tensors have
+their subnormal values flushed to zero, as XLA does on the coordinator's own arithmetic, so they cannot slow
+numpy down and no honest push is refused for them. What is sent back or logged of an attacker's text goes
+through `printable`: bounded and with control characters escaped.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -24,7 +34,32 @@ TensorSpec = tuple[tuple[int, ...], str]
 """Expected (shape, decoded dtype) of one tensor."""
 
 ModelSpec = Mapping[str, TensorSpec] | Callable[[int], Mapping[str, TensorSpec]]
-"""The tensors a push must carry: one mapping for every fragment, or ``fragment -> mapping``."""
+"""The tensors a push must carry: one mapping for a model of one fragment (0), or ``fragment -> mapping``."""
+
+MAX_TEXT = 200
+"""Characters of an attacker's text that `printable` keeps; also the longest leave reason accepted."""
+MAX_CONFIG_JSON = 1 << 20
+"""Longest config a join may carry (a resolved run config is a few KiB)."""
+MAX_SECONDS = 1e9
+"""Longest compute or wall time a push may report (31 years): sums of them stay finite."""
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_SUBNORMAL_STEP = 1 << 18  # float32 values per block of the subnormal scan (bounded temporaries)
+
+
+def printable(text: str, limit: int = MAX_TEXT) -> str:
+    """At most ``limit`` characters of ``text``, non-printable ones escaped (``\\n``, ``\\x1b``): what may be sent
+    back or logged of a string that came over the wire. A cut text ends with the length of the whole."""
+    out: list[str] = []
+    size = 0
+    for ch in text:
+        piece = ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+        if size + len(piece) > limit:
+            marker = f"...[{len(text)} chars]"
+            kept = "".join(out)
+            return kept[: max(0, limit - len(marker))] + marker
+        out.append(piece)
+        size += len(piece)
+    return "".join(out)
 
 
 def check_run_and_island(run_id: str, island: str, expected_run_id: str, caller: str | None) -> None:
@@ -56,19 +91,67 @@ def check_round(round_: int, current: int, max_staleness: int = 0) -> None:
         )
 
 
-def check_push_meta(meta: pb.PushMeta) -> None:
-    """Fields of a push that must make sense on their own."""
+def _check_number(key: str, value: float, tiny: float, nonnegative: bool, most: float = math.inf) -> None:
+    """One reported number: finite, not subnormal, and in range."""
+    if not math.isfinite(value) or value != 0 and abs(value) < tiny:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{key} must be a finite, normal number (got {value!r})")
+    if nonnegative and not 0 <= value <= most:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{key} must be in [0, {most:g}] (got {value!r})")
+
+
+def check_push_meta(
+    meta: pb.PushMeta,
+    tensors: Sequence[pb.TensorMeta],
+    model_spec: ModelSpec | None = None,
+    uplink_codec: str | None = None,
+) -> None:
+    """What a push claims about itself: its numbers, its fragment, the codec of each of its ``tensors``.
+
+    ``model_spec`` (when given) says which fragments exist; ``uplink_codec`` (when given) is the one codec the
+    run's islands encode with: a payload in another one is refused even when it decodes (an int4 push where the
+    run says fp32 is not a push of this run). The coordinator caps ``tokens``; here it must only be positive.
+    """
     if meta.tokens == 0:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be > 0 (it is the aggregation weight)")
+    _check_number("loss", meta.loss, _F32_TINY, nonnegative=False)
+    for key in ("compute_s", "wall_s"):
+        _check_number(key, getattr(meta, key), sys.float_info.min, nonnegative=True, most=MAX_SECONDS)
+    if model_spec is not None:
+        spec_for(model_spec, meta.fragment)
+    for t in tensors if uplink_codec is not None else ():
+        if t.codec != uplink_codec:
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tensor {t.name!r} is {t.codec!r}; this run's islands send {uplink_codec!r} (codec.uplink)",
+            )
+
+
+def check_join(req: pb.JoinRequest) -> None:
+    """A join's texts are no bigger than a real config."""
+    if len(req.config_json) > MAX_CONFIG_JSON:
+        raise Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"config_json is {len(req.config_json)} characters; a run config is at most {MAX_CONFIG_JSON}",
+        )
+
+
+def check_leave(req: pb.LeaveRequest) -> None:
+    """A leave's reason is a short note (the coordinator writes it to its metrics)."""
+    if len(req.reason) > MAX_TEXT:
+        raise Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT, f"leave reason is {len(req.reason)} characters, at most {MAX_TEXT}"
+        )
 
 
 def spec_for(spec: ModelSpec, fragment: int) -> Mapping[str, TensorSpec]:
-    """The expected tensors of ``fragment``."""
+    """The expected tensors of ``fragment``; a fragment the model does not have is refused (never read as 0)."""
     if callable(spec):
         try:
             return spec(fragment)
         except (KeyError, IndexError, ValueError):
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fragment {fragment}") from None
+    if fragment != 0:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fragment {fragment} (the model has only 0)")
     return spec
 
 
@@ -110,7 +193,7 @@ def decode_one(tensor: EncodedTensor, decode: Callable[[EncodedTensor], np.ndarr
         )
     if not all_finite(array):
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {tensor.name!r} has non-finite values")
-    return array
+    return without_subnormals(array)
 
 
 def all_finite(array: np.ndarray) -> bool:
@@ -120,3 +203,26 @@ def all_finite(array: np.ndarray) -> bool:
     if array.dtype.kind == "f":
         return bool(np.isfinite(array.min()) and np.isfinite(array.max()))
     return bool(np.isfinite(array).all())
+
+
+def without_subnormals(array: np.ndarray) -> np.ndarray:
+    """``array`` itself when no float32 value is subnormal, else a read-only copy with those values set to zero.
+
+    Scanned in blocks on the bit patterns (0 < |bits| < the smallest normal's), so the scan costs a fraction of
+    the digest and no payload-sized temporary. Other dtypes pass unchanged: a float16 tensor's small values are
+    legitimately subnormal, and the coordinator's tensors are float32.
+    """
+    if array.dtype != np.float32 or array.size == 0:
+        return array
+    bits = np.ascontiguousarray(array).reshape(-1).view(np.uint32)
+    scratch = np.empty(min(bits.size, _SUBNORMAL_STEP), np.uint32)
+    for start in range(0, bits.size, _SUBNORMAL_STEP):
+        block = bits[start : start + _SUBNORMAL_STEP]
+        tmp = scratch[: block.size]
+        np.bitwise_and(block, 0x7FFFFFFF, out=tmp)
+        np.subtract(tmp, 1, out=tmp)  # 0 wraps around: only 1 .. 0x7FFFFF (the subnormals) fall below
+        if (tmp < 0x7FFFFF).any():
+            flushed = np.where(np.abs(array) < _F32_TINY, np.float32(0), array)
+            flushed.flags.writeable = False
+            return flushed
+    return array

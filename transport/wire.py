@@ -7,15 +7,22 @@ runtime costs three 1 MiB copies per chunk on the sender and one extra on the re
 costs one, and parsing it directly hands the receiver a zero-copy view of gRPC's buffer. The bytes are exactly
 what protobuf would produce (a test checks ``FromString`` agrees), and anything that is not a plain data
 chunk -- including every first chunk and every malformed message -- goes through the real protobuf parser.
+
+The server parses requests with `tolerant` parsers: bytes that do not parse become an `Undecodable` value
+instead of an exception. gRPC answers a deserializer's exception itself, with INTERNAL and a logged traceback,
+before any handler runs, so the refusal could be neither explained nor counted; the handler refuses an
+`Undecodable` with INVALID_ARGUMENT and reports it like any other rejected message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from transport import diloco_pb2 as pb
+
+T = TypeVar("T")
 
 PUSH_DATA_FIELD = 4
 PULL_DATA_FIELD = 3
@@ -124,3 +131,25 @@ def chunk_parser(message: Any, data_field: int) -> Callable[[bytes], Any]:
 
 parse_push_chunk = chunk_parser(pb.PushChunk, PUSH_DATA_FIELD)
 parse_pull_chunk = chunk_parser(pb.PullChunk, PULL_DATA_FIELD)
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """Request bytes that are not a valid ``expected`` message, as a tolerant parser hands them to the handler."""
+
+    expected: str
+    """The message type the bytes should have been."""
+    error: str
+    """The parser's complaint (attacker-shaped: printed only through ``transport.validate.printable``)."""
+
+
+def tolerant(parse: Callable[[bytes], T], expected: str) -> Callable[[bytes], T | Undecodable]:
+    """``parse`` as a server-side gRPC deserializer that never raises: a failure becomes an `Undecodable`."""
+
+    def parse_or_flag(raw: bytes) -> T | Undecodable:
+        try:
+            return parse(raw)
+        except Exception as e:  # protobuf's DecodeError, or anything a hostile byte string provokes
+            return Undecodable(expected, f"{type(e).__name__}: {str(e)[:200]}")
+
+    return parse_or_flag

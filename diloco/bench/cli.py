@@ -23,6 +23,10 @@ HELP = {
     "transport": "gRPC goodput on loopback, unshaped and shaped; receiver peak memory",
     "recovery": "time for a SIGKILLed island to rejoin vs params/bandwidth + 10 s",
     "faults": "final eval loss with an island killed at R/3, back at 2R/3, vs fault-free",
+    "byzantine": "final eval loss with one Byzantine island of 4, per aggregation rule and attack, vs fault-free",
+    "fuzz": "hostile messages of every RPC against a real coordinator: statuses, RSS, liveness, a round after",
+    "load": "one coordinator process under many light gRPC islands: round time, RSS, CPU, bytes",
+    "soak": "seeded SIGKILLs of islands and the coordinator over many rounds: digests, loss vs fault-free",
 }
 
 
@@ -39,6 +43,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     bench = subparsers.add_parser("bench", help="benchmarks that print JSON")
     bsub = bench.add_subparsers(dest="bench", required=True)
     parsers = {name: bsub.add_parser(name, help=text) for name, text in HELP.items()}
+    _add_fuzz(parsers["fuzz"])
 
     ov = parsers["overhead"]
     _with_config(ov, run_dir=False)
@@ -66,6 +71,37 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     parsers["recovery"].add_argument(
         "--kill-after", type=int, default=3, help="committed rounds before the victim is killed"
     )
+    _add_byzantine(parsers["byzantine"])
+
+    load = parsers["load"]
+    load.add_argument("--islands", type=int, default=64, help="light islands (client threads) of the coordinator")
+    load.add_argument("--rounds", type=int, default=6, help="rounds every island pushes to")
+
+    soak = parsers["soak"]
+    soak.add_argument("--rounds", type=int, default=50, help="rounds of each run")
+    soak.add_argument("--island-kills", type=int, default=10, help="island SIGKILLs, each restarted")
+    soak.add_argument("--coordinator-kills", type=int, default=2, help="coordinator SIGKILLs, each restarted")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the kill plan (times, victims, restart delays)")
+    soak.add_argument("--no-fault-free", action="store_true", help="skip the fault-free run and the loss comparison")
+    for name in ("load", "soak"):  # each writes its own config; trailing key=value arguments override it
+        parsers[name].add_argument(
+            "--run-dir", type=Path, default=None, help="where the runs go (default: runs/bench-NAME-TIME)"
+        )
+        parsers[name].set_defaults(accepts_overrides=True)
+        parsers[name].epilog = "Trailing section.key=value arguments override the benchmark's own config."
+
+
+def _add_fuzz(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--messages", type=int, default=5000, help="hostile messages, half with secrets, half without")
+    p.add_argument("--seed", type=int, default=0, help="seed of the messages")
+    p.add_argument("--run-dir", type=Path, default=None, help="where the runs go (default: runs/bench-fuzz-TIME)")
+
+
+def _add_byzantine(p: argparse.ArgumentParser) -> None:
+    _with_config(p, run_dir=False)
+    p.add_argument("--attacks", default="scale,signflip,random,maxfinite", help="what the Byzantine island pushes")
+    p.add_argument("--rules", default="mean,norm_clip,trimmed_mean,median", help="outer.aggregate values to compare")
+    p.add_argument("--islands", type=int, default=4, help="islands in all, the last of islands.names Byzantine")
 
 
 def _run_dir(args: argparse.Namespace) -> Path:
@@ -110,6 +146,35 @@ def _faults(args: argparse.Namespace) -> Result:
     return run_fault_bench(args.config, args.overrides, _run_dir(args), args.victim)
 
 
+def _load(args: argparse.Namespace) -> Result:
+    from diloco.bench.load import run_load_bench
+
+    return run_load_bench(args.islands, args.rounds, _run_dir(args), args.overrides)
+
+
+def _soak(args: argparse.Namespace) -> Result:
+    from diloco.bench.soak import SoakPlan, run_soak_bench
+
+    plan = SoakPlan(args.rounds, args.island_kills, args.coordinator_kills, args.seed)
+    return run_soak_bench(plan, _run_dir(args), args.overrides, fault_free=not args.no_fault_free)
+
+
+def _fuzz(args: argparse.Namespace) -> Result:
+    from diloco.bench.fuzz import run_fuzz_bench
+
+    return run_fuzz_bench(args.messages, args.seed, _run_dir(args))
+
+
+def _byzantine(args: argparse.Namespace) -> Result:
+    from diloco.bench.byzantine import ATTACKS, parse_names, run_byzantine_bench
+    from diloco.config import load_config
+    from outer_optimizer import RULES
+
+    attacks = parse_names(args.attacks, list(ATTACKS), "--attacks")
+    rules = parse_names(args.rules, RULES, "--rules")
+    return run_byzantine_bench(load_config(args.config, args.overrides), attacks, rules, args.islands)
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "overhead": _overhead,
     "convergence": _convergence,
@@ -117,6 +182,10 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "transport": _transport,
     "recovery": _recovery,
     "faults": _faults,
+    "byzantine": _byzantine,
+    "fuzz": _fuzz,
+    "load": _load,
+    "soak": _soak,
 }
 
 

@@ -1,0 +1,357 @@
+"""`diloco bench soak`: a real federation under seeded SIGKILLs of islands and of the coordinator, for many rounds.
+
+What it answers: after many faults of the kinds docs/architecture.md's fault model promises to survive ("island
+process killed mid-round", "island comes back", "coordinator killed"), are all replicas still bit-identical, and
+does the model still train as well as without faults?
+
+Two runs of one config and seed (`soak_config_text`: a small byte transformer on the built-in corpus, int8 codecs
+with error feedback on both sides, `plan.islands` islands of which any 2 close a round, leases of a few seconds so
+that a round closes soon after an island died), each a real coordinator and real island processes over gRPC
+(`diloco.procs.Federation`, islands unsupervised so that SIGKILL kills them):
+
+* faulted: a seeded plan (`SoakPlan.schedule`) spreads the kills over the run, one in each of as many equal
+  stretches of rounds (none in the last `TAIL_ROUNDS`, so that every restarted process trains again before the
+  end); each kill falls at a random moment of its round; an island's victim is drawn among those running. Each
+  killed process is started again after a seeded delay with the very same command line (a coordinator on the
+  address it had, from its last checkpoint; an island from its own checkpoint).
+* fault-free: the same config, no kill. Acceptance: final eval losses within `LOSS_TOLERANCE`.
+
+Digests (`DigestWatch`). The coordinator's `round` event of round r carries the digest of θ_{r+1}, and an
+island's `synced` event of round r+1 the digest of the θ_{r+1} it holds. After every new commit the watch checks
+every island's synced events against the coordinator's digests as they stand. A coordinator restarted from its
+checkpoint drops the events of the rounds it did not save (diloco/rundir.py, truncate_after_round) and commits
+them again, possibly with other contributions and another digest; that is legal only because no island can have
+seen the lost commit (the checkpoint is saved before any island can pull θ_{r+1}). So "every digest equal after
+every round" means: every θ_{r+1} any island ever synced equals the LAST digest committed for round r, both while
+the run goes (against the digests committed so far) and at the end (against the final ones). Rounds committed
+twice are counted (`rounds_recommitted`) to show the case happened; the committed sequence must still be 0..R-1,
+each once. The islands' own `digest_mismatch` events (an update that did not reproduce the coordinator's digest)
+are counted too. Every count must be 0.
+
+Run: ``diloco bench soak [--rounds 50] [--island-kills 10] [--coordinator-kills 2] [--seed S] [--run-dir DIR]
+[--no-fault-free]`` (JSON on stdout; a federation that fails ends it with one line naming its logs).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from diloco.bench.errors import BenchError
+from diloco.bench.federation import _federation
+from diloco.procs import COORDINATOR, Federation
+
+TAIL_ROUNDS = 4
+"""No kill in the last rounds: a process restarted there could find the run over (and its coordinator gone)."""
+MIN_ISLANDS = 2
+"""Quorum of the soak: a round closes with any 2 pushes, so it goes on while islands are dead."""
+LOSS_TOLERANCE = 0.02
+"""Largest accepted relative difference between the faulted and fault-free final eval losses."""
+RESTART_DELAY_S = (0.2, 3.0)
+"""A killed process is started again after a delay drawn from this range (seconds)."""
+TIMEOUT_S = 900.0
+"""Longest a run may take before the benchmark gives up."""
+
+
+def soak_config_text(rounds: int, islands: int, seed: int) -> str:
+    """The soak's run config. Small enough that 50 rounds with faults and 50 without fit in ~10 minutes on 2 cores.
+    A round waiting for a dead island closes at the adaptive deadline (never sooner than 5 s) or once its lease
+    (10 s; heartbeats every 10/3 s, which a busy machine delays by seconds) expires. Islands retry a dead
+    coordinator for minutes with backoff capped at 1 s, so they find a restarted one soon."""
+    return f"""
+[run]
+name = "bench-soak"
+seed = {seed}
+
+[model]
+kind = "transformer"
+vocab_size = 256
+seq_len = 32
+d_model = 32
+n_layers = 1
+n_heads = 2
+d_ff = 128
+
+[data]
+kind = "text"
+path = "stdlib:"
+val_fraction = 0.05
+
+[train]
+rounds = {rounds}
+inner_steps = 10
+batch_size = 8
+eval_batches = 4
+checkpoint_every = 1
+log_every = 10
+
+[inner]
+lr = 3e-3
+warmup_steps = 10
+
+[islands]
+count = {islands}
+
+[codec]
+uplink = "int8"
+downlink = "int8"
+
+[quorum]
+min_islands = {MIN_ISLANDS}
+lease_s = 10.0
+min_deadline_s = 5.0
+max_deadline_s = 60.0
+
+[network]
+pull_wait_s = 2.0
+connect_timeout_s = 180.0
+coordinator_wait_s = 300.0
+
+[transport]
+max_attempts = 3
+backoff_max_s = 1.0
+"""
+
+
+# -- the plan ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kill:
+    """One planned SIGKILL: once `at_round` rounds are committed, wait `offset_s`, kill, restart after `delay_s`."""
+
+    at_round: int
+    coordinator: bool
+    offset_s: float
+    delay_s: float
+    pick: float
+    """Which running island dies (a fraction of the running ones, in name order); unused for the coordinator."""
+
+
+@dataclass(frozen=True)
+class SoakPlan:
+    """The benchmark's parameters; `schedule` turns them into seeded kills."""
+
+    rounds: int = 50
+    island_kills: int = 10
+    coordinator_kills: int = 2
+    seed: int = 0
+    islands: int = 4
+
+    def __post_init__(self) -> None:
+        kills = self.island_kills + self.coordinator_kills
+        if self.island_kills < 0 or self.coordinator_kills < 0:
+            raise BenchError("--island-kills and --coordinator-kills must be >= 0")
+        if self.islands < MIN_ISLANDS + 1:
+            raise BenchError(f"the soak needs >= {MIN_ISLANDS + 1} islands (a round closes with {MIN_ISLANDS})")
+        if self.rounds < TAIL_ROUNDS + 2 or kills > self.rounds - TAIL_ROUNDS - 1:
+            raise BenchError(
+                f"--rounds {self.rounds} leaves no room for {kills} kills: kills happen in rounds 1.."
+                f"{self.rounds - TAIL_ROUNDS - 1}, at most one per round"
+            )
+
+    def schedule(self) -> list[Kill]:
+        """One kill in each of `kills` equal stretches of rounds 1..rounds-TAIL_ROUNDS-1 (spread over the run),
+        the coordinator's at seeded positions among them."""
+        rng = random.Random(self.seed)
+        n = self.island_kills + self.coordinator_kills
+        first, last = 1, self.rounds - TAIL_ROUNDS - 1
+        span = (last - first + 1) / max(n, 1)
+        coordinator_at = set(rng.sample(range(n), self.coordinator_kills))
+        kills = []
+        for i in range(n):
+            lo = first + math.floor(i * span)
+            hi = max(lo, first + math.floor((i + 1) * span) - 1)
+            kills.append(
+                Kill(at_round=rng.randint(lo, hi), coordinator=i in coordinator_at, offset_s=rng.uniform(0.0, 1.0),
+                     delay_s=rng.uniform(*RESTART_DELAY_S), pick=rng.random())
+            )  # fmt: skip
+        return kills
+
+
+# -- digests -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DigestWatch:
+    """Checks every island's synced digests against the coordinator's committed ones (module docstring)."""
+
+    islands: tuple[str, ...]
+    committed: dict[int, list[str]] = field(default_factory=dict)
+    """Round -> every distinct digest the coordinator logged for it, in the order seen."""
+    live_mismatches: set[tuple[str, int, str]] = field(default_factory=set)
+    """(island, synced round, its digest) that differed from the coordinator's digest at the time."""
+    _seen: frozenset[tuple[int, str]] = frozenset()
+
+    def observe(self, fed: Federation) -> int:
+        """Record the coordinator's commits; when they changed, check the islands. Returns the highest round
+        committed so far (the coordinator's file may shrink while a restarted one truncates it; this never does)."""
+        now = frozenset((r["round"], r["digest"]) for r in fed.rounds())
+        if now != self._seen:
+            self._seen = now
+            for r, digest in sorted(now):
+                if digest not in self.committed.setdefault(r, []):
+                    self.committed[r].append(digest)
+            current = dict(now)
+            for name in self.islands:
+                for s in fed.events("synced", island=name):
+                    expected = current.get(s["round"] - 1)
+                    if s["round"] > 0 and expected is not None and s["digest"] != expected:
+                        self.live_mismatches.add((name, s["round"], s["digest"]))
+        return max(self.committed, default=-1)
+
+    def final(self, fed: Federation, rounds: int) -> dict[str, Any]:
+        """The end-of-run check against the last committed digest of every round."""
+        self.observe(fed)
+        commits = fed.rounds()
+        sequence = [c["round"] for c in commits]
+        digest_after = {c["round"] + 1: c["digest"] for c in commits}
+        mismatches: list[dict[str, Any]] = []
+        initial: set[str] = set()
+        checked = 0
+        last_synced: dict[str, int] = {}
+        for name in self.islands:
+            synced = fed.events("synced", island=name)
+            for s in synced:
+                if s["round"] == 0:
+                    initial.add(s["digest"])
+                    continue
+                checked += 1
+                if s["digest"] != digest_after.get(s["round"]):
+                    mismatches.append({"island": name, "round": s["round"], "digest": s["digest"],
+                                       "coordinator": digest_after.get(s["round"])})  # fmt: skip
+            last_synced[name] = synced[-1]["round"] if synced else -1
+        return {
+            "rounds_committed": len(commits),
+            "commit_sequence_ok": sequence == list(range(rounds)),
+            "synced_checked": checked,
+            "digest_mismatches": len(mismatches) + max(0, len(initial) - 1),
+            "mismatch_examples": mismatches[:5],
+            "live_digest_mismatches": len(self.live_mismatches),
+            "island_digest_mismatch_events": sum(len(fed.events("digest_mismatch", island=n)) for n in self.islands),
+            "rounds_recommitted": sorted(r for r, ds in self.committed.items() if len(ds) > 1),
+            "islands_at_final_round": sorted(n for n, r in last_synced.items() if r == rounds),
+        }
+
+
+# -- the runs ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Chaos:
+    """Carries out a kill plan on a running federation."""
+
+    fed: Federation
+    plan: list[Kill]
+    done: list[dict[str, Any]] = field(default_factory=list)
+    restarts: dict[str, float] = field(default_factory=dict)
+    """Process name -> when to start it again."""
+
+    def _running_islands(self) -> list[str]:
+        return [n for n in self.fed.names if n not in self.restarts]
+
+    def step(self, committed: int, t0: float) -> None:
+        """Restart what is due, then carry out the next kill if its round has come."""
+        now = time.monotonic()
+        for name, when in sorted(self.restarts.items(), key=lambda kv: kv[1]):
+            if now >= when:
+                del self.restarts[name]
+                if name == COORDINATOR:
+                    self.fed.start_coordinator()
+                else:
+                    self.fed.start_island(name)
+        if not self.plan or committed + 1 < self.plan[0].at_round:
+            return
+        kill = self.plan[0]
+        running = self._running_islands()
+        if (kill.coordinator and COORDINATOR in self.restarts) or (not kill.coordinator and not running):
+            return  # the victim is still down from the previous kill: wait for it
+        self.plan.pop(0)
+        time.sleep(kill.offset_s)
+        victim = COORDINATOR if kill.coordinator else running[int(kill.pick * len(running))]
+        self.fed.kill(victim)
+        self.restarts[victim] = time.monotonic() + kill.delay_s
+        self.done.append({"victim": victim, "committed_rounds": committed + 1, "t": round(time.monotonic() - t0, 1)})
+
+    @property
+    def finished(self) -> bool:
+        return not self.plan and not self.restarts
+
+
+def soak_run(
+    config: Path, overrides: Sequence[str], run_dir: Path, rounds: int, kills: list[Kill] | None
+) -> dict[str, Any]:
+    """One federation run of `config`, with the kills carried out (None: fault-free); checks digests throughout."""
+    t0 = time.monotonic()
+    with _federation(config, overrides, run_dir) as fed:
+        watch = DigestWatch(fed.names)
+        chaos = Chaos(fed, list(kills or []))
+        fed.start()
+        deadline = t0 + TIMEOUT_S
+        while not chaos.finished:
+            if time.monotonic() > deadline:
+                raise BenchError(f"the soak did not finish its kills in {TIMEOUT_S:.0f}s (logs: {run_dir / 'logs'})")
+            fed.check_alive()
+            chaos.step(watch.observe(fed), t0)
+            time.sleep(0.1)
+        summary = fed.wait_done(max(60.0, deadline - time.monotonic()))
+        fed.wait_exit(120.0)  # every process, restarted ones included, ends by itself with exit code 0
+        digests = watch.final(fed, rounds)
+        last = fed.rounds()[-1]["digest"] if fed.rounds() else None
+        exit_codes = {name: proc.returncode for name, proc in fed.processes().items()}
+    return {
+        "run_dir": str(run_dir),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "kills": chaos.done,
+        "island_kills": sum(k["victim"] != COORDINATOR for k in chaos.done),
+        "coordinator_kills": sum(k["victim"] == COORDINATOR for k in chaos.done),
+        **digests,
+        "final_eval_loss": summary["final_eval_loss"],
+        "islands_lost": summary["islands_lost"],
+        "rejected": summary["rejected"],
+        "tokens": summary["tokens"],
+        "summary_digest_is_last_commit": summary["params_digest"] == last,
+        "exit_codes": exit_codes,
+    }
+
+
+def run_soak_bench(
+    plan: SoakPlan, run_dir: Path, overrides: Sequence[str] = (), fault_free: bool = True
+) -> dict[str, Any]:
+    """The faulted run, then (unless told not to) the fault-free one, and their comparison. `overrides`
+    (key=value) change the soak's config (model, H, ...; train.rounds and islands.count come from `plan`)."""
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
+        config = Path(tmp) / "soak.toml"
+        config.write_text(soak_config_text(plan.rounds, plan.islands, plan.seed))
+        faulted = soak_run(config, overrides, run_dir / "faulted", plan.rounds, plan.schedule())
+        clean = soak_run(config, overrides, run_dir / "fault_free", plan.rounds, None) if fault_free else None
+    out: dict[str, Any] = {
+        "bench": "soak",
+        "plan": {"rounds": plan.rounds, "island_kills": plan.island_kills,
+                 "coordinator_kills": plan.coordinator_kills, "seed": plan.seed, "islands": plan.islands},
+        "faulted": faulted,
+        "digest_mismatches": faulted["digest_mismatches"] + faulted["live_digest_mismatches"],
+    }  # fmt: skip
+    if clean is not None:
+        a, b = clean["final_eval_loss"], faulted["final_eval_loss"]
+        ratio = b / a if a and math.isfinite(a) and math.isfinite(b) else math.inf
+        out |= {
+            "fault_free": clean,
+            "digest_mismatches": out["digest_mismatches"]
+            + clean["digest_mismatches"]
+            + clean["live_digest_mismatches"],
+            "final_eval_loss_faulted": b,
+            "final_eval_loss_fault_free": a,
+            "loss_ratio": round(ratio, 5),
+            "tolerance": LOSS_TOLERANCE,
+            "pass_loss": abs(ratio - 1.0) <= LOSS_TOLERANCE,
+        }
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    return out

@@ -1,0 +1,71 @@
+"""Logging refused messages without letting an attacker fill the disk: truncated, sampled, counted.
+
+Every refused message counts (`Totals.rejected`), but a client that sends thousands of bad messages a second must
+not turn each into a line of metrics.jsonl, and a reason that quotes an attacker's string (a 3.5 MB run id) must
+not be written in full. `RejectionLog.admit(now, island, reason)` is a pure decision over a little state:
+
+  * a reason is cut to `MAX_REASON_CHARS` characters, non-printable characters escaped, and so is the island name;
+  * per kind of refusal (the gRPC status code the reason starts with) at most `burst` events are written in every
+    `window_s` seconds; the rest are only counted;
+  * when a window ends with suppressed events, one `rejected_suppressed` event says how many of each kind
+    (`flush`, called by the coordinator's ticker, or the next `admit`).
+
+So metrics.jsonl grows by at most (kinds × burst + kinds) short lines per window, whatever the attack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_REASON_CHARS = 200
+"""Longest reason (and island name) written to metrics.jsonl."""
+
+
+def clip(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """`text` made safe to log: non-printable characters escaped, cut to `limit` characters with a marker."""
+    safe = text if text.isprintable() else text.encode("unicode_escape", errors="replace").decode("ascii")
+    return safe if len(safe) <= limit else f"{safe[:limit]}... ({len(safe)} chars)"
+
+
+def kind_of(reason: str) -> str:
+    """The refusal's kind: the status code a `Rejected` reason starts with ("UNAUTHENTICATED: ..."), else "other"."""
+    head, sep, _ = reason.partition(":")
+    return head if sep and head.isupper() and head.replace("_", "").isalpha() else "other"
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What to write for one refusal: its event (None when suppressed) and the suppressed counts of the window that
+    just ended (empty when none)."""
+
+    event: dict[str, str] | None
+    suppressed: dict[str, int]
+
+
+@dataclass
+class RejectionLog:
+    burst: int = 5
+    """Events of one kind written per window."""
+    window_s: float = 60.0
+    """Length of a window in seconds."""
+    _window_start: float | None = None
+    _written: dict[str, int] = field(default_factory=dict)
+    _suppressed: dict[str, int] = field(default_factory=dict)
+
+    def flush(self, now: float) -> dict[str, int]:
+        """If the window has ended: the counts it suppressed (a new window starts); else nothing. Call it now and then
+        (the coordinator's ticker does), so the counts of an attack that stopped are written too."""
+        if self._window_start is not None and now - self._window_start < self.window_s:
+            return {}
+        ended, self._suppressed, self._written = self._suppressed, {}, {}
+        self._window_start = now
+        return ended
+
+    def admit(self, now: float, island: str, reason: str) -> Admitted:
+        ended = self.flush(now)
+        kind = kind_of(reason)
+        if self._written.get(kind, 0) >= self.burst:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return Admitted(None, ended)
+        self._written[kind] = self._written.get(kind, 0) + 1
+        return Admitted({"island": clip(island), "kind": kind, "reason": clip(reason)}, ended)

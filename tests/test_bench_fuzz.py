@@ -1,0 +1,27 @@
+"""`diloco bench fuzz`, small: a few hundred hostile messages against a real coordinator process, with and without
+island secrets. Every one is answered with a status that is neither UNKNOWN nor INTERNAL, none starves the server,
+the coordinator lives, and real islands complete a round afterwards (diloco/bench/fuzz.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_a_fuzzed_coordinator_answers_everything_and_goes_on(tmp_path: Path) -> None:
+    from diloco.bench.fuzz import run_fuzz_bench
+
+    r = run_fuzz_bench(messages=300, seed=0, run_dir=tmp_path / "fuzz")
+    assert r["messages_sent"] == 300
+    assert r["unknown_or_internal"] == 0, [run["unknown_or_internal_shots"] for run in r["runs"].values()]
+    assert r["coordinator_alive"] and r["legit_round_completed"], r
+    for mode, run in r["runs"].items():
+        assert run["client_deadline_exceeded"] == 0, mode
+        probes = run["idle_flood"]["probes_meanwhile"]
+        assert probes["status"]["code"] == probes["heartbeat"]["code"] == "OK", (mode, probes)
+        assert "OK" not in run["idle_flood"]["codes"] and "CANCELLED" in run["idle_flood"]["codes"], mode
+        assert set(run["codes"]) - {"OK"}, f"{mode}: every hostile message was accepted?"

@@ -1,0 +1,117 @@
+"""The coordinator's own checks, called in-process as the transport would call it after its wire-level checks.
+
+What a push must satisfy beyond the wire (island of the run, open round, taken from θ_r, a possible token weight),
+that a contribution which cannot be committed costs its island the round and never the coordinator its life, that a
+Join with any config_json is refused with a reason, and that a flood of refusals writes a bounded log.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from diloco.config import load_config
+from diloco.coordinator import Coordinator
+from diloco.rundir import RunDir, read_events
+from diloco.setup import build_setup
+from transport import diloco_pb2 as pb
+from transport.codecs import CodecSpec, encode_tree, flatten_named
+from transport.digest import tree_digest
+from transport.errors import Rejected
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.fixture
+def coordinator(tiny_config: Path, tmp_path: Path):
+    cfg = load_config(tiny_config, ["quorum.min_islands=2", "train.checkpoint_every=0"])
+    rd = RunDir(tmp_path / "run", cfg)
+    coord = Coordinator(cfg, rd, build_setup(cfg, islands=()))
+    yield coord
+    coord.close()
+    rd.close()
+
+
+def push(coord: Coordinator, island: str, fill: float, **meta_fields) -> pb.PushReply:
+    named = {k: np.full(np.shape(v), fill, np.float32) for k, v in flatten_named(coord.loop.params).items()}
+    tensors = encode_tree(named, CodecSpec(kind="fp32"))
+    fields = {
+        "run_id": coord.run_id, "island": island, "round": coord.loop.round, "tokens": 128, "loss": 1.0,
+        "base_digest": bytes.fromhex(coord.world.params_digest), **meta_fields,
+    }  # fmt: skip
+    return coord.push(pb.PushMeta(**fields), tensors, named)
+
+
+def refused(call, code: grpc.StatusCode, words: str) -> None:
+    with pytest.raises(Rejected) as info:
+        call()
+    assert info.value.code == code and words in info.value.reason, info.value
+
+
+def test_a_push_must_belong_to_the_run_and_to_theta_r(coordinator: Coordinator) -> None:
+    before = coordinator.world.params_digest
+    refused(lambda: push(coordinator, "stranger", 1e-3), grpc.StatusCode.PERMISSION_DENIED, "not in this run")
+    refused(
+        lambda: push(coordinator, "island-0", 1e-3, base_digest=b"\0" * 16),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "was not taken from θ_0",
+    )
+    refused(lambda: push(coordinator, "island-0", 1e-3, base_digest=b""), grpc.StatusCode.FAILED_PRECONDITION, "missing")
+    refused(lambda: push(coordinator, "island-0", 1e-3, round=1), grpc.StatusCode.FAILED_PRECONDITION, "round 0 is open")
+    assert coordinator.loop.pending == () and coordinator.world.params_digest == before
+
+
+def test_a_claimed_token_weight_is_capped_to_what_h_steps_hold(coordinator: Coordinator) -> None:
+    cfg = coordinator.cfg
+    cap = cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len
+    push(coordinator, "island-0", 1e-3, tokens=2**64 - 1)
+    assert coordinator.totals.tokens == cap
+    assert coordinator.loop._pending["island-0"].tokens == cap
+
+
+def test_an_uncommittable_contribution_is_dropped_and_the_round_closes(coordinator: Coordinator) -> None:
+    # float32-max values pass every wire check (finite); with nearly all the weight, the Nesterov step (lr 0.7 times
+    # 1 + momentum 0.9) overflows float32 and the downlink codec refuses to encode the update.
+    push(coordinator, "island-1", F32_MAX)
+    push(coordinator, "island-0", 1e-3, tokens=1)  # the second push closes the round (both live islands pushed)
+    assert coordinator.loop.round == 1, "the round did not close"
+    commit = coordinator.last_commit
+    assert commit is not None and commit.islands == ("island-0",)
+    assert all(np.isfinite(x).all() for x in flatten_named(coordinator.loop.params).values())
+    assert coordinator.world.params_digest == tree_digest(coordinator.loop.params)
+    dropped = read_events(coordinator.rd.metrics_path, "contribution_dropped")
+    assert [e["island"] for e in dropped] == ["island-1"] and dropped[0]["round"] == 0
+
+
+def test_a_round_left_empty_stays_open_and_the_dropped_island_may_not_push_into_it(coordinator: Coordinator) -> None:
+    push(coordinator, "island-1", F32_MAX)
+    with coordinator.cond:
+        coordinator._close_locked(coordinator.clock(), "forced")
+    assert coordinator.loop.round == 0 and coordinator.loop.pending == ()
+    refused(lambda: push(coordinator, "island-1", 1e-3), grpc.StatusCode.FAILED_PRECONDITION, "was dropped")
+    assert push(coordinator, "island-0", 1e-3).accepted
+
+
+@pytest.mark.parametrize(
+    "config_json", ["0", "null", "[[1]]", "[" * 100_000 + "]" * 100_000, "{not json", '{"a": [1, {"b": {}}]}', ""]
+)
+def test_a_join_with_any_config_json_is_refused_with_a_reason(coordinator: Coordinator, config_json: str) -> None:
+    req = pb.JoinRequest(run_id=coordinator.run_id, island="island-0", config_digest=b"x" * 16, config_json=config_json)
+    refused(lambda: coordinator.join(req), grpc.StatusCode.FAILED_PRECONDITION, "config differs")
+
+
+def test_a_flood_of_refusals_writes_a_bounded_log(coordinator: Coordinator) -> None:
+    size_before = coordinator.rd.metrics_path.stat().st_size
+    for i in range(20_000):
+        coordinator.on_rejected("x" * 100_000, f"UNAUTHENTICATED: bad credentials for island {'y' * 100_000} #{i}")
+    coordinator.rd._metrics.flush()
+    grown = coordinator.rd.metrics_path.stat().st_size - size_before
+    rejected = read_events(coordinator.rd.metrics_path, "rejected")
+    assert coordinator.totals.rejected == 20_000
+    assert len(rejected) == coordinator.rejections.burst
+    assert grown < 10_000, grown
+    assert json.dumps(rejected).count("y") < 1_000
