@@ -57,7 +57,8 @@ class GlobalRun:
     def __init__(self, cfg: RunConfig, rd: RunDir, setup: Setup, *, durable: bool) -> None:
         self.cfg = cfg
         self.rd = rd
-        self.loop = OuterLoop.fresh(setup.init_params, cfg.outer.build(), cfg.codec.spec("downlink"))
+        outer = cfg.outer
+        self.loop = OuterLoop.fresh(setup.init_params, outer.build(), cfg.codec.spec("downlink"), outer.aggregator())
         self.evaluate = Evaluator(setup.model, setup.eval_stack)
         self.param_count = setup.n_params
         self.totals = Totals()
@@ -126,7 +127,7 @@ class GlobalRun:
             "round", round=commit.round, loss=float(np.mean(losses)) if len(losses) else None,
             eval_loss=t.final_eval_loss, tokens=t.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down,
             islands=list(commit.islands), digest=commit.digest, seconds=round(seconds, 4),
-            **({"reason": reason} if reason else {}),
+            **({"reason": reason} if reason else {}), **({"kept": commit.reduced} if commit.reduced else {}),
         )  # fmt: skip
         # The event is logged before the save: a kill in between loses the event with the round (truncated on
         # resume, then rerun), never a committed round without its event.

@@ -72,8 +72,8 @@ def serve(
     coordinator = Coordinator(cfg, rd, build_setup(cfg, islands=()))
     service = DilocoService(
         coordinator, cfg.run.name, coordinator.model_spec, authenticator=Authenticator(secrets),
-        config=cfg.transport, on_rejected=coordinator.on_rejected, status_requires_auth=secrets is not None,
-        islands=cfg.islands.island_names, uplink_codec=cfg.codec.uplink,
+        config=cfg.transport.for_islands(cfg.islands.count), on_rejected=coordinator.on_rejected,
+        status_requires_auth=secrets is not None, islands=cfg.islands.island_names, uplink_codec=cfg.codec.uplink,
     )  # fmt: skip
     try:
         server = start_server(service, listen, tls=tls)

@@ -131,11 +131,11 @@ def test_idle_push_streams_do_not_block_heartbeat_or_status():
         calls = [raw.future(s.stalled(), metadata=call_metadata(f"x{i}", None), timeout=DEADLINE_S) for i in range(64)]
         wait_until(lambda: sum(c.done() for c in calls) == 64 - config.max_streams, "the refusals")
         assert s.server.admission.in_use("stream") == config.max_streams
-        assert {code_of(c) for c in calls if c.done()} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert {code_of(c) for c in calls if c.done()} == {grpc.StatusCode.UNAVAILABLE}
         c = s.client("i0")
         assert c.heartbeat(pb.HeartbeatRequest(run_id=RUN, island="i0")).state == "training"
         assert c.status().run_id == RUN
-        assert len(s.reasons(grpc.StatusCode.RESOURCE_EXHAUSTED)) == 64 - config.max_streams
+        assert len(s.reasons(grpc.StatusCode.UNAVAILABLE)) == 64 - config.max_streams
 
 
 def test_calls_that_never_send_their_request_hold_only_their_islands_slots():
@@ -146,7 +146,7 @@ def test_calls_that_never_send_their_request_hold_only_their_islands_slots():
         calls = [raw.future(s.stalled(), metadata=md, timeout=DEADLINE_S) for _ in range(32)]
         wait_until(lambda: sum(c.done() for c in calls) == 32 - config.max_unary_calls_per_island, "the refusals")
         assert s.server.admission.in_use("unary") == config.max_unary_calls_per_island
-        assert {code_of(c) for c in calls if c.done()} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert {code_of(c) for c in calls if c.done()} == {grpc.StatusCode.UNAVAILABLE}
         assert s.client("i0").heartbeat(pb.HeartbeatRequest(run_id=RUN, island="i0")).round == 0
 
 
@@ -314,8 +314,8 @@ def test_buffered_bytes_are_bounded_and_given_back_on_rejection(monkeypatch):
         holder = raw.future(first_32_mib_then_a_bad_chunk(), metadata=call_metadata("a", None), timeout=DEADLINE_S)
         wait_until(lambda: s.service.budget.used == 48 * mib, "the first stream's reservation")
         second = raw.future(s.stalled(chunks[0]), metadata=call_metadata("a", None), timeout=DEADLINE_S)
-        assert code_of(second) == grpc.StatusCode.RESOURCE_EXHAUSTED  # 48 + 48 MiB > 64 MiB
-        assert "would exceed" in s.reasons(grpc.StatusCode.RESOURCE_EXHAUSTED)[0]
+        assert code_of(second) == grpc.StatusCode.UNAVAILABLE  # 48 + 48 MiB > 64 MiB: busy, retry later
+        assert "would exceed" in s.reasons(grpc.StatusCode.UNAVAILABLE)[0]
         wait_until(lambda: sum(r for _, r in buffers.alive()) >= 32 * mib, "the first 32 MiB to land")
         [(size, resident)] = buffers.alive()
         assert size == 48 * mib and resident <= 34 * mib, "the 16 MiB not written yet cost nothing"

@@ -8,9 +8,9 @@ their leases. So every call takes a *slot* before it reads a byte, in its lane: 
 thread per slot of every lane (`TransportConfig.server_threads`), so no lane can take another's threads: idle
 streams never starve a heartbeat, and one island cannot take the slots of the others.
 
-A call beyond a cap is refused at once with RESOURCE_EXHAUSTED, never queued: a queued call would wait behind
-calls that may each stall for a whole timeout. How long a slot can be held is bounded elsewhere
-(transport/watchdog.py: first-message, idle and progress timeouts).
+A call beyond a cap is refused at once with UNAVAILABLE ("retry later": clients back off and retry), never
+queued: a queued call would wait behind calls that may each stall for a whole timeout. How long a slot can be
+held is bounded elsewhere (transport/watchdog.py: first-message, idle and progress timeouts).
 """
 
 from __future__ import annotations
@@ -80,18 +80,18 @@ class Admission:
         self._lock = threading.Lock()
 
     def take(self, lane: str, island: str) -> Slot:
-        """A slot of ``lane`` for ``island``, or RESOURCE_EXHAUSTED naming the cap that is reached."""
+        """A slot of ``lane`` for ``island``, or UNAVAILABLE (retry later) naming the cap that is reached."""
         cap = self._lanes[lane]
         with self._lock:
             if self._total[lane] >= cap.total:
                 raise Rejected(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.UNAVAILABLE,
                     f"the server is serving its maximum of {cap.total} {lane} calls; retry later",
                 )
             if self._per_island[lane, island] >= cap.per_island:
                 raise Rejected(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"island {island!r} already holds its maximum of {cap.per_island} {lane} calls",
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"island {island!r} already holds its maximum of {cap.per_island} {lane} calls; retry later",
                 )
             self._total[lane] += 1
             self._per_island[lane, island] += 1

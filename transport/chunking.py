@@ -13,7 +13,7 @@ Receiver: `Reassembler` checks the declared header against limits and against it
 oversize -> RESOURCE_EXHAUSTED; each tensor's declared size must be what its shape and codec make
 (``transport.codecs.raw_payload_nbytes``; with zstd, at most zstd's worst case for that size), so a header
 cannot claim a large buffer for a small tensor. The declared total is reserved from the server's `ByteBudget`
-(all streams in flight together; RESOURCE_EXHAUSTED beyond it). Then it maps exactly one buffer of that
+(all streams in flight together; UNAVAILABLE, "retry later", beyond it). Then it maps exactly one buffer of that
 size, writes each chunk into it in order (duplicate, reordered, overflowing or missing chunks ->
 INVALID_ARGUMENT), hashes each chunk as it lands, takes the digest from the last chunk's trailer (refused on
 any other chunk), and on `finish` checks count, size and digest; the returned tensors' payloads are zero-copy
@@ -360,7 +360,7 @@ class ByteBudget:
     """Payload bytes that all streams in flight may declare together (``transport.max_buffered_mb``).
 
     Each stream reserves its declared total before its buffer exists and returns it when it ends, accepted or
-    not; a stream whose reservation does not fit is refused with RESOURCE_EXHAUSTED. Thread-safe.
+    not; a stream whose reservation does not fit is refused with UNAVAILABLE (retry later). Thread-safe.
     """
 
     def __init__(self, limit: int) -> None:
@@ -374,11 +374,11 @@ class ByteBudget:
         return self._used
 
     def reserve(self, nbytes: int) -> None:
-        """Reserve ``nbytes`` or refuse with RESOURCE_EXHAUSTED."""
+        """Reserve ``nbytes`` or refuse with UNAVAILABLE (retry later)."""
         with self._lock:
             if self._used + nbytes > self.limit:
                 raise Rejected(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.UNAVAILABLE,
                     f"{nbytes} more payload bytes would exceed the {self.limit} bytes all streams in flight may "
                     f"hold ({self._used} held now); retry later",
                 )

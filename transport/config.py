@@ -6,7 +6,7 @@ naming the key), like every config in the project; the run config nests it under
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MIB = 1024 * 1024
 SPARE_THREADS = 2
@@ -52,17 +52,19 @@ class TransportConfig:
     """Accepted pushes remembered per server (key, digest, reply) to answer retried duplicates."""
 
     max_streams: int = 16
-    """Push and pull streams the server serves at once, all islands together; one more is refused at once with
-    RESOURCE_EXHAUSTED, never queued. A stream holds a server thread for its whole life, so the server's pool has
-    a thread for each of these plus one for each of `max_unary_calls`: streams can never take the threads that
-    heartbeats, joins and Status need (transport/admission.py)."""
+    """Push and pull streams the server serves at once, all islands together (at least 2 per island of the run:
+    `for_islands`); one more is refused at once with UNAVAILABLE (retry later), never queued. A stream holds a
+    server thread for its whole life, so the server's pool has a thread for each of these plus one for each of
+    `max_unary_calls`: streams can never take the threads that heartbeats, joins and Status need
+    (transport/admission.py)."""
 
     max_streams_per_island: int = 4
     """Streams one island may hold at once: its push and its pull, plus room for a retry that starts before the
     server has noticed (by `idle_timeout_s`) that the attempt it replaces is dead."""
 
     max_unary_calls: int = 16
-    """Join, Heartbeat, Leave and Status calls served at once (their own threads; see `max_streams`). Every call
+    """Join, Heartbeat, Leave and Status calls served at once (at least 2 per island: `for_islands`; their own
+    threads, see `max_streams`). Every call
     holds its thread until its one message has arrived, so a client that never sends it could otherwise hold
     them all for `first_message_timeout_s`."""
 
@@ -86,7 +88,7 @@ class TransportConfig:
 
     max_buffered_mb: float = 4096.0
     """Payload MiB that all pushes in flight may declare together; a push whose header would exceed it is refused
-    with RESOURCE_EXHAUSTED before anything is allocated. At least `max_payload_mb`."""
+    with UNAVAILABLE (retry later) before anything is allocated. At least `max_payload_mb`."""
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
@@ -130,6 +132,15 @@ class TransportConfig:
     def max_buffered_bytes(self) -> int:
         """``max_buffered_mb`` in bytes."""
         return int(self.max_buffered_mb * MIB)
+
+    def for_islands(self, n_islands: int) -> TransportConfig:
+        """These limits, raised where needed so that `n_islands` honest islands never meet them: each may hold a
+        push or pull stream and a retry of it, and a heartbeat beside its main thread's join at once."""
+        streams = max(self.max_streams, 2 * n_islands)
+        unary = max(self.max_unary_calls, 2 * n_islands)
+        # gRPC's own queue must hold every thread's call and as many waiting: it only guards memory.
+        pending = max(self.max_pending_calls, 2 * (streams + unary + 2))
+        return replace(self, max_streams=streams, max_unary_calls=unary, max_pending_calls=pending)
 
     @property
     def max_payload_bytes(self) -> int:

@@ -4,7 +4,7 @@ Sync gRPC with a thread pool; message size limits are set explicitly from `Trans
 this order, before any of its messages is read:
 
 1. is identified from its metadata (``DilocoService.authenticate``; Status per ``status_requires_auth``);
-2. takes an admission slot in its lane (transport/admission.py), or is refused with RESOURCE_EXHAUSTED at
+2. takes an admission slot in its lane (transport/admission.py), or is refused with UNAVAILABLE (retry later) at
    once; the pool has a thread for every slot, so idle streams never hold the threads heartbeats need;
 3. gets a `Watch` (transport/watchdog.py) that cancels it when its client stays quiet too long.
 

@@ -72,23 +72,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "--kill-after", type=int, default=3, help="committed rounds before the victim is killed"
     )
     _add_byzantine(parsers["byzantine"])
-
-    load = parsers["load"]
-    load.add_argument("--islands", type=int, default=64, help="light islands (client threads) of the coordinator")
-    load.add_argument("--rounds", type=int, default=6, help="rounds every island pushes to")
-
-    soak = parsers["soak"]
-    soak.add_argument("--rounds", type=int, default=50, help="rounds of each run")
-    soak.add_argument("--island-kills", type=int, default=10, help="island SIGKILLs, each restarted")
-    soak.add_argument("--coordinator-kills", type=int, default=2, help="coordinator SIGKILLs, each restarted")
-    soak.add_argument("--seed", type=int, default=0, help="seed of the kill plan (times, victims, restart delays)")
-    soak.add_argument("--no-fault-free", action="store_true", help="skip the fault-free run and the loss comparison")
-    for name in ("load", "soak"):  # each writes its own config; trailing key=value arguments override it
-        parsers[name].add_argument(
-            "--run-dir", type=Path, default=None, help="where the runs go (default: runs/bench-NAME-TIME)"
-        )
-        parsers[name].set_defaults(accepts_overrides=True)
-        parsers[name].epilog = "Trailing section.key=value arguments override the benchmark's own config."
+    _add_load(parsers["load"])
+    _add_soak(parsers["soak"])
 
 
 def _add_fuzz(p: argparse.ArgumentParser) -> None:
@@ -99,9 +84,32 @@ def _add_fuzz(p: argparse.ArgumentParser) -> None:
 
 def _add_byzantine(p: argparse.ArgumentParser) -> None:
     _with_config(p, run_dir=False)
-    p.add_argument("--attacks", default="scale,signflip,random,maxfinite", help="what the Byzantine island pushes")
-    p.add_argument("--rules", default="mean,norm_clip,trimmed_mean,median", help="outer.aggregate values to compare")
+    attacks, rules = "scale,signflip,random,maxfinite", "mean,norm_clip,trimmed_mean,median"
+    p.add_argument("--attacks", default=attacks, help=f"what the Byzantine island pushes (default {attacks})")
+    p.add_argument("--rules", default=rules, help=f"outer.aggregate values to compare (default {rules})")
     p.add_argument("--islands", type=int, default=4, help="islands in all, the last of islands.names Byzantine")
+
+
+def _with_own_config(p: argparse.ArgumentParser) -> None:
+    """A benchmark that writes its own config: `--run-dir`, and trailing key=value arguments that override it."""
+    p.add_argument("--run-dir", type=Path, default=None, help="where the runs go (default: runs/bench-NAME-TIME)")
+    p.epilog = "Trailing section.key=value arguments override the benchmark's own config."
+    p.set_defaults(accepts_overrides=True)
+
+
+def _add_load(p: argparse.ArgumentParser) -> None:
+    _with_own_config(p)
+    p.add_argument("--islands", type=int, default=64, help="light islands (client threads) of the coordinator")
+    p.add_argument("--rounds", type=int, default=20, help="rounds every island pushes to")
+
+
+def _add_soak(p: argparse.ArgumentParser) -> None:
+    _with_own_config(p)
+    p.add_argument("--rounds", type=int, default=50, help="rounds of each run")
+    p.add_argument("--island-kills", type=int, default=10, help="island SIGKILLs, each restarted")
+    p.add_argument("--coordinator-kills", type=int, default=2, help="coordinator SIGKILLs, each restarted")
+    p.add_argument("--seed", type=int, default=0, help="seed of the kill plan (times, victims, restart delays)")
+    p.add_argument("--no-fault-free", action="store_true", help="skip the fault-free run and the loss comparison")
 
 
 def _run_dir(args: argparse.Namespace) -> Path:

@@ -17,14 +17,21 @@ and the push-to-commit latency measured here (from the start of the round's last
 client held the commit: the closing push returns only after commit, evaluation and checkpoint, and the first
 pull of the update returns after them too, so the earlier of the two bounds the commit from above); the
 coordinator's RSS (/proc/PID/status VmRSS) and CPU seconds (/proc/PID/stat utime + stime) after each round, its
-peak RSS (VmHWM); bytes moved, counted by the clients and by the coordinator. Every client checks that every
-pull brought the digest the coordinator logged for that round.
+peak RSS (VmHWM); on the coordinator's own clock, how far apart a round's pushes arrived and the time from its
+last push to its `round` event (commit and evaluation); bytes moved, counted by the clients and by the coordinator;
+and the rounds whose pulls brought another digest than the coordinator logged for them (must be none).
 
-Run: ``diloco bench load [--islands 64] [--rounds 20] [--run-dir DIR]`` (JSON on stdout; a failure is one line).
+The islands retry exactly what a real island retries (`diloco.island_worker._retry_forever`), so an island that
+a real one would lose (a call refused for good, e.g. RESOURCE_EXHAUSTED when more calls arrive at once than the
+server's transport.max_unary_calls / transport.max_streams admit) ends the benchmark with one line.
+
+Run: ``diloco bench load [--islands 64] [--rounds 20] [--run-dir DIR] [key=value ...]`` (JSON on stdout; a failure
+is one line); the overrides change the benchmark's config (e.g. transport.max_unary_calls=80).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import statistics
@@ -42,12 +49,19 @@ from diloco.bench.errors import BenchError
 from diloco.bench.federation import _federation
 from diloco.config import RunConfig, config_digest, load_config
 from diloco.island_worker import _retry_forever
+from diloco.membership import REJOIN
 from diloco.procs import Federation
 from transport import diloco_pb2 as pb
 from transport.codecs import EncodedTensor
+from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport
 from transport.handler import PullPayload
 
+CAPS_HINT = (
+    "; the server's caps on calls at once are transport.max_unary_calls and transport.max_streams: "
+    "override them (key=value) to serve more islands at once"
+)
+"""Said when an island was refused for a cap: a real island would have failed the same way (it does not retry it)."""
 CLIENT_GIVE_UP_S = 300.0
 """How long a light client keeps retrying a call the coordinator answers "not yet" or not at all."""
 
@@ -127,7 +141,6 @@ def proc_cpu_s(pid: int) -> float:
 class Sample:
     """The coordinator as seen at one moment."""
 
-    t: float
     rss_kib: int
     hwm_kib: int
     cpu_s: float
@@ -135,7 +148,7 @@ class Sample:
     @staticmethod
     def of(pid: int) -> Sample:
         mem = proc_memory_kib(pid)
-        return Sample(time.monotonic(), mem["VmRSS"], mem["VmHWM"], proc_cpu_s(pid))
+        return Sample(mem["VmRSS"], mem["VmHWM"], proc_cpu_s(pid))
 
 
 # -- the light islands -------------------------------------------------------------------------------------------
@@ -199,7 +212,9 @@ def light_island(address: str, cfg: RunConfig, name: str, secret: str, delta: Sh
             tensors = delta.from_pull(full)
             round_, digest = full.round, full.param_digest
             while round_ < cfg.train.rounds:
-                client.heartbeat(pb.HeartbeatRequest(**meta, round=round_, step=0))
+                with contextlib.suppress(TransportError):  # as an island's heartbeat thread: the next call retries
+                    if client.heartbeat(pb.HeartbeatRequest(**meta, round=round_, step=0)).state == REJOIN:
+                        _retry_forever(lambda: client.join(join), "join", CLIENT_GIVE_UP_S)
                 push = pb.PushMeta(**meta, round=round_, tokens=tokens, inner_steps=cfg.train.inner_steps, loss=1.0,
                                    base_digest=digest)  # fmt: skip
                 trace.push_start[round_] = time.monotonic()
@@ -305,7 +320,10 @@ def run_load_bench(
             ended = Sample.of(pid)
             errors = [t.error for t in traces.values() if t.error]
             if errors:
-                raise BenchError(f"{len(errors)} light island(s) failed, first: {errors[0]} (logs: {run_dir / 'logs'})")
+                hint = CAPS_HINT if any("RESOURCE_EXHAUSTED" in e for e in errors) else ""
+                raise BenchError(
+                    f"{len(errors)} light island(s) failed, first: {errors[0]}{hint} (logs: {run_dir / 'logs'})"
+                )
             summary = fed.wait_done(60.0)
             exit_code = fed.coordinator.wait(30)
             run = LoadRun(
