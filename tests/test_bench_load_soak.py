@@ -37,6 +37,7 @@ def test_load_smoke(tmp_path: Path) -> None:
     assert moved["down_clients"] == moved["down_coordinator"] == islands * (rounds + 1) * out["push_bytes"]
 
 
+@pytest.mark.bench  # ~2 minutes of process starts: outside README's test command, run with `pytest -m bench`
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_soak_smoke(tmp_path: Path) -> None:

@@ -137,7 +137,8 @@ def rogue_attacks(addr: str, run_id: str) -> list[str]:
         full = rogue.pull(pb.PullRequest(run_id=run_id, island="island-0", have_round=-1, full=True))
         decode = decoder()
         named = {t.name: np.array(decode(t), np.float32) for t in full.tensors}
-        good = encode_tree({k: np.full_like(v, 1e-3) for k, v in named.items()}, CodecSpec(kind="fp32"))
+        # In the run's uplink codec (int8): a push in another codec is refused for that alone (INVALID_ARGUMENT).
+        good = encode_tree({k: np.full_like(v, 1e-3) for k, v in named.items()}, CodecSpec(kind="int8"))
         current = full.round
 
         def meta(island: str = "island-0", round_: int = current) -> pb.PushMeta:
@@ -147,10 +148,9 @@ def rogue_attacks(addr: str, run_id: str) -> list[str]:
         first = next(iter(named))
         misshapen = encode_tree({**named, first: np.zeros(named[first].size + 1, np.float32)}, CodecSpec("fp32"))
         refused(lambda: rogue.push(meta(), misshapen))
-        nan = [
-            dataclasses.replace(t, payload=np.full(t.shape, np.nan, np.float32).tobytes()) if t.name == first else t
-            for t in good
-        ]
+        # An int8 payload starts with its float32 block scales: a NaN scale (the decoder refuses non-finite scales).
+        nan_scale = np.array([np.nan], np.float32).tobytes()
+        nan = [dataclasses.replace(t, payload=nan_scale + bytes(t.payload)[4:]) if t.name == first else t for t in good]
         refused(lambda: rogue.push(meta(), nan))
         refused(lambda: rogue.push(meta(round_=current - 1), good))  # replay into a closed round
     return codes

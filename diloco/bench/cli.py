@@ -25,6 +25,7 @@ HELP = {
     "faults": "final eval loss with an island killed at R/3, back at 2R/3, vs fault-free",
     "byzantine": "final eval loss with one Byzantine island of 4, per aggregation rule and attack, vs fault-free",
     "fuzz": "hostile messages of every RPC against a real coordinator: statuses, RSS, liveness, a round after",
+    "fuzz-decoders": "coverage-guided fuzzing (atheris) of the codecs, header, chunk and push-meta parsers",
     "load": "one coordinator process under many light gRPC islands: round time, RSS, CPU, bytes",
     "soak": "seeded SIGKILLs of islands and the coordinator over many rounds: digests, loss vs fault-free",
 }
@@ -44,6 +45,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     bsub = bench.add_subparsers(dest="bench", required=True)
     parsers = {name: bsub.add_parser(name, help=text) for name, text in HELP.items()}
     _add_fuzz(parsers["fuzz"])
+    fd = parsers["fuzz-decoders"]
+    fd.add_argument("--targets", default="codec,header,chunk,push_meta", help="comma-separated fuzz targets")
+    fd.add_argument("--runs", type=int, default=2_000_000, help="libFuzzer executions per target (at most)")
+    fd.add_argument("--seconds", type=int, default=120, help="time per target (at most)")
 
     ov = parsers["overhead"]
     _with_config(ov, run_dir=False)
@@ -173,6 +178,12 @@ def _fuzz(args: argparse.Namespace) -> Result:
     return run_fuzz_bench(args.messages, args.seed, _run_dir(args))
 
 
+def _fuzz_decoders(args: argparse.Namespace) -> Result:
+    from diloco.bench.fuzz_decoders import run_fuzz_decoders
+
+    return run_fuzz_decoders([t for t in args.targets.split(",") if t], args.runs, args.seconds)
+
+
 def _byzantine(args: argparse.Namespace) -> Result:
     from diloco.bench.byzantine import ATTACKS, parse_names, run_byzantine_bench
     from diloco.config import load_config
@@ -192,6 +203,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "faults": _faults,
     "byzantine": _byzantine,
     "fuzz": _fuzz,
+    "fuzz-decoders": _fuzz_decoders,
     "load": _load,
     "soak": _soak,
 }
