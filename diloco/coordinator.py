@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
-from diloco.global_run import GlobalRun
+from diloco.global_run import GlobalRun, diverged_reason
 from diloco.membership import REJOIN, Action, PullKind, PullView, RoundView, answer_pull, decide
 from diloco.rejections import RejectionLog, clip
 from diloco.rounds import Commit, OuterLoop, RoundError
@@ -224,6 +224,22 @@ class Coordinator:
                 round=self.loop.round, fragment=0, kind=answer.kind.value, param_digest=digest, tensors=tensors
             )
 
+    def _one_island_to_blame(self) -> bool:
+        """After a commit diverged: is it one island's doing rather than the run's?
+
+        An island can wreck the model with a finite but absurd Δ while reporting a healthy loss (a bug, or an
+        insider). So: not when the islands' own losses exploded too (the inner optimizer diverged: stop the run), and
+        not when this round already lost a contribution this way and its last one still diverges (the outer step
+        itself is too large: stop). Otherwise drop the largest contribution and commit the rest, or keep waiting.
+        """
+        pending = self.loop.pending
+        initial = self.totals.initial_eval_loss
+        losses = [self.last_loss[n] for n in pending if n in self.last_loss]
+        if any(diverged_reason(x, initial, self.world.divergence_factor) for x in losses):
+            return False
+        already = any(why.startswith("diverged") for why in self.dropped.values())
+        return len(pending) > 1 or not already
+
     def _refuse_if_diverged(self) -> None:
         if self.world.diverged is not None:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, str(self.world.diverged))
@@ -306,9 +322,18 @@ class Coordinator:
             try:
                 # The lock is held, so no pull sees θ_{r+1} before it is durable (GlobalRun with durable=True).
                 self.last_commit = self.world.close_round(losses=losses, seconds=now - self.opened_at, reason=reason)
-            except DivergedError:
-                # The committed model exploded and was undone (GlobalRun); the run must stop: every later call is
-                # refused with the reason (`_refuse_if_diverged`) and `serve` exits with it.
+            except DivergedError as exc:
+                # The committed model exploded and was undone (GlobalRun: θ and the round are unchanged).
+                if self._one_island_to_blame():
+                    culprit = self.loop.largest_contribution()
+                    self.loop.withdraw(culprit)
+                    self.dropped[culprit] = clip(f"diverged: {exc}")
+                    self.world.diverged = None  # not the run's divergence: go on without this contribution
+                    why = self.dropped[culprit]
+                    self.rd.log("contribution_dropped", round=self.loop.round, island=culprit, reason=why)
+                    continue
+                # The run itself diverged: every later call is refused with the reason (`_refuse_if_diverged`)
+                # and `serve` exits with it.
                 self.cond.notify_all()
                 return
             except (CodecError, ArithmeticError) as exc:  # commit is all or nothing: θ and the round are unchanged

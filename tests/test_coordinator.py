@@ -117,3 +117,23 @@ def test_a_flood_of_refusals_writes_a_bounded_log(coordinator: Coordinator) -> N
     assert len(rejected) == coordinator.rejections.burst
     assert grown < 10_000, grown
     assert json.dumps(rejected).count("y") < 1_000
+
+
+def test_a_lone_island_that_wrecks_the_model_loses_its_round_not_the_run(coordinator: Coordinator) -> None:
+    before = coordinator.world.params_digest
+    push(coordinator, "island-1", 1e30, loss=1.0)  # finite, healthy loss reported, absurd Δ
+    with coordinator.cond:
+        coordinator._close_locked(coordinator.clock(), "forced")
+    assert coordinator.world.diverged is None and coordinator.world.params_digest == before
+    assert coordinator.loop.round == 0 and "diverged" in coordinator.dropped["island-1"]
+    assert push(coordinator, "island-0", 1e-3).accepted
+    with coordinator.cond:
+        coordinator._close_locked(coordinator.clock(), "forced")
+    assert coordinator.loop.round == 1 and coordinator.last_commit.islands == ("island-0",)
+
+
+def test_islands_whose_own_loss_exploded_stop_the_run(coordinator: Coordinator) -> None:
+    push(coordinator, "island-0", 1e30, loss=1e9)
+    push(coordinator, "island-1", 1e30, loss=1e9)  # closes the round: both pushed
+    assert coordinator.world.diverged is not None and coordinator.loop.round == 0
+    refused(lambda: push(coordinator, "island-0", 1e-3), grpc.StatusCode.FAILED_PRECONDITION, "diverged")
