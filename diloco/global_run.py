@@ -105,16 +105,14 @@ class GlobalRun:
         """
         if self.diverged is not None:
             raise self.diverged
-        # OuterLoop has no snapshot API: its state is an immutable pytree and its pending contributions a dict, so
-        # keeping both references is enough to undo a commit.
-        before, pending = self.loop.state, dict(self.loop._pending)
+        before = self.loop.snapshot()
         commit = self.loop.commit()
         eval_loss = self.evaluate(self.loop.params)
         why = diverged_reason(eval_loss, self.totals.initial_eval_loss, self.divergence_factor)
         if why is not None:
             # All or nothing, as for a commit that fails: θ_r stays the global model (and the checkpoint), the round
             # stays open with its contributions.
-            self.loop.state, self.loop._pending = before, pending
+            self.loop.rollback(before)
             self._diverge(commit, why, eval_loss, losses)
         self.params_digest = commit.digest
         t = self.totals

@@ -111,6 +111,15 @@ class OuterLoop:
             raise RoundError(f"island {island} reported {tokens} tokens for round {round}")
         self._pending[island] = Contribution(island, pseudo_grad, tokens)
 
+    def snapshot(self) -> tuple[GlobalState, dict[str, Contribution]]:
+        """The global state and the open round's contributions, to `rollback` to (both are never mutated in place)."""
+        return self.state, dict(self._pending)
+
+    def rollback(self, snapshot: tuple[GlobalState, dict[str, Contribution]]) -> None:
+        """Undo everything since `snapshot`: a commit, or contributions added or withdrawn."""
+        self.state, pending = snapshot
+        self._pending = dict(pending)
+
     def withdraw(self, island: str) -> None:
         """Take an island's contribution out of the open round (it made the round impossible to commit)."""
         self._pending.pop(island, None)
