@@ -26,6 +26,7 @@ from islands.data import DataConfig
 from islands.inner import InnerConfig
 from islands.models import ModelConfig
 from outer_optimizer import OuterConfig
+from outer_optimizer.fragments import LAYOUTS, check_schedule
 from transport.auth import REDACTED_SECRET, is_secret_reference, redact_secret
 from transport.codecs import CodecError, CodecSpec
 from transport.config import TransportConfig
@@ -82,6 +83,35 @@ class TrainConfig:
             raise ValueError(
                 f"train.batch_size ({self.batch_size}) must be a multiple of train.microbatch ({self.microbatch})"
             )
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Streaming DiLoCo (arXiv 2501.18512; outer_optimizer/fragments.py): fragments that sync in turn, overlapped."""
+
+    fragments: int = 1
+    """P: fragments of the parameters, each synced every H steps at its own offset (1: plain DiLoCo)."""
+    layout: str = "strided"
+    """Which layers form a fragment: "strided" (layer k -> fragment k mod P, the paper's) or "contiguous"."""
+    overlap_steps: int = 0
+    """τ: inner steps an island trains on after sending a fragment before it merges the committed global copy
+    (0: merged at once, exactly the non-overlapped algorithm)."""
+    merge_alpha: float = 0.0
+    """α of the merge θ_p <- α·θ_p,local + (1 - α)·θ_p,global (0: take the global fragment, as the paper's main
+    runs do)."""
+
+    def __post_init__(self) -> None:
+        if self.fragments < 1:
+            raise ValueError(f"stream.fragments must be >= 1 (got {self.fragments})")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"stream.layout must be one of {', '.join(LAYOUTS)} (got {self.layout!r})")
+        if not 0.0 <= self.merge_alpha <= 1.0:
+            raise ValueError(f"stream.merge_alpha must be in [0, 1] (got {self.merge_alpha})")
+
+    @property
+    def streaming(self) -> bool:
+        """Whether anything differs from plain DiLoCo's round."""
+        return self.fragments > 1 or self.overlap_steps > 0
 
 
 @dataclass(frozen=True)
@@ -196,6 +226,8 @@ class RunConfig:
     """The islands' inner AdamW."""
     outer: OuterConfig = field(default_factory=OuterConfig)
     """The coordinator's outer optimizer."""
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    """Streaming DiLoCo: fragments, overlap, merge."""
     islands: IslandsConfig = field(default_factory=IslandsConfig)
     """How many islands and on how many devices."""
     codec: CodecConfig = field(default_factory=CodecConfig)
@@ -212,6 +244,9 @@ class RunConfig:
             raise ValueError(
                 f"network.secrets has {len(self.network.secrets)} entries but islands.count is {self.islands.count}"
             )
+        why = check_schedule(self.train.inner_steps, self.stream.fragments, self.stream.overlap_steps)
+        if why is not None:
+            raise ValueError(why)
         if self.quorum.min_islands > self.islands.count:
             raise ValueError(
                 f"quorum.min_islands ({self.quorum.min_islands}) exceeds islands.count ({self.islands.count})"
@@ -220,6 +255,16 @@ class RunConfig:
     @property
     def total_inner_steps(self) -> int:
         return self.train.rounds * self.train.inner_steps
+
+
+def require_whole_rounds(cfg: RunConfig, command: str) -> None:
+    """The coordinator and island processes sync whole rounds so far: refuse a streaming config in one line."""
+    if cfg.stream.streaming:
+        raise ConfigError(
+            f"{command}: stream.fragments = {cfg.stream.fragments}, stream.overlap_steps = {cfg.stream.overlap_steps}: "
+            "Streaming DiLoCo runs in `diloco simulate` only so far (the multi-process system syncs whole rounds); "
+            "set stream.fragments=1 stream.overlap_steps=0"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ pushed into it push again after resyncing, and nothing half-applied ever existed
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -44,6 +45,17 @@ from transport.errors import Rejected
 from transport.handler import PullPayload
 
 FP32 = CodecSpec(kind="fp32")
+MAX_DROPPED = 256
+"""Digests of dropped contributions remembered per round (16 bytes each), beyond which the oldest is forgotten."""
+
+
+def contribution_digest(island: str, tensors: Sequence[EncodedTensor]) -> bytes:
+    """Who sent which bytes: what identifies a contribution once dropped."""
+    h = hashlib.blake2b(island.encode(), digest_size=16)
+    for t in tensors:
+        h.update(t.name.encode())
+        h.update(t.payload)
+    return h.digest()
 
 
 class Coordinator:
@@ -64,11 +76,17 @@ class Coordinator:
         self.last_loss: dict[str, float] = {}
         self.last_commit: Commit | None = None
         self.rejections = RejectionLog()
-        self.dropped: dict[str, str] = {}
-        """Islands whose contribution to the open round was dropped at commit, and why (they may not push again)."""
+        self.dropped: dict[bytes, str] = {}
+        """Contributions to the open round dropped at commit (content digest -> why): the same bytes are refused if
+        pushed again (an island re-pushing after a lost reply), a retrained Δ from the same island is not. Keyed by
+        content, not by name: a name is barred by nothing but its credentials, so a dropped forgery under a real
+        island's name must not lock that island out of the round (found by `diloco bench fuzz`). At most
+        `MAX_DROPPED` entries; cleared at every commit."""
         # An island trains at most H steps of batch_size sequences of seq_len tokens per round: a larger claimed
         # weight is a lie (it would give that island the whole mean), so it is capped to this.
         self.max_tokens = cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len
+        self.pending_digest: dict[str, bytes] = {}
+        """The content digest of each pending contribution (island names are bounded to `names`)."""
         self.opened_at = clock()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -175,11 +193,12 @@ class Coordinator:
                     f"island {meta.island}'s pseudo-gradient was not taken from θ_{self.loop.round} (base_digest "
                     f"{bytes(meta.base_digest).hex()[:16] or 'missing'}); pull the full parameters",
                 )
-            if meta.island in self.dropped:
+            content = contribution_digest(meta.island, tensors)
+            if content in self.dropped:
                 raise Rejected(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"island {meta.island}'s pseudo-gradient for round {meta.round} was dropped: "
-                    f"{self.dropped[meta.island]}",
+                    f"{self.dropped[content]}",
                 )
             tokens = min(int(meta.tokens), self.max_tokens)
             tree = decoded_tree({k: np.array(v, np.float32) for k, v in arrays.items()}, self.loop.params)
@@ -187,6 +206,7 @@ class Coordinator:
                 self.loop.submit(meta.island, meta.round, tree, tokens)
             except RoundError as exc:
                 raise Rejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+            self.pending_digest[meta.island] = content
             nbytes = sum(len(t.payload) for t in tensors)
             self.last_seen[meta.island] = self.clock()
             self.totals.tokens += tokens
@@ -224,21 +244,19 @@ class Coordinator:
                 round=self.loop.round, fragment=0, kind=answer.kind.value, param_digest=digest, tensors=tensors
             )
 
-    def _one_island_to_blame(self) -> bool:
-        """After a commit diverged: is it one island's doing rather than the run's?
+    def _islands_diverged(self) -> bool:
+        """After a commit diverged: did the islands' own losses explode too (the run diverged), or is it one Δ?
 
-        An island can wreck the model with a finite but absurd Δ while reporting a healthy loss (a bug, or an
-        insider). So: not when the islands' own losses exploded too (the inner optimizer diverged: stop the run), and
-        not when this round already lost a contribution this way and its last one still diverges (the outer step
-        itself is too large: stop). Otherwise drop the largest contribution and commit the rest, or keep waiting.
+        An island can wreck the model with a finite but absurd Δ while reporting a healthy loss (a bug, or an insider
+        with its credentials), so only the islands' reported losses may stop the run. A contribution that diverges
+        while its island's loss is healthy is dropped instead, every time; the run never stops on it, since an
+        insider could otherwise stop the run at will. The price: a run whose *outer* step is too large for healthy
+        islands drops every contribution and makes no progress, with a `contribution_dropped` event (and hint) each
+        time rather than an exit.
         """
-        pending = self.loop.pending
         initial = self.totals.initial_eval_loss
-        losses = [self.last_loss[n] for n in pending if n in self.last_loss]
-        if any(diverged_reason(x, initial, self.world.divergence_factor) for x in losses):
-            return False
-        already = any(why.startswith("diverged") for why in self.dropped.values())
-        return len(pending) > 1 or not already
+        losses = [self.last_loss[n] for n in self.loop.pending if n in self.last_loss]
+        return any(diverged_reason(x, initial, self.world.divergence_factor) for x in losses)
 
     def _refuse_if_diverged(self) -> None:
         if self.world.diverged is not None:
@@ -315,8 +333,9 @@ class Coordinator:
 
     def _close_locked(self, now: float, reason: str) -> None:
         """Commit the round. If its contributions cannot be committed (their update overflows float32 and the
-        downlink codec refuses it), drop the largest one, say so, and try again: an island's input may cost that
-        island its round, never the coordinator its life. A round left with no contribution stays open."""
+        downlink codec refuses it, or the model it makes diverges while the islands report healthy losses), drop the
+        largest one, say so, and try again: an island's input may cost that island its round, never the coordinator
+        its life. A round left with no contribution stays open."""
         while self.loop.pending:
             losses = [self.last_loss[n] for n in self.loop.pending if n in self.last_loss]
             try:
@@ -324,28 +343,29 @@ class Coordinator:
                 self.last_commit = self.world.close_round(losses=losses, seconds=now - self.opened_at, reason=reason)
             except DivergedError as exc:
                 # The committed model exploded and was undone (GlobalRun: θ and the round are unchanged).
-                if self._one_island_to_blame():
-                    culprit = self.loop.largest_contribution()
-                    self.loop.withdraw(culprit)
-                    self.dropped[culprit] = clip(f"diverged: {exc}")
-                    self.world.diverged = None  # not the run's divergence: go on without this contribution
-                    why = self.dropped[culprit]
-                    self.rd.log("contribution_dropped", round=self.loop.round, island=culprit, reason=why)
-                    continue
-                # The run itself diverged: every later call is refused with the reason (`_refuse_if_diverged`)
-                # and `serve` exits with it.
+                if self._islands_diverged():
+                    # The run itself diverged: every later call is refused with the reason (`_refuse_if_diverged`)
+                    # and `serve` exits with it.
+                    self.cond.notify_all()
+                    return
+                self.world.diverged = None  # not the run's divergence: go on without this contribution
+                self._drop_largest(f"diverged with a healthy island loss (lower outer.lr if all are dropped so): {exc}")
+            except (CodecError, ArithmeticError) as exc:  # commit is all or nothing: θ and the round are unchanged
+                self._drop_largest(str(exc))
+            else:
+                self.dropped.clear()
+                self.pending_digest.clear()
+                self.opened_at = now
                 self.cond.notify_all()
                 return
-            except (CodecError, ArithmeticError) as exc:  # commit is all or nothing: θ and the round are unchanged
-                culprit = self.loop.largest_contribution()
-                self.loop.withdraw(culprit)
-                self.dropped[culprit] = clip(str(exc))
-                self.rd.log("contribution_dropped", round=self.loop.round, island=culprit, reason=self.dropped[culprit])
-                continue
-            self.dropped.clear()
-            self.opened_at = now
-            self.cond.notify_all()
-            return
+
+    def _drop_largest(self, why: str) -> None:
+        culprit = self.loop.largest_contribution()
+        self.loop.withdraw(culprit)
+        if len(self.dropped) >= MAX_DROPPED:
+            del self.dropped[next(iter(self.dropped))]
+        self.dropped[self.pending_digest.pop(culprit)] = clip(why)
+        self.rd.log("contribution_dropped", round=self.loop.round, island=culprit, reason=clip(why))
 
     # -- reporting ---------------------------------------------------------------------------------------------
 

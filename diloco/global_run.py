@@ -4,8 +4,9 @@ Both drivers own one `GlobalRun`. Closing a round is the same everywhere (docs/a
 
     commit   -> OuterLoop.commit(): token-weighted mean Δ, outer step, θ_{r+1} = θ_r + û (û exactly what is sent)
     evaluate -> the global model's loss on the fixed validation batches
-    log      -> one `round` event in metrics.jsonl
-    save     -> GlobalState + Totals with orbax every train.checkpoint_every rounds; with `durable` (the
+    log      -> one `round` event in metrics.jsonl (with streaming: a `sync` event for each fragment's commit but
+                the round's last, which logs the `round` event)
+    save     -> GlobalState + Totals with orbax every train.checkpoint_every rounds (at round ends); with `durable` (the
                 coordinator) the save finishes before the caller lets any island see θ_{r+1}, so no island ever
                 holds a θ that a restarted coordinator lacks
 
@@ -58,7 +59,9 @@ class GlobalRun:
         self.cfg = cfg
         self.rd = rd
         outer = cfg.outer
-        self.loop = OuterLoop.fresh(setup.init_params, outer.build(), cfg.codec.spec("downlink"), outer.aggregator())
+        self.loop = OuterLoop.fresh(
+            setup.init_params, outer.build(), cfg.codec.spec("downlink"), outer.aggregator(), setup.fragments
+        )
         self.evaluate = Evaluator(setup.model, setup.eval_stack)
         self.param_count = setup.n_params
         self.totals = Totals()
@@ -120,16 +123,20 @@ class GlobalRun:
         t.syncs += 1
         t.bytes_down += sum(e.nbytes for e in commit.encoded) * deliveries
         t.final_eval_loss = eval_loss
-        self.durations = [*self.durations, seconds][-self.cfg.quorum.history :]
+        round_closed = self.loop.fragment == 0
+        if round_closed:
+            self.durations = [*self.durations, seconds][-self.cfg.quorum.history :]
+        streaming = {"fragment": commit.fragment} if self.loop.fragments.count > 1 else {}
         self.rd.log(
-            "round", round=commit.round, loss=float(np.mean(losses)) if len(losses) else None,
+            "round" if round_closed else "sync", round=commit.round, **streaming,
+            loss=float(np.mean(losses)) if len(losses) else None,
             eval_loss=t.final_eval_loss, tokens=t.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down,
             islands=list(commit.islands), digest=commit.digest, seconds=round(seconds, 4),
             **({"reason": reason} if reason else {}), **({"kept": commit.reduced} if commit.reduced else {}),
         )  # fmt: skip
         # The event is logged before the save: a kill in between loses the event with the round (truncated on
         # resume, then rerun), never a committed round without its event.
-        if self.store is not None and checkpoint_due(self.cfg, self.loop.round):
+        if self.store is not None and round_closed and checkpoint_due(self.cfg, self.loop.round):
             meta = {"totals": t.to_meta(), "durations": self.durations}
             save_state(self.store, self.loop.round, self.loop.state, meta)
             if self.durable:

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from diloco.checkpoint import CheckpointStore, restore_state, save_state
-from diloco.config import RunConfig, config_digest, to_dict
+from diloco.config import RunConfig, config_digest, require_whole_rounds, to_dict
 from diloco.membership import REJOIN
 from diloco.rundir import RunDir
 from diloco.setup import build_setup, make_island
@@ -77,6 +77,7 @@ class IslandWorker:
             raise IslandError(
                 f"island '{name}' is not in the config's islands.names ({', '.join(cfg.islands.island_names)})"
             )
+        require_whole_rounds(cfg, "island")
         self.cfg, self.name, self.client, self.rd = cfg, name, client, rd
         self.give_up_s = cfg.network.coordinator_wait_s
         setup = build_setup(cfg, islands=[name])

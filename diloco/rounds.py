@@ -8,6 +8,11 @@ DiLoCo (arXiv 2311.08105), one outer round r:
 The coordinator alone owns `GlobalState(round, params, outer_opt_state)`. It commits exactly the update it
 hands to islands, so every island that applies the same update to θ_r holds bit-identical θ_{r+1}, which the
 digest proves. The same object serves `diloco simulate` (called directly) and the gRPC coordinator.
+
+Streaming DiLoCo (arXiv 2501.18512; outer_optimizer/fragments.py): the parameters are split into P fragments that
+commit in turn, each with its own outer optimizer state. The open sync is (round, fragment); a contribution holds
+only that fragment's leaves (name -> array), and a commit moves only those leaves of θ. The round advances when
+fragment P-1 commits. P = 1 (one fragment of every leaf) is plain DiLoCo, with the same floats.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import optax
 
 from islands.compress import Residual, compress_tree, zero_residual
 from outer_optimizer import Rule, apply_update, make_outer_step, mean
-from transport.codecs import CodecSpec, EncodedTensor, PyTree
+from outer_optimizer.fragments import Fragments
+from transport.codecs import CodecSpec, EncodedTensor, PyTree, flatten_named, unflatten_named
 from transport.digest import tree_digest
 
 
@@ -29,12 +35,15 @@ from transport.digest import tree_digest
 @dataclass(frozen=True)
 class GlobalState:
     params: PyTree
-    outer_opt_state: PyTree
+    outer_opt_state: tuple[PyTree, ...]
+    """One outer optimizer state per fragment, over that fragment's leaves (name -> array)."""
     down_residual: Residual = None
     """What the downlink codec dropped from past updates (error feedback), added to the next update: zeros at the
     start for a lossy codec, None for a lossless one."""
     round: int = field(default=0, metadata={"static": True})
     """Rounds committed so far; θ here is θ_round (host int)."""
+    fragment: int = field(default=0, metadata={"static": True})
+    """The fragment whose sync is open in this round (always 0 without streaming)."""
 
 
 @dataclass(frozen=True)
@@ -47,9 +56,11 @@ class Contribution:
 @dataclass(frozen=True)
 class Commit:
     round: int
-    """The round that was closed (θ_{round+1} is now global)."""
-    update: PyTree
-    """û: the decoded update that was committed and is sent."""
+    """The round that was closed (θ_{round+1} is now global), or whose fragment was."""
+    fragment: int
+    """Which fragment was committed (0 without streaming)."""
+    update: dict[str, np.ndarray]
+    """û: the decoded update that was committed and is sent (the fragment's leaves, name -> array)."""
     encoded: list[EncodedTensor]
     """û as it travels on the downlink."""
     islands: tuple[str, ...]
@@ -74,21 +85,35 @@ class OuterLoop:
     """Holds the global state and the contributions of the round that is open."""
 
     def __init__(
-        self, state: GlobalState, tx: optax.GradientTransformation, downlink: CodecSpec, aggregate: Rule = mean
+        self,
+        state: GlobalState,
+        tx: optax.GradientTransformation,
+        downlink: CodecSpec,
+        aggregate: Rule = mean,
+        fragments: Fragments | None = None,
     ) -> None:
         self.state = state
         self.downlink = downlink
         self.aggregate = aggregate
         """How the round's pseudo-gradients become one (`OuterConfig.aggregator()`; default DiLoCo's weighted mean)."""
+        self.fragments = fragments or Fragments.whole(list(flatten_named(state.params)))
         self._outer_update = make_outer_step(tx)
         self._pending: dict[str, Contribution] = {}
 
     @classmethod
     def fresh(
-        cls, params: PyTree, tx: optax.GradientTransformation, downlink: CodecSpec, aggregate: Rule = mean
+        cls,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        downlink: CodecSpec,
+        aggregate: Rule = mean,
+        fragments: Fragments | None = None,
     ) -> OuterLoop:
-        state = GlobalState(params, tx.init(params), zero_residual(params, downlink), round=0)
-        return cls(state, tx, downlink, aggregate)
+        fragments = fragments or Fragments.whole(list(flatten_named(params)))
+        named = flatten_named(params, to_numpy=False)
+        opt_states = tuple(tx.init(fragments.select(p, named)) for p in range(fragments.count))
+        state = GlobalState(params, opt_states, zero_residual(params, downlink), round=0)
+        return cls(state, tx, downlink, aggregate, fragments)
 
     @property
     def round(self) -> int:
@@ -99,17 +124,34 @@ class OuterLoop:
         return self.state.params
 
     @property
+    def fragment(self) -> int:
+        """The fragment whose sync is open."""
+        return self.state.fragment
+
+    def fragment_params(self, p: int | None = None) -> dict[str, PyTree]:
+        """Fragment p's leaves of θ (default: the open one), name -> array."""
+        return self.fragments.select(self.fragment if p is None else p, flatten_named(self.params, to_numpy=False))
+
+    @property
     def pending(self) -> tuple[str, ...]:
         return tuple(sorted(self._pending))
 
-    def submit(self, island: str, round: int, pseudo_grad: PyTree, tokens: int) -> None:
-        if round != self.state.round:
-            raise RoundError(f"island {island} sent a pseudo-gradient for round {round}; round {self.round} is open")
+    def submit(self, island: str, round: int, pseudo_grad: PyTree, tokens: int, fragment: int = 0) -> None:
+        """Δ of the open sync: the open fragment's leaves, as a tree shaped like θ (P = 1) or name -> array."""
+        if round != self.state.round or fragment != self.fragment:
+            sent, open_ = (
+                (f"round {round} fragment {fragment}", f"round {self.round} fragment {self.fragment}")
+                if self.fragments.count > 1 else (f"round {round}", f"round {self.round}")
+            )  # fmt: skip
+            raise RoundError(f"island {island} sent a pseudo-gradient for {sent}; {open_} is open")
         if island in self._pending:
             raise RoundError(f"island {island} already contributed to round {round}")
         if tokens <= 0:
             raise RoundError(f"island {island} reported {tokens} tokens for round {round}")
-        self._pending[island] = Contribution(island, pseudo_grad, tokens)
+        named = flatten_named(pseudo_grad, to_numpy=False)
+        if tuple(named) != self.fragments.names[self.fragment]:
+            raise RoundError(f"island {island}'s pseudo-gradient does not hold fragment {self.fragment}'s tensors")
+        self._pending[island] = Contribution(island, named, tokens)
 
     def snapshot(self) -> tuple[GlobalState, dict[str, Contribution]]:
         """The global state and the open round's contributions, to `rollback` to (both are never mutated in place)."""
@@ -136,23 +178,32 @@ class OuterLoop:
         return max(sorted(self._pending), key=lambda name: norm(self._pending[name]))
 
     def commit(self) -> Commit:
-        """Close the open round with every contribution received; the outer step runs once."""
+        """Close the open sync with every contribution received; the outer step of its fragment runs once."""
         if not self._pending:
             raise RoundError(f"round {self.round} has no contributions to commit")
         names = sorted(self._pending)  # fixed order: float sums agree in every process
         contributions = [self._pending[n] for n in names]
         combined = self.aggregate([c.pseudo_grad for c in contributions], [c.tokens for c in contributions])
-        update, new_opt_state = self._outer_update(self.state.params, self.state.outer_opt_state, combined.delta)
+        s, p = self.state, self.fragment
+        theta = flatten_named(s.params, to_numpy=False)
+        mine = self.fragments.select(p, theta)
+        update, opt_state = self._outer_update(mine, s.outer_opt_state[p], combined.delta)
         # Commit exactly what is sent: û = decode(encode(u + e)); what the codec dropped is carried over.
-        sent = compress_tree(jax.device_get(update), self.state.down_residual, self.downlink)
-        new_params = apply_update(self.state.params, sent.decoded)
-        closed = self.state.round
+        residual = None if s.down_residual is None else self.fragments.select(p, s.down_residual)
+        sent = compress_tree(jax.device_get(update), residual, self.downlink)
+        new_params = unflatten_named({**theta, **apply_update(mine, sent.decoded)}, s.params)
+        last = p + 1 == self.fragments.count
         self.state = GlobalState(
-            params=new_params, outer_opt_state=new_opt_state, down_residual=sent.residual, round=closed + 1
+            params=new_params,
+            outer_opt_state=(*s.outer_opt_state[:p], opt_state, *s.outer_opt_state[p + 1 :]),
+            down_residual=None if s.down_residual is None else {**s.down_residual, **(sent.residual or {})},
+            round=s.round + 1 if last else s.round,
+            fragment=0 if last else p + 1,
         )
         self._pending.clear()
         return Commit(
-            round=closed,
+            round=s.round,
+            fragment=p,
             update=sent.decoded,
             encoded=sent.encoded,
             islands=tuple(names),

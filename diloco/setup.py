@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from diloco.config import RunConfig
+from diloco.config import ConfigError, RunConfig
 from islands.data import BatchStream, eval_batches, load_sources
 from islands.inner import make_eval_fn, make_inner_optimizer
 from islands.island import Batches, Island
 from islands.mesh import build_mesh, replicated
 from islands.models import Model, build_model, param_count
-from transport.codecs import PyTree
+from outer_optimizer.fragments import FragmentError, Fragments
+from transport.codecs import PyTree, flatten_named
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Setup:
     """int32 [eval_batches, batch_size, seq_len + 1]: the fixed validation batches."""
     init_params: PyTree
     """θ_0, the same in every process for one seed."""
+    fragments: Fragments
+    """Which leaves sync together (stream.fragments; one fragment of every leaf without streaming)."""
 
     @property
     def n_params(self) -> int:
@@ -51,7 +54,13 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         streams[name] = BatchStream(shards[i], cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=i)
     model = build_model(cfg.model)
     stack = np.stack(eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len))
-    return Setup(model, streams, stack, model.init(jax.random.key(cfg.run.seed)))
+    params = model.init(jax.random.key(cfg.run.seed))
+    sizes = {name: int(np.size(leaf)) for name, leaf in flatten_named(params).items()}
+    try:
+        fragments = Fragments.split(sizes, cfg.stream.fragments, cfg.stream.layout)
+    except FragmentError as exc:
+        raise ConfigError(str(exc)) from None
+    return Setup(model, streams, stack, params, fragments)
 
 
 def make_island(cfg: RunConfig, name: str, model: Model, stream: Batches, n_devices: int | None = None) -> Island:

@@ -1,10 +1,12 @@
 """`diloco simulate`: every island and the coordinator's round logic in one process.
 
-The same `Island.train_round` (islands/island.py) and `GlobalRun` (diloco/global_run.py) that the multi-process
-system runs are driven here by direct calls, so `simulate` is the fast, deterministic reference for `launch`: on
-CPU with the same config both end with the same parameter digest. `train.mode = "sync"` runs the classic
-data-parallel baseline instead: one model and one AdamW on the union of the islands' batches at every step, i.e.
-on exactly the tokens the islands see, so the two modes compare like for like.
+The same `Island` steps (islands/island.py) and `GlobalRun` (diloco/global_run.py) that the multi-process system
+runs are driven here by direct calls (`Lockstep`), so `simulate` is the fast, deterministic reference for `launch`:
+on CPU with the same config both end with the same parameter digest. With `[stream]` set it runs Streaming DiLoCo
+(fragments synced in turn, merged τ steps later), which the multi-process system does not do yet.
+
+`train.mode = "sync"` runs the classic data-parallel baseline instead: one model and one AdamW on the union of the
+islands' batches at every step, i.e. on exactly the tokens the islands see, so the two modes compare like for like.
 
 Resume: after every `train.checkpoint_every` rounds the global state and every island's state are checkpointed;
 running the same command with the same --run-dir continues from the newest round that all of them saved and, on
@@ -14,21 +16,24 @@ CPU with the same seed, ends with bit-identical parameters.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from diloco.checkpoint import CheckpointStore, latest_common_step, restore_state, save_state
-from diloco.config import RunConfig
+from diloco.config import RunConfig, StreamConfig
 from diloco.global_run import GlobalRun, checkpoint_due
 from diloco.progress import Progress
+from diloco.rounds import Commit, OuterLoop
 from diloco.rundir import RunDir
 from diloco.setup import Evaluator, Setup, build_setup, make_island
 from diloco.summary import Totals, summary
 from islands.data import BatchStream
-from islands.island import Island
+from islands.island import InnerRun, Island, RoundPush
 from islands.mesh import accumulation_steps, build_mesh
+from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
 from transport.digest import tree_digest
 
 
@@ -91,29 +96,30 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
             rd.log("island_joined", round=0, island=name)
 
     totals = world.totals
+    H = cfg.train.inner_steps
+    lockstep = Lockstep(islands, world.loop, H, cfg.stream, step=world.loop.round * H)
     progress = Progress(cfg.train.rounds, f"{cfg.run.name} diloco x{len(names)}", show_progress)
+    t_sync = time.monotonic()
+
+    def close(pushes: dict[str, RoundPush]) -> Commit:
+        nonlocal t_sync
+        for name, push in pushes.items():
+            rd.log_inner(world.loop.round, name, push.run.first_step, push.run.losses, cfg.train.log_every)
+            totals.tokens += push.run.tokens
+            totals.bytes_up += push.sent.payload_nbytes
+            totals.compute_s += push.run.seconds
+        seconds, t_sync = time.monotonic() - t_sync, time.monotonic()
+        # The islands take turns here: a sync's wall time is every island's wall time.
+        totals.island_wall_s += seconds
+        losses = [float(push.run.losses[-1]) for push in pushes.values()]
+        commit = world.close_round(losses=losses, seconds=seconds, deliveries=len(pushes))
+        if world.loop.fragment == 0:
+            progress.update(world.loop.round, float(np.mean(losses)), totals.final_eval_loss, commit.tokens / seconds)
+        return commit
+
     try:
         while not world.done:
-            r, t_round = world.loop.round, time.monotonic()
-            last_losses = []
-            for island in islands:
-                push = island.train_round(world.loop.params, cfg.train.inner_steps)
-                island.keep_residual(push)  # in one process every push is delivered
-                world.loop.submit(island.name, r, push.sent.decoded, push.run.tokens)
-                rd.log_inner(r, island.name, push.run.first_step, push.run.losses, cfg.train.log_every)
-                last_losses.append(float(push.run.losses[-1]))
-                totals.tokens += push.run.tokens
-                totals.bytes_up += push.sent.payload_nbytes
-                totals.compute_s += push.run.seconds
-            seconds = time.monotonic() - t_round
-            # The islands take turns here: a round's wall time is every island's wall time.
-            totals.island_wall_s += seconds
-            commit = world.close_round(losses=last_losses, seconds=seconds, deliveries=len(islands))
-            for island in islands:
-                island.set_params(world.loop.params)
-            progress.update(world.loop.round, float(np.mean(last_losses)), totals.final_eval_loss,
-                            commit.tokens / seconds)  # fmt: skip
-            if stores and checkpoint_due(cfg, world.loop.round):
+            if lockstep.advance(close) and stores and checkpoint_due(cfg, world.loop.round):
                 for island, store in zip(islands, stores, strict=True):
                     save_state(store, world.loop.round, island.state, {})
     finally:
@@ -122,6 +128,50 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
             store.close()
         world.close()
     return world.summary()
+
+
+class Lockstep:
+    """The islands of one process moving through (Streaming) DiLoCo's events together: `simulate`'s schedule.
+
+    Each `advance` trains every island up to the next event of outer_optimizer/fragments.py: a fragment's sync
+    (every island pushes Δ_p, `close` commits it) and/or the merge of a fragment committed τ steps earlier. Without
+    streaming (P = 1, τ = 0) that is H steps, a push of all of θ, the commit, and θ_{r+1} taken as it is.
+    """
+
+    def __init__(
+        self, islands: list[Island], loop: OuterLoop, inner_steps: int, stream: StreamConfig, step: int = 0
+    ) -> None:
+        self.islands, self.loop = islands, loop
+        self.H, self.P = inner_steps, stream.fragments
+        self.tau, self.alpha = stream.overlap_steps, stream.merge_alpha
+        self.step = step
+        """Inner steps every island has taken (rounds are checkpointed at their ends, so a resume starts at r·H)."""
+        self._since_push: dict[str, list[InnerRun]] = {island.name: [] for island in islands}
+
+    def advance(self, close: Callable[[dict[str, RoundPush]], Commit]) -> bool:
+        """Train to the next event and handle it; True when a round ended here (its last fragment committed)."""
+        target = next_event(self.step, self.H, self.P, self.tau)
+        for island in self.islands:
+            self._since_push[island.name].append(island.train(target - self.step))
+        self.step = target
+        round_closed = False
+        p = syncing_fragment(self.step, self.H, self.P)
+        if p is not None:
+            r, reference = self.loop.round, self.loop.fragment_params(p)
+            pushes = {}
+            for island in self.islands:
+                push = island.push(InnerRun.joined(self._since_push[island.name]), reference)
+                self._since_push[island.name] = []
+                island.keep_residual(push)  # in one process every push is delivered
+                self.loop.submit(island.name, r, push.sent.decoded, push.run.tokens, fragment=p)
+                pushes[island.name] = push
+            close(pushes)
+            round_closed = self.loop.fragment == 0
+        q = merging_fragment(self.step, self.H, self.P, self.tau)
+        if q is not None:
+            for island in self.islands:
+                island.merge(self.loop.fragment_params(q), self.alpha)
+        return round_closed
 
 
 def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> dict[str, Any]:

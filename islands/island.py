@@ -8,6 +8,10 @@ process of `diloco launch`, and both call the same round step (docs/architecture
     train_round(θ_r, H) -> H inner steps, Δ = θ_r - θ_local, encode(Δ + e) with error feedback -> RoundPush
     keep_residual(push) -> the push was accepted: carry what its codec dropped into the next round
 
+Streaming DiLoCo (outer_optimizer/fragments.py) takes the same steps apart: `train(n)` between events,
+`push(reference)` for one fragment's leaves (Δ_p = θ_p,global - θ_p,local), and `merge(θ_p,global, α)` when the
+committed fragment arrives, τ steps later.
+
 After its H steps an island checks that every loss and every parameter is finite, and stops with `DivergedError`
 (a user error: exit code 2, never restarted) naming the island, the first bad step and the settings to change,
 instead of sending a NaN pseudo-gradient that the codec and the coordinator would refuse round after round.
@@ -30,7 +34,7 @@ from islands.inner import InnerConfig, make_train_step, place_tree
 from islands.mesh import accumulation_steps, batch_sharding, build_mesh
 from islands.models import Model
 from outer_optimizer import pseudo_gradient
-from transport.codecs import CodecSpec, PyTree
+from transport.codecs import CodecSpec, PyTree, flatten_named, unflatten_named
 from transport.errors import UserError
 
 
@@ -97,6 +101,16 @@ class InnerRun:
     tokens: int
     seconds: float
     first_step: int
+
+    @classmethod
+    def joined(cls, runs: list[InnerRun]) -> InnerRun:
+        """Consecutive runs as one (the steps between two syncs, trained in pieces around merges)."""
+        return cls(
+            losses=np.concatenate([r.losses for r in runs]) if runs else np.zeros(0, np.float32),
+            tokens=sum(r.tokens for r in runs),
+            seconds=sum(r.seconds for r in runs),
+            first_step=runs[0].first_step if runs else 0,
+        )
 
 
 @dataclass(frozen=True)
@@ -223,9 +237,16 @@ class Island:
         The island's residual is not changed here: the caller decides whether the push counted (`keep_residual`).
         """
         run = self.train(n_steps)
+        return self.push(run, flatten_named(global_params, to_numpy=False))
+
+    def push(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
+        """Δ = reference - θ_local over the leaves `reference` names (all of θ, or one fragment's), encoded with
+        this island's error feedback for those leaves. `run`: the steps trained since that fragment last synced."""
         assert self.state is not None
-        delta = pseudo_gradient(global_params, self.state.params)
-        return RoundPush(run, compress_tree(jax.device_get(delta), self.state.residual, self.uplink))
+        local = flatten_named(self.state.params, to_numpy=False)
+        delta = pseudo_gradient(reference, {name: local[name] for name in reference})
+        residual = None if self.state.residual is None else {name: self.state.residual[name] for name in reference}
+        return RoundPush(run, compress_tree(jax.device_get(delta), residual, self.uplink))
 
     def keep_residual(self, push: RoundPush) -> None:
         """The push reached the coordinator's round: keep what its codec dropped, to send next round.
@@ -235,4 +256,18 @@ class Island:
         reached θ, so its residual must not be carried either (its Δ is simply lost, as the fault model says).
         """
         assert self.state is not None
-        self.state = replace(self.state, residual=push.sent.residual)
+        if self.state.residual is not None and push.sent.residual is not None:
+            self.state = replace(self.state, residual={**self.state.residual, **push.sent.residual})
+
+    def merge(self, global_fragment: dict[str, PyTree], alpha: float = 0.0) -> None:
+        """θ_p <- α·θ_p,local + (1 - α)·θ_p,global for the leaves `global_fragment` names (Streaming DiLoCo's merge).
+
+        α = 0 takes the global leaves as they are (no float op), so every island holds them bit for bit.
+        """
+        assert self.state is not None, "start() the island first"
+        local = flatten_named(self.state.params, to_numpy=False)
+        if alpha == 0.0:
+            merged = dict(global_fragment)
+        else:
+            merged = {n: alpha * local[n] + (1.0 - alpha) * np.asarray(g) for n, g in global_fragment.items()}
+        self.set_params(unflatten_named({**local, **merged}, self.state.params))

@@ -89,13 +89,16 @@ def test_an_uncommittable_contribution_is_dropped_and_the_round_closes(coordinat
     assert [e["island"] for e in dropped] == ["island-1"] and dropped[0]["round"] == 0
 
 
-def test_a_round_left_empty_stays_open_and_the_dropped_island_may_not_push_into_it(coordinator: Coordinator) -> None:
+def test_a_round_left_empty_stays_open_and_a_dropped_contribution_may_not_come_back(coordinator: Coordinator) -> None:
     push(coordinator, "island-1", F32_MAX)
     with coordinator.cond:
         coordinator._close_locked(coordinator.clock(), "forced")
     assert coordinator.loop.round == 0 and coordinator.loop.pending == ()
-    refused(lambda: push(coordinator, "island-1", 1e-3), grpc.StatusCode.FAILED_PRECONDITION, "was dropped")
+    refused(lambda: push(coordinator, "island-1", F32_MAX), grpc.StatusCode.FAILED_PRECONDITION, "was dropped")
+    # The same name with other bytes (a retrained Δ, or the real island after a forgery under its name) is heard.
+    assert push(coordinator, "island-1", 1e-3).accepted
     assert push(coordinator, "island-0", 1e-3).accepted
+    assert coordinator.loop.round == 1 and coordinator.dropped == {}
 
 
 @pytest.mark.parametrize(
@@ -121,11 +124,16 @@ def test_a_flood_of_refusals_writes_a_bounded_log(coordinator: Coordinator) -> N
 
 def test_a_lone_island_that_wrecks_the_model_loses_its_round_not_the_run(coordinator: Coordinator) -> None:
     before = coordinator.world.params_digest
-    push(coordinator, "island-1", 1e30, loss=1.0)  # finite, healthy loss reported, absurd Δ
-    with coordinator.cond:
-        coordinator._close_locked(coordinator.clock(), "forced")
-    assert coordinator.world.diverged is None and coordinator.world.params_digest == before
-    assert coordinator.loop.round == 0 and "diverged" in coordinator.dropped["island-1"]
+    for fill in (1e30, 2e30):  # finite, healthy loss reported, absurd Δ: alone in the round, again and again
+        push(coordinator, "island-1", fill, loss=1.0)
+        with coordinator.cond:
+            coordinator._close_locked(coordinator.clock(), "forced")
+        assert coordinator.world.diverged is None and coordinator.world.params_digest == before
+        assert coordinator.loop.round == 0 and coordinator.loop.pending == ()
+    dropped = read_events(coordinator.rd.metrics_path, "contribution_dropped")
+    assert [e["island"] for e in dropped] == ["island-1"] * 2
+    refused(lambda: push(coordinator, "island-1", 1e30, loss=1.0), grpc.StatusCode.FAILED_PRECONDITION, "was dropped")
+    assert all("healthy island loss" in e["reason"] and "outer.lr" in e["reason"] for e in dropped)
     assert push(coordinator, "island-0", 1e-3).accepted
     with coordinator.cond:
         coordinator._close_locked(coordinator.clock(), "forced")

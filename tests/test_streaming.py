@@ -1,0 +1,113 @@
+"""Streaming DiLoCo (outer_optimizer/fragments.py, `diloco.simulate.Lockstep`), checked by hand.
+
+A linear model a reader can follow on paper: two "blocks" of one weight each, w = (w0, w1), fragment 0 = w0 and
+fragment 1 = w1 (P = 2, strided). Island i's loss is ½·Σ_l (w_l - c_i)², c_0 = 0 and c_1 = 4, so one inner SGD step
+with η = ½ is w <- (w + c_i) / 2. The outer step is SGD with lr ½ on the token-weighted mean (equal weights here):
+g <- g - ½·mean_i(g - w_i). Everything starts at 8. H = 2, so with P = 2 a fragment syncs after every step
+(S = H / P = 1): fragment 0 after steps 1, 3, ..., fragment 1 after steps 2, 4, ...; the merge of a fragment synced
+after step t happens after step t + τ: w_p <- α·w_p + (1 - α)·g_p. At a step with both, the sync comes first.
+
+Every value below is a short binary fraction, so float32 holds it exactly and the test compares with ==.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from diloco.config import StreamConfig
+from diloco.rounds import OuterLoop
+from diloco.simulate import Lockstep
+from islands.island import Island
+from outer_optimizer import mean
+from outer_optimizer.fragments import Fragments
+from transport.codecs import CodecSpec, flatten_named
+
+FP32 = CodecSpec(kind="fp32")
+
+
+class ConstantStream:
+    """Batches of one token whose value is the island's target c_i (batch_size 1, seq_len 1: 1 token per step)."""
+
+    batch_size, seq_len, cursor = 1, 1, 0
+
+    def __init__(self, c: int) -> None:
+        self.c = c
+
+    def next(self) -> np.ndarray:
+        self.cursor += 1
+        return np.full((1, 2), self.c, np.int32)
+
+
+def linear_model() -> SimpleNamespace:
+    def init(key: jax.Array) -> dict:
+        return {"blocks": [{"w": jnp.full((1,), 8.0)}, {"w": jnp.full((1,), 8.0)}]}
+
+    def loss(params: dict, batch: jax.Array) -> tuple[jax.Array, dict]:
+        c = jnp.mean(batch.astype(jnp.float32))
+        value = 0.5 * sum(jnp.sum((block["w"] - c) ** 2) for block in params["blocks"])
+        return value, {"ce": value}
+
+    return SimpleNamespace(init=init, loss=loss)
+
+
+def run(fragments: int, tau: int, alpha: float, syncs: int) -> tuple[list[float], list[list[float]]]:
+    """Train two islands with `Lockstep` until `syncs` fragment commits; return global w and each island's w."""
+    model = linear_model()
+    params = model.init(jax.random.key(0))
+    sizes = {name: 1 for name in flatten_named(params)}
+    loop = OuterLoop.fresh(params, optax.sgd(0.5), FP32, mean, Fragments.split(sizes, fragments))
+    islands = [Island(f"island-{i}", model, optax.sgd(0.5), ConstantStream(c)) for i, c in enumerate((0, 4))]
+    for island in islands:
+        island.start(params)
+    stream = StreamConfig(fragments=fragments, overlap_steps=tau, merge_alpha=alpha)
+    lockstep = Lockstep(islands, loop, inner_steps=2, stream=stream)
+    commits = []
+    while len(commits) < syncs:
+        lockstep.advance(lambda pushes: commits.append(loop.commit()) or commits[-1])
+
+    def ws(tree: dict) -> list[float]:
+        return [float(np.asarray(v)[0]) for v in flatten_named(tree).values()]
+
+    return ws(loop.params), [ws(island.state.params) for island in islands]
+
+
+# (P, τ, α, syncs): expected global (g0, g1) and islands ((w0, w1) of island 0, of island 1), worked out below.
+CASES = {
+    # Plain DiLoCo: 2 steps, island 0: 8 -> 4 -> 2, island 1: 8 -> 6 -> 5; Δ = (6, 3), mean 4.5; g = 8 - 2.25 = 5.75.
+    "plain": ((1, 0, 0.0, 1), (5.75, 5.75), ((5.75, 5.75), (5.75, 5.75))),
+    # τ=0, α=0. Step 1: i0 (4, 4), i1 (6, 6); sync f0: Δ0 = (4, 2), g0 = 8 - 1.5 = 6.5; merge: w0 = 6.5.
+    # Step 2: i0 (3.25, 2), i1 (5.25, 5); sync f1: Δ1 = (6, 3), g1 = 5.75; merge: w1 = 5.75.
+    # Step 3: i0 (1.625, 2.875), i1 (4.625, 4.875); sync f0: Δ0 = (4.875, 1.875), g0 = 6.5 - 1.6875 = 4.8125.
+    "tau0-alpha0": ((2, 0, 0.0, 3), (4.8125, 5.75), ((4.8125, 2.875), (4.8125, 4.875))),
+    # τ=1, α=0. Step 1: i0 (4, 4), i1 (6, 6); sync f0: g0 = 6.5 (merged after step 2).
+    # Step 2: i0 (2, 2), i1 (5, 5); sync f1: Δ1 = (6, 3), g1 = 5.75; merge f0: w0 = 6.5.
+    # Step 3: i0 (3.25, 1), i1 (5.25, 4.5); sync f0: Δ0 = (3.25, 1.25), g0 = 6.5 - 1.125 = 5.375; merge f1: w1 = 5.75.
+    "tau1-alpha0": ((2, 1, 0.0, 3), (5.375, 5.75), ((3.25, 5.75), (5.25, 5.75))),
+    # τ=0, α=½. Step 1: i0 (4, 4), i1 (6, 6); g0 = 6.5; merge: w0 = (4 + 6.5)/2 = 5.25, (6 + 6.5)/2 = 6.25.
+    # Step 2: i0 (2.625, 2), i1 (5.125, 5); Δ1 = (6, 3), g1 = 5.75; merge: w1 = 3.875, 5.375.
+    # Step 3: i0 (1.3125, 1.9375), i1 (4.5625, 4.6875); Δ0 = (5.1875, 1.9375), g0 = 6.5 - 1.78125 = 4.71875;
+    # merge: w0 = (1.3125 + 4.71875)/2 = 3.015625, (4.5625 + 4.71875)/2 = 4.640625.
+    "tau0-alpha-half": ((2, 0, 0.5, 3), (4.71875, 5.75), ((3.015625, 1.9375), (4.640625, 4.6875))),
+    # τ=1, α=½. Step 1: i0 (4, 4), i1 (6, 6); g0 = 6.5. Step 2: i0 (2, 2), i1 (5, 5); g1 = 5.75; merge f0:
+    # w0 = (2 + 6.5)/2 = 4.25, (5 + 6.5)/2 = 5.75. Step 3: i0 (2.125, 1), i1 (4.875, 4.5); Δ0 = (4.375, 1.625),
+    # g0 = 6.5 - 1.5 = 5; merge f1: w1 = (1 + 5.75)/2 = 3.375, (4.5 + 5.75)/2 = 5.125.
+    "tau1-alpha-half": ((2, 1, 0.5, 3), (5.0, 5.75), ((2.125, 3.375), (4.875, 5.125))),
+    # α=1 keeps the local copy: the islands never take the global fragments, whatever τ. Steps: i0 4, 2, 1 and
+    # i1 6, 5, 4.5 on both weights; g0 = 6.5, g1 = 8 - 2.25 = 5.75, then Δ0 = (5.5, 2), g0 = 6.5 - 1.875 = 4.625.
+    "tau0-alpha1": ((2, 0, 1.0, 3), (4.625, 5.75), ((1.0, 1.0), (4.5, 4.5))),
+    "tau1-alpha1": ((2, 1, 1.0, 3), (4.625, 5.75), ((1.0, 1.0), (4.5, 4.5))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_streaming_matches_the_values_worked_out_by_hand(case: str) -> None:
+    (fragments, tau, alpha, syncs), want_global, want_islands = CASES[case]
+    got_global, got_islands = run(fragments, tau, alpha, syncs)
+    assert got_global == list(want_global)
+    assert got_islands == [list(w) for w in want_islands]
