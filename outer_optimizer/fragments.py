@@ -14,9 +14,10 @@ Layouts (`stream.layout`) of the repeated blocks (a leaf whose path is ``<group>
                  which keeps every fragment's share of the model's function alike)
     contiguous   block k -> fragment k·P // n_blocks: fragment 0 holds the first layers, fragment P-1 the last
 
-Every other leaf (embeddings, the final norm) joins the fragment with the fewest elements so far, in name order,
-so fragments stay close in size. Everything here is a pure function of names and sizes: every process computes the
-same fragments and the same schedule from the same config, with nothing on the wire.
+Every other leaf (embeddings, the final norm), largest first, joins the fragment with the fewest elements so far,
+so fragments stay close in size (a model whose embedding outweighs a block cannot be split evenly, though).
+Everything here is a pure function of names and sizes: every process computes the same fragments and the same
+schedule from the same config, with nothing on the wire.
 """
 
 from __future__ import annotations
@@ -63,14 +64,15 @@ class Fragments:
             k = blocks[name]
             groups[k % count if layout == "strided" else k * count // n_blocks].append(name)
         totals = [sum(sizes[n] for n in g) for g in groups]
-        for name in sorted(set(sizes) - set(blocks)):
+        for name in sorted(set(sizes) - set(blocks), key=lambda n: (-sizes[n], n)):
             smallest = totals.index(min(totals))
             groups[smallest].append(name)
             totals[smallest] += sizes[name]
         if any(not g for g in groups):
+            others = len(sizes) - len(blocks)
             raise FragmentError(
-                f"stream.fragments = {count} but the model has only {n_blocks} repeated blocks and "
-                f"{len(sizes) - len(blocks)} other tensors to split; use at most {n_blocks} fragments"
+                f"stream.fragments = {count} but the model splits into at most {n_blocks + others} parts "
+                f"({n_blocks} repeated blocks and {others} other tensors)"
             )
         return cls(tuple(tuple(sorted(g)) for g in groups))
 

@@ -38,17 +38,17 @@ def test_blocks_go_to_fragments_by_layout(count: int, layout: str, blocks: list[
     assert sorted(every) == sorted(SIZES), "every leaf in exactly one fragment"
 
 
-def test_other_leaves_join_the_smallest_fragment_in_name_order() -> None:
-    # Blocks give 40 elements to each of 2 fragments; embed/pos (5) -> f0 (tie: the first), embed/tok (30) -> f1,
-    # final_norm/scale (2) -> f0 (45 < 70).
+def test_other_leaves_join_the_smallest_fragment_largest_first() -> None:
+    # Blocks give 40 elements to each of 2 fragments; embed/tok (30) -> f0 (tie: the first), embed/pos (5) -> f1,
+    # final_norm/scale (2) -> f1 (45 < 70).
     fragments = Fragments.split(SIZES, 2, "strided")
-    assert [n for n in fragments.names[0] if not n.startswith("blocks/")] == ["embed/pos", "final_norm/scale"]
-    assert [n for n in fragments.names[1] if not n.startswith("blocks/")] == ["embed/tok"]
+    assert [n for n in fragments.names[0] if not n.startswith("blocks/")] == ["embed/tok"]
+    assert [n for n in fragments.names[1] if not n.startswith("blocks/")] == ["embed/pos", "final_norm/scale"]
 
 
 @pytest.mark.parametrize(
     "count, layout, words",
-    [(0, "strided", "must be >= 1"), (2, "diagonal", "stream.layout"), (9, "strided", "at most 4 fragments")],
+    [(0, "strided", "must be >= 1"), (2, "diagonal", "stream.layout"), (9, "strided", "at most 7 parts")],
 )
 def test_impossible_splits_say_why(count: int, layout: str, words: str) -> None:
     with pytest.raises(FragmentError, match=words):

@@ -12,6 +12,8 @@ Every value below is a short binary fraction, so float32 holds it exactly and th
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -20,9 +22,11 @@ import numpy as np
 import optax
 import pytest
 
-from diloco.config import StreamConfig
+from diloco.config import ConfigError, StreamConfig, load_config, require_whole_rounds
 from diloco.rounds import OuterLoop
-from diloco.simulate import Lockstep
+from diloco.rundir import read_events
+from diloco.setup import build_setup
+from diloco.simulate import Lockstep, run_simulation
 from islands.island import Island
 from outer_optimizer import mean
 from outer_optimizer.fragments import Fragments
@@ -111,3 +115,68 @@ def test_streaming_matches_the_values_worked_out_by_hand(case: str) -> None:
     got_global, got_islands = run(fragments, tau, alpha, syncs)
     assert got_global == list(want_global)
     assert got_islands == [list(w) for w in want_islands]
+
+
+# -- the driver: simulate with [stream] ---------------------------------------------------------------------------
+
+STREAM = ["model.n_layers=2", "stream.fragments=2", "stream.overlap_steps=1", "codec.uplink=int8",
+          "codec.downlink=int8"]  # fmt: skip
+
+
+def test_streaming_simulate_resumes_bit_identically(tiny_config: Path, tmp_path: Path) -> None:
+    """Checkpoints are taken at round ends, where fragment P-1's merge is still τ steps away: a resumed run must
+    rebuild that pending merge from the schedule, with the per-fragment outer states and residuals restored."""
+    cfg = load_config(tiny_config, STREAM)
+    reference = run_simulation(cfg, tmp_path / "ref", show_progress=False)
+    run_dir = tmp_path / "resumed"
+    run_simulation(cfg, run_dir, show_progress=False)
+    # What a kill right after round 1's checkpoint leaves on disk: later checkpoints and the summary never written.
+    for store in (run_dir / "checkpoints").iterdir():
+        for step in store.iterdir():
+            if step.name.isdigit() and int(step.name) > 1:
+                shutil.rmtree(step)
+    (run_dir / "summary.json").unlink()
+    resumed = run_simulation(cfg, run_dir, show_progress=False)
+    events = read_events(run_dir / "metrics.jsonl")
+    assert [e["round"] for e in events if e["event"] == "resumed"] == [1]
+    assert [(e["round"], e["fragment"]) for e in events if e["event"] in ("sync", "round")] == [
+        (r, p) for r in range(3) for p in range(2)
+    ]
+    assert resumed["params_digest"] == reference["params_digest"]
+    assert resumed["final_eval_loss"] == reference["final_eval_loss"]
+    assert resumed["syncs"] == reference["syncs"] == 6
+
+
+def test_each_sync_sends_only_its_fragment(tiny_config: Path, tmp_path: Path) -> None:
+    """fp32 bytes are 4 per element: the fragments' syncs of a round add up to one plain sync, and each is smaller
+    (not half: this tiny model's token embedding weighs as much as a block; BENCHMARKS.md has a real model's split)."""
+    overrides = ["model.n_layers=2", "train.rounds=1", "train.checkpoint_every=0"]
+    plain = run_simulation(load_config(tiny_config, overrides), tmp_path / "plain", show_progress=False)
+    streamed = run_simulation(load_config(tiny_config, [*overrides, "stream.fragments=2"]), tmp_path / "streamed",
+                              show_progress=False)  # fmt: skip
+    events = read_events(tmp_path / "streamed" / "metrics.jsonl")
+    ups = [e["bytes_up"] for e in events if e["event"] in ("sync", "round")]
+    per_sync = [ups[0], ups[1] - ups[0]]
+    assert streamed["bytes_up"] == plain["bytes_up"] == 2 * 4 * plain["param_count"]  # 2 islands, 1 round
+    assert 0 < min(per_sync) and max(per_sync) < 0.7 * plain["bytes_up"], per_sync
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["stream.fragments=3"], "train.inner_steps (4) must be a multiple of stream.fragments (3)"),
+        (["stream.overlap_steps=4"], "stream.overlap_steps must be in [0, train.inner_steps)"),
+        (["stream.merge_alpha=2"], "stream.merge_alpha must be in [0, 1]"),
+        (["train.inner_steps=8", "stream.fragments=8"], "splits into at most 5 parts (1 repeated blocks and 4 other"),
+    ],
+)
+def test_a_stream_setting_that_cannot_run_is_one_line(tiny_config: Path, overrides: list[str], words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_setup(load_config(tiny_config, overrides), islands=())
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_process_system_refuses_streaming_in_one_line(tiny_config: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^launch: stream.fragments = 2.*runs in `diloco simulate` only"):
+        require_whole_rounds(load_config(tiny_config, ["stream.fragments=2"]), "launch")
+    require_whole_rounds(load_config(tiny_config), "launch")
