@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 
+from diloco.bench.streaming import run_streaming_bench
 from diloco.config import ConfigError, StreamConfig, load_config, require_whole_rounds
 from diloco.rounds import OuterLoop
 from diloco.rundir import read_events
@@ -147,18 +148,17 @@ def test_streaming_simulate_resumes_bit_identically(tiny_config: Path, tmp_path:
     assert resumed["syncs"] == reference["syncs"] == 6
 
 
-def test_each_sync_sends_only_its_fragment(tiny_config: Path, tmp_path: Path) -> None:
-    """fp32 bytes are 4 per element: the fragments' syncs of a round add up to one plain sync, and each is smaller
-    (not half: this tiny model's token embedding weighs as much as a block; BENCHMARKS.md has a real model's split)."""
-    overrides = ["model.n_layers=2", "train.rounds=1", "train.checkpoint_every=0"]
-    plain = run_simulation(load_config(tiny_config, overrides), tmp_path / "plain", show_progress=False)
-    streamed = run_simulation(load_config(tiny_config, [*overrides, "stream.fragments=2"]), tmp_path / "streamed",
-                              show_progress=False)  # fmt: skip
-    events = read_events(tmp_path / "streamed" / "metrics.jsonl")
-    ups = [e["bytes_up"] for e in events if e["event"] in ("sync", "round")]
-    per_sync = [ups[0], ups[1] - ups[0]]
-    assert streamed["bytes_up"] == plain["bytes_up"] == 2 * 4 * plain["param_count"]  # 2 islands, 1 round
-    assert 0 < min(per_sync) and max(per_sync) < 0.7 * plain["bytes_up"], per_sync
+def test_the_streaming_bench_measures_each_sync_sending_only_its_fragment(tiny_config: Path, tmp_path: Path) -> None:
+    """`diloco bench streaming`, one round: fp32 is 4 bytes per element, so the fragments' syncs of a round add up to
+    one plain sync, and each is smaller (not half: this tiny model's token embedding weighs as much as a block)."""
+    cfg = load_config(tiny_config, ["model.n_layers=2", "train.rounds=1", "train.checkpoint_every=0"])
+    r = run_streaming_bench(cfg, tmp_path / "bench", fragments=2, overlap=1, alpha=0.0)
+    plain_bytes = 2 * 4 * build_setup(cfg, islands=()).n_params  # 2 islands, all of θ once
+    assert r["syncs"] == {"plain": 1, "streaming": 2}
+    assert r["bytes_up"] == {"plain": plain_bytes, "streaming": plain_bytes}
+    assert r["peak_bytes_up_per_sync"]["plain"] == plain_bytes
+    assert 1.4 < r["peak_reduction"] < 2.0, r
+    assert 0.9 < r["ratio_streaming_over_plain"] < 1.1, r
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ HELP = {
     "fuzz-decoders": "coverage-guided fuzzing (atheris) of the codecs, header, chunk and push-meta parsers",
     "load": "one coordinator process under many light gRPC islands: round time, RSS, CPU, bytes",
     "soak": "seeded SIGKILLs of islands and the coordinator over many rounds: digests, loss vs fault-free",
+    "streaming": "Streaming DiLoCo (P fragments, overlap τ) vs plain DiLoCo at the same H: loss, bytes per sync",
 }
 
 
@@ -77,6 +78,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "--kill-after", type=int, default=3, help="committed rounds before the victim is killed"
     )
     _add_byzantine(parsers["byzantine"])
+    st = parsers["streaming"]
+    _with_config(st)
+    st.add_argument("--fragments", type=int, default=4, help="P, the fragments of the streaming run")
+    st.add_argument("--overlap", type=int, default=1, help="τ, inner steps before a sent fragment is merged")
+    st.add_argument("--alpha", type=float, default=0.0, help="α of the merge (0: take the global fragment)")
     _add_load(parsers["load"])
     _add_soak(parsers["soak"])
 
@@ -194,6 +200,14 @@ def _byzantine(args: argparse.Namespace) -> Result:
     return run_byzantine_bench(load_config(args.config, args.overrides), attacks, rules, args.islands)
 
 
+def _streaming(args: argparse.Namespace) -> Result:
+    from diloco.bench.streaming import run_streaming_bench
+    from diloco.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    return run_streaming_bench(cfg, _run_dir(args), args.fragments, args.overlap, args.alpha)
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "overhead": _overhead,
     "convergence": _convergence,
@@ -206,6 +220,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "fuzz-decoders": _fuzz_decoders,
     "load": _load,
     "soak": _soak,
+    "streaming": _streaming,
 }
 
 
