@@ -23,6 +23,7 @@ process stops the run (diloco/serve.py).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -109,8 +110,11 @@ class GlobalRun:
         if self.diverged is not None:
             raise self.diverged
         before = self.loop.snapshot()
+        t0 = time.perf_counter()
         commit = self.loop.commit()
+        t1 = time.perf_counter()
         eval_loss = self.evaluate(self.loop.params)
+        close_s = {"commit": round(t1 - t0, 4), "eval": round(time.perf_counter() - t1, 4)}
         why = diverged_reason(eval_loss, self.totals.initial_eval_loss, self.divergence_factor)
         if why is not None:
             # All or nothing, as for a commit that fails: θ_r stays the global model (and the checkpoint), the round
@@ -131,16 +135,20 @@ class GlobalRun:
             "round" if round_closed else "sync", round=commit.round, **streaming,
             loss=float(np.mean(losses)) if len(losses) else None,
             eval_loss=t.final_eval_loss, tokens=t.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down,
-            islands=list(commit.islands), digest=commit.digest, seconds=round(seconds, 4),
+            islands=list(commit.islands), digest=commit.digest, seconds=round(seconds, 4), close_s=close_s,
             **({"reason": reason} if reason else {}), **({"kept": commit.reduced} if commit.reduced else {}),
         )  # fmt: skip
         # The event is logged before the save: a kill in between loses the event with the round (truncated on
         # resume, then rerun), never a committed round without its event.
         if self.store is not None and round_closed and checkpoint_due(self.cfg, self.loop.round):
+            t2 = time.perf_counter()
             meta = {"totals": t.to_meta(), "durations": self.durations}
             save_state(self.store, self.loop.round, self.loop.state, meta)
             if self.durable:
                 self.store.wait()
+            # What the close costs the islands: commit and eval (in the round event) and this save, all before any
+            # island can pull θ_{r+1} in the coordinator (durable before visible).
+            self.rd.log("checkpoint", round=commit.round, seconds=round(time.perf_counter() - t2, 4))
         return commit
 
     def _diverge(self, commit: Commit, why: str, eval_loss: float, losses: Sequence[float]) -> None:
