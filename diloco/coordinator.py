@@ -70,6 +70,8 @@ class Coordinator:
         self.config_dict = to_dict(cfg)
         self.world = GlobalRun(cfg, rd, setup, durable=True)
         self.world.start(self.world.latest_step())
+        # Compile the commit's functions while islands start and train, off the lock (OuterLoop.warm_up).
+        threading.Thread(target=self.world.loop.warm_up, args=(len(self.names),), name="warm-up", daemon=True).start()
         self.model_spec = {name: (tuple(a.shape), "float32") for name, a in flatten_named(setup.init_params).items()}
         self.cond = threading.Condition()
         self.last_seen: dict[str, float] = {}

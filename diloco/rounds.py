@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -176,6 +177,19 @@ class OuterLoop:
             return math.sqrt(sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in leaves))
 
         return max(sorted(self._pending), key=lambda name: norm(self._pending[name]))
+
+    def warm_up(self, contributions: int) -> None:
+        """Compile what a commit runs (the rule for this many contributions, every fragment's outer step, the
+        downlink codec, the add) on zeros, changing nothing. The coordinator commits under its lock, where a first
+        compile (seconds on a loaded machine) would hold up every heartbeat and pull of round 0."""
+        theta = flatten_named(self.params, to_numpy=False)
+        for p in range(self.fragments.count):
+            mine = self.fragments.select(p, theta)
+            zeros = {name: jnp.zeros_like(x) for name, x in mine.items()}
+            combined = self.aggregate([zeros] * max(contributions, 1), [1] * max(contributions, 1))
+            update, _ = self._outer_update(mine, self.state.outer_opt_state[p], combined.delta)
+            residual = None if self.state.down_residual is None else self.fragments.select(p, self.state.down_residual)
+            apply_update(mine, compress_tree(jax.device_get(update), residual, self.downlink).decoded)
 
     def commit(self) -> Commit:
         """Close the open sync with every contribution received; the outer step of its fragment runs once."""
