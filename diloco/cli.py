@@ -20,6 +20,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -162,7 +163,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _island(args: argparse.Namespace) -> int:
-    from diloco.island_worker import IslandError, run_island_process
+    from diloco.island_worker import IslandError, run_island_process, say_gone
     from diloco.supervisor import supervise
     from diloco.tls import check_client_exposure, client_tls
     from transport.auth import is_secret_reference, resolve_secret
@@ -184,7 +185,9 @@ def _island(args: argparse.Namespace) -> int:
                           insecure=args.insecure)  # fmt: skip
     if not args.no_supervise:
         argv = [a for a in (sys.argv[1:] if args.argv is None else args.argv) if a != "--no-supervise"]
-        return supervise([*argv, "--no-supervise", "--run-dir", str(run_dir)], run_dir, args.max_restarts)
+        gone = partial(say_gone, cfg, args.name, args.coordinator, secret, tls)
+        worker_argv = [*argv, "--no-supervise", "--run-dir", str(run_dir)]
+        return supervise(worker_argv, run_dir, args.max_restarts, on_death=gone)
     result = run_island_process(cfg, args.name, args.coordinator, run_dir, secret)
     print(json.dumps(result), flush=True)
     return 0

@@ -218,6 +218,7 @@ class Coordinator:
             self.last_loss[meta.island] = float(meta.loss)
             self.rd.log(
                 "push", round=meta.round, island=meta.island, tokens=tokens, bytes_up=nbytes, loss=float(meta.loss),
+                compute_s=round(float(meta.compute_s), 4),
                 **({"tokens_claimed": int(meta.tokens)} if tokens != meta.tokens else {}),
             )  # fmt: skip
             self._tick_locked()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,12 @@ from islands.compress import decoded_tree
 from islands.island import DivergedError, RoundPush
 from outer_optimizer import apply_update
 from transport import diloco_pb2 as pb
+from transport.auth import TlsConfig
 from transport.client import IslandClient
 from transport.codecs import PyTree
 from transport.digest import tree_digest
 from transport.errors import TransportError, UserError
+from transport.grpc_client import GrpcTransport
 from transport.handler import PullPayload
 from transport.shaper import LinkShaper, load_link_profiles, profile_for
 from transport.tensors import decoder
@@ -224,10 +227,16 @@ class IslandWorker:
             # Compute utilization = inner-step seconds / wall seconds. Each push reports the wall time of its whole
             # cycle since the previous push (train, encode, push, the wait for the round to close, pull, checkpoint).
             cycle_from = time.perf_counter()
+            steps_ended: float | None = None
             while self.round < self.cfg.train.rounds and self.state_name != "done":
-                self.rd.log("train_start", round=self.round, island=self.name, step=self.island.state.step)
+                # sync_s: from the previous round's H-th inner step to now (encode, push, the wait for the round to
+                # close, pull, checkpoint): the time the WAN and the coordinator cost this island (diloco bench sync).
+                sync = {"sync_s": round(time.perf_counter() - steps_ended, 4)} if steps_ended is not None else {}
+                self.rd.log("train_start", round=self.round, island=self.name, step=self.island.state.step, **sync)
+                t_train = time.perf_counter()
                 push = self.island.train_round(self.global_params, H)
                 run = push.run
+                steps_ended = t_train + run.seconds
                 self.rd.log_inner(self.round, self.name, run.first_step, run.losses, self.cfg.train.log_every)
                 meta = pb.PushMeta(
                     **self._meta(), round=self.round, tokens=run.tokens, inner_steps=H, loss=float(run.losses[-1]),
@@ -261,7 +270,6 @@ class IslandWorker:
 def make_client(cfg: RunConfig, name: str, target: str, secret: str | None) -> IslandClient:
     """The island's gRPC client: TLS (mutual with a client certificate) when network.tls_* says so."""
     from diloco.tls import client_tls
-    from transport.grpc_client import GrpcTransport
 
     shaper = None
     if cfg.network.links:
@@ -269,6 +277,17 @@ def make_client(cfg: RunConfig, name: str, target: str, secret: str | None) -> I
     net = cfg.network
     tls = client_tls(net.tls_ca, net.tls_cert, net.tls_key, net.tls_server_name)
     return GrpcTransport(target, name, secret, config=cfg.transport, shaper=shaper, tls=tls)
+
+
+def say_gone(cfg: RunConfig, name: str, target: str, secret: str | None, tls: TlsConfig | None, why: str) -> None:
+    """Tell the coordinator that island `name`'s worker is gone (its supervisor saw it die), so the others' round
+    need not wait out its lease. One quick attempt: if the coordinator is away too, the lease does the same later."""
+    config = replace(cfg.transport, max_attempts=1, rpc_timeout_s=min(cfg.transport.rpc_timeout_s, 3.0))
+    try:
+        with GrpcTransport(target, name, secret, config=config, tls=tls) as client:
+            client.leave(pb.LeaveRequest(run_id=cfg.run.name, island=name, reason=why[:200]))
+    except TransportError:
+        pass
 
 
 def run_island_process(cfg: RunConfig, name: str, target: str, run_dir: Path, secret: str | None) -> dict:

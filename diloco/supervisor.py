@@ -6,6 +6,11 @@ worker restarted on fewer devices (a device lost) builds its mesh on the devices
 by gradient accumulation. Exit code 2 (a user mistake, a diverged island) is never retried: it would only fail
 again.
 
+A worker that dies is noticed at once (the supervisor is its parent): before the backoff, `on_death` tells the
+coordinator that this island is gone (`diloco island` sends a Leave with the island's own credentials), so the
+others' round closes now instead of when the dead worker's lease runs out (quorum.lease_s). Only the lease covers
+a host that dies with its supervisor, or a partition.
+
 The worker, not the supervisor, holds the run directory's lock (diloco/rundir.py): a dead worker's lock is gone
 with it, so its restart takes the directory at once. Before each start the supervisor checks that no one else
 holds it (an island started twice on one --run-dir), so that it refuses with one line naming the holder instead
@@ -18,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from diloco.rundir import check_free
@@ -26,7 +31,13 @@ from diloco.rundir import check_free
 USER_ERROR = 2
 
 
-def supervise(worker_argv: Sequence[str], run_dir: Path, max_restarts: int = 5, backoff_s: float = 1.0) -> int:
+def supervise(
+    worker_argv: Sequence[str],
+    run_dir: Path,
+    max_restarts: int = 5,
+    backoff_s: float = 1.0,
+    on_death: Callable[[str], None] | None = None,
+) -> int:
     restarts = 0
     stopping = False
     child: subprocess.Popen[bytes] | None = None
@@ -45,9 +56,11 @@ def supervise(worker_argv: Sequence[str], run_dir: Path, max_restarts: int = 5, 
         child = subprocess.Popen([sys.executable, "-m", "diloco.cli", *worker_argv])
         (run_dir / "worker.pid").write_text(str(child.pid))
         code = child.wait()
+        why = f"signal {-code}" if code < 0 else f"exit code {code}"
+        if on_death is not None and not stopping and code not in (0, USER_ERROR):  # a user error left by itself
+            on_death(f"worker died ({why})")
         if stopping or code in (0, USER_ERROR) or restarts >= max_restarts:
             return code if code >= 0 else 128 - code
         restarts += 1
-        why = f"signal {-code}" if code < 0 else f"exit code {code}"
         print(f"diloco island: worker died ({why}); restart {restarts}/{max_restarts}", file=sys.stderr, flush=True)
         time.sleep(backoff_s * restarts)

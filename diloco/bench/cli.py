@@ -29,6 +29,7 @@ HELP = {
     "load": "one coordinator process under many light gRPC islands: round time, RSS, CPU, bytes",
     "soak": "seeded SIGKILLs of islands and the coordinator over many rounds: digests, loss vs fault-free",
     "streaming": "Streaming DiLoCo (P fragments, overlap τ) vs plain DiLoCo at the same H: loss, bytes per sync",
+    "sync": "a real federation's sync time per island (end of step H to the next step) and the close's parts",
 }
 
 
@@ -83,6 +84,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     st.add_argument("--fragments", type=int, default=4, help="P, the fragments of the streaming run")
     st.add_argument("--overlap", type=int, default=1, help="τ, inner steps before a sent fragment is merged")
     st.add_argument("--alpha", type=float, default=0.0, help="α of the merge (0: take the global fragment)")
+    _with_config(parsers["sync"])
+    parsers["sync"].add_argument("--rounds", type=int, default=8, help="rounds of the run (the first is left out)")
     _add_load(parsers["load"])
     _add_soak(parsers["soak"])
 
@@ -208,6 +211,12 @@ def _streaming(args: argparse.Namespace) -> Result:
     return run_streaming_bench(cfg, _run_dir(args), args.fragments, args.overlap, args.alpha)
 
 
+def _sync(args: argparse.Namespace) -> Result:
+    from diloco.bench.sync import run_sync_bench
+
+    return run_sync_bench(args.config, args.overrides, _run_dir(args), args.rounds)
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "overhead": _overhead,
     "convergence": _convergence,
@@ -221,6 +230,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "load": _load,
     "soak": _soak,
     "streaming": _streaming,
+    "sync": _sync,
 }
 
 

@@ -1,0 +1,71 @@
+"""`diloco bench sync`: what one sync costs the islands of a real federation, and where the time goes.
+
+Starts the config's coordinator and islands as processes (`diloco.procs.Federation`, as `launch` does), runs
+`--rounds` rounds and reads back, per island, `sync_s` of its `train_start` events: the seconds from the end of its
+H-th inner step to the start of its next (encode, push, the wait for the round to close, pull, apply, checkpoint).
+The first round of each process is left out (it compiles). From the coordinator's events it reports what the close
+of a round costs on the islands' path: the commit (aggregate, outer step, downlink encode), the evaluation, and the
+checkpoint save (all three happen before any island can pull θ_{r+1}).
+
+Reported (JSON): median, p90 and max of sync_s over all islands and rounds, the same per island, the median of each
+close part, the median inner-step time, param count and codec. Run:
+``diloco bench sync CONFIG [--rounds 8] [--run-dir DIR] [key=value ...]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from diloco.bench.errors import BenchError
+from diloco.bench.federation import _federation
+from diloco.config import load_config
+
+
+def _summary(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median": None, "p90": None, "max": None}
+    ordered = sorted(values)
+    return {
+        "median": round(statistics.median(ordered), 4),
+        "p90": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 4),
+        "max": round(ordered[-1], 4),
+    }
+
+
+def run_sync_bench(config: str | Path, overrides: list[str], run_dir: Path, rounds: int) -> dict[str, Any]:
+    if rounds < 3:
+        raise BenchError(f"bench sync: --rounds must be >= 3 (the first round compiles; got {rounds})")
+    overrides = [*overrides, f"train.rounds={rounds}"]
+    cfg = load_config(config, overrides)
+    with _federation(config, overrides, run_dir) as fed:
+        fed.start()
+        summary = fed.wait_done(timeout_s=120.0 + 60.0 * rounds)
+        per_island = {
+            name: [e["sync_s"] for e in fed.events("train_start", island=name) if "sync_s" in e][1:]
+            for name in fed.names
+        }
+        steps = [e["compute_s"] / cfg.train.inner_steps for e in fed.events("push") if e.get("compute_s")]
+        closes = fed.rounds()[1:]
+        checkpoints = [e["seconds"] for e in fed.events("checkpoint")][1:]
+    every = [s for values in per_island.values() for s in values]
+    return {
+        "bench": "sync",
+        "param_count": summary["param_count"],
+        "islands": cfg.islands.count,
+        "H": cfg.train.inner_steps,
+        "codec": {"uplink": cfg.codec.uplink, "downlink": cfg.codec.downlink},
+        "links": cfg.network.links or None,
+        "rounds": rounds,
+        "sync_s": _summary(every),
+        "sync_s_per_island": {name: _summary(values) for name, values in per_island.items()},
+        "close_median_s": {
+            "commit": _summary([e["close_s"]["commit"] for e in closes if "close_s" in e])["median"],
+            "eval": _summary([e["close_s"]["eval"] for e in closes if "close_s" in e])["median"],
+            "checkpoint": _summary(checkpoints)["median"],
+        },
+        "inner_step_median_s": _summary(steps)["median"],
+        "compute_utilization": summary["compute_utilization"],
+        "run_dir": str(run_dir),
+    }

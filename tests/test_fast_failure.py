@@ -1,0 +1,52 @@
+"""A dead island is noticed at once, not when its lease runs out (diloco/supervisor.py, `island_worker.say_gone`).
+
+Real processes: a coordinator, a survivor and a supervised victim (`diloco island` without --no-supervise). The
+victim's *worker* is SIGKILLed while it trains; its supervisor sees the death, sends a Leave with the island's own
+credentials, and restarts the worker. The lease is 120 s, so a round that closes in seconds closed because of that
+Leave, not the lease.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco.procs import Federation
+from tests.conftest import JAX_CACHE, JAX_CACHE_ENV, REPO
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+H = 200
+"""Inner steps per round: long enough (seconds) that the kill lands while the victim trains, before it pushes."""
+ENV = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "PYTHONWARNINGS": JAX_CACHE_ENV["PYTHONWARNINGS"]}  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_worker_is_reported_by_its_supervisor_and_the_round_goes_on(tiny_config: Path, tmp_path: Path) -> None:
+    overrides = [f"train.inner_steps={H}", "train.rounds=3", "quorum.lease_s=120", "quorum.min_deadline_s=1",
+                 "quorum.max_deadline_s=300", "network.pull_wait_s=2", "train.checkpoint_every=1"]  # fmt: skip
+    with Federation(tiny_config, overrides, tmp_path / "run", cwd=REPO, env=ENV, jax_cache=JAX_CACHE) as fed:
+        fed.start_coordinator()
+        fed.start_island("island-0")
+        fed.start_island("island-1", supervised=True)
+        fed.wait_rounds(1, 300)
+        # Kill the victim's worker as soon as it starts training round 1 (its supervisor wrote worker.pid).
+        fed.wait_for(lambda: fed.events("train_start", island="island-1")[1:], 300, "island-1 training round 1",
+                     poll_s=0.01)  # fmt: skip
+        pid = int((fed.island_dir("island-1") / "worker.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        left = fed.wait_for(lambda: fed.events("island_left"), 60, "the supervisor's Leave")
+        closed = fed.wait_rounds(2, 120)[1]
+        closed_after_s = time.monotonic() - killed_at
+        summary = fed.wait_done(300)
+    assert left[0]["island"] == "island-1" and left[0]["reason"] == "worker died (signal 9)", left
+    assert closed["islands"] == ["island-0"], closed  # round 1 closed without the victim ...
+    assert closed_after_s < 60, closed_after_s  # ... long before its 120 s lease (seconds, on a quiet machine)
+    assert summary["rounds"] == 3 and summary["islands_lost"] == 0  # a Leave, not a lease expiry
+    print(f"round 1 closed {closed_after_s:.2f} s after the SIGKILL")
