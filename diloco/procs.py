@@ -47,9 +47,18 @@ class FederationError(RuntimeError):
         self.process = process
 
 
-def devices_env(devices: int) -> dict[str, str]:
-    """The environment that gives a child JAX process `devices` CPU devices (read once, when JAX starts)."""
-    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def devices_env(devices: int, xla_flags: str | None = None) -> dict[str, str]:
+    """The environment that gives a child JAX process `devices` CPU devices (read once, when JAX starts).
+
+    The user's own XLA flags (`xla_flags`, default: this process's XLA_FLAGS) are kept, less any device count:
+    replacing them all would silently drop, say, a thread limit set in the launching shell.
+    """
+    given = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    kept = [flag for flag in given.split() if not flag.startswith(DEVICE_COUNT_FLAG)]
+    return {"XLA_FLAGS": " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])}
 
 
 def child_env(cfg: RunConfig, extra: Mapping[str, str]) -> dict[str, str]:
