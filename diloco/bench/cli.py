@@ -30,6 +30,7 @@ HELP = {
     "soak": "seeded SIGKILLs of islands and the coordinator over many rounds: digests, loss vs fault-free",
     "streaming": "Streaming DiLoCo (P fragments, overlap τ) vs plain DiLoCo at the same H: loss, bytes per sync",
     "sync": "a real federation's sync time per island (end of step H to the next step) and the close's parts",
+    "colocation": "islands sharing a host: inner-step time against their fair share of the cores (threads, pinning)",
 }
 
 
@@ -84,6 +85,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     st.add_argument("--fragments", type=int, default=4, help="P, the fragments of the streaming run")
     st.add_argument("--overlap", type=int, default=1, help="τ, inner steps before a sent fragment is merged")
     st.add_argument("--alpha", type=float, default=0.0, help="α of the merge (0: take the global fragment)")
+    co = parsers["colocation"]
+    _with_config(co, run_dir=False)
+    co.add_argument("--islands", type=int, default=3, help="island processes training at once")
+    co.add_argument("--steps", type=int, default=20, help="timed inner steps per process (median)")
     _with_config(parsers["sync"])
     parsers["sync"].add_argument("--rounds", type=int, default=8, help="rounds of the run (the first is left out)")
     _add_load(parsers["load"])
@@ -217,6 +222,12 @@ def _sync(args: argparse.Namespace) -> Result:
     return run_sync_bench(args.config, args.overrides, _run_dir(args), args.rounds)
 
 
+def _colocation(args: argparse.Namespace) -> Result:
+    from diloco.bench.colocation import run_colocation_bench
+
+    return run_colocation_bench(args.config, args.overrides, args.islands, args.steps)
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "overhead": _overhead,
     "convergence": _convergence,
@@ -231,6 +242,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "soak": _soak,
     "streaming": _streaming,
     "sync": _sync,
+    "colocation": _colocation,
 }
 
 
