@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import tomllib
 import types
 import typing
@@ -69,6 +70,10 @@ class TrainConfig:
     """Save a checkpoint every this many rounds (0 disables checkpoints)."""
     log_every: int = 10
     """Write an `inner` metrics event every this many inner steps."""
+    round_seconds: float = 0.0
+    """Time-budgeted rounds: each island trains as many inner steps as fit this many seconds of its own training
+    (at least 1, at most inner_steps) before it syncs, so a slow island sends fewer tokens rather than holding up the
+    round; the mean is token-weighted. 0: exactly inner_steps per round."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("diloco", "sync"):
@@ -79,6 +84,8 @@ class TrainConfig:
         for key in ("microbatch", "eval_batches", "checkpoint_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be >= 0 (got {getattr(self, key)})")
+        if not 0.0 <= self.round_seconds < float("inf"):
+            raise ValueError(f"train.round_seconds must be a finite number >= 0 (got {self.round_seconds})")
         if self.microbatch and self.batch_size % self.microbatch:
             raise ValueError(
                 f"train.batch_size ({self.batch_size}) must be a multiple of train.microbatch ({self.microbatch})"
@@ -125,6 +132,9 @@ class IslandsConfig:
     XLA_FLAGS=--xla_force_host_platform_device_count=N."""
     shard_params: bool = False
     """Shard parameters and optimizer state across the island's devices (for models larger than one device)."""
+    slowdown: tuple[str, ...] = ()
+    """"NAME=FACTOR" entries: island NAME takes FACTOR (>= 1) times as long per inner step (it sleeps the difference),
+    a stand-in for slower hardware in tests and benchmarks."""
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -133,6 +143,24 @@ class IslandsConfig:
             raise ValueError(f"islands.names has {len(self.names)} names but islands.count is {self.count}")
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"islands.names must be unique (got {list(self.names)})")
+        self.slowdowns()  # refuse a malformed entry when the config loads, not when an island starts
+
+    def slowdowns(self) -> dict[str, float]:
+        """islands.slowdown as island name -> factor."""
+        out: dict[str, float] = {}
+        for entry in self.slowdown:
+            name, sep, factor = entry.partition("=")
+            try:
+                value = float(factor)
+            except ValueError:
+                value = math.nan
+            if not sep or name not in self.island_names or not 1.0 <= value < math.inf:
+                raise ValueError(
+                    f"islands.slowdown entry {entry!r} must be NAME=FACTOR with NAME one of islands.names "
+                    f"({', '.join(self.island_names)}) and FACTOR a number >= 1"
+                )
+            out[name] = value
+        return out
         if any(not n or not n.replace("-", "").replace("_", "").isalnum() for n in self.names):
             raise ValueError(f"islands.names must be non-empty [A-Za-z0-9_-] names (got {list(self.names)})")
         if self.devices < 1:
@@ -244,6 +272,9 @@ class RunConfig:
             raise ValueError(
                 f"network.secrets has {len(self.network.secrets)} entries but islands.count is {self.islands.count}"
             )
+        if self.train.round_seconds and self.stream.streaming:
+            raise ValueError("train.round_seconds (time-budgeted rounds) needs whole rounds: stream.fragments = 1 and "
+                             "stream.overlap_steps = 0")  # fmt: skip
         why = check_schedule(self.train.inner_steps, self.stream.fragments, self.stream.overlap_steps)
         if why is not None:
             raise ValueError(why)

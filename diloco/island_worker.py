@@ -234,12 +234,13 @@ class IslandWorker:
                 sync = {"sync_s": round(time.perf_counter() - steps_ended, 4)} if steps_ended is not None else {}
                 self.rd.log("train_start", round=self.round, island=self.name, step=self.island.state.step, **sync)
                 t_train = time.perf_counter()
-                push = self.island.train_round(self.global_params, H)
+                push = self.island.train_round(self.global_params, H, budget_s=self.cfg.train.round_seconds)
                 run = push.run
                 steps_ended = t_train + run.seconds
                 self.rd.log_inner(self.round, self.name, run.first_step, run.losses, self.cfg.train.log_every)
                 meta = pb.PushMeta(
-                    **self._meta(), round=self.round, tokens=run.tokens, inner_steps=H, loss=float(run.losses[-1]),
+                    **self._meta(), round=self.round, tokens=run.tokens, inner_steps=len(run.losses),
+                    loss=float(run.losses[-1]),
                     compute_s=run.seconds, wall_s=time.perf_counter() - cycle_from,
                     base_digest=bytes.fromhex(self.global_digest),
                 )  # fmt: skip

@@ -75,6 +75,7 @@ def make_island(cfg: RunConfig, name: str, model: Model, stream: Batches, n_devi
         microbatch=cfg.train.microbatch,
         shard_params=cfg.islands.shard_params,
         inner=cfg.inner,
+        slowdown=cfg.islands.slowdowns().get(name, 1.0),
     )
 
 

@@ -97,7 +97,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
 
     totals = world.totals
     H = cfg.train.inner_steps
-    lockstep = Lockstep(islands, world.loop, H, cfg.stream, step=world.loop.round * H)
+    lockstep = Lockstep(islands, world.loop, H, cfg.stream, step=world.loop.round * H, budget_s=cfg.train.round_seconds)
     progress = Progress(cfg.train.rounds, f"{cfg.run.name} diloco x{len(names)}", show_progress)
     t_sync = time.monotonic()
 
@@ -139,20 +139,31 @@ class Lockstep:
     """
 
     def __init__(
-        self, islands: list[Island], loop: OuterLoop, inner_steps: int, stream: StreamConfig, step: int = 0
+        self,
+        islands: list[Island],
+        loop: OuterLoop,
+        inner_steps: int,
+        stream: StreamConfig,
+        step: int = 0,
+        budget_s: float = 0.0,
     ) -> None:
         self.islands, self.loop = islands, loop
         self.H, self.P = inner_steps, stream.fragments
         self.tau, self.alpha = stream.overlap_steps, stream.merge_alpha
         self.step = step
-        """Inner steps every island has taken (rounds are checkpointed at their ends, so a resume starts at r·H)."""
+        """Inner steps of the schedule so far (rounds are checkpointed at their ends, so a resume starts at r·H)."""
+        self.budget_s = budget_s
+        """train.round_seconds: each island trains what fits this many seconds of its own steps, at most H (whole
+        rounds only, so the schedule's `step` then counts rounds of H, not each island's own steps)."""
         self._since_push: dict[str, list[InnerRun]] = {island.name: [] for island in islands}
 
     def advance(self, close: Callable[[dict[str, RoundPush]], Commit]) -> bool:
         """Train to the next event and handle it; True when a round ended here (its last fragment committed)."""
         target = next_event(self.step, self.H, self.P, self.tau)
         for island in self.islands:
-            self._since_push[island.name].append(island.train(target - self.step))
+            n = target - self.step
+            run = island.train_for(self.budget_s, n) if self.budget_s > 0 else island.train(n)
+            self._since_push[island.name].append(run)
         self.step = target
         round_closed = False
         p = syncing_fragment(self.step, self.H, self.P)

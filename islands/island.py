@@ -138,10 +138,13 @@ class Island:
         shard_params: bool = False,
         devices: list[jax.Device] | None = None,
         inner: InnerConfig | None = None,
+        slowdown: float = 1.0,
     ) -> None:
-        """`inner`, when given, only puts the values of the inner settings into a divergence message."""
+        """`inner`, when given, only puts the values of the inner settings into a divergence message. `slowdown`:
+        each inner step takes this many times as long (the island sleeps the difference; tests and benchmarks)."""
         self.name = name
         self.inner = inner
+        self.slowdown = slowdown
         self.model = model
         self.tx = tx
         self.stream = stream
@@ -167,6 +170,7 @@ class Island:
         self.state = IslandState(params=placed, inner_opt_state=opt, residual=residual, step=step, data_cursor=cursor)
         self.stream.cursor = cursor
         self._step_fn = make_train_step(self.model.loss, self.tx, self.mesh, self.shard_params)
+        self._warm = False
 
     def restore(self, state: IslandState) -> None:
         """Continue from a saved state (a checkpoint restored into the layout of this island's fresh state)."""
@@ -186,9 +190,21 @@ class Island:
         host = host.reshape(self.passes, host.shape[0] // self.passes, host.shape[1])
         return jax.device_put(host, self._batch_sharding)
 
+    def _warm_up(self) -> None:
+        """Compile the inner step by running it once on copies of the state and a batch of zeros (results dropped,
+        no batch consumed), so that no timed step, step budget or slowdown ever includes the compilation."""
+        assert self.state is not None and self._step_fn is not None
+        zeros = np.zeros((self.stream.batch_size, self.stream.seq_len + 1), np.int32)
+        batch = jax.device_put(zeros.reshape(self.passes, -1, zeros.shape[1]), self._batch_sharding)
+        out = self._step_fn(self.place(self.state.params), self.place(self.state.inner_opt_state), batch)
+        jax.block_until_ready(out)
+        self._warm = True
+
     def train(self, n_steps: int) -> InnerRun:
         """Run n inner steps. Losses stay on device until the end so the host never stalls the pipeline."""
         assert self.state is not None and self._step_fn is not None, "start() the island first"
+        if not self._warm:
+            self._warm_up()
         params, opt_state = self.state.params, self.state.inner_opt_state
         first_step = self.state.step
         losses = []
@@ -197,6 +213,8 @@ class Island:
             params, opt_state, metrics = self._step_fn(params, opt_state, self.next_batch())
             losses.append(metrics["loss"])
         host_losses = np.asarray(jax.device_get(losses), dtype=np.float32)
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
         seconds = time.perf_counter() - t0
         self.check_finite(host_losses, params, first_step)
         self.state = replace(
@@ -231,12 +249,29 @@ class Island:
                 f"{first_step + len(losses)}{last}; {divergence_advice(self.inner)}"
             )
 
-    def train_round(self, global_params: PyTree, n_steps: int) -> RoundPush:
-        """H inner steps from θ_r, then Δ = θ_r - θ_local compressed as encode(Δ + e) (DiLoCo with error feedback).
+    def train_for(self, budget_s: float, max_steps: int) -> InnerRun:
+        """As many inner steps as fit `budget_s` seconds of training: at least one, at most `max_steps`.
+
+        Trained in chunks sized by the step time measured so far (no per-step host sync on a fast device), each
+        chunk at most what the budget still holds, so the budget is overrun by at most one step's time.
+        """
+        runs = [self.train(1)]
+        done, spent = 1, runs[0].seconds
+        while done < max_steps:
+            chunk = min(max_steps - done, int((budget_s - spent) / (spent / done)))
+            if chunk < 1:
+                break
+            runs.append(self.train(chunk))
+            done, spent = done + chunk, spent + runs[-1].seconds
+        return InnerRun.joined(runs)
+
+    def train_round(self, global_params: PyTree, n_steps: int, budget_s: float = 0.0) -> RoundPush:
+        """H inner steps from θ_r (or, with `budget_s`, as many as fit it, at most H), then Δ = θ_r - θ_local
+        compressed as encode(Δ + e) (DiLoCo with error feedback).
 
         The island's residual is not changed here: the caller decides whether the push counted (`keep_residual`).
         """
-        run = self.train(n_steps)
+        run = self.train_for(budget_s, n_steps) if budget_s > 0 else self.train(n_steps)
         return self.push(run, flatten_named(global_params, to_numpy=False))
 
     def push(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
