@@ -82,7 +82,10 @@ def serve(
         coordinator.close()
         rd.close()
         raise ListenError(f"cannot listen on {listen} ({exc}); is the port already in use?") from None
-    (run_dir / "coordinator.addr").write_text(server.address)
+    # Written whole or not at all (a rename): whoever polls for the file never reads it half-written, empty.
+    partial = run_dir / "coordinator.addr.tmp"
+    partial.write_text(server.address)
+    partial.replace(run_dir / "coordinator.addr")
     rd.set_address(server.address)  # a second coordinator on this run dir is told where this one listens
     print(f"diloco coordinator listening on {server.address} (run {cfg.run.name}, round {coordinator.loop.round})",
           flush=True)  # fmt: skip

@@ -2,15 +2,60 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+JAX_CACHE = Path(os.environ["TMP_KEEP_CACHE"]) if os.environ.get("TMP_KEEP_CACHE") else Path(tempfile.mkdtemp(prefix="diloco-tests-xla-cache-"))  # TEMPORARY
+"""One persistent XLA compilation cache for this test session (removed at exit): most tests build the same tiny
+models, and compiling their steps is most of what a JAX process costs on 2 cores, so a process (or an in-process
+run) that compiles what an earlier one did loads the executable instead. It changes no computation: a cache hit is
+the executable the compiler would have produced. Tests opt in (`child_env(jax_cache=True)`, `shared_jax_cache`);
+the pytest process itself uses it for its own in-process runs (`pytest_configure`)."""
+if not os.environ.get("TMP_KEEP_CACHE"):  # TEMPORARY
+    atexit.register(shutil.rmtree, JAX_CACHE, ignore_errors=True)
+JAX_CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR": str(JAX_CACHE),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    # Two processes may compile the same step at once, and one may read the other's entry while it is being
+    # written: JAX then warns on stderr and compiles instead. Only that warning is silenced, so that the tests
+    # that read a child's stderr line by line see what the product printed.
+    "PYTHONWARNINGS": ",".join(
+        filter(None, [os.environ.get("PYTHONWARNINGS", ""), "ignore:Error reading persistent compilation cache"])
+    ),
+}
+"""Environment of a child process that shares JAX_CACHE."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(JAX_CACHE))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture
+def shared_jax_cache(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """For tests whose children are started by product code (a benchmark's Federation inherits this process's
+    environment): they share JAX_CACHE for the test's duration."""
+    for key, value in JAX_CACHE_ENV.items():
+        monkeypatch.setenv(key, value)
+    return JAX_CACHE
 
 TINY_TOML = """
 [run]
@@ -69,21 +114,144 @@ def tiny_config(tmp_path: Path, corpus: Path) -> Path:
     return cfg
 
 
-def child_env(devices: int = 1) -> dict[str, str]:
-    """Environment for a child JAX process with `devices` CPU devices (set before JAX starts)."""
+def child_env(devices: int = 1, jax_cache: bool = False) -> dict[str, str]:
+    """Environment for a child JAX process with `devices` CPU devices (set before JAX starts), sharing the
+    session's XLA compilation cache with `jax_cache`."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if jax_cache:
+        env.update(JAX_CACHE_ENV)
     return env
 
 
 def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`diloco ARGS` as a child process sharing the session's XLA compilation cache."""
     return subprocess.run(
         [sys.executable, "-m", "diloco.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=child_env(),
+        env=child_env(jax_cache=True),
         cwd=cwd or REPO,
     )
+
+
+# -- one real `diloco launch`, shared ----------------------------------------------------------------------------
+
+LAUNCH_SECRETS = {"island-0": "envsecret-7f3a9c1e55", "island-1": "litsecret-0b8d4e2a66"}
+"""The shared launch's island secrets: island-0's reaches launch in an environment variable (T_LAUNCH_S0), island-1's
+as a literal in a command-line override."""
+LAUNCH_OVERRIDES = ["train.rounds=3", "quorum.min_islands=2", "codec.uplink=int8", "codec.downlink=int8",
+                    "network.pull_wait_s=2"]  # fmt: skip
+"""The shared launch's run beyond the tiny config; min_islands = count: every round holds every island, as in the
+one-process simulation."""
+
+
+@dataclass(frozen=True)
+class SharedLaunch:
+    """A finished `diloco launch` of the tiny config with island secrets, what was seen while it ran, and a
+    `diloco simulate` of the same run that ran beside it."""
+
+    config: Path
+    run_dir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    processes: dict[int, tuple[list[str], dict[str, str]]]
+    """Every process launch started, as /proc showed it while it ran: {pid: (argv, environ)}."""
+    probes: dict[str, str]
+    """How the coordinator answered island-0's Status with the right secret but without mutual TLS: the status code
+    per way of calling ("plaintext", "tls_without_client_cert"), or "OK"."""
+    simulate_dir: Path
+    simulate_returncode: int
+    simulate_stderr: str
+
+
+def processes_under(marker: str) -> dict[int, tuple[list[str], dict[str, str]]]:
+    """{pid: (argv, environ)} of the live `diloco.cli` processes whose command line mentions `marker` (a run dir)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if marker not in " ".join(argv) or "diloco.cli" not in argv:
+                continue
+            raw = (entry / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+        found[int(entry.name)] = (argv, env)
+    return found
+
+
+def _status_code(address: str, tls_ca: Path | None) -> str:
+    """The code of island-0's Status (right secret, no client certificate), over plaintext or TLS."""
+    from transport.auth import TlsConfig
+    from transport.config import TransportConfig
+    from transport.errors import TransportError
+    from transport.grpc_client import GrpcTransport
+
+    tls = TlsConfig(ca_file=str(tls_ca)) if tls_ca else None
+    once = TransportConfig(max_attempts=1, rpc_timeout_s=5)
+    with GrpcTransport(address, "island-0", LAUNCH_SECRETS["island-0"], config=once, tls=tls) as client:
+        try:
+            client.status()
+        except TransportError as exc:
+            return exc.code.name
+    return "OK"
+
+
+@pytest.fixture(scope="session")
+def shared_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedLaunch]:
+    """One `diloco launch` (coordinator, and a supervisor and a worker per island, over mutual TLS) shared by the
+    tests that read it: test_secure_defaults (no secret leaks into argv, environments, files or output) and
+    test_federation (it ends with the parameters of `diloco simulate`, which runs beside it). Each launch costs a
+    set of process starts; the two checks only read what it did and left."""
+    tmp = tmp_path_factory.mktemp("shared-launch")
+    config = tmp / "tiny.toml"
+    config.write_text(TINY_TOML.format(corpus=write_corpus(tmp / "corpus.txt")))
+    run_dir, simulate_dir = tmp / "launch", tmp / "simulate"
+    env = {**child_env(jax_cache=True), "T_LAUNCH_S0": LAUNCH_SECRETS["island-0"],
+           "DILOCO_SECRET_5": "stale-secret-91c2"}  # fmt: skip
+    secrets = f'network.secrets=["env:T_LAUNCH_S0", "{LAUNCH_SECRETS["island-1"]}"]'
+    cli = [sys.executable, "-m", "diloco.cli"]
+    with (tmp / "simulate.err").open("w+") as simulate_err:
+        simulate = subprocess.Popen(
+            [*cli, "simulate", str(config), "--run-dir", str(simulate_dir), "--no-progress", *LAUNCH_OVERRIDES],
+            env=child_env(jax_cache=True), cwd=REPO, stdout=subprocess.DEVNULL, stderr=simulate_err,
+            start_new_session=True,
+        )  # fmt: skip
+        launch = subprocess.Popen(
+            [*cli, "launch", str(config), "--run-dir", str(run_dir), "--no-progress", *LAUNCH_OVERRIDES, secrets],
+            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        seen: dict[int, tuple[list[str], dict[str, str]]] = {}
+        probes: dict[str, str] = {}
+        try:
+            deadline = time.monotonic() + 300
+            while launch.poll() is None and time.monotonic() < deadline:
+                seen |= {pid: p for pid, p in processes_under(str(run_dir)).items() if pid != launch.pid}
+                address_file = run_dir / "coordinator.addr"
+                if not probes and address_file.exists():
+                    address = address_file.read_text()
+                    probes = {"plaintext": _status_code(address, None),
+                              "tls_without_client_cert": _status_code(address, run_dir / "tls" / "ca.crt")}  # fmt: skip
+                roles = [argv[argv.index("--name") + 1] if "--name" in argv else " ".join(argv[3:4])
+                         for argv, _ in seen.values()]  # fmt: skip
+                wanted = {"coordinator": 1, **dict.fromkeys(LAUNCH_SECRETS, 2)}  # a supervisor and a worker per island
+                if probes and all(roles.count(role) >= n for role, n in wanted.items()):
+                    break
+                time.sleep(0.05)
+            out, err = launch.communicate(timeout=300)
+            simulate.wait(timeout=300)
+        finally:
+            for proc in (launch, simulate):
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        simulate_err.seek(0)
+        yield SharedLaunch(config, run_dir, launch.returncode, out, err, seen, probes, simulate_dir,
+                           simulate.returncode, simulate_err.read())  # fmt: skip

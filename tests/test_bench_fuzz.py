@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_a_fuzzed_coordinator_answers_everything_and_goes_on(tmp_path: Path) -> None:
+def test_a_fuzzed_coordinator_answers_everything_and_goes_on(tmp_path: Path, shared_jax_cache: Path) -> None:
     from diloco.bench.fuzz import run_fuzz_bench
 
     r = run_fuzz_bench(messages=300, seed=0, run_dir=tmp_path / "fuzz")

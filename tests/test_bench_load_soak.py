@@ -20,7 +20,7 @@ from diloco.bench.soak import TAIL_ROUNDS, DigestWatch, SoakPlan, run_soak_bench
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_load_smoke(tmp_path: Path) -> None:
+def test_load_smoke(tmp_path: Path, shared_jax_cache: Path) -> None:
     islands, rounds = 8, 2
     out = run_load_bench(islands, rounds, tmp_path / "load")
     assert out["rounds_committed"] == rounds and len(out["round_seconds"]) == rounds

@@ -124,7 +124,7 @@ def test_config_that_differs_from_the_coordinators(tiny_config: Path, tmp_path: 
     coord = subprocess.Popen(
         [sys.executable, "-m", "diloco.cli", "coordinator", str(tiny_config), "--listen", "127.0.0.1:0",
          "--run-dir", str(run_dir), "--quiet"],
-        env=child_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=child_env(jax_cache=True), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120

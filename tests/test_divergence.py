@@ -153,9 +153,11 @@ def test_simulate_that_diverges_ends_with_one_line(synthetic_config: Path, tmp_p
 def test_launch_that_diverges_exits_with_one_line(synthetic_config: Path, tmp_path: Path) -> None:
     """Processes, sockets, supervisors: the run stops by itself (no restart loop, no coordinator left waiting)."""
     # The bound is run_cli's timeout: generous (start-up and one round take well under a minute unloaded), while a
-    # hang (the old behaviour: no island alive, the coordinator waiting for ever) runs into it.
-    out = run_cli("launch", str(synthetic_config), "inner.lr=30", "inner.clip_norm=0", "--no-progress",
-                  "--run-dir", str(tmp_path / "run"), timeout=300)  # fmt: skip
+    # hang (the old behaviour: no island alive, the coordinator waiting for ever) runs into it. A short
+    # network.pull_wait_s: the islands' pulls of round 0, waiting for a commit that never comes, end in a second
+    # rather than the default 10 s that the stopping coordinator would otherwise wait out.
+    out = run_cli("launch", str(synthetic_config), "inner.lr=30", "inner.clip_norm=0", "network.pull_wait_s=1",
+                  "--no-progress", "--run-dir", str(tmp_path / "run"), timeout=300)  # fmt: skip
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2, out.stderr
     assert len(lines) == 1 and lines[0].startswith("diloco: error: "), out.stderr

@@ -6,8 +6,9 @@ run is over (`check_run`): the coordinator committed rounds 0..R-1 exactly once 
 across its own restart); every committed round holds exactly the pseudo-gradients whose pushes were accepted
 (nothing half-applied); and after every committed round every island's parameter digest equals the coordinator's
 (DiLoCo's bit-identical θ, arXiv 2311.08105). Scenarios are combined into few launches because each process
-start costs seconds of JAX import and compilation; a persistent XLA compilation cache shared by the module's
-children makes the restarts cheap. Waits poll the run directories' metrics.jsonl with generous timeouts.
+start costs seconds of JAX import and compilation; a persistent XLA compilation cache shared by the session's
+children (tests/conftest.py) makes the restarts cheap, and the one `diloco launch` (7) is the session's shared one,
+which test_secure_defaults reads too. Waits poll the run directories' metrics.jsonl with generous timeouts.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pytest
 from diloco.procs import Federation, devices_env
 from diloco.rundir import read_events
 from diloco.summary import SUMMARY_KEYS
-from tests.conftest import REPO
+from tests.conftest import JAX_CACHE, JAX_CACHE_ENV, REPO, SharedLaunch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -45,13 +46,15 @@ FAST = [
 """Short leases and deadlines so faults are detected in seconds, retries that give up late."""
 WAIT_S = 150.0
 """How long any single condition may take to come true on a slow, loaded machine."""
-ENV = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-"""The children import this checkout's diloco and run JAX on the CPU."""
+ENV = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "PYTHONWARNINGS": JAX_CACHE_ENV["PYTHONWARNINGS"]}
+"""The children import this checkout's diloco and run JAX on the CPU (sharing `jax_cache`)."""
 
 
 @pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("jax-cache")
+def jax_cache() -> Path:
+    """The session's persistent XLA compilation cache (tests/conftest.py), shared by every child."""
+    return JAX_CACHE
 
 
 @pytest.fixture
@@ -167,7 +170,7 @@ def coordinator_state(addr: str) -> tuple[int, str]:
 
 
 def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Federation]) -> None:
-    rounds = 12
+    rounds = 8
     fed = federation(f"train.rounds={rounds}", "quorum.min_islands=1", 'network.secrets=["s0", "s1"]')
     fed.start_coordinator()
     fed.start_island("island-0", args=["--secret", "s0"])
@@ -239,7 +242,7 @@ def lost_since(fed: Federation, mark: int, island: str) -> bool:
 
 
 def test_coordinator_restart_supervisor_and_fewer_devices(federation: Callable[..., Federation]) -> None:
-    rounds = 14
+    rounds = 9
     fed = federation(f"train.rounds={rounds}", "quorum.min_islands=2", "islands.devices=2", "train.microbatch=2")
     fed.start_coordinator()
     fed.start_island("island-0", env=devices_env(2), supervised=True)
@@ -342,11 +345,18 @@ def _finished_checkpoints(fed: Federation, island: str) -> list[str]:
     return [p.name for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.is_dir() else []
 
 
+@pytest.mark.parametrize(
+    "n_kills",
+    [3, pytest.param(5, marks=pytest.mark.bench)],  # the longer soak: `pytest -m bench`
+    ids=["3kills", "5kills"],
+)
 @pytest.mark.parametrize("seed", [int(os.environ.get("DILOCO_CHAOS_SEED", "7"))])
-def test_chaos_random_kills(federation: Callable[..., Federation], seed: int) -> None:
-    """3 islands, min 2 per round, 24 rounds; islands SIGKILLed at seeded random times and restarted after seeded
-    random delays. Depending on how the kills fall, a round closes without the dead island once its lease
-    expires or at the adaptive deadline, waits below quorum when two are dead, or the island is back in time."""
+def test_chaos_random_kills(federation: Callable[..., Federation], seed: int, n_kills: int) -> None:
+    """3 islands, min 2 per round, 24 rounds; `n_kills` islands SIGKILLed at seeded random times in the first half
+    and restarted after seeded random delays. Depending on how the kills fall, a round closes without the dead
+    island once its lease expires or at the adaptive deadline, waits below quorum when two are dead, or the island
+    is back in time. Each kill costs a restart and rounds held to a lease or deadline: README's test command runs
+    3 kills, `pytest -m bench` the 5-kill soak."""
     rounds = 24
     names = ["island-0", "island-1", "island-2"]
     fed = federation(
@@ -358,7 +368,7 @@ def test_chaos_random_kills(federation: Callable[..., Federation], seed: int) ->
     for name in names:
         fed.start_island(name)
 
-    plan = sorted(rng.sample(range(1, rounds // 2 - 1), 5))  # early enough that restarts rejoin before the end
+    plan = sorted(rng.sample(range(1, rounds // 2 - 1), n_kills))  # early enough that restarts rejoin before the end
     restarts: dict[str, float] = {}  # island -> when to restart it
     kills: list[tuple[int, str]] = []
     expect_resume: list[tuple[str, int]] = []
@@ -384,7 +394,7 @@ def test_chaos_random_kills(federation: Callable[..., Federation], seed: int) ->
         time.sleep(0.1)
     fed.wait_exit(2 * WAIT_S)
 
-    assert len(kills) == 5, kills
+    assert len(kills) == n_kills, kills
     check_run(fed, rounds, names, tokens=8 * 16 * 2)
     for victim, resumes_before in expect_resume:
         assert len(fed.events("resumed", island=victim)) > resumes_before, (
@@ -396,26 +406,18 @@ def test_chaos_random_kills(federation: Callable[..., Federation], seed: int) ->
 # 7: without faults, the federation over real sockets computes exactly what the one-process simulation does.
 
 
-def test_launch_equals_simulate(tmp_path: Path, tiny_config: Path, jax_cache: Path) -> None:
-    # min_islands = count: every round holds every island, as in the simulation.
-    overrides = ["train.rounds=3", "quorum.min_islands=2", "codec.uplink=int8", "codec.downlink=int8",
-                 "network.pull_wait_s=2"]  # fmt: skip
-    # `diloco launch` and `diloco simulate` as two processes of a harness (each in its own process group, so the
-    # cleanup also reaches launch's children).
-    with Federation(tiny_config, overrides, tmp_path / "procs", cwd=REPO, env=ENV, jax_cache=jax_cache) as fed:
-        procs = {
-            mode: fed.spawn(mode, [mode, str(tiny_config), "--run-dir", str(tmp_path / mode), "--no-progress",
-                                   *overrides])
-            for mode in ("launch", "simulate")
-        }  # fmt: skip
-        for mode, proc in procs.items():
-            assert proc.wait(timeout=WAIT_S) == 0, f"{mode} failed:\n{fed.logs(30)}"
-    launched = json.loads((tmp_path / "launch" / "summary.json").read_text())
-    simulated = json.loads((tmp_path / "simulate" / "summary.json").read_text())
+def test_launch_equals_simulate(shared_launch: SharedLaunch) -> None:
+    """`diloco launch` and `diloco simulate` of one run (tests/conftest.py: the session's shared launch, with island
+    secrets and mutual TLS, and a simulate that ran beside it; 3 rounds, int8 both ways, every round holding every
+    island, as in the simulation) end with the same parameters and losses."""
+    assert shared_launch.returncode == 0, f"launch failed: {shared_launch.stderr[-3000:]}"
+    assert shared_launch.simulate_returncode == 0, f"simulate failed: {shared_launch.simulate_stderr[-3000:]}"
+    launched = json.loads((shared_launch.run_dir / "summary.json").read_text())
+    simulated = json.loads((shared_launch.simulate_dir / "summary.json").read_text())
     assert launched["rounds"] == simulated["rounds"] == 3
     assert tuple(launched) == tuple(simulated) == SUMMARY_KEYS  # one summary writer for both modes
     assert launched["params_digest"] == simulated["params_digest"]
     assert launched["final_eval_loss"] == pytest.approx(simulated["final_eval_loss"], rel=1e-6)
     for name in ("island-0", "island-1"):
-        synced = read_events(tmp_path / "launch" / "islands" / name / "metrics.jsonl", "synced")
+        synced = read_events(shared_launch.run_dir / "islands" / name / "metrics.jsonl", "synced")
         assert synced[-1]["round"] == 3 and synced[-1]["digest"] == simulated["params_digest"]

@@ -18,22 +18,38 @@ from islands.mesh import MeshError, accumulation_steps
 from tests.conftest import REPO, child_env
 
 
-def _curves(host_devices: int, *variants: str) -> list[dict]:
-    out = subprocess.run(
+def _curves(host_devices: int, *variants: str) -> subprocess.Popen[str]:
+    """Start tests/island_curve.py in a process with `host_devices` CPU devices; `_result` reads its curves."""
+    return subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "island_curve.py"), *variants],
-        capture_output=True, text=True, timeout=180, env=child_env(host_devices), cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(host_devices), cwd=REPO,
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _result(proc: subprocess.Popen[str]) -> list[dict]:
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_one_and_four_devices_give_the_same_curve() -> None:
     # devices:microbatch:shard_params. microbatch 2 on one device = 4 passes of 2 sequences; microbatch 1 on
-    # four devices = 2 passes of 4 sequences.
-    one, accumulated = _curves(1, "1:0:0", "1:2:0")
-    four, four_accumulated, sharded = _curves(4, "4:0:0", "4:1:0", "4:0:1")
+    # four devices = 2 passes of 4 sequences. The two processes run at once (each compiles its own variants).
+    procs = [_curves(1, "1:0:0", "1:2:0"), _curves(4, "4:0:0", "4:1:0", "4:0:1")]
+    try:
+        (one, accumulated), (four, four_accumulated, sharded) = [_result(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     assert (one["passes"], four["passes"], accumulated["passes"], four_accumulated["passes"]) == (1, 1, 4, 2)
     assert four["devices"] == 4 and sharded["sharded"] and not four["sharded"]
     assert one["losses"][-1] < one["losses"][0] - 0.3  # it learns

@@ -30,9 +30,9 @@ from tests.netns import ShapedLink, measure_goodput_mbit, netns_available, shape
 
 _OK, _WHY = netns_available()
 
-RATE_MBIT = 16.0
+RATE_MBIT = 32.0
 ROUNDS = 5
-H = 150
+H = 75
 
 CONFIG = """
 [run]
@@ -91,11 +91,13 @@ def _compute_s(events: list[dict[str, Any]], rnd: int) -> float:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not _OK, reason=f"kernel-shaped namespaces unavailable here: {_WHY}")
-def test_round_time_matches_cost_model_on_kernel_shaped_link(tmp_path: Path, corpus: Path) -> None:
+def test_round_time_matches_cost_model_on_kernel_shaped_link(
+    tmp_path: Path, corpus: Path, shared_jax_cache: Path
+) -> None:
     config = tmp_path / "kshaped.toml"
     config.write_text(CONFIG.format(corpus=corpus, rounds=ROUNDS, h=H))
     with shaped_namespace(ShapedLink(rate_mbit=RATE_MBIT), name_prefix=f"dlks{os.getpid()}") as ns:
-        goodput_mbit = measure_goodput_mbit(ns, nbytes=1_500_000)
+        goodput_mbit = measure_goodput_mbit(ns, nbytes=3_000_000)
         with Federation(config, [], tmp_path / "run", wrap=ns.wrap) as fed:
             fed.start(timeout_s=120)
             summary = fed.wait_done(timeout_s=180)

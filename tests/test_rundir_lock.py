@@ -197,7 +197,7 @@ def test_a_second_coordinator_on_a_run_dir_exits_2_with_one_line(tmp_path: Path,
 
     def start() -> subprocess.Popen[bytes]:
         argv = ["coordinator", str(tiny_config), "--listen", "127.0.0.1:0", "--run-dir", str(run_dir), "--quiet"]
-        return subprocess.Popen([sys.executable, "-m", "diloco.cli", *argv], env=child_env(), cwd=REPO,
+        return subprocess.Popen([sys.executable, "-m", "diloco.cli", *argv], env=child_env(jax_cache=True), cwd=REPO,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
     first = start()

@@ -2,8 +2,9 @@
 
 * A coordinator without secrets stays on loopback unless told `--insecure`; with secrets, Status needs them.
 * TLS and mutual TLS from the config's `network.tls_*` keys, end to end (a coordinator process, `diloco status`).
-* Secrets never reach a run directory, a log or another island: the whole run dir of a real `diloco launch` is
-  searched for the secret bytes, and each island process's environment is read from /proc while it runs.
+* Secrets never reach a run directory, a log or another island: the whole run dir of a real `diloco launch` (the
+  session's shared one, tests/conftest.py) is searched for the secret bytes, and each island process's environment
+  is read from /proc while it runs.
 * Everything a run creates is private to the user (umask 077 in `diloco.cli.main`, inherited by children).
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from diloco.config import config_digest, dump_toml, load_config, to_dict
-from tests.conftest import REPO, child_env, run_cli
+from tests.conftest import LAUNCH_SECRETS, REPO, SharedLaunch, child_env, run_cli
 from tests.test_auth_tls import make_test_pki
 
 WAIT_S = 150.0
@@ -69,7 +70,7 @@ def test_run_dir_is_private_and_umask_restored(tiny_config: Path, tmp_path: Path
 def _coordinator(config: Path, run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "diloco.cli", "coordinator", str(config), "--run-dir", str(run_dir), "--quiet", *args],
-        env={**child_env(), **(env or {})}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**child_env(jax_cache=True), **(env or {})}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
@@ -163,84 +164,36 @@ tls_ca = "{pki / "ca.crt"}"
 # -- a real `diloco launch`: secrets stay out of the run dir, each island holds only its own ------------------------
 
 
-def _processes_under(marker: str) -> dict[int, tuple[list[str], dict[str, str]]]:
-    """{pid: (argv, environ)} of the live processes whose command line mentions `marker` (a run dir)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            if marker not in " ".join(argv) or "diloco.cli" not in argv:
-                continue
-            raw = (entry / "environ").read_bytes()
-        except OSError:  # gone meanwhile, or not ours
-            continue
-        env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-        found[int(entry.name)] = (argv, env)
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads process environments from /proc")
-def test_launch_keeps_secrets_out_of_the_run_dir_and_apart(tiny_config: Path, tmp_path: Path) -> None:
-    from transport.auth import TlsConfig
-    from transport.config import TransportConfig
-    from transport.errors import TransportError
-    from transport.grpc_client import GrpcTransport
-
-    run_dir = tmp_path / "run"
-    env_secret, literal_secret = "envsecret-7f3a9c1e55", "litsecret-0b8d4e2a66"
-    env = {**child_env(), "T_LAUNCH_S0": env_secret, "DILOCO_SECRET_5": "stale-secret-91c2"}
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "launch", str(tiny_config), "--run-dir", str(run_dir), "--no-progress",
-         "train.rounds=3", "quorum.min_islands=2", f'network.secrets=["env:T_LAUNCH_S0", "{literal_secret}"]'],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    secrets = {"island-0": env_secret, "island-1": literal_secret}
+def test_launch_keeps_secrets_out_of_the_run_dir_and_apart(shared_launch: SharedLaunch) -> None:
+    """The session's shared launch (tests/conftest.py): 3 rounds with island-0's secret in launch's environment
+    (T_LAUNCH_S0, beside a stale DILOCO_SECRET_5) and island-1's as a literal override; every child process's argv
+    and environment were read from /proc while it ran."""
+    run_dir, out, err = shared_launch.run_dir, shared_launch.stdout, shared_launch.stderr
+    env_secret, literal_secret = LAUNCH_SECRETS["island-0"], LAUNCH_SECRETS["island-1"]
+    assert shared_launch.returncode == 0, err[-3000:]
     seen: dict[str, set[int]] = {"coordinator": set(), "island-0": set(), "island-1": set()}
-    probed = False
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while launch.poll() is None and time.monotonic() < deadline:
-            for pid, (argv, penv) in _processes_under(str(run_dir)).items():
-                if pid == launch.pid:
-                    continue  # launch itself holds every secret: it hands them out
-                values = " ".join(f"{k}={v}" for k, v in penv.items())
-                assert env_secret not in " ".join(argv) and literal_secret not in " ".join(argv), argv
-                assert "stale-secret" not in values and "T_LAUNCH_S0" not in penv, argv
-                if "coordinator" in argv:
-                    seen["coordinator"].add(pid)
-                    assert penv["DILOCO_SECRET_0"] == env_secret and penv["DILOCO_SECRET_1"] == literal_secret
-                elif "island" in argv:
-                    name = argv[argv.index("--name") + 1]
-                    seen[name].add(pid)
-                    own = f"DILOCO_SECRET_{name[-1]}"
-                    other = next(v for n, v in secrets.items() if n != name)
-                    assert penv[own] == secrets[name] and other not in values, (name, sorted(penv))
-                    assert [k for k in penv if k.startswith("DILOCO_SECRET")] == [own], (name, sorted(penv))
-            address_file = run_dir / "coordinator.addr"
-            if not probed and address_file.exists():
-                address = address_file.read_text()
-                once = TransportConfig(max_attempts=1, rpc_timeout_s=5)
-                without_cert = TlsConfig(ca_file=str(run_dir / "tls" / "ca.crt"))
-                for tls in (None, without_cert):  # plaintext, and TLS without a client certificate
-                    with GrpcTransport(address, "island-0", env_secret, config=once, tls=tls) as client:
-                        with pytest.raises(TransportError, match="UNAVAILABLE"):
-                            client.status()
-                probed = True
-            if probed and all(len(p) >= (1 if k == "coordinator" else 2) for k, p in seen.items()):
-                break  # a supervisor and a worker per island, and the coordinator, all checked
-            time.sleep(0.05)
-        out, err = launch.communicate(timeout=WAIT_S)
-    finally:
-        if launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGKILL)
-            launch.communicate()
-    assert launch.returncode == 0, err[-3000:]
-    assert probed and all(len(p) >= (1 if k == "coordinator" else 2) for k, p in seen.items()), seen
+    for pid, (argv, penv) in shared_launch.processes.items():  # launch itself, which hands them out, excluded
+        values = " ".join(f"{k}={v}" for k, v in penv.items())
+        assert env_secret not in " ".join(argv) and literal_secret not in " ".join(argv), argv
+        assert "stale-secret" not in values and "T_LAUNCH_S0" not in penv, argv
+        if "coordinator" in argv:
+            seen["coordinator"].add(pid)
+            assert penv["DILOCO_SECRET_0"] == env_secret and penv["DILOCO_SECRET_1"] == literal_secret
+        elif "island" in argv:
+            name = argv[argv.index("--name") + 1]
+            seen[name].add(pid)
+            own = f"DILOCO_SECRET_{name[-1]}"
+            other = next(v for n, v in LAUNCH_SECRETS.items() if n != name)
+            assert penv[own] == LAUNCH_SECRETS[name] and other not in values, (name, sorted(penv))
+            assert [k for k in penv if k.startswith("DILOCO_SECRET")] == [own], (name, sorted(penv))
+    # a supervisor and a worker per island, and the coordinator, all checked
+    assert all(len(p) >= (1 if k == "coordinator" else 2) for k, p in seen.items()), seen
+    # The right secret without mutual TLS gets no answer: plaintext, and TLS without a client certificate.
+    assert shared_launch.probes == {"plaintext": "UNAVAILABLE", "tls_without_client_cert": "UNAVAILABLE"}
     assert json.loads(out)["rounds"] == 3
 
     leaks = []

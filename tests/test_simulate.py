@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -79,29 +80,41 @@ def test_one_island_fedavg_lr1_equals_plain_training(tiny_config: Path, tmp_path
     assert summary["final_eval_loss"] == pytest.approx(plain_eval, abs=1e-5)
 
 
+def _finished_steps(run_dir: Path, owners: list[str]) -> set[int]:
+    """The checkpoint steps that every owner has finished saving."""
+    dirs = [run_dir / "checkpoints" / owner for owner in owners]
+    return set.intersection(*({int(p.name) for p in d.iterdir() if p.name.isdigit()} if d.is_dir() else set()
+                              for d in dirs))  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigkill_then_resume_ends_with_the_same_parameters(tiny_config: Path, tmp_path: Path) -> None:
     rounds = ["train.rounds=6", "codec.uplink=int8", "codec.downlink=int4"]  # residuals must survive too
-    reference = run_simulation(load_config(tiny_config, rounds), tmp_path / "ref", show_progress=False)
     run_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "diloco.cli", "simulate", str(tiny_config), "--run-dir", str(run_dir),
            "--no-progress", *rounds]  # fmt: skip
-    child = subprocess.Popen(cmd, env=child_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 180
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        done = metrics.exists() and sum('"event": "round"' in line for line in metrics.read_text().splitlines())
-        if done and done >= 2:
-            break
-        assert child.poll() is None, child.communicate()[1][-2000:]
-        time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
-    child.wait(timeout=30)
-    assert child.returncode == -signal.SIGKILL
-    assert not (run_dir / "summary.json").exists()  # it really died mid-run
+    child = subprocess.Popen(cmd, env=child_env(jax_cache=True), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # The uninterrupted reference run, in this process while the children run (one core each).
+    with ThreadPoolExecutor(1) as pool:
+        reference_run = pool.submit(run_simulation, load_config(tiny_config, rounds), tmp_path / "ref", show_progress=False)
+        # Kill it once the coordinator and both islands have each finished saving a round (orbax renames a step's
+        # directory to its number when the save is complete; saves are asynchronous, so a `round` event alone
+        # does not mean its checkpoint is there yet).
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if _finished_steps(run_dir, ["coordinator", "island-0", "island-1"]):
+                break
+            assert child.poll() is None, child.communicate()[1][-2000:]
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        assert child.returncode == -signal.SIGKILL
+        assert not (run_dir / "summary.json").exists()  # it really died mid-run
 
-    again = subprocess.run(cmd, env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=240)
+        again = subprocess.run(cmd, env=child_env(jax_cache=True), cwd=REPO, capture_output=True, text=True,
+                               timeout=240)  # fmt: skip
+        reference = reference_run.result(timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
     resumed = json.loads((run_dir / "summary.json").read_text())
     events = read_events(run_dir / "metrics.jsonl")

@@ -128,9 +128,8 @@ def test_streaming_simulate_resumes_bit_identically(tiny_config: Path, tmp_path:
     """Checkpoints are taken at round ends, where fragment P-1's merge is still τ steps away: a resumed run must
     rebuild that pending merge from the schedule, with the per-fragment outer states and residuals restored."""
     cfg = load_config(tiny_config, STREAM)
-    reference = run_simulation(cfg, tmp_path / "ref", show_progress=False)
-    run_dir = tmp_path / "resumed"
-    run_simulation(cfg, run_dir, show_progress=False)
+    run_dir = tmp_path / "run"
+    reference = run_simulation(cfg, run_dir, show_progress=False)  # uninterrupted: the figures to end with
     # What a kill right after round 1's checkpoint leaves on disk: later checkpoints and the summary never written.
     for store in (run_dir / "checkpoints").iterdir():
         for step in store.iterdir():
