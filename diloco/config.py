@@ -288,16 +288,6 @@ class RunConfig:
         return self.train.rounds * self.train.inner_steps
 
 
-def require_whole_rounds(cfg: RunConfig, command: str) -> None:
-    """The coordinator and island processes sync whole rounds so far: refuse a streaming config in one line."""
-    if cfg.stream.streaming:
-        raise ConfigError(
-            f"{command}: stream.fragments = {cfg.stream.fragments}, stream.overlap_steps = {cfg.stream.overlap_steps}: "
-            "Streaming DiLoCo runs in `diloco simulate` only so far (the multi-process system syncs whole rounds); "
-            "set stream.fragments=1 stream.overlap_steps=0"
-        )
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Generic loading: dict -> dataclass, with typo suggestions and type checks.
 

@@ -37,12 +37,12 @@ from diloco.rounds import Commit, OuterLoop, RoundError
 from diloco.rundir import RunDir
 from diloco.setup import Setup
 from diloco.summary import Totals
-from islands.compress import decoded_tree
 from islands.island import DivergedError
 from transport import diloco_pb2 as pb
 from transport.codecs import CodecError, CodecSpec, EncodedTensor, encode_tree, flatten_named
 from transport.errors import Rejected
 from transport.handler import PullPayload
+from transport.validate import ModelSpec
 
 FP32 = CodecSpec(kind="fp32")
 MAX_DROPPED = 256
@@ -72,11 +72,15 @@ class Coordinator:
         self.world.start(self.world.latest_step())
         # Compile the commit's functions while islands start and train, off the lock (OuterLoop.warm_up).
         threading.Thread(target=self.world.loop.warm_up, args=(len(self.names),), name="warm-up", daemon=True).start()
-        self.model_spec = {name: (tuple(a.shape), "float32") for name, a in flatten_named(setup.init_params).items()}
+        whole = {name: (tuple(a.shape), "float32") for name, a in flatten_named(setup.init_params).items()}
+        fragments = self.loop.fragments
+        self.model_spec: ModelSpec = whole if fragments.count == 1 else (lambda p: fragments.select(p, whole))
+        """What a push may carry: every tensor of θ, or (streaming) the tensors of the fragment it names."""
         self.cond = threading.Condition()
         self.last_seen: dict[str, float] = {}
         self.last_loss: dict[str, float] = {}
-        self.last_commit: Commit | None = None
+        self.commits: dict[int, Commit] = {}
+        """The last P commits by sync position (`OuterLoop.sync`; P = 1 without streaming): what pulls answer with."""
         self.rejections = RejectionLog()
         self.dropped: dict[bytes, str] = {}
         """Contributions to the open round dropped at commit (content digest -> why): the same bytes are refused if
@@ -96,6 +100,10 @@ class Coordinator:
     @property
     def loop(self) -> OuterLoop:
         return self.world.loop
+
+    @property
+    def last_commit(self) -> Commit | None:
+        return self.commits[max(self.commits)] if self.commits else None
 
     @property
     def totals(self) -> Totals:
@@ -138,7 +146,8 @@ class Coordinator:
                 run_id=self.run_id,
                 round=self.loop.round,
                 lease_s=self.cfg.quorum.lease_s,
-                needs_full_params=req.last_round != self.loop.round,
+                # A streaming island's local θ mixes fragments of several syncs: it always restarts from the full θ.
+                needs_full_params=req.last_round != self.loop.round or self.loop.fragments.count > 1,
                 state=self._state_name(),
             )
 
@@ -184,15 +193,17 @@ class Coordinator:
                 raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {who!r} is not in this run")
             if self.done:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
-            if meta.round != self.loop.round:  # the round may have closed while this push streamed in
+            if (meta.round, meta.fragment) != (self.loop.round, self.loop.fragment):  # it may have closed meanwhile
                 raise Rejected(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"pseudo-gradient for round {meta.round} but round {self.loop.round} is open",
+                    f"pseudo-gradient for {self._sync_name(meta.round, meta.fragment)} but "
+                    f"{self._sync_name(self.loop.round, self.loop.fragment)} is open",
                 )
-            if bytes(meta.base_digest) != bytes.fromhex(self.world.params_digest):
+            if bytes(meta.base_digest) != bytes.fromhex(self.world.fragment_digests[meta.fragment]):
                 raise Rejected(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"island {meta.island}'s pseudo-gradient was not taken from θ_{self.loop.round} (base_digest "
+                    f"island {meta.island}'s pseudo-gradient was not taken from θ_{self.loop.round}"
+                    f"{self._of_fragment(meta.fragment)} (base_digest "
                     f"{bytes(meta.base_digest).hex()[:16] or 'missing'}); pull the full parameters",
                 )
             content = contribution_digest(meta.island, tensors)
@@ -203,9 +214,9 @@ class Coordinator:
                     f"{self.dropped[content]}",
                 )
             tokens = min(int(meta.tokens), self.max_tokens)
-            tree = decoded_tree({k: np.array(v, np.float32) for k, v in arrays.items()}, self.loop.params)
+            delta = {name: np.array(arrays[name], np.float32) for name in sorted(arrays)}
             try:
-                self.loop.submit(meta.island, meta.round, tree, tokens)
+                self.loop.submit(meta.island, meta.round, delta, tokens, fragment=meta.fragment)
             except RoundError as exc:
                 raise Rejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
             self.pending_digest[meta.island] = content
@@ -217,7 +228,8 @@ class Coordinator:
             self.totals.island_wall_s += float(meta.wall_s)
             self.last_loss[meta.island] = float(meta.loss)
             self.rd.log(
-                "push", round=meta.round, island=meta.island, tokens=tokens, bytes_up=nbytes, loss=float(meta.loss),
+                "push", round=meta.round, **({"fragment": meta.fragment} if self.loop.fragments.count > 1 else {}),
+                island=meta.island, tokens=tokens, bytes_up=nbytes, loss=float(meta.loss),
                 compute_s=round(float(meta.compute_s), 4),
                 **({"tokens_claimed": int(meta.tokens)} if tokens != meta.tokens else {}),
             )  # fmt: skip
@@ -236,16 +248,30 @@ class Coordinator:
                 raise Rejected(grpc.StatusCode.ABORTED, f"{answer.reason}; retry")
             if answer.kind in (PullKind.PUSH_FIRST, PullKind.RESYNC):
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {req.island}: {answer.reason}")
-            if answer.kind is PullKind.UPDATE:
-                assert self.last_commit is not None
-                tensors: Sequence[EncodedTensor] = self.last_commit.encoded
+            P = self.loop.fragments.count
+            if answer.kind is PullKind.UPDATE:  # the commit of the island's position: it moves one sync on
+                commit = self.commits[self._position(req)]
+                tensors: Sequence[EncodedTensor] = commit.encoded
+                reaches, digest = self._position(req) + 1, commit.fragment_digest
             else:
                 tensors = encode_tree(flatten_named(self.loop.params), FP32)
+                reaches, digest = self.loop.sync, self.world.params_digest
             self.totals.bytes_down += sum(len(t.payload) for t in tensors)
-            digest = bytes.fromhex(self.world.params_digest)
+            round_, fragment = divmod(reaches, P)
             return PullPayload(
-                round=self.loop.round, fragment=0, kind=answer.kind.value, param_digest=digest, tensors=tensors
-            )
+                round=round_, fragment=fragment, kind=answer.kind.value, param_digest=bytes.fromhex(digest),
+                tensors=tensors,
+            )  # fmt: skip
+
+    def _position(self, req: pb.PullRequest) -> int:
+        """The sync position a pull says the island holds (-1: none); (round, fragment) on the wire."""
+        return -1 if req.have_round < 0 else req.have_round * self.loop.fragments.count + req.fragment
+
+    def _sync_name(self, round_: int, fragment: int) -> str:
+        return f"round {round_}{self._of_fragment(fragment)}"
+
+    def _of_fragment(self, fragment: int) -> str:
+        return f" fragment {fragment}" if self.loop.fragments.count > 1 else ""
 
     def _islands_diverged(self) -> bool:
         """After a commit diverged: did the islands' own losses explode too (the run diverged), or is it one Δ?
@@ -267,9 +293,9 @@ class Coordinator:
 
     def _pull_view(self, req: pb.PullRequest) -> PullView:
         return PullView(
-            have_round=req.have_round, full=req.full, round=self.loop.round, done=self.done,
-            pushed=req.island in self.loop.pending,
-            last_commit_round=self.last_commit.round if self.last_commit is not None else None,
+            have_round=self._position(req), full=req.full, round=self.loop.sync, done=self.done,
+            pushed=req.island in self.loop.pending, last_commit_round=max(self.commits, default=None),
+            kept=self.loop.fragments.count,
         )  # fmt: skip
 
     def status(self) -> pb.StatusReply:
@@ -343,7 +369,8 @@ class Coordinator:
             losses = [self.last_loss[n] for n in self.loop.pending if n in self.last_loss]
             try:
                 # The lock is held, so no pull sees θ_{r+1} before it is durable (GlobalRun with durable=True).
-                self.last_commit = self.world.close_round(losses=losses, seconds=now - self.opened_at, reason=reason)
+                sync = self.loop.sync
+                commit = self.world.close_round(losses=losses, seconds=now - self.opened_at, reason=reason)
             except DivergedError as exc:
                 # The committed model exploded and was undone (GlobalRun: θ and the round are unchanged).
                 if self._islands_diverged():
@@ -356,6 +383,8 @@ class Coordinator:
             except (CodecError, ArithmeticError) as exc:  # commit is all or nothing: θ and the round are unchanged
                 self._drop_largest(str(exc))
             else:
+                self.commits[sync] = commit
+                self.commits.pop(sync - self.loop.fragments.count, None)
                 self.dropped.clear()
                 self.pending_digest.clear()
                 self.opened_at = now

@@ -30,7 +30,7 @@ import numpy as np
 
 from diloco.checkpoint import CheckpointStore, restore_state, save_state
 from diloco.config import RunConfig
-from diloco.rounds import Commit, OuterLoop
+from diloco.rounds import Commit, OuterLoop, fragment_digest
 from diloco.rundir import RunDir
 from diloco.setup import Evaluator, Setup
 from diloco.summary import Totals, summary
@@ -73,8 +73,14 @@ class GlobalRun:
         self.divergence_factor = DIVERGENCE_FACTOR
         self.diverged: DivergedError | None = None
         """Set when a commit diverged (and was undone): the run must stop; `close_round` raises it from then on."""
+        self._digest_all()
+
+    def _digest_all(self) -> None:
         self.params_digest = tree_digest(self.loop.params)
         """Digest of θ at the current round, computed once per commit (Status and pulls read it, never rehash)."""
+        frags = self.loop.fragments
+        self.fragment_digests = [fragment_digest(frags, self.loop.params, p) for p in range(frags.count)]
+        """Each fragment's `fragment_digest`, kept with each commit: what a push's base_digest is checked against."""
 
     @property
     def done(self) -> bool:
@@ -87,7 +93,7 @@ class GlobalRun:
             self.rd.log("eval", step=0, eval_loss=self.totals.initial_eval_loss)
             return
         self.loop.state, meta = restore_state(self.store, step, self.loop.state)
-        self.params_digest = tree_digest(self.loop.params)
+        self._digest_all()
         self.totals = Totals.from_meta(meta["totals"])
         self.durations = list(meta.get("durations", []))
         self.rd.truncate_after_round(self.loop.round)
@@ -122,6 +128,7 @@ class GlobalRun:
             self.loop.rollback(before)
             self._diverge(commit, why, eval_loss, losses)
         self.params_digest = commit.digest
+        self.fragment_digests[commit.fragment] = commit.fragment_digest
         t = self.totals
         t.rounds = self.loop.round
         t.syncs += 1
@@ -130,7 +137,10 @@ class GlobalRun:
         round_closed = self.loop.fragment == 0
         if round_closed:
             self.durations = [*self.durations, seconds][-self.cfg.quorum.history :]
-        streaming = {"fragment": commit.fragment} if self.loop.fragments.count > 1 else {}
+        streaming = (
+            {"fragment": commit.fragment, "fragment_digest": commit.fragment_digest}
+            if self.loop.fragments.count > 1 else {}
+        )  # fmt: skip
         self.rd.log(
             "round" if round_closed else "sync", round=commit.round, **streaming,
             loss=float(np.mean(losses)) if len(losses) else None,

@@ -7,6 +7,11 @@
                  coordinator's digest: every island holds bit-identical parameters after every round
     checkpoint-> θ_{r+1}, inner optimizer state, residual and data cursor (orbax, one writer: this island)
 
+With Streaming DiLoCo (`[stream]`) the same loop syncs one fragment at a time (outer_optimizer/fragments.py's
+schedule, as `simulate` runs it): a fragment's push and the wait for its commit run on a wire thread while the
+island keeps training, and the committed fragment is merged τ = stream.overlap_steps steps later; the digest
+checked is that fragment's. Plain DiLoCo is the case P = 1, τ = 0.
+
 While the coordinator is away every RPC is retried with backoff (tenacity, in transport) and this loop keeps its
 state and asks again; a push refused because the round already closed (a slow island, or a coordinator that
 restarted) is dropped and the island resyncs. A heartbeat thread renews the lease meanwhile.
@@ -20,26 +25,32 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import replace
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import jax
 import numpy as np
 
 from diloco.checkpoint import CheckpointStore, restore_state, save_state
-from diloco.config import RunConfig, config_digest, require_whole_rounds, to_dict
+from diloco.config import RunConfig, config_digest, to_dict
 from diloco.membership import REJOIN
+from diloco.rounds import fragment_digest
 from diloco.rundir import RunDir
 from diloco.setup import build_setup, make_island
 from islands.compress import decoded_tree
-from islands.island import DivergedError, RoundPush
+from islands.island import DivergedError, InnerRun, RoundPush
 from outer_optimizer import apply_update
+from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
 from transport import diloco_pb2 as pb
 from transport.auth import TlsConfig
 from transport.client import IslandClient
-from transport.codecs import PyTree
+from transport.codecs import PyTree, flatten_named, unflatten_named
 from transport.digest import tree_digest
 from transport.errors import TransportError, UserError
 from transport.grpc_client import GrpcTransport
@@ -74,13 +85,42 @@ def _retry_forever(fn: Any, what: str, give_up_s: float) -> Any:
             delay = min(delay * 2, 5.0)
 
 
+T = TypeVar("T")
+
+
+def in_background(job: Callable[[], T], after: Future | None = None) -> Future[T]:
+    """Run `job` on a daemon thread once `after` (the previous sync's job) has finished, so syncs reach the wire
+    in order; a daemon, because one blocked on an absent coordinator must not keep a dying process alive."""
+    out: Future[T] = Future()
+
+    def work() -> None:
+        if after is not None:
+            after.exception()  # waits; its failure is its own caller's to see
+        try:
+            out.set_result(job())
+        except BaseException as exc:  # handed to the caller, who re-raises it in the training thread
+            out.set_exception(exc)
+
+    threading.Thread(target=work, name="sync", daemon=True).start()
+    return out
+
+
+@dataclass(frozen=True)
+class Synced:
+    """One sync's outcome on the wire thread: was Δ accepted, and what the pull after it brought."""
+
+    sync: int
+    push: RoundPush
+    accepted: bool
+    payload: PullPayload
+
+
 class IslandWorker:
     def __init__(self, cfg: RunConfig, name: str, client: IslandClient, rd: RunDir) -> None:
         if name not in cfg.islands.island_names:
             raise IslandError(
                 f"island '{name}' is not in the config's islands.names ({', '.join(cfg.islands.island_names)})"
             )
-        require_whole_rounds(cfg, "island")
         self.cfg, self.name, self.client, self.rd = cfg, name, client, rd
         self.give_up_s = cfg.network.coordinator_wait_s
         setup = build_setup(cfg, islands=[name])
@@ -90,13 +130,28 @@ class IslandWorker:
             rd.log("devices_reduced", island=name, configured=cfg.islands.devices, available=n_devices)
         self.island = make_island(cfg, name, setup.model, setup.streams[name], n_devices)
         self.store = CheckpointStore(rd.checkpoints) if cfg.train.checkpoint_every else None
-        self.round = -1
+        self.fragments = setup.fragments
+        self.P, self.H = self.fragments.count, cfg.train.inner_steps
+        self.position = -1
+        """The sync position of the global copy (`OuterLoop.sync`: the round without streaming; -1: none yet)."""
+        self.step = 0
+        """Inner steps of the schedule (outer_optimizer/fragments.py); may run τ steps ahead of the global copy."""
         self.global_params: PyTree = None
-        self.global_digest = ""
-        """Digest of global_params (θ_r): sent with every push, so the coordinator knows which θ Δ was taken from."""
+        """This island's copy of the global θ at `position`: what Δ is taken from."""
+        self.fragment_digests: list[str] = []
+        """Each fragment's digest in the global copy: sent with its push, so the coordinator knows which θ Δ was
+        taken from."""
+        self._generation = 0
+        """Bumped at every restart from the full θ: a sync queued before it is dropped unsent."""
+        self.contributed = 0
         self.state_name = "starting"
         self._stop = threading.Event()
         self._decode = decoder()
+
+    @property
+    def round(self) -> int:
+        """The round of the global copy (-1: none)."""
+        return self.position // self.P if self.position >= 0 else -1
 
     # -- coordinator RPCs --------------------------------------------------------------------------------------
 
@@ -134,64 +189,122 @@ class IslandWorker:
             except TransportError:
                 pass  # the coordinator is away; the main loop's retries handle it
 
-    def pull(self, have_round: int, full: bool = False) -> PullPayload:
-        req = pb.PullRequest(**self._meta(), have_round=have_round, full=full)
+    def pull(self, have: int, full: bool = False) -> PullPayload:
+        """The commit of sync position `have` (its round, and fragment when streaming), or the full θ (-1, `full`)."""
+        round_, fragment = divmod(have, self.P) if have >= 0 else (-1, 0)
+        req = pb.PullRequest(**self._meta(), have_round=round_, fragment=fragment, full=full)
         return _retry_forever(lambda: self.client.pull(req), "pull", self.give_up_s)
 
-    def _params_from(self, payload: PullPayload) -> PyTree:
-        arrays = {t.name: np.array(self._decode(t), np.float32) for t in payload.tensors}
-        return decoded_tree(arrays, self.like)
+    def _arrays_from(self, payload: PullPayload) -> dict[str, np.ndarray]:
+        return {t.name: np.array(self._decode(t), np.float32) for t in payload.tensors}
 
-    def adopt(self, payload: PullPayload) -> None:
-        """Move to the payload's round: apply û to θ_r, or take the full θ; verify the digest."""
-        if payload.kind == "update" and payload.round == self.round + 1 and self.global_params is not None:
-            new = apply_update(self.global_params, self._params_from(payload))
-        else:
-            new = jax.tree.map(np.asarray, self._params_from(payload))
+    def _position_of(self, payload: PullPayload) -> int:
+        return payload.round * self.P + payload.fragment
+
+    def adopt(self, payload: PullPayload) -> bool:
+        """Move the global copy to the payload's position: apply the fragment's û (an update of the position the
+        copy holds) or take the full θ; verify the digest. True when it was an update (the caller merges that
+        fragment into the local θ), False for the full θ (the caller restarts from it: `resync`)."""
+        if payload.kind == "update":
+            if self._apply_update(payload):
+                return True
+            # should never happen; recover with the full parameters
+            self.rd.log("digest_mismatch", round=payload.round, island=self.name, **self._fragment_field(
+                payload.fragment))  # fmt: skip
+            payload = self.pull(-1, full=True)
+        new = jax.tree.map(np.asarray, decoded_tree(self._arrays_from(payload), self.like))
         digest = tree_digest(new)
         if digest != payload.param_digest.hex():
-            if payload.kind == "update":  # should never happen; recover with the full parameters
-                self.rd.log("digest_mismatch", round=payload.round, island=self.name, ours=digest)
-                return self.adopt(self.pull(-1, full=True))
             raise IslandError(f"full parameters of round {payload.round} fail their digest check")
-        self.global_params, self.global_digest = new, digest
-        self.round = payload.round
-        self.island.set_params(new)
-        self.rd.log("synced", round=self.round, island=self.name, kind=payload.kind, digest=digest)
+        self.global_params, self.position = new, self._position_of(payload)
+        self.fragment_digests = [fragment_digest(self.fragments, new, p) for p in range(self.P)]
+        self.rd.log("synced", round=self.round, island=self.name, kind=payload.kind, **self._where(None),
+                    digest=digest)  # fmt: skip
+        return False
+
+    def _apply_update(self, payload: PullPayload) -> bool:
+        """θ_p += û_p on the global copy when the update is for the position it holds and its digest checks out."""
+        p = self.position % self.P
+        update = self._arrays_from(payload)
+        if (
+            self.position < 0
+            or self._position_of(payload) != self.position + 1
+            or set(update) != set(self.fragments.names[p])
+        ):
+            return False
+        theta = flatten_named(self.global_params)
+        new = unflatten_named({**theta, **apply_update(self.fragments.select(p, theta), update)}, self.like)
+        if fragment_digest(self.fragments, new, p) != payload.param_digest.hex():
+            return False
+        self.global_params, self.position = new, self.position + 1
+        self.fragment_digests[p] = payload.param_digest.hex()
+        self.rd.log("synced", round=self.round, island=self.name, kind="update", **self._where(p),
+                    digest=payload.param_digest.hex())  # fmt: skip
+        return True
+
+    def resync(self, payload: PullPayload) -> None:
+        """Restart from the coordinator's full θ (new, restarted, refused, or lagging)."""
+        self.adopt(payload)
+        self._restart_from_global()
+
+    def _restart_from_global(self) -> None:
+        """The local θ becomes the global copy and the schedule continues at its position."""
+        self.island.set_params(self.global_params)
+        self.step = self.round * self.H + (self.position % self.P) * (self.H // self.P)
+        self._generation += 1  # syncs still in flight belong to the old schedule: their results are dropped
+
+    def _fragment_field(self, p: int) -> dict[str, int]:
+        return {"fragment": p} if self.P > 1 else {}
+
+    def _where(self, p: int | None) -> dict[str, int]:
+        """A `synced` event's place with streaming: the fragment it moved (an update) and the copy's sync position."""
+        return {**({} if p is None else self._fragment_field(p)), "position": self.position} if self.P > 1 else {}
 
     def _push(self, meta: pb.PushMeta, push: RoundPush) -> bool:
         """Push Δ; False when the round closed without it (a slow island, a restarted coordinator): Δ is dropped."""
+        where = {"round": meta.round, "island": self.name, **self._fragment_field(meta.fragment)}
         try:
             _retry_forever(lambda: self.client.push(meta, push.sent.encoded), "push", self.give_up_s)
         except TransportError as exc:
             if exc.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                 raise
-            self.rd.log("push_dropped", round=self.round, island=self.name, reason=exc.reason)
+            self.rd.log("push_dropped", **where, reason=exc.reason)
             return False
-        self.rd.log("pushed", round=self.round, island=self.name, bytes_up=push.sent.payload_nbytes, loss=meta.loss)
+        self.rd.log("pushed", **where, bytes_up=push.sent.payload_nbytes, loss=meta.loss)
         return True
 
-    def _pull_after_push(self, meta: pb.PushMeta, push: RoundPush) -> PullPayload:
-        """Wait for the round to close. A coordinator that restarted and lost our push says so: push again.
+    def _pull_after_push(self, sync: int, meta: pb.PushMeta, push: RoundPush) -> PullPayload:
+        """Wait for sync `sync` (round, or round and fragment) to close. A coordinator that restarted and lost our
+        push says so: push again.
 
-        When the push is refused too (the round closed meanwhile, or the coordinator restarted at an older
-        round than ours), this Δ is of no use any more: resync with the full parameters of its round.
+        When the push is refused too (the sync closed meanwhile, or the coordinator restarted at an older round
+        than ours), this Δ is of no use any more: resync with the full parameters.
         """
         for _ in range(10):
             try:
-                return self.pull(self.round)
+                return self.pull(sync)
             except TransportError as exc:
                 if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
-                self.rd.log("repush", round=self.round, island=self.name, reason=exc.reason)
+                self.rd.log("repush", round=meta.round, island=self.name, reason=exc.reason)
                 if not self._push(meta, push):
                     break
         return self.pull(-1, full=True)
 
+    def _sync(self, sync: int, meta: pb.PushMeta, push: RoundPush, generation: int) -> Synced | None:
+        """Push Δ and wait for its sync's commit (on the wire thread; `run` merges the result when its turn comes).
+        None when a resync made it stale before it started."""
+        if generation != self._generation:
+            return None
+        accepted = self._push(meta, push)
+        return Synced(sync, push, accepted, self._pull_after_push(sync, meta, push))
+
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def save(self) -> None:
-        """IslandState after adopting θ_r (so its params are the global ones) with the round it belongs to."""
+        """IslandState at a round boundary of the global copy, with the round it belongs to. Without streaming its
+        params are the global ones; with streaming they mix fragments, so a resumed streaming island restarts from
+        the full θ (it keeps its inner optimizer state, residual and data cursor)."""
         if self.store is not None:
             save_state(self.store, self.round, self.island.state, {"round": self.round})
 
@@ -205,51 +318,82 @@ class IslandWorker:
         state, meta = restore_state(self.store, steps[-1], self.island.state)
         self.island.restore(state)
         self.global_params = jax.tree.map(np.asarray, state.params)
-        self.global_digest = tree_digest(self.global_params)
-        self.round = meta["round"]
+        self.fragment_digests = [fragment_digest(self.fragments, self.global_params, p) for p in range(self.P)]
+        self.position = meta["round"] * self.P
+        self.step = meta["round"] * self.H
         self.rd.log("resumed", round=self.round, island=self.name, step=state.step)
         return self.round
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Train until the coordinator says the run is done; returns the rounds this island contributed to."""
+        """Train until the coordinator says the run is done; returns the syncs this island contributed to.
+
+        The schedule is outer_optimizer/fragments.py's, as in `simulate`'s Lockstep: train to the next event; at a
+        sync, Δ of that fragment goes to the wire thread (push, then wait for the commit) while training goes on;
+        at its merge τ steps later the committed fragment is merged into the local θ. Plain DiLoCo is P = 1,
+        τ = 0: H steps, push, wait, θ_{r+1}. See docs/architecture.md, "Streaming DiLoCo".
+        """
         have = self.restore()
         reply = self.join(have)
         if reply.needs_full_params or self.global_params is None:
-            self.round = -1
-            self.adopt(self.pull(-1, full=True))
+            self.position = -1
+            self.resync(self.pull(-1, full=True))
         heartbeat = threading.Thread(target=self._heartbeats, args=(reply.lease_s,), daemon=True)
         heartbeat.start()
-        contributed = 0
-        H = self.cfg.train.inner_steps
+        stream, stride = self.cfg.stream, self.H // self.P
+        total = self.cfg.train.rounds * self.P
+        in_flight: deque[tuple[int, Future[Synced | None]]] = deque()
+        self.contributed = 0
         try:
-            # Compute utilization = inner-step seconds / wall seconds. Each push reports the wall time of its whole
-            # cycle since the previous push (train, encode, push, the wait for the round to close, pull, checkpoint).
+            # Compute utilization = inner-step seconds / wall seconds. Each push reports the wall time since the
+            # previous push (train, encode, and whatever waiting for commits the overlap did not hide).
             cycle_from = time.perf_counter()
             steps_ended: float | None = None
-            while self.round < self.cfg.train.rounds and self.state_name != "done":
-                # sync_s: from the previous round's H-th inner step to now (encode, push, the wait for the round to
-                # close, pull, checkpoint): the time the WAN and the coordinator cost this island (diloco bench sync).
-                sync = {"sync_s": round(time.perf_counter() - steps_ended, 4)} if steps_ended is not None else {}
-                self.rd.log("train_start", round=self.round, island=self.name, step=self.island.state.step, **sync)
-                t_train = time.perf_counter()
-                push = self.island.train_round(self.global_params, H, budget_s=self.cfg.train.round_seconds)
-                run = push.run
-                steps_ended = t_train + run.seconds
-                self.rd.log_inner(self.round, self.name, run.first_step, run.losses, self.cfg.train.log_every)
-                meta = pb.PushMeta(
-                    **self._meta(), round=self.round, tokens=run.tokens, inner_steps=len(run.losses),
-                    loss=float(run.losses[-1]),
-                    compute_s=run.seconds, wall_s=time.perf_counter() - cycle_from,
-                    base_digest=bytes.fromhex(self.global_digest),
-                )  # fmt: skip
-                cycle_from = time.perf_counter()
-                if self._push(meta, push):
-                    self.island.keep_residual(push)  # only an accepted push carries its residual (Island.keep_residual)
-                    contributed += 1
-                self.adopt(self._pull_after_push(meta, push))
-                self.save()
+            runs: list[InnerRun] = []
+            while self.state_name != "done":
+                if self.step // stride >= total:  # every sync pushed: collect the last commits, then stop
+                    if not in_flight:
+                        break
+                    if self._merge(in_flight.popleft()[1]):
+                        in_flight.clear()
+                    continue
+                if self.step % self.H == 0:
+                    # sync_s: from the end of the last inner step to now (at a round boundary without overlap:
+                    # encode, push, the wait for the round to close, pull, checkpoint; diloco bench sync).
+                    sync = {"sync_s": round(time.perf_counter() - steps_ended, 4)} if steps_ended is not None else {}
+                    self.rd.log("train_start", round=self.step // self.H, island=self.name,
+                                step=self.island.state.step, **sync)  # fmt: skip
+                target = next_event(self.step, self.H, self.P, stream.overlap_steps)
+                budget = self.cfg.train.round_seconds
+                run = (
+                    self.island.train_for(budget, target - self.step)
+                    if budget
+                    else self.island.train(target - self.step)
+                )
+                steps_ended = time.perf_counter()
+                self.rd.log_inner(self.step // self.H, self.name, run.first_step, run.losses, self.cfg.train.log_every)
+                runs.append(run)
+                self.step = target
+                p = syncing_fragment(self.step, self.H, self.P)
+                if p is not None:
+                    sync_at = self.step // stride - 1
+                    joined = InnerRun.joined(runs)
+                    runs = []
+                    reference = self.fragments.select(p, flatten_named(self.global_params))
+                    push = self.island.push(joined, reference)
+                    meta = pb.PushMeta(
+                        **self._meta(), round=sync_at // self.P, fragment=p, tokens=joined.tokens,
+                        inner_steps=len(joined.losses), loss=float(joined.losses[-1]), compute_s=joined.seconds,
+                        wall_s=time.perf_counter() - cycle_from, base_digest=bytes.fromhex(self.fragment_digests[p]),
+                    )  # fmt: skip
+                    cycle_from = time.perf_counter()
+                    after = in_flight[-1][1] if in_flight else None
+                    job = partial(self._sync, sync_at, meta, push, self._generation)
+                    in_flight.append((p, in_background(job, after)))
+                q = merging_fragment(self.step, self.H, self.P, stream.overlap_steps)
+                if q is not None and in_flight and in_flight[0][0] == q and self._merge(in_flight.popleft()[1]):
+                    in_flight.clear()
         except DivergedError as exc:
             # Say so before dying, so a coordinator does not wait for this island until its lease runs out.
             self._leave(f"diverged: {exc}"[:200])
@@ -259,7 +403,27 @@ class IslandWorker:
             if self.store is not None:
                 self.store.close()
         self._leave("done")
-        return contributed
+        return self.contributed
+
+    def _merge(self, job: Future[Synced | None]) -> bool:
+        """Take a sync's result: keep the residual of an accepted push, move the global copy, merge the fragment
+        into the local θ (θ_p <- α·θ_p,local + (1 - α)·θ_p,global), or restart from the full θ; checkpoint at the
+        global copy's round boundaries. True when it restarted (the syncs still in flight are then stale)."""
+        done = job.result()
+        if done is None:
+            return False
+        if done.accepted:
+            self.island.keep_residual(done.push)  # only an accepted push carries its residual (Island.keep_residual)
+            self.contributed += 1
+        restarted = not self.adopt(done.payload)
+        if restarted:
+            self._restart_from_global()
+        else:
+            p = (self.position - 1) % self.P
+            self.island.merge(self.fragments.select(p, flatten_named(self.global_params)), self.cfg.stream.merge_alpha)
+        if self.position % self.P == 0:
+            self.save()
+        return restarted
 
     def _leave(self, reason: str) -> None:
         try:

@@ -134,20 +134,28 @@ class PullKind(Enum):
 
 @dataclass(frozen=True)
 class PullView:
-    """A pull request and what the coordinator knows, as plain values."""
+    """A pull request and what the coordinator knows, as plain values.
+
+    Positions count syncs: without streaming a sync is a round, so they are round numbers; with Streaming DiLoCo's
+    P fragments, sync s is fragment s mod P of round s // P (`OuterLoop.sync`), and "θ_s" is θ with the commits of
+    syncs 0 .. s-1 applied.
+    """
 
     have_round: int
-    """The round whose θ the island holds (-1: none)."""
+    """The position whose θ the island holds (-1: none)."""
     full: bool
     """The island asked for the full parameters."""
     round: int
-    """The coordinator's open round r: it holds θ_r."""
+    """The coordinator's open position: it holds θ_round."""
     done: bool
     """Every planned round is committed."""
     pushed: bool
-    """This island's pseudo-gradient for the open round was accepted."""
+    """This island's pseudo-gradient for the open position was accepted."""
     last_commit_round: int | None
-    """The round whose û this coordinator committed last in this process (None: none since it started)."""
+    """The position whose û this coordinator committed last in this process (None: none since it started)."""
+    kept: int = 1
+    """How many commits up to `last_commit_round` the coordinator keeps for pulls (one per fragment: an island whose
+    overlapped merges lag a sync or two behind still gets the update it needs, not the whole θ)."""
 
 
 @dataclass(frozen=True)
@@ -170,12 +178,13 @@ def answer_pull(v: PullView) -> PullAnswer:
             reason = f"round {v.round} has no pseudo-gradient from the island; push it first"
             return PullAnswer(PullKind.PUSH_FIRST, reason)
         return PullAnswer(PullKind.WAIT, f"round {v.round} is still open")
-    if not v.full and v.last_commit_round is not None and v.have_round == v.last_commit_round == v.round - 1:
+    last = v.last_commit_round
+    if not v.full and last is not None and last - v.kept < v.have_round <= last == v.round - 1:
         return PullAnswer(PullKind.UPDATE, f"the island holds θ_{v.have_round}: the update of round {v.have_round}")
     if v.full:
         why = "asked for"
     elif v.have_round < 0:
         why = "the island holds no parameters"
     else:
-        why = f"the island holds θ_{v.have_round} and this coordinator keeps only the last round's update"
+        why = f"the island holds θ_{v.have_round} and this coordinator keeps only the last {v.kept} update(s)"
     return PullAnswer(PullKind.FULL, f"full θ_{v.round}: {why}")

@@ -68,6 +68,8 @@ class Commit:
     tokens: int
     digest: str
     """Digest of the new global parameters."""
+    fragment_digest: str
+    """Digest of the committed fragment's new leaves (`fragment_digest`): what an island that applies û proves."""
     kept: tuple[float, ...]
     """Per island of `islands`: the share of its Δ the aggregation rule used (outer_optimizer.Aggregated.kept)."""
 
@@ -76,6 +78,15 @@ class Commit:
         """Islands the rule clipped (norm_clip: the scale) or trimmed (trimmed_mean, median: the share of coordinates
         kept), for the round's log; empty under "mean"."""
         return {name: k for name, k in zip(self.islands, self.kept, strict=True) if k < 1.0}
+
+
+def fragment_digest(fragments: Fragments, params: PyTree, p: int) -> str:
+    """The digest that proves a copy of fragment p of θ bit-identical: with one fragment, θ's own `tree_digest`
+    (what plain DiLoCo has always checked); with several, the digest of that fragment's leaves (name -> array).
+    The coordinator and every island compute it the same way from the same config."""
+    if fragments.count == 1:
+        return tree_digest(params)
+    return tree_digest(fragments.select(p, flatten_named(params, to_numpy=False)))
 
 
 class RoundError(ValueError):
@@ -128,6 +139,12 @@ class OuterLoop:
     def fragment(self) -> int:
         """The fragment whose sync is open."""
         return self.state.fragment
+
+    @property
+    def sync(self) -> int:
+        """The open sync as one count, round·P + fragment (the round itself without streaming): the position the
+        coordinator and islands compare (diloco/membership.py answers pulls with it)."""
+        return self.round * self.fragments.count + self.fragment
 
     def fragment_params(self, p: int | None = None) -> dict[str, PyTree]:
         """Fragment p's leaves of θ (default: the open one), name -> array."""
@@ -222,6 +239,7 @@ class OuterLoop:
             encoded=sent.encoded,
             islands=tuple(names),
             tokens=sum(c.tokens for c in contributions),
-            digest=tree_digest(new_params),
+            digest=(digest := tree_digest(new_params)),
+            fragment_digest=digest if self.fragments.count == 1 else fragment_digest(self.fragments, new_params, p),
             kept=tuple(float(k) for k in jax.device_get(combined.kept)),
         )

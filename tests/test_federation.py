@@ -74,38 +74,50 @@ def federation(tmp_path: Path, tiny_config: Path, jax_cache: Path) -> Iterator[C
         fed.stop(grace_s=0.0)
 
 
-def check_run(fed: Federation, rounds: int, islands: list[str], tokens: int = TOKENS) -> list[dict[str, Any]]:
-    """What every fault test asserts once the run is over; returns the coordinator's committed rounds."""
+def check_run(
+    fed: Federation, rounds: int, islands: list[str], tokens: int = TOKENS, fragments: int = 1
+) -> list[dict[str, Any]]:
+    """What every fault test asserts once the run is over; returns the coordinator's commits (with streaming, one
+    per fragment: `sync` events and the round's last, `round`)."""
     coord = fed.events()
-    commits = [e for e in coord if e["event"] == "round"]
-    # The committed round sequence is complete: no gap, no duplicate (a coordinator restart reruns only the
-    # round that was in flight, and its metrics forget that round's events).
-    assert [c["round"] for c in commits] == list(range(rounds)), [c["round"] for c in commits]
-    # Nothing half-applied: each round holds exactly the pushes accepted for it, each accepted once.
-    pushes: dict[int, list[str]] = defaultdict(list)
+    commits = [e for e in coord if e["event"] in ("sync", "round")]
+
+    def key(e: dict[str, Any]) -> tuple[int, int]:
+        return e["round"], e.get("fragment", 0)
+
+    # The committed sequence is complete: no gap, no duplicate (a coordinator restart reruns only the round that
+    # was in flight, and its metrics forget that round's events).
+    assert [key(c) for c in commits] == [(r, p) for r in range(rounds) for p in range(fragments)], commits
+    # Nothing half-applied: each commit holds exactly the pushes accepted for it, each accepted once.
+    pushes: dict[tuple[int, int], list[str]] = defaultdict(list)
     for e in coord:
         if e["event"] == "push":
-            pushes[e["round"]].append(e["island"])
+            pushes[key(e)].append(e["island"])
             assert e["tokens"] == tokens, e
     for c in commits:
-        assert c["islands"] and sorted(c["islands"]) == sorted(pushes[c["round"]]), (c, pushes[c["round"]])
-    assert set(pushes) <= set(range(rounds))
-    # Bit-identical θ: every island's digest after syncing round r+1 equals the coordinator's after committing r.
-    digest_after = {c["round"] + 1: c["digest"] for c in commits}
+        assert c["islands"] and sorted(c["islands"]) == sorted(pushes[key(c)]), (c, pushes[key(c)])
+    assert set(pushes) <= {key(c) for c in commits}
+    # Bit-identical θ: every island's copy after each commit it applied equals the coordinator's (with streaming:
+    # an update proves its fragment, a full pull all of θ), at every sync position (round·P + fragment).
+    whole_after = {c["round"] * fragments + c.get("fragment", 0) + 1: c["digest"] for c in commits}
+    fragment_after = {c["round"] * fragments + c.get("fragment", 0) + 1: c.get("fragment_digest", c["digest"])
+                      for c in commits}  # fmt: skip
     initial: set[str] = set()
     for name in islands:
         synced = fed.events("synced", island=name)
         assert synced, f"{name} never synced"
         for s in synced:
-            if s["round"] == 0:
+            at = s.get("position", s["round"])
+            if at == 0:
                 initial.add(s["digest"])
             else:
-                assert s["digest"] == digest_after[s["round"]], (name, s, digest_after[s["round"]])
-        assert synced[-1]["round"] == rounds, (name, synced[-1])
+                expected = (fragment_after if s["kind"] == "update" else whole_after)[at]
+                assert s["digest"] == expected, (name, s, expected)
+        assert synced[-1].get("position", synced[-1]["round"]) == rounds * fragments, (name, synced[-1])
         assert not fed.events("digest_mismatch", island=name), name
     assert len(initial) <= 1, initial
     summary = json.loads((fed.run_dir / "summary.json").read_text())
-    assert summary["rounds"] == rounds and summary["params_digest"] == digest_after[rounds], summary
+    assert summary["rounds"] == rounds and summary["params_digest"] == whole_after[rounds * fragments], summary
     return commits
 
 
@@ -346,22 +358,24 @@ def _finished_checkpoints(fed: Federation, island: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "n_kills",
-    [3, pytest.param(5, marks=pytest.mark.bench)],  # the longer soak: `pytest -m bench`
-    ids=["3kills", "5kills"],
+    ("n_kills", "fragments"),
+    [(3, 2), pytest.param(5, 1, marks=pytest.mark.bench)],  # the longer soak: `pytest -m bench`
+    ids=["3kills-streaming", "5kills"],
 )
 @pytest.mark.parametrize("seed", [int(os.environ.get("DILOCO_CHAOS_SEED", "7"))])
-def test_chaos_random_kills(federation: Callable[..., Federation], seed: int, n_kills: int) -> None:
+def test_chaos_random_kills(federation: Callable[..., Federation], seed: int, n_kills: int, fragments: int) -> None:
     """3 islands, min 2 per round, 24 rounds; `n_kills` islands SIGKILLed at seeded random times in the first half
     and restarted after seeded random delays. Depending on how the kills fall, a round closes without the dead
     island once its lease expires or at the adaptive deadline, waits below quorum when two are dead, or the island
     is back in time. Each kill costs a restart and rounds held to a lease or deadline: README's test command runs
-    3 kills, `pytest -m bench` the 5-kill soak."""
+    3 kills with Streaming DiLoCo (2 fragments, τ = 1: every kill falls with a fragment in flight), `pytest -m
+    bench` the 5-kill soak of plain rounds."""
     rounds = 24
     names = ["island-0", "island-1", "island-2"]
     fed = federation(
         f"train.rounds={rounds}", "islands.count=3", "quorum.min_islands=2", "quorum.lease_s=4",
-        "quorum.max_deadline_s=4", "train.inner_steps=2",
+        "quorum.max_deadline_s=4", "train.inner_steps=2", f"stream.fragments={fragments}",
+        f"stream.overlap_steps={fragments - 1}",
     )  # fmt: skip
     rng = random.Random(seed)
     fed.start_coordinator()
@@ -395,7 +409,7 @@ def test_chaos_random_kills(federation: Callable[..., Federation], seed: int, n_
     fed.wait_exit(2 * WAIT_S)
 
     assert len(kills) == n_kills, kills
-    check_run(fed, rounds, names, tokens=8 * 16 * 2)
+    check_run(fed, rounds, names, tokens=8 * 16 * 2 // fragments, fragments=fragments)
     for victim, resumes_before in expect_resume:
         assert len(fed.events("resumed", island=victim)) > resumes_before, (
             f"{victim} did not resume from its checkpoint"
@@ -421,3 +435,44 @@ def test_launch_equals_simulate(shared_launch: SharedLaunch) -> None:
     for name in ("island-0", "island-1"):
         synced = read_events(shared_launch.run_dir / "islands" / name / "metrics.jsonl", "synced")
         assert synced[-1]["round"] == 3 and synced[-1]["digest"] == simulated["params_digest"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8: Streaming DiLoCo over real sockets: fragments synced in turn on a wire thread while islands train on, merged
+# τ steps later, each fragment's copy proved bit-identical, and the same floats as the one-process simulation.
+
+
+def test_streaming_federation_equals_simulate(
+    federation: Callable[..., Federation], tiny_config: Path, tmp_path: Path
+) -> None:
+    from diloco.config import load_config
+    from diloco.simulate import run_simulation
+
+    rounds = 3
+    stream = ["stream.fragments=2", "stream.overlap_steps=1", "stream.merge_alpha=0.5"]  # H = 4: a sync every 2 steps
+    overrides = [f"train.rounds={rounds}", "quorum.min_islands=2", *stream]  # every sync holds both islands
+    fed = federation(*overrides)
+    fed.start_coordinator()
+    for name in ("island-0", "island-1"):
+        fed.start_island(name)
+    fed.wait_exit(WAIT_S)
+
+    coord = fed.events()
+    commits = [e for e in coord if e["event"] in ("sync", "round")]
+    assert [(c["round"], c["fragment"]) for c in commits] == [(r, p) for r in range(rounds) for p in (0, 1)]
+    assert all(sorted(c["islands"]) == ["island-0", "island-1"] for c in commits), commits
+    # Each island's copy of each committed fragment is the coordinator's, bit for bit (per-fragment digests).
+    committed = {(c["round"] + (c["fragment"] == 1), c["fragment"]): c["fragment_digest"] for c in commits}
+    for name in ("island-0", "island-1"):
+        updates = fed.events("synced", island=name)[1:]  # the first is the full θ_0
+        assert [(s["round"], s["fragment"]) for s in updates] == list(committed), (name, updates)
+        assert all(s["digest"] == committed[(s["round"], s["fragment"])] for s in updates), name
+        assert not fed.events("digest_mismatch", island=name)
+        # Overlap: each fragment's push went out and training went on before its commit was merged.
+        pushes = fed.events("pushed", island=name)
+        assert [(e["round"], e["fragment"]) for e in pushes] == [(r, p) for r in range(rounds) for p in (0, 1)]
+
+    simulated = run_simulation(load_config(tiny_config, [*FAST, *overrides]), tmp_path / "sim", show_progress=False)
+    launched = json.loads((fed.run_dir / "summary.json").read_text())
+    assert launched["params_digest"] == simulated["params_digest"] == commits[-1]["digest"]
+    assert launched["final_eval_loss"] == pytest.approx(simulated["final_eval_loss"], rel=1e-6)

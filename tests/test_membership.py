@@ -58,8 +58,10 @@ def test_quorum_config_validation() -> None:
         QuorumConfig(min_deadline_s=10, max_deadline_s=5)
 
 
-def _pull(have, *, full=False, round_=5, done=False, pushed=True, last=4) -> PullView:
-    return PullView(have_round=have, full=full, round=round_, done=done, pushed=pushed, last_commit_round=last)
+def _pull(have, *, full=False, round_=5, done=False, pushed=True, last=4, kept=1) -> PullView:
+    return PullView(
+        have_round=have, full=full, round=round_, done=done, pushed=pushed, last_commit_round=last, kept=kept
+    )
 
 
 @pytest.mark.parametrize(
@@ -71,9 +73,13 @@ def _pull(have, *, full=False, round_=5, done=False, pushed=True, last=4) -> Pul
         (_pull(4, full=True), PullKind.FULL, "asked for"),
         (_pull(-1), PullKind.FULL, "holds no parameters"),
         # behind by two rounds: only the last update is kept
-        (_pull(3), PullKind.FULL, "keeps only the last round's update"),
+        (_pull(3), PullKind.FULL, "keeps only the last 1 update(s)"),
         # a coordinator restarted from its checkpoint has committed nothing since: full θ
-        (_pull(4, last=None), PullKind.FULL, "keeps only the last round's update"),
+        (_pull(4, last=None), PullKind.FULL, "keeps only the last 1 update(s)"),
+        # streaming keeps one commit per fragment: an island whose overlapped merge lags one sync gets that sync's
+        # update (which brings it to θ_4, and it asks again), not the whole θ; two behind with P = 2 is too far
+        (_pull(3, kept=2), PullKind.UPDATE, "update of round 3"),
+        (_pull(2, kept=2), PullKind.FULL, "keeps only the last 2 update(s)"),
         # its round is still open and it pushed: wait for the commit
         (_pull(5), PullKind.WAIT, "round 5 is still open"),
         # ... but it has not pushed (the coordinator restarted and lost the push): push first

@@ -23,7 +23,7 @@ import optax
 import pytest
 
 from diloco.bench.streaming import run_streaming_bench
-from diloco.config import ConfigError, StreamConfig, load_config, require_whole_rounds
+from diloco.config import ConfigError, StreamConfig, load_config
 from diloco.rounds import OuterLoop
 from diloco.rundir import read_events
 from diloco.setup import build_setup
@@ -173,9 +173,3 @@ def test_a_stream_setting_that_cannot_run_is_one_line(tiny_config: Path, overrid
     with pytest.raises(ConfigError) as info:
         build_setup(load_config(tiny_config, overrides), islands=())
     assert words in str(info.value) and "\n" not in str(info.value)
-
-
-def test_the_process_system_refuses_streaming_in_one_line(tiny_config: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^launch: stream.fragments = 2.*runs in `diloco simulate` only"):
-        require_whole_rounds(load_config(tiny_config, ["stream.fragments=2"]), "launch")
-    require_whole_rounds(load_config(tiny_config), "launch")
