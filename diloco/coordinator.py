@@ -230,7 +230,7 @@ class Coordinator:
             self.rd.log(
                 "push", round=meta.round, **({"fragment": meta.fragment} if self.loop.fragments.count > 1 else {}),
                 island=meta.island, tokens=tokens, bytes_up=nbytes, loss=float(meta.loss),
-                compute_s=round(float(meta.compute_s), 4),
+                compute_s=round(float(meta.compute_s), 4), wall_s=round(float(meta.wall_s), 4),
                 **({"tokens_claimed": int(meta.tokens)} if tokens != meta.tokens else {}),
             )  # fmt: skip
             self._tick_locked()

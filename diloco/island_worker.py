@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import grpc
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from diloco.checkpoint import CheckpointStore, restore_state, save_state
@@ -144,6 +145,11 @@ class IslandWorker:
         self._generation = 0
         """Bumped at every restart from the full θ: a sync queued before it is dropped unsent."""
         self.contributed = 0
+        self._saving: Future[None] | None = None
+        """The checkpoint save in flight (`save`)."""
+        self.waited_s = 0.0
+        """Seconds the training thread spent blocked on commits since the last round started (train_start)."""
+        """The checkpoint save in flight (`save`)."""
         self.state_name = "starting"
         self._stop = threading.Event()
         self._decode = decoder()
@@ -304,9 +310,17 @@ class IslandWorker:
     def save(self) -> None:
         """IslandState at a round boundary of the global copy, with the round it belongs to. Without streaming its
         params are the global ones; with streaming they mix fragments, so a resumed streaming island restarts from
-        the full θ (it keeps its inner optimizer state, residual and data cursor)."""
+        the full θ (it keeps its inner optimizer state, residual and data cursor).
+
+        Saved on a background thread, one save after the other: orbax's blocking part (a few hundred ms on 2 cores)
+        would otherwise stall the next round. The thread saves a device copy of this state; a kill
+        mid-save leaves the previous step restorable (diloco/checkpoint.py)."""
+        if self._saving is not None and self._saving.done():
+            self._saving.result()  # a save that failed (disk full, permissions) stops the island here, with its error
         if self.store is not None:
-            save_state(self.store, self.round, self.island.state, {"round": self.round})
+            # A copy: the next inner step donates the state's buffers to XLA (islands/inner.py), deleting them.
+            store, state, round_ = self.store, jax.tree.map(jnp.copy, self.island.state), self.round
+            self._saving = in_background(partial(save_state, store, round_, state, {"round": round_}), self._saving)
 
     def restore(self) -> int:
         """Resume from this island's own checkpoint if it has one; returns its round (-1: none)."""
@@ -362,8 +376,10 @@ class IslandWorker:
                     # sync_s: from the end of the last inner step to now (at a round boundary without overlap:
                     # encode, push, the wait for the round to close, pull, checkpoint; diloco bench sync).
                     sync = {"sync_s": round(time.perf_counter() - steps_ended, 4)} if steps_ended is not None else {}
+                    # waited_s: seconds of the last round spent blocked on commits (what the overlap did not hide).
                     self.rd.log("train_start", round=self.step // self.H, island=self.name,
-                                step=self.island.state.step, **sync)  # fmt: skip
+                                step=self.island.state.step, waited_s=round(self.waited_s, 4), **sync)  # fmt: skip
+                    self.waited_s = 0.0
                 target = next_event(self.step, self.H, self.P, stream.overlap_steps)
                 budget = self.cfg.train.round_seconds
                 run = (
@@ -400,8 +416,12 @@ class IslandWorker:
             raise
         finally:
             self._stop.set()
+            if self._saving is not None:
+                self._saving.exception()  # let the last save finish (an error of its own is raised below)
             if self.store is not None:
                 self.store.close()
+        if self._saving is not None:
+            self._saving.result()
         self._leave("done")
         return self.contributed
 
@@ -409,7 +429,9 @@ class IslandWorker:
         """Take a sync's result: keep the residual of an accepted push, move the global copy, merge the fragment
         into the local θ (θ_p <- α·θ_p,local + (1 - α)·θ_p,global), or restart from the full θ; checkpoint at the
         global copy's round boundaries. True when it restarted (the syncs still in flight are then stale)."""
+        t0 = time.perf_counter()
         done = job.result()
+        self.waited_s += time.perf_counter() - t0
         if done is None:
             return False
         if done.accepted:

@@ -1,0 +1,142 @@
+"""`diloco bench utilization`: how much of a round the islands spend training, plain DiLoCo vs Streaming DiLoCo with
+overlap, over the config's WAN links, against the cost model.
+
+Two real federations of one config (`diloco.procs.Federation`, as `launch` starts them), one after the other:
+plain rounds (P = 1, τ = 0), then Streaming DiLoCo (`--fragments` P, `--overlap` τ). Utilization is what the
+islands report with each push, as in summary.json but without each island's first push (its wall time holds the
+process start and the join): Σ compute_s / Σ wall_s, where wall_s is the time since the island's previous push.
+
+The cost model of a plain round (docs/architecture.md, "Cost model"), from the run's own measured parts:
+
+    period = max_i (down_i + H·t_i + up_i) + close        utilization = mean_i H·t_i / period
+
+  t_i      island i's median inner-step time (compute_s / steps of its pushes)
+  up_i     `transport.shaper.transfer_time_s` of its median push bytes on its uplink (latency + bytes / bandwidth)
+  down_i   one pull: the request's one-way latency up, then the update's bytes on its downlink
+  close    the coordinator's median commit + evaluation, plus the checkpoint save where it is due (every round
+           here), all before any island can pull (durable before visible)
+
+The slowest island's push closes the round, so one island's slow link or step sets everyone's period. The model
+leaves out encode/decode and apply on the islands and the islands' own checkpoints; what it misses shows as the
+gap `model_points` (measured minus model, in percentage points). "wire_share" is the model's share of a round
+that is link time: choose the model size and H (key=value overrides) to make it about one half.
+
+Run: ``diloco bench utilization configs/local.toml [--rounds 6] [--fragments 5] [--overlap 2] [key=value ...]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from diloco.bench.errors import BenchError
+from diloco.bench.federation import _federation
+from diloco.config import RunConfig, load_config
+from diloco.procs import Federation
+from transport.shaper import UNSHAPED, LinkProfile, load_link_profiles, profile_for, transfer_time_s
+
+
+def measured_utilization(pushes: list[dict[str, Any]]) -> float:
+    """Σ compute_s / Σ wall_s of the coordinator's `push` events, each island's first left out."""
+    seen: set[str] = set()
+    compute = wall = 0.0
+    for e in pushes:
+        if e["island"] not in seen:
+            seen.add(e["island"])
+            continue
+        compute += e["compute_s"]
+        wall += e["wall_s"]
+    if wall <= 0:
+        raise BenchError("bench utilization: no push after each island's first; raise --rounds")
+    return compute / wall
+
+
+def plain_round_model(
+    step_s: dict[str, float], up: dict[str, float], down: dict[str, float], inner_steps: int, close_s: float
+) -> dict[str, float]:
+    """The plain round's period and utilization from its parts (module docstring); pure, so table-tested."""
+    period = max(down[n] + inner_steps * step_s[n] + up[n] for n in step_s) + close_s
+    compute = statistics.fmean(inner_steps * step_s[n] for n in step_s)
+    wire = max(down[n] + up[n] for n in step_s)
+    return {"period_s": period, "utilization": compute / period, "wire_share": wire / period}
+
+
+def _links(cfg: RunConfig) -> dict[str, LinkProfile]:
+    profiles = load_link_profiles(cfg.network.links) if cfg.network.links else {}
+    return {n: profile_for(profiles, n) if profiles else UNSHAPED for n in cfg.islands.island_names}
+
+
+def _plain_model(cfg: RunConfig, fed: Federation) -> dict[str, Any]:
+    pushes = fed.events("push")
+    rounds = fed.events("round")[1:]
+    names, H = cfg.islands.island_names, cfg.train.inner_steps
+    step_s = {n: statistics.median(e["compute_s"] / H for e in pushes if e["island"] == n) for n in names}
+    up_bytes = {n: statistics.median(e["bytes_up"] for e in pushes if e["island"] == n) for n in names}
+    # Every island pulls each round's update once: the coordinator's downlink bytes grow by n updates a round.
+    totals = [e["bytes_down"] for e in fed.events("round")]
+    per_pull = statistics.median(b - a for a, b in zip(totals, totals[1:], strict=False)) / len(names)
+    links = _links(cfg)
+    chunk = cfg.transport.chunk_bytes
+    up = {n: transfer_time_s(links[n], int(up_bytes[n]), "up", chunk) for n in names}
+    down = {n: links[n].latency_ms / 1e3 + transfer_time_s(links[n], int(per_pull), "down", chunk) for n in names}
+    checkpoints = [e["seconds"] for e in fed.events("checkpoint")][1:]
+    close = statistics.median(e["close_s"]["commit"] + e["close_s"]["eval"] for e in rounds)
+    close += statistics.median(checkpoints) if checkpoints else 0.0
+    model = plain_round_model(step_s, up, down, H, close)
+    return {
+        **{k: round(v, 4) for k, v in model.items()},
+        "parts_s": {
+            "step_median": round(statistics.median(step_s.values()), 4),
+            "compute": round(H * max(step_s.values()), 4),
+            "up": {n: round(v, 4) for n, v in up.items()},
+            "down": {n: round(v, 4) for n, v in down.items()},
+            "close": round(close, 4),
+        },
+        "bytes": {"push_median": int(statistics.median(up_bytes.values())), "pull": int(per_pull)},
+    }
+
+
+def _run(config: str | Path, overrides: list[str], run_dir: Path, rounds: int) -> tuple[RunConfig, dict, Any]:
+    overrides = [*overrides, f"train.rounds={rounds}"]
+    cfg = load_config(config, overrides)
+    with _federation(config, overrides, run_dir) as fed:
+        fed.start()
+        summary = fed.wait_done(timeout_s=180.0 + 60.0 * rounds)
+        result = {
+            "utilization": round(measured_utilization(fed.events("push")), 4),
+            "summary_utilization": summary["compute_utilization"],
+            "final_eval_loss": summary["final_eval_loss"],
+            "wall_s": summary["wall_s"],
+            "bytes_up": summary["bytes_up"],
+        }
+        model = _plain_model(cfg, fed) if not cfg.stream.streaming else None
+    return cfg, result, model
+
+
+def run_utilization_bench(
+    config: str | Path, overrides: list[str], run_dir: Path, rounds: int, fragments: int, overlap: int
+) -> dict[str, Any]:
+    if rounds < 3:
+        raise BenchError(f"bench utilization: --rounds must be >= 3 (the first push is left out; got {rounds})")
+    plain = ["stream.fragments=1", "stream.overlap_steps=0"]
+    stream = [f"stream.fragments={fragments}", f"stream.overlap_steps={overlap}"]
+    cfg, plain_run, model = _run(config, [*overrides, *plain], run_dir / "plain", rounds)
+    _, stream_run, _ = _run(config, [*overrides, *stream], run_dir / "streaming", rounds)
+    assert model is not None
+    return {
+        "bench": "utilization",
+        "islands": cfg.islands.count,
+        "H": cfg.train.inner_steps,
+        "rounds": rounds,
+        "links": cfg.network.links or None,
+        "codec": {"uplink": cfg.codec.uplink, "downlink": cfg.codec.downlink},
+        "plain": {
+            **plain_run,
+            "model": model,
+            "model_points": round(100 * (plain_run["utilization"] - model["utilization"]), 1),
+        },
+        "streaming": {"fragments": fragments, "overlap_steps": overlap, **stream_run},
+        "streaming_over_plain": round(stream_run["utilization"] / plain_run["utilization"], 3),
+        "run_dir": str(run_dir),
+    }
