@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +32,7 @@ import grpc
 import numpy as np
 
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
-from diloco.global_run import GlobalRun, diverged_reason
+from diloco.global_run import GlobalRun, Settling, diverged_reason
 from diloco.membership import REJOIN, Action, PullKind, PullView, RoundView, answer_pull, decide
 from diloco.rejections import RejectionLog, clip
 from diloco.rounds import Commit, OuterLoop, RoundError
@@ -94,6 +96,14 @@ class Coordinator:
         self.pending_digest: dict[str, bytes] = {}
         """The content digest of each pending contribution (island names are bounded to `names`)."""
         self.opened_at = clock()
+        self.on_rollback: Callable[[int], None] | None = None
+        """Told the first round a rollback reopened (serve.py: the service forgets the pushes it accepted for it and
+        later ones, which run again). Called without the lock held."""
+        self._settle_queue: queue.Queue[tuple[int, Settling, dict[str, bytes], dict[bytes, str]] | None] = queue.Queue()
+        self._generation = 0
+        """Bumped by a rollback: commits queued before it were undone and are not settled."""
+        self._unsettled = 0
+        threading.Thread(target=self._settle_forever, name="settle", daemon=True).start()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -115,10 +125,18 @@ class Coordinator:
 
     @property
     def done(self) -> bool:
-        return self.world.done
+        """Every planned round is committed and settled (evaluated, logged, checkpointed)."""
+        return self.world.done and self._unsettled == 0
 
     def close(self) -> None:
+        self.settled()
+        self._settle_queue.put(None)
         self.world.close()
+
+    def settled(self, timeout_s: float | None = None) -> bool:
+        """Wait until every commit so far is evaluated, logged and checkpointed (or undone); False on timeout."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self._unsettled == 0, timeout=timeout_s)
 
     # -- CoordinatorHandler ------------------------------------------------------------------------------------
 
@@ -191,7 +209,7 @@ class Coordinator:
             if meta.island not in self.names:
                 who = clip(meta.island, 60)
                 raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {who!r} is not in this run")
-            if self.done:
+            if self.world.done:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
             if (meta.round, meta.fragment) != (self.loop.round, self.loop.fragment):  # it may have closed meanwhile
                 raise Rejected(
@@ -293,7 +311,7 @@ class Coordinator:
 
     def _pull_view(self, req: pb.PullRequest) -> PullView:
         return PullView(
-            have_round=self._position(req), full=req.full, round=self.loop.sync, done=self.done,
+            have_round=self._position(req), full=req.full, round=self.loop.sync, done=self.world.done,
             pushed=req.island in self.loop.pending, last_commit_round=max(self.commits, default=None),
             kept=self.loop.fragments.count,
         )  # fmt: skip
@@ -343,7 +361,7 @@ class Coordinator:
             self._tick_locked()
 
     def _tick_locked(self) -> None:
-        if self.done:
+        if self.world.done:
             return
         now = self.clock()
         view = RoundView(
@@ -365,31 +383,70 @@ class Coordinator:
         downlink codec refuses it, or the model it makes diverges while the islands report healthy losses), drop the
         largest one, say so, and try again: an island's input may cost that island its round, never the coordinator
         its life. A round left with no contribution stays open."""
-        while self.loop.pending:
+        while self.loop.pending and self.world.diverged is None:
             losses = [self.last_loss[n] for n in self.loop.pending if n in self.last_loss]
+            sync = self.loop.sync
             try:
-                # The lock is held, so no pull sees θ_{r+1} before it is durable (GlobalRun with durable=True).
-                sync = self.loop.sync
-                commit = self.world.close_round(losses=losses, seconds=now - self.opened_at, reason=reason)
-            except DivergedError as exc:
-                # The committed model exploded and was undone (GlobalRun: θ and the round are unchanged).
-                if self._islands_diverged():
-                    # The run itself diverged: every later call is refused with the reason (`_refuse_if_diverged`)
-                    # and `serve` exits with it.
-                    self.cond.notify_all()
-                    return
-                self.world.diverged = None  # not the run's divergence: go on without this contribution
-                self._drop_largest(f"diverged with a healthy island loss (lower outer.lr if all are dropped so): {exc}")
+                pending = self.world.commit(losses=losses, seconds=now - self.opened_at, reason=reason)
             except (CodecError, ArithmeticError) as exc:  # commit is all or nothing: θ and the round are unchanged
                 self._drop_largest(str(exc))
-            else:
-                self.commits[sync] = commit
-                self.commits.pop(sync - self.loop.fragments.count, None)
-                self.dropped.clear()
-                self.pending_digest.clear()
-                self.opened_at = now
-                self.cond.notify_all()
-                return
+                continue
+            # θ_{s+1} is served from here on; its evaluation and checkpoint follow on the settle thread, off the
+            # islands' path (docs/architecture.md, "Commits off the critical path").
+            self.commits[sync] = pending.commit
+            self.commits.pop(sync - self.loop.fragments.count, None)
+            self._settle_queue.put((self._generation, pending, dict(self.pending_digest), dict(self.dropped)))
+            self._unsettled += 1
+            self.dropped.clear()
+            self.pending_digest.clear()
+            self.opened_at = now
+            self.cond.notify_all()
+            return
+
+    def _settle_forever(self) -> None:
+        """The settle thread: evaluate each commit (without the lock), keep it or undo it (with the lock), save its
+        checkpoint when due (without the lock), in commit order."""
+        while (job := self._settle_queue.get()) is not None:
+            generation, pending, digests, dropped = job
+            reopened: int | None = None
+            try:
+                eval_loss = self.world.evaluate_commit(pending) if generation == self._generation else math.nan
+                with self.cond:
+                    meta = None
+                    if generation == self._generation:
+                        meta, reopened = self._record_locked(pending, digests, dropped, eval_loss)
+                if meta is not None:
+                    self.world.save(pending, meta)
+            finally:
+                with self.cond:
+                    self._unsettled -= 1
+                    self.cond.notify_all()
+            if reopened is not None and self.on_rollback is not None:
+                self.on_rollback(reopened)
+
+    def _record_locked(
+        self, pending: Settling, digests: dict[str, bytes], dropped: dict[bytes, str], eval_loss: float
+    ) -> tuple[dict | None, int | None]:
+        """Keep a commit (returns the checkpoint metadata, if due) or, when its model diverged, undo it and every
+        later commit and go on without its largest contribution (returns the reopened round)."""
+        try:
+            return self.world.record(pending, eval_loss), None
+        except DivergedError as exc:
+            # θ, the outer state and the open sync are as before the commit (GlobalRun.record); so are its pushes.
+            self._generation += 1
+            reopened = self.loop.sync
+            self.commits = {s: c for s, c in self.commits.items() if s < reopened}
+            self.pending_digest, self.dropped = digests, dropped
+            self.opened_at = self.clock()
+            self.cond.notify_all()
+            if self._islands_diverged():
+                # The run itself diverged: every later call is refused with the reason (`_refuse_if_diverged`) and
+                # `serve` exits with it.
+                return None, self.loop.round
+            self.world.diverged = None  # not the run's divergence: go on without this contribution
+            self._drop_largest(f"diverged with a healthy island loss (lower outer.lr if all are dropped so): {exc}")
+            self._tick_locked()
+            return None, self.loop.round
 
     def _drop_largest(self, why: str) -> None:
         culprit = self.loop.largest_contribution()

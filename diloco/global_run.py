@@ -25,12 +25,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from diloco.checkpoint import CheckpointStore, restore_state, save_state
 from diloco.config import RunConfig
-from diloco.rounds import Commit, OuterLoop, fragment_digest
+from diloco.rounds import Commit, Contribution, GlobalState, OuterLoop, fragment_digest
 from diloco.rundir import RunDir
 from diloco.setup import Evaluator, Setup
 from diloco.summary import Totals, summary
@@ -51,6 +52,25 @@ def diverged_reason(eval_loss: float, initial: float | None, factor: float = DIV
     if factor > 0 and initial is not None and initial > 0 and eval_loss > factor * initial:
         return f"eval loss {eval_loss:.4g} is over {factor:g}x the initial {initial:.4g}"
     return None
+
+
+@dataclass
+class Settling:
+    """A commit whose θ is the global model but not yet evaluated, logged or checkpointed (`GlobalRun.settle`)."""
+
+    commit: Commit
+    before: tuple[GlobalState, dict[str, Contribution]]
+    """The loop as it was before the commit: what a diverged commit rolls back to."""
+    state: GlobalState
+    """The global state right after the commit (what is evaluated and saved, however far the loop moved on)."""
+    losses: tuple[float, ...]
+    seconds: float
+    reason: str | None
+    commit_s: float
+    round_closed: bool
+    """The commit closed its round (the last fragment's, or every commit without streaming)."""
+    eval_s: float = 0.0
+    """Seconds the evaluation took (set by whoever evaluates it)."""
 
 
 class GlobalRun:
@@ -106,60 +126,98 @@ class GlobalRun:
     def close_round(
         self, *, losses: Sequence[float], seconds: float, deliveries: int = 0, reason: str | None = None
     ) -> Commit:
-        """Commit the open round, evaluate, log its `round` event and checkpoint it when due.
-
-        `deliveries`: how many islands receive this update without a pull (simulate hands it to each island
-        directly; the coordinator counts its downlink bytes per pull instead).
+        """Commit the open sync, evaluate, log its event and checkpoint it when due: `commit` then `settle`, as
+        `simulate` runs them (the coordinator runs `settle` on another thread, off the islands' path).
 
         Raises DivergedError, with θ and the round unchanged, when the committed model diverged (module docstring).
+        """
+        pending = self.commit(losses=losses, seconds=seconds, deliveries=deliveries, reason=reason)
+        self.settle(pending, self.evaluate_commit(pending))
+        return pending.commit
+
+    def evaluate_commit(self, pending: Settling) -> float:
+        """The eval loss of a commit's θ (timed into `pending.eval_s`); reads nothing that later commits change."""
+        t0 = time.perf_counter()
+        loss = self.evaluate(pending.state.params)
+        pending.eval_s = time.perf_counter() - t0
+        return loss
+
+    def commit(
+        self, *, losses: Sequence[float], seconds: float, deliveries: int = 0, reason: str | None = None
+    ) -> Settling:
+        """The outer step of the open sync: θ_{s+1} is the global model from here on (pulls may serve it), and what
+        remains to do is returned for `settle`.
+
+        `deliveries`: how many islands receive this update without a pull (simulate hands it to each island
+        directly; the coordinator counts its downlink bytes per pull instead). A commit that fails (the codec
+        refuses û) raises with nothing changed.
         """
         if self.diverged is not None:
             raise self.diverged
         before = self.loop.snapshot()
         t0 = time.perf_counter()
         commit = self.loop.commit()
-        t1 = time.perf_counter()
-        eval_loss = self.evaluate(self.loop.params)
-        close_s = {"commit": round(t1 - t0, 4), "eval": round(time.perf_counter() - t1, 4)}
-        why = diverged_reason(eval_loss, self.totals.initial_eval_loss, self.divergence_factor)
-        if why is not None:
-            # All or nothing, as for a commit that fails: θ_r stays the global model (and the checkpoint), the round
-            # stays open with its contributions.
-            self.loop.rollback(before)
-            self._diverge(commit, why, eval_loss, losses)
+        commit_s = time.perf_counter() - t0
         self.params_digest = commit.digest
         self.fragment_digests[commit.fragment] = commit.fragment_digest
-        t = self.totals
-        t.rounds = self.loop.round
-        t.syncs += 1
-        t.bytes_down += sum(e.nbytes for e in commit.encoded) * deliveries
-        t.final_eval_loss = eval_loss
         round_closed = self.loop.fragment == 0
         if round_closed:
             self.durations = [*self.durations, seconds][-self.cfg.quorum.history :]
+        self.totals.bytes_down += sum(e.nbytes for e in commit.encoded) * deliveries
+        return Settling(
+            commit=commit, before=before, state=self.loop.state, losses=tuple(float(x) for x in losses),
+            seconds=seconds, reason=reason, commit_s=commit_s, round_closed=round_closed,
+        )  # fmt: skip
+
+    def settle(self, pending: Settling, eval_loss: float) -> None:
+        """The rest of a commit, given the evaluation of its θ: `record` it, then `save` it when due."""
+        meta = self.record(pending, eval_loss)
+        if meta is not None:
+            self.save(pending, meta)
+
+    def record(self, pending: Settling, eval_loss: float) -> dict | None:
+        """Keep a commit whose θ evaluated to `eval_loss`: totals and its `round` or `sync` event; returns the
+        checkpoint metadata when a save is due (else None). When it diverged, undo it and every commit after it
+        (the loop goes back to `pending.before`) and raise DivergedError. Only a kept commit is ever saved, so a
+        restored coordinator never holds a diverged model."""
+        commit = pending.commit
+        why = diverged_reason(eval_loss, self.totals.initial_eval_loss, self.divergence_factor)
+        if why is not None:
+            # All or nothing, as for a commit that fails: θ before it is the global model again (and the
+            # checkpoint), its sync is open again with its contributions.
+            self.loop.rollback(pending.before)
+            self._digest_all()
+            self._diverge(commit, why, eval_loss, pending.losses)
+        t = self.totals
+        t.rounds = commit.round + (1 if pending.round_closed else 0)
+        t.syncs += 1
+        t.final_eval_loss = eval_loss
         streaming = (
             {"fragment": commit.fragment, "fragment_digest": commit.fragment_digest}
             if self.loop.fragments.count > 1 else {}
         )  # fmt: skip
+        close_s = {"commit": round(pending.commit_s, 4), "eval": round(pending.eval_s, 4)}
+        losses, reason = pending.losses, pending.reason
         self.rd.log(
-            "round" if round_closed else "sync", round=commit.round, **streaming,
+            "round" if pending.round_closed else "sync", round=commit.round, **streaming,
             loss=float(np.mean(losses)) if len(losses) else None,
             eval_loss=t.final_eval_loss, tokens=t.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down,
-            islands=list(commit.islands), digest=commit.digest, seconds=round(seconds, 4), close_s=close_s,
+            islands=list(commit.islands), digest=commit.digest, seconds=round(pending.seconds, 4), close_s=close_s,
             **({"reason": reason} if reason else {}), **({"kept": commit.reduced} if commit.reduced else {}),
         )  # fmt: skip
-        # The event is logged before the save: a kill in between loses the event with the round (truncated on
-        # resume, then rerun), never a committed round without its event.
-        if self.store is not None and round_closed and checkpoint_due(self.cfg, self.loop.round):
-            t2 = time.perf_counter()
-            meta = {"totals": t.to_meta(), "durations": self.durations}
-            save_state(self.store, self.loop.round, self.loop.state, meta)
-            if self.durable:
-                self.store.wait()
-            # What the close costs the islands: commit and eval (in the round event) and this save, all before any
-            # island can pull θ_{r+1} in the coordinator (durable before visible).
-            self.rd.log("checkpoint", round=commit.round, seconds=round(time.perf_counter() - t2, 4))
-        return commit
+        if self.store is None or not pending.round_closed or not checkpoint_due(self.cfg, t.rounds):
+            return None
+        return {"totals": t.to_meta(), "durations": list(self.durations)}
+
+    def save(self, pending: Settling, meta: dict) -> None:
+        """Checkpoint the state of a recorded commit (one caller at a time). The event was logged before: a kill in
+        between loses the event with the round (truncated on resume, then rerun), never a round without its event."""
+        assert self.store is not None
+        t0 = time.perf_counter()
+        save_state(self.store, meta["totals"]["rounds"], pending.state, meta)
+        if self.durable:
+            self.store.wait()
+        self.rd.log("checkpoint", round=pending.commit.round, seconds=round(time.perf_counter() - t0, 4))
 
     def _diverge(self, commit: Commit, why: str, eval_loss: float, losses: Sequence[float]) -> None:
         """Log the `diverged` event, remember the error for every later close, and raise it.

@@ -75,6 +75,7 @@ def serve(
         config=cfg.transport.for_islands(cfg.islands.count), on_rejected=coordinator.on_rejected,
         status_requires_auth=secrets is not None, islands=cfg.islands.island_names, uplink_codec=cfg.codec.uplink,
     )  # fmt: skip
+    coordinator.on_rollback = service.forget_from
     try:
         server = start_server(service, listen, tls=tls)
     except (OSError, RuntimeError, ValueError) as exc:
@@ -118,6 +119,7 @@ def serve(
         for s, handler in previous.items():
             signal.signal(s, handler)
         server.stop(grace_s=1.0)
+        coordinator.settled(timeout_s=120.0)  # the last commits' evaluations and checkpoints
         summary = coordinator.summary()
         if coordinator.done:
             rd.write_summary(summary)

@@ -128,6 +128,7 @@ def test_a_lone_island_that_wrecks_the_model_loses_its_round_not_the_run(coordin
         push(coordinator, "island-1", fill, loss=1.0)
         with coordinator.cond:
             coordinator._close_locked(coordinator.clock(), "forced")
+        assert coordinator.settled(60)  # the commit is served at once, evaluated (and here undone) just after
         assert coordinator.world.diverged is None and coordinator.world.params_digest == before
         assert coordinator.loop.round == 0 and coordinator.loop.pending == ()
     dropped = read_events(coordinator.rd.metrics_path, "contribution_dropped")
@@ -137,11 +138,13 @@ def test_a_lone_island_that_wrecks_the_model_loses_its_round_not_the_run(coordin
     assert push(coordinator, "island-0", 1e-3).accepted
     with coordinator.cond:
         coordinator._close_locked(coordinator.clock(), "forced")
+    assert coordinator.settled(60)
     assert coordinator.loop.round == 1 and coordinator.last_commit.islands == ("island-0",)
 
 
 def test_islands_whose_own_loss_exploded_stop_the_run(coordinator: Coordinator) -> None:
     push(coordinator, "island-0", 1e30, loss=1e9)
     push(coordinator, "island-1", 1e30, loss=1e9)  # closes the round: both pushed
+    assert coordinator.settled(60)
     assert coordinator.world.diverged is not None and coordinator.loop.round == 0
     refused(lambda: push(coordinator, "island-0", 1e-3), grpc.StatusCode.FAILED_PRECONDITION, "diverged")

@@ -104,7 +104,7 @@ def check_run(
                       for c in commits}  # fmt: skip
     initial: set[str] = set()
     for name in islands:
-        synced = fed.events("synced", island=name)
+        synced = superseded_dropped(fed.events("synced", island=name))
         assert synced, f"{name} never synced"
         for s in synced:
             at = s.get("position", s["round"])
@@ -119,6 +119,20 @@ def check_run(
     summary = json.loads((fed.run_dir / "summary.json").read_text())
     assert summary["rounds"] == rounds and summary["params_digest"] == whole_after[rounds * fragments], summary
     return commits
+
+
+def superseded_dropped(synced: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An island's `synced` events without those a coordinator restart took back: commits are served before their
+    checkpoint is saved (docs/architecture.md, "Commits off the critical path"), so a coordinator killed in between
+    restarts behind what its islands hold, and they resync with a full θ of an earlier position. Events at later
+    positions that came before such a resync were of commits that no longer exist."""
+    kept: list[dict[str, Any]] = []
+    for s in synced:
+        at = s.get("position", s["round"])
+        if s["kind"] == "full":
+            kept = [k for k in kept if k.get("position", k["round"]) <= at]
+        kept.append(s)
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,11 +202,13 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     fed.start_island("island-0", args=["--secret", "s0"])
     fed.start_island("island-1", args=["--secret", "s1"])
 
-    # SIGKILL island-1 while it trains round >= 2 (its checkpoint of round >= 1 is then complete).
+    # SIGKILL island-1 while it trains round >= 2, once a checkpoint of it is complete (islands save on a
+    # background thread: the newest save may still be in flight at the kill).
     fed.wait_for(
-        lambda: [e for e in fed.events("train_start", island="island-1") if e["round"] >= 2],
+        lambda: [e for e in fed.events("train_start", island="island-1") if e["round"] >= 2]
+        and _finished_checkpoints(fed, "island-1"),
         WAIT_S,
-        "island-1 training round 2",
+        "island-1 training round 2 with a finished checkpoint",
     )
     fed.kill("island-1")
     mark = len(fed.events())
@@ -268,8 +284,9 @@ def test_coordinator_restart_supervisor_and_fewer_devices(federation: Callable[.
     pre_kill = fed.rounds()  # read before the restart drops the events of the round that was in flight
     fed.start_coordinator()
     resumed = fed.wait_for(lambda: fed.events(event="resumed"), WAIT_S, "the coordinator to resume")[0]
-    # At most the round in flight is lost, and no island ever held a round the coordinator cannot restore.
-    assert logged - 1 <= resumed["round"] <= logged and resumed["round"] >= synced_before, (resumed, logged)
+    # At most the round in flight and one whose checkpoint was still being written are lost (commits are served
+    # before they are durable); islands that held a later round resync (check_run drops what they took back).
+    assert logged - 1 <= resumed["round"] <= logged and synced_before <= resumed["round"] + 2, (resumed, logged)
     fed.wait_for(
         lambda: [c for c in fed.rounds() if c["round"] >= resumed["round"]],
         WAIT_S,

@@ -237,6 +237,13 @@ class DilocoService:
             self.status_caller(metadata)
             return self.handler.status()
 
+    def forget_from(self, round_: int) -> None:
+        """Forget the accepted pushes of round `round_` and later: the coordinator rolled its rounds back (a commit
+        that diverged, undone with every later one), so those rounds run again and new pushes for them are new."""
+        with self._commit_lock:
+            for key in [k for k in self._accepted if k[1] >= round_]:
+                del self._accepted[key]
+
     # -- push -----------------------------------------------------------------------------------------
 
     def push(self, metadata: Metadata, chunks: Iterable[pb.PushChunk | Undecodable]) -> pb.PushReply:
