@@ -50,13 +50,21 @@ class RunSection:
             raise ValueError("run.name must not be empty")
 
 
+TRAIN_MODES = ("diloco", "sync", "async")
+"""The values of train.mode."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     mode: str = "diloco"
-    """"diloco" (islands + outer optimizer) or "sync" (the data-parallel baseline: one model, one AdamW, on the
-    union of the islands' batches every step)."""
+    """"diloco" (islands + outer optimizer), "sync" (the data-parallel baseline: one model, one AdamW, on the
+    union of the islands' batches every step) or "async" (`diloco simulate` only: the coordinator applies each
+    island's pseudo-gradient as soon as it arrives, weighted by its staleness, and no island waits for another;
+    diloco/async_sim.py)."""
     rounds: int = 10
-    """Outer rounds. Each island does `inner_steps` steps per round, so rounds * inner_steps steps in all."""
+    """Outer rounds. Each island does `inner_steps` steps per round, so rounds * inner_steps steps in all.
+    With mode = "async" a round is one outer update, one island's `inner_steps` steps: rounds * inner_steps steps of
+    all islands together (islands.count × the rounds of plain DiLoCo train the same tokens)."""
     inner_steps: int = 50
     """H: inner AdamW steps per island between two synchronisations."""
     batch_size: int = 16
@@ -76,8 +84,8 @@ class TrainConfig:
     round; the mean is token-weighted. 0: exactly inner_steps per round."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("diloco", "sync"):
-            raise ValueError(f"train.mode must be 'diloco' or 'sync' (got {self.mode!r})")
+        if self.mode not in TRAIN_MODES:
+            raise ValueError(f"train.mode must be 'diloco', 'sync' or 'async' (got {self.mode!r})")
         for key in ("rounds", "inner_steps", "batch_size", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1 (got {getattr(self, key)})")
@@ -143,6 +151,10 @@ class IslandsConfig:
             raise ValueError(f"islands.names has {len(self.names)} names but islands.count is {self.count}")
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"islands.names must be unique (got {list(self.names)})")
+        if any(not n or not n.replace("-", "").replace("_", "").isalnum() for n in self.names):
+            raise ValueError(f"islands.names must be non-empty [A-Za-z0-9_-] names (got {list(self.names)})")
+        if self.devices < 1:
+            raise ValueError(f"islands.devices must be >= 1 (got {self.devices})")
         self.slowdowns()  # refuse a malformed entry when the config loads, not when an island starts
 
     def slowdowns(self) -> dict[str, float]:
@@ -161,10 +173,6 @@ class IslandsConfig:
                 )
             out[name] = value
         return out
-        if any(not n or not n.replace("-", "").replace("_", "").isalnum() for n in self.names):
-            raise ValueError(f"islands.names must be non-empty [A-Za-z0-9_-] names (got {list(self.names)})")
-        if self.devices < 1:
-            raise ValueError(f"islands.devices must be >= 1 (got {self.devices})")
 
     @property
     def island_names(self) -> tuple[str, ...]:
@@ -275,6 +283,10 @@ class RunConfig:
         if self.train.round_seconds and self.stream.streaming:
             raise ValueError("train.round_seconds (time-budgeted rounds) needs whole rounds: stream.fragments = 1 and "
                              "stream.overlap_steps = 0")  # fmt: skip
+        if self.train.mode == "async" and (self.train.round_seconds or self.stream.streaming):
+            key = "train.round_seconds" if self.train.round_seconds else "stream.fragments / stream.overlap_steps"
+            raise ValueError(f"train.mode = 'async' pushes whole runs of train.inner_steps steps (its virtual clock "
+                             f"counts steps): {key} cannot be set with it")  # fmt: skip
         why = check_schedule(self.train.inner_steps, self.stream.fragments, self.stream.overlap_steps)
         if why is not None:
             raise ValueError(why)
@@ -286,6 +298,16 @@ class RunConfig:
     @property
     def total_inner_steps(self) -> int:
         return self.train.rounds * self.train.inner_steps
+
+
+def require_rounds(cfg: RunConfig, command: str) -> None:
+    """The coordinator and island processes run rounds (plain or streaming); the asynchronous mode runs in
+    `diloco simulate` only so far: refuse it in one line rather than run plain rounds on an async config."""
+    if cfg.train.mode != "diloco":
+        raise ConfigError(
+            f"{command}: train.mode = {cfg.train.mode!r} runs in `diloco simulate` only; the coordinator and island "
+            "processes run train.mode = 'diloco' (plain or streaming rounds)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -49,6 +50,18 @@ from transport.validate import ModelSpec
 FP32 = CodecSpec(kind="fp32")
 MAX_DROPPED = 256
 """Digests of dropped contributions remembered per round (16 bytes each), beyond which the oldest is forgotten."""
+
+
+@dataclass(frozen=True)
+class Early:
+    """A validated push for a later sync than the open one (streaming), held until that sync opens."""
+
+    round: int
+    fragment: int
+    delta: dict[str, np.ndarray]
+    tokens: int
+    content: bytes
+    """Its `contribution_digest`."""
 
 
 def contribution_digest(island: str, tensors: Sequence[EncodedTensor]) -> bytes:
@@ -95,6 +108,10 @@ class Coordinator:
         self.max_tokens = cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len
         self.pending_digest: dict[str, bytes] = {}
         """The content digest of each pending contribution (island names are bounded to `names`)."""
+        self.early: dict[int, dict[str, Early]] = {}
+        """Streaming: pushes for the P - 1 syncs after the open one, by position then island, each joining its sync
+        when it opens. A fast island sends its next fragment while a slower one still holds up the open sync, so
+        several syncs are on the wire at once; bounded by islands x (P - 1) fragments."""
         self.opened_at = clock()
         self.on_rollback: Callable[[int], None] | None = None
         """Told the first round a rollback reopened (serve.py: the service forgets the pushes it accepted for it and
@@ -195,7 +212,9 @@ class Coordinator:
         return pb.LeaveReply(ok=True)
 
     def current_round(self, fragment: int) -> int:
-        return self.loop.round
+        """The one round a push of `fragment` may be for: the open round, or (streaming) the next one for a fragment
+        whose sync in this round is already committed (`early`)."""
+        return self.loop.round + (1 if fragment < self.loop.fragment else 0)
 
     def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray]) -> pb.PushReply:
         """A pseudo-gradient the transport validated; checked against the round before it joins it.
@@ -209,9 +228,10 @@ class Coordinator:
             if meta.island not in self.names:
                 who = clip(meta.island, 60)
                 raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {who!r} is not in this run")
-            if self.world.done:
+            if self.world.done or meta.round >= self.cfg.train.rounds:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
-            if (meta.round, meta.fragment) != (self.loop.round, self.loop.fragment):  # it may have closed meanwhile
+            position = meta.round * self.loop.fragments.count + meta.fragment
+            if not self.loop.sync <= position < self.loop.sync + self.loop.fragments.count:  # it may have closed
                 raise Rejected(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"pseudo-gradient for {self._sync_name(meta.round, meta.fragment)} but "
@@ -233,11 +253,18 @@ class Coordinator:
                 )
             tokens = min(int(meta.tokens), self.max_tokens)
             delta = {name: np.array(arrays[name], np.float32) for name in sorted(arrays)}
-            try:
-                self.loop.submit(meta.island, meta.round, delta, tokens, fragment=meta.fragment)
-            except RoundError as exc:
-                raise Rejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
-            self.pending_digest[meta.island] = content
+            if position == self.loop.sync:
+                try:
+                    self.loop.submit(meta.island, meta.round, delta, tokens, fragment=meta.fragment)
+                except RoundError as exc:
+                    raise Rejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+                self.pending_digest[meta.island] = content
+            else:
+                queued = self.early.setdefault(position, {})
+                if meta.island in queued:
+                    raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"island {meta.island} already contributed to "
+                                   f"{self._sync_name(meta.round, meta.fragment)}")  # fmt: skip
+                queued[meta.island] = Early(meta.round, meta.fragment, delta, tokens, content)
             nbytes = sum(len(t.payload) for t in tensors)
             self.last_seen[meta.island] = self.clock()
             self.totals.tokens += tokens
@@ -312,7 +339,9 @@ class Coordinator:
     def _pull_view(self, req: pb.PullRequest) -> PullView:
         return PullView(
             have_round=self._position(req), full=req.full, round=self.loop.sync, done=self.world.done,
-            pushed=req.island in self.loop.pending, last_commit_round=max(self.commits, default=None),
+            pushed=req.island in (self.loop.pending if self._position(req) == self.loop.sync
+                                  else self.early.get(self._position(req), {})),
+            last_commit_round=max(self.commits, default=None),
             kept=self.loop.fragments.count,
         )  # fmt: skip
 
@@ -400,8 +429,22 @@ class Coordinator:
             self.dropped.clear()
             self.pending_digest.clear()
             self.opened_at = now
+            self._admit_early()
             self.cond.notify_all()
             return
+
+    def _admit_early(self) -> None:
+        """The pushes that arrived early for the sync that just opened join it, then it may close at once."""
+        for island, e in sorted(self.early.pop(self.loop.sync, {}).items()):
+            try:
+                self.loop.submit(island, e.round, e.delta, e.tokens, fragment=e.fragment)
+            except RoundError as exc:  # checked at its push already; never let it stop a commit
+                self.rd.log("contribution_dropped", round=e.round, fragment=e.fragment, island=island,
+                            reason=clip(str(exc)))  # fmt: skip
+                continue
+            self.pending_digest[island] = e.content
+        if self.loop.pending:
+            self._tick_locked()
 
     def _settle_forever(self) -> None:
         """The settle thread: evaluate each commit (without the lock), keep it or undo it (with the lock), save its
@@ -437,6 +480,7 @@ class Coordinator:
             reopened = self.loop.sync
             self.commits = {s: c for s, c in self.commits.items() if s < reopened}
             self.pending_digest, self.dropped = digests, dropped
+            self.early.clear()  # taken from fragments of undone commits: those islands resync
             self.opened_at = self.clock()
             self.cond.notify_all()
             if self._islands_diverged():

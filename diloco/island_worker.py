@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco.checkpoint import CheckpointStore, restore_state, save_state
-from diloco.config import RunConfig, config_digest, to_dict
+from diloco.config import RunConfig, config_digest, require_rounds, to_dict
 from diloco.membership import REJOIN
 from diloco.rounds import fragment_digest
 from diloco.rundir import RunDir
@@ -122,6 +122,7 @@ class IslandWorker:
             raise IslandError(
                 f"island '{name}' is not in the config's islands.names ({', '.join(cfg.islands.island_names)})"
             )
+        require_rounds(cfg, "island")
         self.cfg, self.name, self.client, self.rd = cfg, name, client, rd
         self.give_up_s = cfg.network.coordinator_wait_s
         setup = build_setup(cfg, islands=[name])
@@ -144,6 +145,8 @@ class IslandWorker:
         taken from."""
         self._generation = 0
         """Bumped at every restart from the full θ: a sync queued before it is dropped unsent."""
+        self._last_push: Future[bool | None] | None = None
+        """The newest push handed to a wire thread: the next one leaves after it."""
         self.contributed = 0
         self._saving: Future[None] | None = None
         """The checkpoint save in flight (`save`)."""
@@ -297,12 +300,21 @@ class IslandWorker:
                     break
         return self.pull(-1, full=True)
 
-    def _sync(self, sync: int, meta: pb.PushMeta, push: RoundPush, generation: int) -> Synced | None:
-        """Push Δ and wait for its sync's commit (on the wire thread; `run` merges the result when its turn comes).
-        None when a resync made it stale before it started."""
+    def _send(self, meta: pb.PushMeta, push: RoundPush, generation: int) -> bool | None:
+        """Push Δ (on a wire thread, after the previous sync's push); None when a resync made it stale first."""
         if generation != self._generation:
             return None
-        accepted = self._push(meta, push)
+        return self._push(meta, push)
+
+    def _collect(self, sync: int, meta: pb.PushMeta, push: RoundPush, sent: Future[bool | None]) -> Synced | None:
+        """Wait for sync `sync`'s commit once its push went out (`run` merges the result when its turn comes).
+
+        Pushes leave in order, each right after the previous one, and the coordinator holds a push for a later
+        fragment's sync until that sync opens (`Coordinator.early`); the pulls wait for their commits side by
+        side, so a sync's round trip never holds up the next fragment's push."""
+        accepted = sent.result()
+        if accepted is None:
+            return None
         return Synced(sync, push, accepted, self._pull_after_push(sync, meta, push))
 
     # -- checkpoints -------------------------------------------------------------------------------------------
@@ -404,9 +416,9 @@ class IslandWorker:
                         wall_s=time.perf_counter() - cycle_from, base_digest=bytes.fromhex(self.fragment_digests[p]),
                     )  # fmt: skip
                     cycle_from = time.perf_counter()
-                    after = in_flight[-1][1] if in_flight else None
-                    job = partial(self._sync, sync_at, meta, push, self._generation)
-                    in_flight.append((p, in_background(job, after)))
+                    sent = in_background(partial(self._send, meta, push, self._generation), self._last_push)
+                    self._last_push = sent
+                    in_flight.append((p, in_background(partial(self._collect, sync_at, meta, push, sent), sent)))
                 q = merging_fragment(self.step, self.H, self.P, stream.overlap_steps)
                 if q is not None and in_flight and in_flight[0][0] == q and self._merge(in_flight.popleft()[1]):
                     in_flight.clear()

@@ -150,7 +150,8 @@ class PullView:
     done: bool
     """Every planned round is committed."""
     pushed: bool
-    """This island's pseudo-gradient for the open position was accepted."""
+    """This island's pseudo-gradient for the position it holds was accepted (the open one, or with streaming a
+    later one the coordinator holds until it opens)."""
     last_commit_round: int | None
     """The position whose û this coordinator committed last in this process (None: none since it started)."""
     kept: int = 1
@@ -165,6 +166,10 @@ class PullAnswer:
 
 
 def answer_pull(v: PullView) -> PullAnswer:
+    if not v.full and v.round < v.have_round < v.round + v.kept and v.pushed:
+        # Streaming: the island pushed a later fragment's sync early (the coordinator holds it until that sync
+        # opens); its commit comes in turn.
+        return PullAnswer(PullKind.WAIT, f"round {v.have_round} is queued behind round {v.round}")
     if not v.full and v.have_round > v.round:
         # Only when this coordinator restarted from a checkpoint older than what it had sent (checkpoint_every > 1):
         # waiting would deadlock, since the island never pushes for our round.

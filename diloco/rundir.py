@@ -18,8 +18,10 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -245,7 +247,9 @@ class RunDir:
             self.checkpoints.mkdir(exist_ok=True)
             self._t_offset = self._last_t()
             self._t0 = time.monotonic()
+            self._extra: dict[str, dict[str, Any]] = {}
             self._metrics = self.metrics_path.open("a", buffering=1)
+            self._write_lock = threading.Lock()
         except BaseException:
             self.lock.release()
             raise
@@ -290,12 +294,29 @@ class RunDir:
 
     def log(self, event: str, **fields: Any) -> None:
         record = {"event": event, "t": round(self.elapsed(), 4), **fields}
-        self._metrics.write(json.dumps(record) + "\n")
+        for key, value in self._extra.get(event, {}).items():
+            record.setdefault(key, value)
+        line = json.dumps(record) + "\n"
+        with self._write_lock:  # threads log too (an island's wire thread, the coordinator's settle thread)
+            self._metrics.write(line)
+
+    @contextmanager
+    def annotated(self, event: str, **fields: Any) -> Iterator[None]:
+        """Within the block, every `event` logged here also carries `fields` (never replacing the event's own): a
+        driver adds what only it knows to an event another part logs, e.g. the asynchronous mode's staleness on the
+        `round` event that `GlobalRun.close_round` writes."""
+        self._extra[event] = fields
+        try:
+            yield
+        finally:
+            del self._extra[event]
 
     def log_inner(self, round: int, island: str, first_step: int, losses: Sequence[float], every: int) -> None:
-        """One `inner` event every `every` steps of a round's inner losses (steps are counted from 1)."""
-        for i in range(every - 1, len(losses), every):
-            self.log("inner", round=round, island=island, step=first_step + i + 1, loss=float(losses[i]))
+        """An `inner` event for each inner step (counted from 1) that is a multiple of `every`: the same steps
+        however the losses come, a round at a time or (streaming) a few steps between two syncs."""
+        for i, loss in enumerate(losses):
+            if (first_step + i + 1) % every == 0:
+                self.log("inner", round=round, island=island, step=first_step + i + 1, loss=float(loss))
 
     def truncate_after_round(self, completed_rounds: int) -> None:
         """On resume, drop events of rounds that the restored checkpoint does not contain (they will rerun)."""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco.config import RunConfig
+from diloco.config import RunConfig, require_rounds
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir
 from diloco.setup import build_setup
@@ -64,6 +64,7 @@ def serve(
     needs an island's credentials too (it reveals the run's membership, losses and progress).
     """
     check_listen(listen)
+    require_rounds(cfg, "coordinator")
     net = cfg.network
     tls = server_tls(net.tls_cert, net.tls_key, net.tls_ca)
     check_exposure(listen, authenticated=bool(net.secrets), encrypted=tls is not None, insecure=insecure)

@@ -63,12 +63,22 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
     return Setup(model, streams, stack, params, fragments)
 
 
-def make_island(cfg: RunConfig, name: str, model: Model, stream: Batches, n_devices: int | None = None) -> Island:
-    """Island `name` as the config describes it (inner AdamW over the whole run's steps, mesh, uplink codec)."""
+def make_island(
+    cfg: RunConfig,
+    name: str,
+    model: Model,
+    stream: Batches,
+    n_devices: int | None = None,
+    total_steps: int | None = None,
+) -> Island:
+    """Island `name` as the config describes it (inner AdamW over the whole run's steps, mesh, uplink codec).
+
+    `total_steps`: the inner steps this island will take, which its learning-rate schedule spans (default
+    `cfg.total_inner_steps`, every island's count in rounds; the asynchronous mode gives each island its own)."""
     return Island(
         name,
         model,
-        make_inner_optimizer(cfg.inner, cfg.total_inner_steps),
+        make_inner_optimizer(cfg.inner, cfg.total_inner_steps if total_steps is None else total_steps),
         stream,
         uplink=cfg.codec.spec("uplink"),
         n_devices=cfg.islands.devices if n_devices is None else n_devices,

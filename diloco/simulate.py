@@ -7,6 +7,7 @@ on CPU with the same config both end with the same parameter digest. With `[stre
 
 `train.mode = "sync"` runs the classic data-parallel baseline instead: one model and one AdamW on the union of the
 islands' batches at every step, i.e. on exactly the tokens the islands see, so the two modes compare like for like.
+`train.mode = "async"` runs asynchronous DiLoCo on a virtual clock (diloco/async_sim.py).
 
 Resume: after every `train.checkpoint_every` rounds the global state and every island's state are checkpointed;
 running the same command with the same --run-dir continues from the newest round that all of them saved and, on
@@ -22,9 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from diloco.checkpoint import CheckpointStore, latest_common_step, restore_state, save_state
+from diloco.async_sim import run_async
+from diloco.checkpoint import latest_common_step, restore_state, save_state
 from diloco.config import RunConfig, StreamConfig
 from diloco.global_run import GlobalRun, checkpoint_due
+from diloco.local_islands import island_stores, save_islands, start_islands
 from diloco.progress import Progress
 from diloco.rounds import Commit, OuterLoop
 from diloco.rundir import RunDir
@@ -65,7 +68,7 @@ def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) ->
     accumulation_steps(cfg.train.batch_size, cfg.train.microbatch, build_mesh(cfg.islands.devices).size)
     rd = RunDir(run_dir, cfg)
     try:
-        run = _run_sync if cfg.train.mode == "sync" else _run_diloco
+        run = {"sync": _run_sync, "async": run_async}.get(cfg.train.mode, _run_diloco)
         result = run(cfg, setup, rd, show_progress)
         rd.write_summary(result)
         return result
@@ -73,28 +76,11 @@ def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) ->
         rd.close()
 
 
-def _island_stores(cfg: RunConfig, rd: RunDir, names: list[str]) -> list[CheckpointStore]:
-    return [CheckpointStore(rd.checkpoints / name) for name in names] if cfg.train.checkpoint_every else []
-
-
 def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> dict[str, Any]:
     names = list(cfg.islands.island_names)
     world = GlobalRun(cfg, rd, setup, durable=False)
     islands = [make_island(cfg, name, setup.model, setup.streams[name]) for name in names]
-    for island in islands:
-        island.start(world.loop.params)
-    stores = _island_stores(cfg, rd, names)
-    step = latest_common_step([world.store, *stores]) if world.store is not None else None
-    world.start(step)
-    if step is not None:
-        for island, store in zip(islands, stores, strict=True):
-            assert island.state is not None
-            island.restore(restore_state(store, step, island.state)[0])
-    else:
-        world.totals.islands_joined = len(names)
-        for name in names:
-            rd.log("island_joined", round=0, island=name)
-
+    stores = start_islands(cfg, rd, world, islands)
     totals = world.totals
     H = cfg.train.inner_steps
     lockstep = Lockstep(islands, world.loop, H, cfg.stream, step=world.loop.round * H, budget_s=cfg.train.round_seconds)
@@ -120,8 +106,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
     try:
         while not world.done:
             if lockstep.advance(close) and stores and checkpoint_due(cfg, world.loop.round):
-                for island, store in zip(islands, stores, strict=True):
-                    save_state(store, world.loop.round, island.state, {})
+                save_islands(stores, islands, world.loop.round)
     finally:
         progress.close()
         for store in stores:
@@ -193,7 +178,7 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
     island.start(setup.init_params)
     evaluate = Evaluator(setup.model, setup.eval_stack)
     grad_bytes = setup.n_params * 4
-    stores = _island_stores(cfg, rd, ["sync"])
+    stores = island_stores(cfg, rd, ["sync"])
     step = latest_common_step(stores) if stores else None
     assert island.state is not None
     if step is not None:

@@ -65,12 +65,16 @@ def compute_utilization(totals: Totals) -> float:
 
 
 def summary(cfg: RunConfig, totals: Totals, *, wall_s: float, param_count: int, params_digest: str) -> dict[str, Any]:
-    """summary.json's contents: exactly SUMMARY_KEYS."""
+    """summary.json's contents: exactly SUMMARY_KEYS.
+
+    inner_steps_per_island: rounds × H; in the asynchronous mode, where a round is one island's H steps, their mean
+    over the islands (a fast island trains more of them than a slow one)."""
+    steps = totals.rounds * cfg.train.inner_steps
     out = {
         "mode": cfg.train.mode,
         "rounds": totals.rounds,
         "rounds_planned": cfg.train.rounds,
-        "inner_steps_per_island": totals.rounds * cfg.train.inner_steps,
+        "inner_steps_per_island": steps // cfg.islands.count if cfg.train.mode == "async" else steps,
         "syncs": totals.syncs,
         "initial_eval_loss": totals.initial_eval_loss,
         "final_eval_loss": totals.final_eval_loss,

@@ -2,11 +2,14 @@
 
 The coordinator treats the averaged pseudo-gradient Δ as a gradient and runs one optax step on the global
 parameters: `nesterov` (the paper's default: SGD with Nesterov momentum, lr 0.7, μ 0.9), `sgd` (lr 1 and no
-momentum is FedAvg: θ becomes the islands' mean), and `adam` (FedAdam). Because they are plain optax
-transformations a user can `optax.chain` clipping or anything else in front of them.
+momentum is FedAvg: θ becomes the islands' mean), `adam` (FedAdam), and `delayed_nesterov` (Async Local-SGD's
+Nesterov whose momentum moves every `momentum_every` updates: outer_optimizer/asynchronous.py, made for
+`train.mode = "async"`). Because they are plain optax transformations a user can `optax.chain` clipping or anything
+else in front of them.
 
 The `[outer]` section also chooses how the islands' pseudo-gradients are combined before that step
-(`aggregate`, `norm_bound`, `trim`; the rules and their guarantees are in outer_optimizer/aggregate.py).
+(`aggregate`, `norm_bound`, `trim`; the rules and their guarantees are in outer_optimizer/aggregate.py), and how
+much a stale pseudo-gradient counts in the asynchronous mode (`staleness_exponent`).
 
 Invariant (tested): one island with outer `sgd`, lr 1, no momentum reproduces plain inner training, since
 θ + (-(θ - θ_local)) = θ_local.
@@ -21,22 +24,33 @@ import jax
 import optax
 
 from outer_optimizer.aggregate import RULES, Rule, make_rule, valid_norm_bound, valid_trim
+from outer_optimizer.asynchronous import delayed_nesterov, valid_staleness_exponent
 
 
 @dataclass(frozen=True)
 class OuterConfig:
     kind: str = "nesterov"
-    """Outer optimizer: "nesterov" (SGD + Nesterov momentum, DiLoCo default), "sgd" (FedAvg at lr 1), "adam"."""
+    """Outer optimizer: "nesterov" (SGD + Nesterov momentum, DiLoCo default), "sgd" (FedAvg at lr 1), "adam", or
+    "delayed_nesterov" (Nesterov whose momentum is updated and applied every `momentum_every` updates, SGD steps of
+    lr/N in between: Async Local-SGD's remedy for stale pseudo-gradients, for train.mode = "async")."""
     lr: float = 0.7
     """Outer learning rate (paper: 0.7 for nesterov; 1.0 for sgd is FedAvg)."""
     momentum: float = 0.9
-    """Momentum for nesterov and sgd (0 disables it)."""
+    """Momentum for nesterov, delayed_nesterov and sgd (0 disables it for sgd)."""
     b1: float = 0.9
     """Adam β1 (kind = "adam" only)."""
     b2: float = 0.99
     """Adam β2 (kind = "adam" only)."""
     eps: float = 1e-8
     """Adam ε (kind = "adam" only)."""
+    momentum_every: int = 3
+    """kind = "delayed_nesterov" only: N, the updates between two momentum steps; each update applies -lr·Δ/N and
+    every N-th also -lr·β·m, so N updates make one Nesterov step on their mean (outer_optimizer/asynchronous.py).
+    The paper sets N to the number of workers; 3 is configs/local.toml's and `diloco bench heterogeneous`'s count.
+    1 is plain Nesterov, bit for bit."""
+    staleness_exponent: float = 0.5
+    """train.mode = "async" only: a in w(τ) = (1 + τ)^(-a), the weight of a pseudo-gradient taken from a θ that τ
+    updates have moved since the island pulled it (0: no discount; 0.5 halves a Δ 3 updates stale)."""
     clip_norm: float = 0.0
     """If > 0, clip the pseudo-gradient's global norm before the outer step (chained with optax)."""
     aggregate: str = "trimmed_mean"
@@ -66,8 +80,12 @@ class OuterConfig:
             raise ValueError(f"outer.lr must be > 0 (got {self.lr})")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"outer.momentum must be in [0, 1) (got {self.momentum})")
-        if self.kind == "nesterov" and self.momentum == 0:
-            raise ValueError("outer.momentum must be > 0 for outer.kind = 'nesterov' (use kind = 'sgd')")
+        if self.kind in ("nesterov", "delayed_nesterov") and self.momentum == 0:
+            raise ValueError(f"outer.momentum must be > 0 for outer.kind = '{self.kind}' (use kind = 'sgd')")
+        if self.momentum_every < 1:
+            raise ValueError(f"outer.momentum_every must be >= 1 (got {self.momentum_every})")
+        if not valid_staleness_exponent(self.staleness_exponent):
+            raise ValueError(f"outer.staleness_exponent must be a finite number >= 0 (got {self.staleness_exponent})")
         for key in ("b1", "b2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"outer.{key} must be in [0, 1) (got {getattr(self, key)})")
@@ -102,10 +120,15 @@ def _adam(cfg: OuterConfig) -> optax.GradientTransformation:
     return optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
 
 
+def _delayed_nesterov(cfg: OuterConfig) -> optax.GradientTransformation:
+    return delayed_nesterov(cfg.lr, cfg.momentum, cfg.momentum_every)
+
+
 OUTER_OPTIMIZERS: dict[str, Callable[[OuterConfig], optax.GradientTransformation]] = {
     "nesterov": _nesterov,
     "sgd": _sgd,
     "adam": _adam,
+    "delayed_nesterov": _delayed_nesterov,
 }
 
 

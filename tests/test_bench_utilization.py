@@ -11,15 +11,15 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_the_slowest_island_sets_everyones_period() -> None:
-    # a: 10 steps of 0.1 s, up 0.2, down 0.3 -> 1.5 s to its push; b: 10 x 0.05 s, up 0.1, down 0.1 -> 0.7 s.
-    model = plain_round_model({"a": 0.1, "b": 0.05}, {"a": 0.2, "b": 0.1}, {"a": 0.3, "b": 0.1}, 10, close_s=0.5)
+    # a: 1 s of steps, up 0.2, down 0.3 -> 1.5 s to its push; b: 0.5 s of steps, up 0.1, down 0.1 -> 0.7 s.
+    model = plain_round_model({"a": 1.0, "b": 0.5}, {"a": 0.2, "b": 0.1}, {"a": 0.3, "b": 0.1}, close_s=0.5)
     assert model["period_s"] == pytest.approx(1.5 + 0.5)
     assert model["utilization"] == pytest.approx(((1.0 + 0.5) / 2) / 2.0)  # mean compute 0.75 s of a 2 s period
     assert model["wire_share"] == pytest.approx(0.5 / 2.0)
 
 
 def test_no_link_and_no_close_is_full_utilization() -> None:
-    model = plain_round_model({"a": 0.1}, {"a": 0.0}, {"a": 0.0}, 4, close_s=0.0)
+    model = plain_round_model({"a": 0.4}, {"a": 0.0}, {"a": 0.0}, close_s=0.0)
     assert model == {"period_s": pytest.approx(0.4), "utilization": pytest.approx(1.0), "wire_share": 0.0}
 
 

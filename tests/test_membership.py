@@ -80,6 +80,11 @@ def _pull(have, *, full=False, round_=5, done=False, pushed=True, last=4, kept=1
         # update (which brings it to θ_4, and it asks again), not the whole θ; two behind with P = 2 is too far
         (_pull(3, kept=2), PullKind.UPDATE, "update of round 3"),
         (_pull(2, kept=2), PullKind.FULL, "keeps only the last 2 update(s)"),
+        # an early push of the next fragment's sync (within the P syncs the coordinator holds): wait for it in turn;
+        # one it never received, or beyond that window, means the coordinator went back: resync
+        (_pull(6, kept=2), PullKind.WAIT, "queued behind round 5"),
+        (_pull(6, kept=2, pushed=False), PullKind.RESYNC, "restarted at round 5"),
+        (_pull(7, kept=2), PullKind.RESYNC, "restarted at round 5"),
         # its round is still open and it pushed: wait for the commit
         (_pull(5), PullKind.WAIT, "round 5 is still open"),
         # ... but it has not pushed (the coordinator restarted and lost the push): push first

@@ -31,6 +31,8 @@ HELP = {
     "streaming": "Streaming DiLoCo (P fragments, overlap τ) vs plain DiLoCo at the same H: loss, bytes per sync",
     "sync": "a real federation's sync time per island (end of step H to the next step) and the close's parts",
     "colocation": "islands sharing a host: inner-step time against their fair share of the cores (threads, pinning)",
+    "utilization": "compute utilization over WAN links: plain DiLoCo vs its cost model vs Streaming with overlap",
+    "heterogeneous": "one island 2x slower: plain vs time-budgeted vs async DiLoCo on one virtual time axis",
 }
 
 
@@ -91,8 +93,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     co.add_argument("--steps", type=int, default=20, help="timed inner steps per process (median)")
     _with_config(parsers["sync"])
     parsers["sync"].add_argument("--rounds", type=int, default=8, help="rounds of the run (the first is left out)")
+    ut = parsers["utilization"]
+    _with_config(ut)
+    ut.add_argument("--rounds", type=int, default=6, help="rounds of each run (each island's first push is left out)")
+    ut.add_argument("--fragments", type=int, default=5, help="P, the fragments of the streaming run")
+    ut.add_argument("--overlap", type=int, default=2, help="τ, inner steps before a sent fragment is merged")
     _add_load(parsers["load"])
     _add_soak(parsers["soak"])
+    _add_heterogeneous(parsers["heterogeneous"])
 
 
 def _add_fuzz(p: argparse.ArgumentParser) -> None:
@@ -129,6 +137,21 @@ def _add_soak(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator-kills", type=int, default=2, help="coordinator SIGKILLs, each restarted")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill plan (times, victims, restart delays)")
     p.add_argument("--no-fault-free", action="store_true", help="skip the fault-free run and the loss comparison")
+
+
+HETEROGENEOUS_CONFIG = "configs/convergence.toml"
+"""`bench heterogeneous`'s config when none is given: the convergence benchmark's model."""
+
+
+def _add_heterogeneous(p: argparse.ArgumentParser) -> None:
+    _with_config(p)
+    config = next(a for a in p._actions if a.dest == "config")
+    config.nargs, config.default = "?", HETEROGENEOUS_CONFIG
+    config.help = f"TOML run config (default {HETEROGENEOUS_CONFIG})"
+    p.add_argument("--rounds", type=int, default=8, help="rounds of the plain run (the others run as long)")
+    p.add_argument("--islands", type=int, default=3, help="islands, the last of them slowed down")
+    p.add_argument("--factor", type=float, default=2.0, help="how many times slower the last island is")
+    p.add_argument("--target", type=float, default=1.02, help="target eval loss as a multiple of plain's final one")
 
 
 def _run_dir(args: argparse.Namespace) -> Path:
@@ -222,10 +245,27 @@ def _sync(args: argparse.Namespace) -> Result:
     return run_sync_bench(args.config, args.overrides, _run_dir(args), args.rounds)
 
 
+def _utilization(args: argparse.Namespace) -> Result:
+    from diloco.bench.utilization import run_utilization_bench
+
+    return run_utilization_bench(args.config, args.overrides, _run_dir(args), args.rounds, args.fragments, args.overlap)
+
+
 def _colocation(args: argparse.Namespace) -> Result:
     from diloco.bench.colocation import run_colocation_bench
 
     return run_colocation_bench(args.config, args.overrides, args.islands, args.steps)
+
+
+def _heterogeneous(args: argparse.Namespace) -> Result:
+    from diloco.bench.heterogeneous import run_heterogeneous_bench
+    from diloco.config import load_config
+
+    config, overrides = args.config, list(args.overrides)
+    if "=" in config:  # CONFIG left out: what argparse took for it is the first override
+        config, overrides = HETEROGENEOUS_CONFIG, [config, *overrides]
+    cfg = load_config(config, overrides)
+    return run_heterogeneous_bench(cfg, _run_dir(args), args.rounds, args.islands, args.factor, args.target)
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
@@ -243,6 +283,8 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "streaming": _streaming,
     "sync": _sync,
     "colocation": _colocation,
+    "utilization": _utilization,
+    "heterogeneous": _heterogeneous,
 }
 
 

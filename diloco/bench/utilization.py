@@ -8,13 +8,14 @@ process start and the join): Σ compute_s / Σ wall_s, where wall_s is the time 
 
 The cost model of a plain round (docs/architecture.md, "Cost model"), from the run's own measured parts:
 
-    period = max_i (down_i + H·t_i + up_i) + close        utilization = mean_i H·t_i / period
+    period = max_i (down_i + c_i + up_i) + close            utilization = mean_i c_i / period
 
-  t_i      island i's median inner-step time (compute_s / steps of its pushes)
+  c_i      island i's compute seconds of that round's H steps (its push's compute_s); the model is evaluated
+           for every round after the first, then averaged
   up_i     `transport.shaper.transfer_time_s` of its median push bytes on its uplink (latency + bytes / bandwidth)
   down_i   one pull: the request's one-way latency up, then the update's bytes on its downlink
-  close    the coordinator's median commit + evaluation, plus the checkpoint save where it is due (every round
-           here), all before any island can pull (durable before visible)
+  close    the coordinator's median commit (aggregate, outer step, downlink encode): all an island waits for;
+           the evaluation and the checkpoint follow off the islands' path (docs/architecture.md)
 
 The slowest island's push closes the round, so one island's slow link or step sets everyone's period. The model
 leaves out encode/decode and apply on the islands and the islands' own checkpoints; what it misses shows as the
@@ -53,12 +54,13 @@ def measured_utilization(pushes: list[dict[str, Any]]) -> float:
 
 
 def plain_round_model(
-    step_s: dict[str, float], up: dict[str, float], down: dict[str, float], inner_steps: int, close_s: float
+    compute_s: dict[str, float], up: dict[str, float], down: dict[str, float], close_s: float
 ) -> dict[str, float]:
-    """The plain round's period and utilization from its parts (module docstring); pure, so table-tested."""
-    period = max(down[n] + inner_steps * step_s[n] + up[n] for n in step_s) + close_s
-    compute = statistics.fmean(inner_steps * step_s[n] for n in step_s)
-    wire = max(down[n] + up[n] for n in step_s)
+    """One plain round's period and utilization from its parts (module docstring); pure, so table-tested.
+    `compute_s`: each island's H steps in that round (the slowest one's push closes it)."""
+    period = max(down[n] + compute_s[n] + up[n] for n in compute_s) + close_s
+    compute = statistics.fmean(compute_s.values())
+    wire = max(down[n] + up[n] for n in compute_s)
     return {"period_s": period, "utilization": compute / period, "wire_share": wire / period}
 
 
@@ -68,10 +70,9 @@ def _links(cfg: RunConfig) -> dict[str, LinkProfile]:
 
 
 def _plain_model(cfg: RunConfig, fed: Federation) -> dict[str, Any]:
+    """The model of every round after the first (each from that round's own compute times), averaged."""
     pushes = fed.events("push")
-    rounds = fed.events("round")[1:]
-    names, H = cfg.islands.island_names, cfg.train.inner_steps
-    step_s = {n: statistics.median(e["compute_s"] / H for e in pushes if e["island"] == n) for n in names}
+    names = cfg.islands.island_names
     up_bytes = {n: statistics.median(e["bytes_up"] for e in pushes if e["island"] == n) for n in names}
     # Every island pulls each round's update once: the coordinator's downlink bytes grow by n updates a round.
     totals = [e["bytes_down"] for e in fed.events("round")]
@@ -80,15 +81,19 @@ def _plain_model(cfg: RunConfig, fed: Federation) -> dict[str, Any]:
     chunk = cfg.transport.chunk_bytes
     up = {n: transfer_time_s(links[n], int(up_bytes[n]), "up", chunk) for n in names}
     down = {n: links[n].latency_ms / 1e3 + transfer_time_s(links[n], int(per_pull), "down", chunk) for n in names}
-    checkpoints = [e["seconds"] for e in fed.events("checkpoint")][1:]
-    close = statistics.median(e["close_s"]["commit"] + e["close_s"]["eval"] for e in rounds)
-    close += statistics.median(checkpoints) if checkpoints else 0.0
-    model = plain_round_model(step_s, up, down, H, close)
+    close = statistics.median(e["close_s"]["commit"] for e in fed.events("round")[1:])
+    per_round = []
+    for r in range(1, cfg.train.rounds):
+        compute = {e["island"]: e["compute_s"] for e in pushes if e["round"] == r}
+        if set(compute) == set(names):
+            per_round.append(plain_round_model(compute, up, down, close))
+    if not per_round:
+        raise BenchError("bench utilization: no round after the first held every island; raise --rounds")
+    model = {k: statistics.fmean(m[k] for m in per_round) for k in per_round[0]}
     return {
         **{k: round(v, 4) for k, v in model.items()},
         "parts_s": {
-            "step_median": round(statistics.median(step_s.values()), 4),
-            "compute": round(H * max(step_s.values()), 4),
+            "compute_median": round(statistics.median(e["compute_s"] for e in pushes), 4),
             "up": {n: round(v, 4) for n, v in up.items()},
             "down": {n: round(v, 4) for n, v in down.items()},
             "close": round(close, 4),
