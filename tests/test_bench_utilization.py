@@ -23,12 +23,12 @@ def test_no_link_and_no_close_is_full_utilization() -> None:
     assert model == {"period_s": pytest.approx(0.4), "utilization": pytest.approx(1.0), "wire_share": 0.0}
 
 
-def test_measured_utilization_leaves_out_each_islands_first_push() -> None:
+def test_measured_utilization_leaves_out_round_0() -> None:
     pushes = [
-        {"island": "a", "compute_s": 1.0, "wall_s": 30.0},  # start-up: left out
-        {"island": "b", "compute_s": 1.0, "wall_s": 25.0},  # start-up: left out
-        {"island": "a", "compute_s": 1.0, "wall_s": 2.0},
-        {"island": "b", "compute_s": 2.0, "wall_s": 2.0},
+        {"island": "a", "round": 0, "compute_s": 1.0, "wall_s": 30.0},  # start-up: left out
+        {"island": "b", "round": 0, "compute_s": 1.0, "wall_s": 25.0},  # start-up: left out
+        {"island": "a", "round": 1, "compute_s": 1.0, "wall_s": 2.0},
+        {"island": "b", "round": 1, "compute_s": 2.0, "wall_s": 2.0},
     ]
     assert measured_utilization(pushes) == pytest.approx(3.0 / 4.0)
     with pytest.raises(BenchError, match="raise --rounds"):
