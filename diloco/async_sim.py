@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from diloco.config import RunConfig
 from diloco.global_run import GlobalRun, checkpoint_due
-from diloco.local_islands import save_islands, start_islands
+from diloco.local_islands import finish, save_islands, start_islands
 from diloco.progress import Progress
 from diloco.rundir import RunDir
 from diloco.setup import Setup, make_island
@@ -138,8 +138,5 @@ def run_async(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
                 save_islands(stores, list(islands.values()), world.loop.round)
             progress.update(world.loop.round, loss, totals.final_eval_loss, commit.tokens / max(seconds, 1e-9))
     finally:
-        progress.close()
-        for store in stores:
-            store.close()
-        world.close()
+        finish(world, stores, progress)
     return world.summary()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from diloco.checkpoint import CheckpointStore, latest_common_step, restore_state, save_state
 from diloco.config import RunConfig
 from diloco.global_run import GlobalRun
+from diloco.progress import Progress
 from diloco.rundir import RunDir
 from islands.island import Island
 
@@ -46,3 +47,11 @@ def save_islands(stores: Sequence[CheckpointStore], islands: Sequence[Island], s
     """Checkpoint every island's state as `step` (the count the global state was just saved at)."""
     for island, store in zip(islands, stores, strict=True):
         save_state(store, step, island.state, {})
+
+
+def finish(world: GlobalRun, stores: Sequence[CheckpointStore], progress: Progress) -> None:
+    """End a one-process run however it ended: the progress line, every island's store, the global run."""
+    progress.close()
+    for store in stores:
+        store.close()
+    world.close()

@@ -27,7 +27,7 @@ from diloco.async_sim import run_async
 from diloco.checkpoint import latest_common_step, restore_state, save_state
 from diloco.config import RunConfig, StreamConfig
 from diloco.global_run import GlobalRun, checkpoint_due
-from diloco.local_islands import island_stores, save_islands, start_islands
+from diloco.local_islands import finish, island_stores, save_islands, start_islands
 from diloco.progress import Progress
 from diloco.rounds import Commit, OuterLoop
 from diloco.rundir import RunDir
@@ -108,10 +108,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
             if lockstep.advance(close) and stores and checkpoint_due(cfg, world.loop.round):
                 save_islands(stores, islands, world.loop.round)
     finally:
-        progress.close()
-        for store in stores:
-            store.close()
-        world.close()
+        finish(world, stores, progress)
     return world.summary()
 
 

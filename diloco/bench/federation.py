@@ -103,6 +103,19 @@ def _federation(config_path: str | Path, overrides: Sequence[str], run_dir: Path
         raise BenchError(f"{first} (logs: {run_dir / 'logs'})") from None
 
 
+@contextlib.contextmanager
+def finished_run(
+    config_path: str | Path, overrides: Sequence[str], run_dir: Path, rounds: int, slack_s: float = 120.0
+) -> Iterator[tuple[RunConfig, Federation, dict[str, Any]]]:
+    """A federation of the config run to its end with `train.rounds = rounds`: the resolved config, the federation
+    (its events readable until the block ends) and summary.json's contents."""
+    overrides = [*overrides, f"train.rounds={rounds}"]
+    cfg = load_config(config_path, overrides)
+    with _federation(config_path, overrides, run_dir) as fed:
+        fed.start()
+        yield cfg, fed, fed.wait_done(timeout_s=slack_s + 60.0 * rounds)
+
+
 # -- recovery ----------------------------------------------------------------------------------------------------
 
 

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.bench.errors import BenchError
-from diloco.bench.federation import _federation
-from diloco.config import load_config
+from diloco.bench.federation import finished_run
 
 
 def _summary(values: list[float]) -> dict[str, float | None]:
@@ -37,11 +36,7 @@ def _summary(values: list[float]) -> dict[str, float | None]:
 def run_sync_bench(config: str | Path, overrides: list[str], run_dir: Path, rounds: int) -> dict[str, Any]:
     if rounds < 3:
         raise BenchError(f"bench sync: --rounds must be >= 3 (the first round compiles; got {rounds})")
-    overrides = [*overrides, f"train.rounds={rounds}"]
-    cfg = load_config(config, overrides)
-    with _federation(config, overrides, run_dir) as fed:
-        fed.start()
-        summary = fed.wait_done(timeout_s=120.0 + 60.0 * rounds)
+    with finished_run(config, overrides, run_dir, rounds) as (cfg, fed, summary):
         per_island = {
             name: [e["sync_s"] for e in fed.events("train_start", island=name) if "sync_s" in e][1:]
             for name in fed.names

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from diloco.bench.errors import BenchError
-from diloco.bench.federation import _federation
-from diloco.config import RunConfig, load_config
+from diloco.bench.federation import finished_run
+from diloco.config import RunConfig
 from diloco.procs import Federation
 from transport.shaper import UNSHAPED, LinkProfile, load_link_profiles, profile_for, transfer_time_s
 
@@ -98,11 +98,7 @@ def _plain_model(cfg: RunConfig, fed: Federation) -> dict[str, Any]:
 
 
 def _run(config: str | Path, overrides: list[str], run_dir: Path, rounds: int) -> tuple[RunConfig, dict, Any]:
-    overrides = [*overrides, f"train.rounds={rounds}"]
-    cfg = load_config(config, overrides)
-    with _federation(config, overrides, run_dir) as fed:
-        fed.start()
-        summary = fed.wait_done(timeout_s=180.0 + 60.0 * rounds)
+    with finished_run(config, overrides, run_dir, rounds, slack_s=180.0) as (cfg, fed, summary):
         result = {
             "utilization": round(measured_utilization(fed.events("push")), 4),
             "summary_utilization": summary["compute_utilization"],
