@@ -337,10 +337,10 @@ class Coordinator:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, str(self.world.diverged))
 
     def _pull_view(self, req: pb.PullRequest) -> PullView:
+        have = self._position(req)
         return PullView(
-            have_round=self._position(req), full=req.full, round=self.loop.sync, done=self.world.done,
-            pushed=req.island in (self.loop.pending if self._position(req) == self.loop.sync
-                                  else self.early.get(self._position(req), {})),
+            have_round=have, full=req.full, round=self.loop.sync, done=self.world.done,
+            pushed=req.island in (self.loop.pending if have == self.loop.sync else self.early.get(have, {})),
             last_commit_round=max(self.commits, default=None),
             kept=self.loop.fragments.count,
         )  # fmt: skip

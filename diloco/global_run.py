@@ -31,7 +31,7 @@ import numpy as np
 
 from diloco.checkpoint import CheckpointStore, restore_state, save_state
 from diloco.config import RunConfig
-from diloco.rounds import Commit, Contribution, GlobalState, OuterLoop, fragment_digest
+from diloco.rounds import Commit, Contribution, GlobalState, OuterLoop, fragment_digests
 from diloco.rundir import RunDir
 from diloco.setup import Evaluator, Setup
 from diloco.summary import Totals, summary
@@ -98,8 +98,7 @@ class GlobalRun:
     def _digest_all(self) -> None:
         self.params_digest = tree_digest(self.loop.params)
         """Digest of θ at the current round, computed once per commit (Status and pulls read it, never rehash)."""
-        frags = self.loop.fragments
-        self.fragment_digests = [fragment_digest(frags, self.loop.params, p) for p in range(frags.count)]
+        self.fragment_digests = fragment_digests(self.loop.fragments, self.loop.params, self.params_digest)
         """Each fragment's `fragment_digest`, kept with each commit: what a push's base_digest is checked against."""
 
     @property

@@ -41,7 +41,7 @@ import numpy as np
 from diloco.checkpoint import CheckpointStore, restore_state, save_state
 from diloco.config import RunConfig, config_digest, require_rounds, to_dict
 from diloco.membership import REJOIN
-from diloco.rounds import fragment_digest
+from diloco.rounds import fragment_digest, fragment_digests
 from diloco.rundir import RunDir
 from diloco.setup import build_setup, make_island
 from islands.compress import decoded_tree
@@ -110,7 +110,6 @@ def in_background(job: Callable[[], T], after: Future | None = None) -> Future[T
 class Synced:
     """One sync's outcome on the wire thread: was Δ accepted, and what the pull after it brought."""
 
-    sync: int
     push: RoundPush
     accepted: bool
     payload: PullPayload
@@ -152,7 +151,6 @@ class IslandWorker:
         """The checkpoint save in flight (`save`)."""
         self.waited_s = 0.0
         """Seconds the training thread spent blocked on commits since the last round started (train_start)."""
-        """The checkpoint save in flight (`save`)."""
         self.state_name = "starting"
         self._stop = threading.Event()
         self._decode = decoder()
@@ -226,7 +224,7 @@ class IslandWorker:
         if digest != payload.param_digest.hex():
             raise IslandError(f"full parameters of round {payload.round} fail their digest check")
         self.global_params, self.position = new, self._position_of(payload)
-        self.fragment_digests = [fragment_digest(self.fragments, new, p) for p in range(self.P)]
+        self.fragment_digests = fragment_digests(self.fragments, new, digest)
         self.rd.log("synced", round=self.round, island=self.name, kind=payload.kind, **self._where(None),
                     digest=digest)  # fmt: skip
         return False
@@ -315,7 +313,7 @@ class IslandWorker:
         accepted = sent.result()
         if accepted is None:
             return None
-        return Synced(sync, push, accepted, self._pull_after_push(sync, meta, push))
+        return Synced(push, accepted, self._pull_after_push(sync, meta, push))
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
@@ -344,7 +342,7 @@ class IslandWorker:
         state, meta = restore_state(self.store, steps[-1], self.island.state)
         self.island.restore(state)
         self.global_params = jax.tree.map(np.asarray, state.params)
-        self.fragment_digests = [fragment_digest(self.fragments, self.global_params, p) for p in range(self.P)]
+        self.fragment_digests = fragment_digests(self.fragments, self.global_params, tree_digest(self.global_params))
         self.position = meta["round"] * self.P
         self.step = meta["round"] * self.H
         self.rd.log("resumed", round=self.round, island=self.name, step=state.step)
@@ -393,12 +391,7 @@ class IslandWorker:
                                 step=self.island.state.step, waited_s=round(self.waited_s, 4), **sync)  # fmt: skip
                     self.waited_s = 0.0
                 target = next_event(self.step, self.H, self.P, stream.overlap_steps)
-                budget = self.cfg.train.round_seconds
-                run = (
-                    self.island.train_for(budget, target - self.step)
-                    if budget
-                    else self.island.train(target - self.step)
-                )
+                run = self.island.train_for(self.cfg.train.round_seconds, target - self.step)
                 steps_ended = time.perf_counter()
                 self.rd.log_inner(self.step // self.H, self.name, run.first_step, run.losses, self.cfg.train.log_every)
                 runs.append(run)

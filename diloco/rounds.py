@@ -89,6 +89,14 @@ def fragment_digest(fragments: Fragments, params: PyTree, p: int) -> str:
     return tree_digest(fragments.select(p, flatten_named(params, to_numpy=False)))
 
 
+def fragment_digests(fragments: Fragments, params: PyTree, whole: str) -> list[str]:
+    """Every fragment's `fragment_digest`, given θ's `tree_digest` (`whole`): with one fragment that is the digest
+    itself, so θ is not hashed twice."""
+    if fragments.count == 1:
+        return [whole]
+    return [fragment_digest(fragments, params, p) for p in range(fragments.count)]
+
+
 class RoundError(ValueError):
     """A contribution that cannot be accepted for the open round (wrong round, duplicate island)."""
 

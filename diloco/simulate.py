@@ -144,7 +144,7 @@ class Lockstep:
         target = next_event(self.step, self.H, self.P, self.tau)
         for island in self.islands:
             n = target - self.step
-            run = island.train_for(self.budget_s, n) if self.budget_s > 0 else island.train(n)
+            run = island.train_for(self.budget_s, n)
             self._since_push[island.name].append(run)
         self.step = target
         round_closed = False

@@ -250,11 +250,14 @@ class Island:
             )
 
     def train_for(self, budget_s: float, max_steps: int) -> InnerRun:
-        """As many inner steps as fit `budget_s` seconds of training: at least one, at most `max_steps`.
+        """As many inner steps as fit `budget_s` seconds of training: at least one, at most `max_steps`; with no
+        budget (`budget_s` <= 0: train.round_seconds = 0), exactly `max_steps`.
 
         Trained in chunks sized by the step time measured so far (no per-step host sync on a fast device), each
         chunk at most what the budget still holds, so the budget is overrun by at most one step's time.
         """
+        if budget_s <= 0:
+            return self.train(max_steps)
         runs = [self.train(1)]
         done, spent = 1, runs[0].seconds
         while done < max_steps:
@@ -271,7 +274,7 @@ class Island:
 
         The island's residual is not changed here: the caller decides whether the push counted (`keep_residual`).
         """
-        run = self.train_for(budget_s, n_steps) if budget_s > 0 else self.train(n_steps)
+        run = self.train_for(budget_s, n_steps)
         return self.push(run, flatten_named(global_params, to_numpy=False))
 
     def push(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
