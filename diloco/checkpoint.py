@@ -38,7 +38,14 @@ class CheckpointStore:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: PyTree, meta: dict[str, Any]) -> None:
-        """Start saving (asynchronously after the device-to-host copy); `wait()` before relying on it."""
+        """Start saving (asynchronously after the device-to-host copy); `wait()` before relying on it.
+
+        A step saved before is replaced: orbax would silently keep the old one, and an owner saves a step again
+        only when it went back (an island resynced behind a restarted coordinator, a resumed run), so the old one
+        holds a state that no longer exists. A kill between the delete and the save leaves the older steps."""
+        if step in self._manager.all_steps():
+            self._manager.wait_until_finished()
+            self._manager.delete(step)
         self._manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         )

@@ -294,7 +294,17 @@ def test_coordinator_restart_supervisor_and_fewer_devices(federation: Callable[.
     )
 
     # Island-0 is supervised: SIGKILL its worker; the supervisor starts a new one. Island-1 loses a device:
-    # SIGKILL, then restart it where only one host device exists.
+    # SIGKILL, then restart it where only one host device exists. First each must have finished saving a round
+    # after the coordinator's restart: an island that resynced behind it saves its earlier rounds again (replacing
+    # them), so a kill during those saves would leave it nothing to resume from.
+    fed.wait_for(
+        lambda: all(
+            any(int(step) > resumed["round"] for step in _finished_checkpoints(fed, name))
+            for name in ("island-0", "island-1")
+        ),
+        WAIT_S,
+        "both islands to save a round after the coordinator's restart",
+    )
     supervisor_dir = fed.island_dir("island-0")
     worker = int((supervisor_dir / "worker.pid").read_text())
     n_resumed0 = len(fed.events("resumed", island="island-0"))

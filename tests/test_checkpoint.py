@@ -1,0 +1,27 @@
+"""diloco/checkpoint.py: a step saved again holds the newer state (orbax alone keeps the first one silently)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diloco.checkpoint import CheckpointStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_step_saved_again_is_replaced(tmp_path: Path) -> None:
+    # An island that resynced behind a restarted coordinator saves round 2 again, from a different θ_2.
+    store = CheckpointStore(tmp_path / "ckpt")
+    try:
+        store.save(2, {"a": np.zeros(3, np.float32)}, {"version": 1})
+        store.save(2, {"a": np.ones(3, np.float32)}, {"version": 2})
+        store.wait()
+        state, meta = store.restore(2, {"a": np.zeros(3, np.float32)})
+        assert meta == {"version": 2}
+        np.testing.assert_array_equal(state["a"], np.ones(3, np.float32))
+        assert store.steps() == [2]
+    finally:
+        store.close()
