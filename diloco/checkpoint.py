@@ -14,6 +14,8 @@ state touches only the dataclass; this module needs no change.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,11 +26,14 @@ from transport.codecs import PyTree
 
 State = TypeVar("State")
 _HOST = "state_host_fields"
+_TRASH = ".replaced-"  # not a step name to orbax (hidden, not a number)
 
 
 class CheckpointStore:
     def __init__(self, directory: Path, max_to_keep: int = 3) -> None:
         self.directory = directory.absolute()
+        for leftover in self.directory.glob(f"{_TRASH}*"):  # a replaced step whose removal a kill interrupted
+            shutil.rmtree(leftover, ignore_errors=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
@@ -42,13 +47,22 @@ class CheckpointStore:
 
         A step saved before is replaced: orbax would silently keep the old one, and an owner saves a step again
         only when it went back (an island resynced behind a restarted coordinator, a resumed run), so the old one
-        holds a state that no longer exists. A kill between the delete and the save leaves the older steps."""
+        holds a state that no longer exists. The old step leaves by one rename (orbax's delete is a recursive
+        removal: a kill in the middle of it left a step with its arrays and no metadata, seen in CI), so a kill at
+        any point leaves either the old step whole or none of it, and the older steps."""
         if step in self._manager.all_steps():
             self._manager.wait_until_finished()
-            self._manager.delete(step)
+            self._discard(step)
         self._manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         )
+
+    def _discard(self, step: int) -> None:
+        old = self.directory / str(step)
+        trash = self.directory / f"{_TRASH}{step}-{uuid.uuid4().hex}"
+        old.rename(trash)  # atomic: from here orbax no longer sees the step
+        self._manager.reload()
+        shutil.rmtree(trash, ignore_errors=True)
 
     def restore(self, step: int, like: PyTree) -> tuple[PyTree, dict[str, Any]]:
         """Restore `step` into the structure, dtypes and shardings of `like`."""

@@ -23,5 +23,22 @@ def test_a_step_saved_again_is_replaced(tmp_path: Path) -> None:
         assert meta == {"version": 2}
         np.testing.assert_array_equal(state["a"], np.ones(3, np.float32))
         assert store.steps() == [2]
+        assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["2"]  # the old step is gone, not set aside
     finally:
         store.close()
+
+
+def test_a_replacement_interrupted_by_a_kill_leaves_no_half_step(tmp_path: Path) -> None:
+    # A kill after the old step was moved aside and before its removal finished: the half-removed copy must be
+    # neither a step nor left behind.
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save(1, {"a": np.zeros(3, np.float32)}, {"version": 1})
+    store.close()
+    half = tmp_path / "ckpt" / ".replaced-2-dead"
+    (half / "state").mkdir(parents=True)
+    reopened = CheckpointStore(tmp_path / "ckpt")
+    try:
+        assert reopened.steps() == [1]
+        assert not half.exists()
+    finally:
+        reopened.close()

@@ -43,6 +43,7 @@ if kind == "rundir":
 else:
     run_dir.mkdir(parents=True, exist_ok=True)
     held = RunDirLock(run_dir, role="launch", name=kind)
+print("held", flush=True)  # only now is the run dir whole (its lock is taken before config.toml is written)
 time.sleep(600)
 """
 
@@ -73,13 +74,14 @@ def holders() -> Iterator[list[subprocess.Popen[bytes]]]:
 def _hold(procs: list[subprocess.Popen[bytes]], run_dir: Path, lock_file: str = LOCK_FILE) -> subprocess.Popen[bytes]:
     """Start a process that holds `run_dir` (its RunDir, or only `lock_file`) and return once it does."""
     kind = "rundir" if lock_file == LOCK_FILE else lock_file
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), kind], env=child_env(), cwd=REPO)
-    procs.append(proc)
-    _wait_for(
-        lambda: proc.poll() is not None or read_holder(run_dir / lock_file, wait_s=0).get("pid") == proc.pid,
-        "the holder to lock the run dir",
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run_dir), kind], env=child_env(), cwd=REPO, stdout=subprocess.PIPE
     )
-    assert proc.poll() is None, f"the holder exited with {proc.returncode}"
+    procs.append(proc)
+    assert proc.stdout is not None
+    ready = proc.stdout.readline()  # the test's timeout bounds a holder that hangs
+    assert ready == b"held\n", f"the holder exited with {proc.wait()}"
+    assert read_holder(run_dir / lock_file, wait_s=0).get("pid") == proc.pid
     return proc
 
 

@@ -246,15 +246,20 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
 def _watch(
     fed: Federation, pid: int, threads: list[threading.Thread], traces: Sequence[ClientTrace], timeout_s: float
 ) -> dict[int, Sample]:
-    """Sample the coordinator once after each new `round` event until every client thread is done, or one failed
-    (with every island in the quorum, the others would wait for it for ever)."""
+    """Sample the coordinator once after each new `round` event until every client thread is done and every round
+    is logged, or one client failed (with every island in the quorum, the others would wait for it for ever).
+
+    A round is logged when the coordinator settles it, after serving its commit (docs/architecture.md, "Commits
+    off the critical path"), so the last round's event may come after the clients are done."""
     samples: dict[int, Sample] = {}
 
     def clients_done() -> bool:
         for r in fed.rounds():
             if r["round"] not in samples:
                 samples[r["round"]] = Sample.of(pid)
-        return any(t.error for t in traces) or not any(t.is_alive() for t in threads)
+        if any(t.error for t in traces):
+            return True
+        return not any(t.is_alive() for t in threads) and {r for t in traces for r in t.pull_end} <= samples.keys()
 
     fed.wait_for(clients_done, timeout_s, "the light islands to finish every round", poll_s=0.02)
     return samples
