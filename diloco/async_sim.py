@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from diloco.config import RunConfig
+from diloco.config import ConfigError, RunConfig
 from diloco.global_run import GlobalRun, checkpoint_due
 from diloco.local_islands import finish, save_islands, start_islands
 from diloco.progress import Progress
@@ -94,19 +94,36 @@ def staleness(order: Sequence[Push]) -> list[int]:
     return out
 
 
+def async_order(cfg: RunConfig) -> list[Push]:
+    """The run's pushes on the virtual clock (`push_order` of the islands' islands.slowdown factors)."""
+    slow = cfg.islands.slowdowns()
+    factors = {name: slow.get(name, 1.0) for name in cfg.islands.island_names}
+    return push_order(factors, cfg.train.inner_steps, cfg.train.rounds)
+
+
+def planned_steps(order: Sequence[Push], names: Sequence[str], inner_steps: int) -> dict[str, int]:
+    """The inner steps each island's learning-rate schedule spans: its pushes in `order` times H, at least one push
+    (an island slowed past the run's end still gets a valid schedule). The island processes plan with the same
+    clock, so their schedules depend on the config only, whatever their real pushes turn out to be."""
+    pushes = Counter(push.island for push in order)
+    return {name: max(pushes[name], 1) * inner_steps for name in names}
+
+
 def run_async(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> dict[str, Any]:
     """Train per `cfg` with asynchronous pushes (module docstring); return summary.json's contents."""
-    H = cfg.train.inner_steps
-    slow = cfg.islands.slowdowns()
     names = list(cfg.islands.island_names)
-    order = push_order({name: slow.get(name, 1.0) for name in names}, H, cfg.train.rounds)
+    order = async_order(cfg)
     taus = staleness(order)
-    pushes = Counter(push.island for push in order)
+    if taus and max(taus) > cfg.outer.max_staleness:
+        worst = order[taus.index(max(taus))].island
+        raise ConfigError(
+            f"train.mode = 'async': island {worst}'s pushes would be up to {max(taus)} updates stale, over "
+            f"outer.max_staleness = {cfg.outer.max_staleness} (the coordinator would refuse them); raise it"
+        )
     world = GlobalRun(cfg, rd, setup, durable=False)
-    # An island that never pushes (slowed past the run's end) still gets a valid one-push schedule.
+    steps = planned_steps(order, names, cfg.train.inner_steps)
     islands = {
-        name: make_island(cfg, name, setup.model, setup.streams[name], total_steps=max(pushes[name], 1) * H)
-        for name in names
+        name: make_island(cfg, name, setup.model, setup.streams[name], total_steps=steps[name]) for name in names
     }
     stores = start_islands(cfg, rd, world, list(islands.values()))
     totals = world.totals
@@ -119,7 +136,7 @@ def run_async(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
             t0 = time.monotonic()
             # θ as the island pulled it, τ updates ago, copied: the inner steps donate (free) the island's buffers.
             pulled = jax.tree.map(lambda x: jnp.array(x, copy=True), flatten_named(island.state.params, to_numpy=False))
-            push = island.push(island.train(H), pulled)
+            push = island.push(island.train(cfg.train.inner_steps), pulled)
             island.keep_residual(push)  # in one process every push is delivered
             weight = staleness_weight(tau, cfg.outer.staleness_exponent)
             world.loop.submit(island.name, u, discount(push.sent.decoded, weight), push.run.tokens)
@@ -131,8 +148,10 @@ def run_async(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
             totals.island_wall_s += seconds
             loss = float(push.run.losses[-1])
             vtime = float(order[u].time)
-            with rd.annotated("round", island=island.name, staleness=tau, weight=round(weight, 6), vtime=vtime):
-                commit = world.close_round(losses=[loss], seconds=seconds, deliveries=tau + 1)
+            commit = world.close_round(
+                losses=[loss], seconds=seconds, deliveries=tau + 1,
+                annotations={"island": island.name, "staleness": tau, "weight": round(weight, 6), "vtime": vtime},
+            )  # fmt: skip
             island.set_params(world.loop.params)  # it pulls the new θ and starts its next H steps
             if stores and checkpoint_due(cfg, world.loop.round):
                 save_islands(stores, list(islands.values()), world.loop.round)

@@ -58,9 +58,9 @@ TRAIN_MODES = ("diloco", "sync", "async")
 class TrainConfig:
     mode: str = "diloco"
     """"diloco" (islands + outer optimizer), "sync" (the data-parallel baseline: one model, one AdamW, on the
-    union of the islands' batches every step) or "async" (`diloco simulate` only: the coordinator applies each
-    island's pseudo-gradient as soon as it arrives, weighted by its staleness, and no island waits for another;
-    diloco/async_sim.py)."""
+    union of the islands' batches every step) or "async" (the coordinator applies each island's
+    pseudo-gradient as soon as it arrives, weighted by its staleness, and no island waits for another; in `simulate`
+    on a virtual clock, diloco/async_sim.py; in the processes, docs/architecture.md "Asynchronous rounds")."""
     rounds: int = 10
     """Outer rounds. Each island does `inner_steps` steps per round, so rounds * inner_steps steps in all.
     With mode = "async" a round is one outer update, one island's `inner_steps` steps: rounds * inner_steps steps of
@@ -300,13 +300,13 @@ class RunConfig:
         return self.train.rounds * self.train.inner_steps
 
 
-def require_rounds(cfg: RunConfig, command: str) -> None:
-    """The coordinator and island processes run rounds (plain or streaming); the asynchronous mode runs in
-    `diloco simulate` only so far: refuse it in one line rather than run plain rounds on an async config."""
-    if cfg.train.mode != "diloco":
+def require_federated(cfg: RunConfig, command: str) -> None:
+    """The coordinator and island processes run rounds (plain or streaming) or asynchronous updates; the
+    data-parallel baseline runs in `diloco simulate` only: refuse it in one line rather than run DiLoCo on it."""
+    if cfg.train.mode == "sync":
         raise ConfigError(
-            f"{command}: train.mode = {cfg.train.mode!r} runs in `diloco simulate` only; the coordinator and island "
-            "processes run train.mode = 'diloco' (plain or streaming rounds)"
+            f"{command}: train.mode = 'sync' (the data-parallel baseline) runs in `diloco simulate` only; the "
+            "coordinator and island processes run train.mode = 'diloco' or 'async'"
         )
 
 

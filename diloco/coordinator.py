@@ -41,6 +41,7 @@ from diloco.rundir import RunDir
 from diloco.setup import Setup
 from diloco.summary import Totals
 from islands.island import DivergedError
+from outer_optimizer import discount, staleness_weight
 from transport import diloco_pb2 as pb
 from transport.codecs import CodecError, CodecSpec, EncodedTensor, encode_tree, flatten_named
 from transport.errors import Rejected
@@ -91,11 +92,19 @@ class Coordinator:
         fragments = self.loop.fragments
         self.model_spec: ModelSpec = whole if fragments.count == 1 else (lambda p: fragments.select(p, whole))
         """What a push may carry: every tensor of θ, or (streaming) the tensors of the fragment it names."""
+        self.asynchronous = cfg.train.mode == "async"
+        """Async Local-SGD (docs/architecture.md, "Asynchronous rounds"): every push is one update, committed at
+        once with its Δ weighted by its staleness; nobody waits for a quorum."""
+        self.kept = cfg.outer.max_staleness + 1 if self.asynchronous else fragments.count
+        """Commits kept for pulls: one per fragment (streaming), or (async) the updates an island may have missed."""
         self.cond = threading.Condition()
         self.last_seen: dict[str, float] = {}
         self.last_loss: dict[str, float] = {}
         self.commits: dict[int, Commit] = {}
-        """The last P commits by sync position (`OuterLoop.sync`; P = 1 without streaming): what pulls answer with."""
+        """The last `kept` commits by sync position (`OuterLoop.sync`; the round without streaming): what pulls
+        answer with."""
+        self.digests: dict[int, str] = {self.loop.sync: self.world.params_digest}
+        """The digest of θ at each of the last `kept` positions: what an asynchronous push's base is checked against."""
         self.rejections = RejectionLog()
         self.dropped: dict[bytes, str] = {}
         """Contributions to the open round dropped at commit (content digest -> why): the same bytes are refused if
@@ -230,20 +239,12 @@ class Coordinator:
                 raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {who!r} is not in this run")
             if self.world.done or meta.round >= self.cfg.train.rounds:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
-            position = meta.round * self.loop.fragments.count + meta.fragment
-            if not self.loop.sync <= position < self.loop.sync + self.loop.fragments.count:  # it may have closed
-                raise Rejected(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"pseudo-gradient for {self._sync_name(meta.round, meta.fragment)} but "
-                    f"{self._sync_name(self.loop.round, self.loop.fragment)} is open",
-                )
-            if bytes(meta.base_digest) != bytes.fromhex(self.world.fragment_digests[meta.fragment]):
-                raise Rejected(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"island {meta.island}'s pseudo-gradient was not taken from θ_{self.loop.round}"
-                    f"{self._of_fragment(meta.fragment)} (base_digest "
-                    f"{bytes(meta.base_digest).hex()[:16] or 'missing'}); pull the full parameters",
-                )
+            staleness, weight = 0, 1.0
+            if self.asynchronous:
+                staleness = self._check_async_base(meta)
+                position = self.loop.sync
+            else:
+                position = self._check_sync_base(meta)
             content = contribution_digest(meta.island, tensors)
             if content in self.dropped:
                 raise Rejected(
@@ -253,7 +254,11 @@ class Coordinator:
                 )
             tokens = min(int(meta.tokens), self.max_tokens)
             delta = {name: np.array(arrays[name], np.float32) for name in sorted(arrays)}
-            if position == self.loop.sync:
+            if self.asynchronous:
+                weight = staleness_weight(staleness, self.cfg.outer.staleness_exponent)
+                self.loop.submit(meta.island, position, discount(delta, weight), tokens)
+                self.pending_digest[meta.island] = content
+            elif position == self.loop.sync:
                 try:
                     self.loop.submit(meta.island, meta.round, delta, tokens, fragment=meta.fragment)
                 except RoundError as exc:
@@ -272,14 +277,62 @@ class Coordinator:
             self.totals.compute_s += float(meta.compute_s)
             self.totals.island_wall_s += float(meta.wall_s)
             self.last_loss[meta.island] = float(meta.loss)
+            where = {"base": meta.round, "staleness": staleness} if self.asynchronous else {}
             self.rd.log(
-                "push", round=meta.round, **({"fragment": meta.fragment} if self.loop.fragments.count > 1 else {}),
+                "push", round=position // self.loop.fragments.count, **where,
+                **({"fragment": meta.fragment} if self.loop.fragments.count > 1 else {}),
                 island=meta.island, tokens=tokens, bytes_up=nbytes, loss=float(meta.loss),
                 compute_s=round(float(meta.compute_s), 4), wall_s=round(float(meta.wall_s), 4),
                 **({"tokens_claimed": int(meta.tokens)} if tokens != meta.tokens else {}),
             )  # fmt: skip
-            self._tick_locked()
-            return pb.PushReply(accepted=True, round=self.loop.round, detail="accepted")
+            if not self.asynchronous:
+                self._tick_locked()
+                return pb.PushReply(accepted=True, round=self.loop.round, detail="accepted")
+            annotations = {"island": meta.island, "staleness": staleness, "weight": round(weight, 6)}
+            self._close_locked(self.clock(), None, annotations)
+            if self.loop.sync == position:  # the update could not be committed (`_close_locked` says why)
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {meta.island}'s pseudo-gradient "
+                               f"was dropped: {self.dropped.get(content, 'not committed')}")  # fmt: skip
+            return pb.PushReply(accepted=True, round=position, detail=f"applied as update {position}")
+
+    def _check_sync_base(self, meta: pb.PushMeta) -> int:
+        """A round's push: for the open sync (or, streaming, one of the P - 1 after it), taken from θ_s's fragment.
+        Returns its sync position."""
+        position = meta.round * self.loop.fragments.count + meta.fragment
+        if not self.loop.sync <= position < self.loop.sync + self.loop.fragments.count:  # it may have closed
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pseudo-gradient for {self._sync_name(meta.round, meta.fragment)} but "
+                f"{self._sync_name(self.loop.round, self.loop.fragment)} is open",
+            )
+        if bytes(meta.base_digest) != bytes.fromhex(self.world.fragment_digests[meta.fragment]):
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"island {meta.island}'s pseudo-gradient was not taken from θ_{self.loop.round}"
+                f"{self._of_fragment(meta.fragment)} (base_digest "
+                f"{bytes(meta.base_digest).hex()[:16] or 'missing'}); pull the full parameters",
+            )
+        return position
+
+    def _check_async_base(self, meta: pb.PushMeta) -> int:
+        """An asynchronous push names the update b whose θ_b its Δ was taken from (`round`): b may be up to
+        outer.max_staleness updates old, and base_digest must be θ_b's. Returns its staleness τ = u - b."""
+        u, bound = self.loop.round, self.cfg.outer.max_staleness
+        if meta.round > u:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {meta.island}'s pseudo-gradient is from "
+                           f"θ_{meta.round}, ahead of the coordinator's θ_{u}; pull the full parameters")  # fmt: skip
+        if u - meta.round > bound:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {meta.island}'s pseudo-gradient is "
+                           f"{u - meta.round} updates stale, over outer.max_staleness = {bound}; pull the full "
+                           "parameters")  # fmt: skip
+        known = self.digests.get(meta.round)  # None: not since this coordinator (re)started
+        if known is None or bytes(meta.base_digest) != bytes.fromhex(known):
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"island {meta.island}'s pseudo-gradient was not taken from θ_{meta.round} (base_digest "
+                f"{bytes(meta.base_digest).hex()[:16] or 'missing'}); pull the full parameters",
+            )
+        return u - meta.round
 
     def pull(self, req: pb.PullRequest) -> PullPayload:
         with self.cond:
@@ -342,7 +395,7 @@ class Coordinator:
             have_round=have, full=req.full, round=self.loop.sync, done=self.world.done,
             pushed=req.island in (self.loop.pending if have == self.loop.sync else self.early.get(have, {})),
             last_commit_round=max(self.commits, default=None),
-            kept=self.loop.fragments.count,
+            kept=self.kept,
         )  # fmt: skip
 
     def status(self) -> pb.StatusReply:
@@ -404,10 +457,10 @@ class Coordinator:
             del self.last_seen[name]
             self.totals.islands_lost += 1
             self.rd.log("island_lost", round=self.loop.round, island=name, reason="lease expired")
-        if decision.action is Action.CLOSE:
+        if decision.action is Action.CLOSE and not self.asynchronous:  # an asynchronous push commits itself
             self._close_locked(now, decision.reason)
 
-    def _close_locked(self, now: float, reason: str) -> None:
+    def _close_locked(self, now: float, reason: str | None, annotations: dict[str, Any] | None = None) -> None:
         """Commit the round. If its contributions cannot be committed (their update overflows float32 and the
         downlink codec refuses it, or the model it makes diverges while the islands report healthy losses), drop the
         largest one, say so, and try again: an island's input may cost that island its round, never the coordinator
@@ -416,14 +469,18 @@ class Coordinator:
             losses = [self.last_loss[n] for n in self.loop.pending if n in self.last_loss]
             sync = self.loop.sync
             try:
-                pending = self.world.commit(losses=losses, seconds=now - self.opened_at, reason=reason)
+                pending = self.world.commit(
+                    losses=losses, seconds=now - self.opened_at, reason=reason, annotations=annotations
+                )
             except (CodecError, ArithmeticError) as exc:  # commit is all or nothing: θ and the round are unchanged
                 self._drop_largest(str(exc))
                 continue
             # θ_{s+1} is served from here on; its evaluation and checkpoint follow on the settle thread, off the
             # islands' path (docs/architecture.md, "Commits off the critical path").
             self.commits[sync] = pending.commit
-            self.commits.pop(sync - self.loop.fragments.count, None)
+            self.commits.pop(sync - self.kept, None)
+            self.digests[sync + 1] = pending.commit.digest
+            self.digests.pop(sync + 1 - self.kept, None)
             self._settle_queue.put((self._generation, pending, dict(self.pending_digest), dict(self.dropped)))
             self._unsettled += 1
             self.dropped.clear()
@@ -479,6 +536,7 @@ class Coordinator:
             self._generation += 1
             reopened = self.loop.sync
             self.commits = {s: c for s, c in self.commits.items() if s < reopened}
+            self.digests = {s: d for s, d in self.digests.items() if s <= reopened}
             self.pending_digest, self.dropped = digests, dropped
             self.early.clear()  # taken from fragments of undone commits: those islands resync
             self.opened_at = self.clock()

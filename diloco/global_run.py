@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -69,6 +70,8 @@ class Settling:
     commit_s: float
     round_closed: bool
     """The commit closed its round (the last fragment's, or every commit without streaming)."""
+    annotations: dict[str, Any] = field(default_factory=dict)
+    """What only the driver knows, added to the commit's event (the asynchronous mode's staleness and weight)."""
     eval_s: float = 0.0
     """Seconds the evaluation took (set by whoever evaluates it)."""
 
@@ -123,14 +126,17 @@ class GlobalRun:
         return steps[-1] if steps else None
 
     def close_round(
-        self, *, losses: Sequence[float], seconds: float, deliveries: int = 0, reason: str | None = None
+        self, *, losses: Sequence[float], seconds: float, deliveries: int = 0, reason: str | None = None,
+        annotations: dict[str, Any] | None = None,
     ) -> Commit:
         """Commit the open sync, evaluate, log its event and checkpoint it when due: `commit` then `settle`, as
         `simulate` runs them (the coordinator runs `settle` on another thread, off the islands' path).
 
         Raises DivergedError, with θ and the round unchanged, when the committed model diverged (module docstring).
         """
-        pending = self.commit(losses=losses, seconds=seconds, deliveries=deliveries, reason=reason)
+        pending = self.commit(
+            losses=losses, seconds=seconds, deliveries=deliveries, reason=reason, annotations=annotations
+        )
         self.settle(pending, self.evaluate_commit(pending))
         return pending.commit
 
@@ -142,7 +148,8 @@ class GlobalRun:
         return loss
 
     def commit(
-        self, *, losses: Sequence[float], seconds: float, deliveries: int = 0, reason: str | None = None
+        self, *, losses: Sequence[float], seconds: float, deliveries: int = 0, reason: str | None = None,
+        annotations: dict[str, Any] | None = None,
     ) -> Settling:
         """The outer step of the open sync: θ_{s+1} is the global model from here on (pulls may serve it), and what
         remains to do is returned for `settle`.
@@ -165,7 +172,7 @@ class GlobalRun:
         self.totals.bytes_down += sum(e.nbytes for e in commit.encoded) * deliveries
         return Settling(
             commit=commit, before=before, state=self.loop.state, losses=tuple(float(x) for x in losses),
-            seconds=seconds, reason=reason, commit_s=commit_s, round_closed=round_closed,
+            seconds=seconds, reason=reason, commit_s=commit_s, round_closed=round_closed, annotations=annotations or {},
         )  # fmt: skip
 
     def settle(self, pending: Settling, eval_loss: float) -> None:
@@ -203,6 +210,7 @@ class GlobalRun:
             eval_loss=t.final_eval_loss, tokens=t.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down,
             islands=list(commit.islands), digest=commit.digest, seconds=round(pending.seconds, 4), close_s=close_s,
             **({"reason": reason} if reason else {}), **({"kept": commit.reduced} if commit.reduced else {}),
+            **pending.annotations,
         )  # fmt: skip
         if self.store is None or not pending.round_closed or not checkpoint_due(self.cfg, t.rounds):
             return None

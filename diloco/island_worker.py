@@ -38,8 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco.async_sim import async_order, planned_steps
 from diloco.checkpoint import CheckpointStore, restore_state, save_state
-from diloco.config import RunConfig, config_digest, require_rounds, to_dict
+from diloco.config import RunConfig, config_digest, require_federated, to_dict
 from diloco.membership import REJOIN
 from diloco.rounds import fragment_digest, fragment_digests
 from diloco.rundir import RunDir
@@ -121,7 +122,7 @@ class IslandWorker:
             raise IslandError(
                 f"island '{name}' is not in the config's islands.names ({', '.join(cfg.islands.island_names)})"
             )
-        require_rounds(cfg, "island")
+        require_federated(cfg, "island")
         self.cfg, self.name, self.client, self.rd = cfg, name, client, rd
         self.give_up_s = cfg.network.coordinator_wait_s
         setup = build_setup(cfg, islands=[name])
@@ -129,7 +130,13 @@ class IslandWorker:
         n_devices = min(cfg.islands.devices, len(jax.local_devices()))
         if n_devices < cfg.islands.devices:
             rd.log("devices_reduced", island=name, configured=cfg.islands.devices, available=n_devices)
-        self.island = make_island(cfg, name, setup.model, setup.streams[name], n_devices)
+        self.asynchronous = cfg.train.mode == "async"
+        # An asynchronous island's schedule spans the steps `simulate` would give it (diloco/async_sim.py).
+        steps = (
+            planned_steps(async_order(cfg), cfg.islands.island_names, cfg.train.inner_steps)[name]
+            if self.asynchronous else None
+        )  # fmt: skip
+        self.island = make_island(cfg, name, setup.model, setup.streams[name], n_devices, total_steps=steps)
         self.store = CheckpointStore(rd.checkpoints) if cfg.train.checkpoint_every else None
         self.fragments = setup.fragments
         self.P, self.H = self.fragments.count, cfg.train.inner_steps
@@ -267,18 +274,19 @@ class IslandWorker:
         """A `synced` event's place with streaming: the fragment it moved (an update) and the copy's sync position."""
         return {**({} if p is None else self._fragment_field(p)), "position": self.position} if self.P > 1 else {}
 
-    def _push(self, meta: pb.PushMeta, push: RoundPush) -> bool:
-        """Push Δ; False when the round closed without it (a slow island, a restarted coordinator): Δ is dropped."""
+    def _push(self, meta: pb.PushMeta, push: RoundPush) -> pb.PushReply | None:
+        """Push Δ; None when the round closed without it (a slow island, a restarted coordinator) or (async) it was
+        too stale: Δ is dropped."""
         where = {"round": meta.round, "island": self.name, **self._fragment_field(meta.fragment)}
         try:
-            _retry_forever(lambda: self.client.push(meta, push.sent.encoded), "push", self.give_up_s)
+            reply = _retry_forever(lambda: self.client.push(meta, push.sent.encoded), "push", self.give_up_s)
         except TransportError as exc:
             if exc.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                 raise
             self.rd.log("push_dropped", **where, reason=exc.reason)
-            return False
+            return None
         self.rd.log("pushed", **where, bytes_up=push.sent.payload_nbytes, loss=meta.loss)
-        return True
+        return reply
 
     def _pull_after_push(self, sync: int, meta: pb.PushMeta, push: RoundPush) -> PullPayload:
         """Wait for sync `sync` (round, or round and fragment) to close. A coordinator that restarted and lost our
@@ -294,7 +302,7 @@ class IslandWorker:
                 if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 self.rd.log("repush", round=meta.round, island=self.name, reason=exc.reason)
-                if not self._push(meta, push):
+                if self._push(meta, push) is None:
                     break
         return self.pull(-1, full=True)
 
@@ -302,7 +310,7 @@ class IslandWorker:
         """Push Δ (on a wire thread, after the previous sync's push); None when a resync made it stale first."""
         if generation != self._generation:
             return None
-        return self._push(meta, push)
+        return self._push(meta, push) is not None
 
     def _collect(self, sync: int, meta: pb.PushMeta, push: RoundPush, sent: Future[bool | None]) -> Synced | None:
         """Wait for sync `sync`'s commit once its push went out (`run` merges the result when its turn comes).
@@ -365,56 +373,12 @@ class IslandWorker:
             self.resync(self.pull(-1, full=True))
         heartbeat = threading.Thread(target=self._heartbeats, args=(reply.lease_s,), daemon=True)
         heartbeat.start()
-        stream, stride = self.cfg.stream, self.H // self.P
-        total = self.cfg.train.rounds * self.P
-        in_flight: deque[tuple[int, Future[Synced | None]]] = deque()
         self.contributed = 0
         try:
-            # Compute utilization = inner-step seconds / wall seconds. Each push reports the wall time since the
-            # previous push (train, encode, and whatever waiting for commits the overlap did not hide).
-            cycle_from = time.perf_counter()
-            steps_ended: float | None = None
-            runs: list[InnerRun] = []
-            while self.state_name != "done":
-                if self.step // stride >= total:  # every sync pushed: collect the last commits, then stop
-                    if not in_flight:
-                        break
-                    if self._merge(in_flight.popleft()[1]):
-                        in_flight.clear()
-                    continue
-                if self.step % self.H == 0:
-                    # sync_s: from the end of the last inner step to now (at a round boundary without overlap:
-                    # encode, push, the wait for the round to close, pull, checkpoint; diloco bench sync).
-                    sync = {"sync_s": round(time.perf_counter() - steps_ended, 4)} if steps_ended is not None else {}
-                    # waited_s: seconds of the last round spent blocked on commits (what the overlap did not hide).
-                    self.rd.log("train_start", round=self.step // self.H, island=self.name,
-                                step=self.island.state.step, waited_s=round(self.waited_s, 4), **sync)  # fmt: skip
-                    self.waited_s = 0.0
-                target = next_event(self.step, self.H, self.P, stream.overlap_steps)
-                run = self.island.train_for(self.cfg.train.round_seconds, target - self.step)
-                steps_ended = time.perf_counter()
-                self.rd.log_inner(self.step // self.H, self.name, run.first_step, run.losses, self.cfg.train.log_every)
-                runs.append(run)
-                self.step = target
-                p = syncing_fragment(self.step, self.H, self.P)
-                if p is not None:
-                    sync_at = self.step // stride - 1
-                    joined = InnerRun.joined(runs)
-                    runs = []
-                    reference = self.fragments.select(p, flatten_named(self.global_params))
-                    push = self.island.push(joined, reference)
-                    meta = pb.PushMeta(
-                        **self._meta(), round=sync_at // self.P, fragment=p, tokens=joined.tokens,
-                        inner_steps=len(joined.losses), loss=float(joined.losses[-1]), compute_s=joined.seconds,
-                        wall_s=time.perf_counter() - cycle_from, base_digest=bytes.fromhex(self.fragment_digests[p]),
-                    )  # fmt: skip
-                    cycle_from = time.perf_counter()
-                    sent = in_background(partial(self._send, meta, push, self._generation), self._last_push)
-                    self._last_push = sent
-                    in_flight.append((p, in_background(partial(self._collect, sync_at, meta, push, sent), sent)))
-                q = merging_fragment(self.step, self.H, self.P, stream.overlap_steps)
-                if q is not None and in_flight and in_flight[0][0] == q and self._merge(in_flight.popleft()[1]):
-                    in_flight.clear()
+            if self.asynchronous:
+                self._run_async()
+            else:
+                self._run_rounds()
         except DivergedError as exc:
             # Say so before dying, so a coordinator does not wait for this island until its lease runs out.
             self._leave(f"diverged: {exc}"[:200])
@@ -429,6 +393,105 @@ class IslandWorker:
             self._saving.result()
         self._leave("done")
         return self.contributed
+
+    def _run_rounds(self) -> None:
+        """Plain or streaming rounds until the coordinator says the run is done (`run`)."""
+        stream, stride = self.cfg.stream, self.H // self.P
+        total = self.cfg.train.rounds * self.P
+        in_flight: deque[tuple[int, Future[Synced | None]]] = deque()
+        # Compute utilization = inner-step seconds / wall seconds. Each push reports the wall time since the
+        # previous push (train, encode, and whatever waiting for commits the overlap did not hide).
+        cycle_from = time.perf_counter()
+        steps_ended: float | None = None
+        runs: list[InnerRun] = []
+        while self.state_name != "done":
+            if self.step // stride >= total:  # every sync pushed: collect the last commits, then stop
+                if not in_flight:
+                    break
+                if self._merge(in_flight.popleft()[1]):
+                    in_flight.clear()
+                continue
+            if self.step % self.H == 0:
+                self._log_train_start(self.step // self.H, steps_ended)
+            target = next_event(self.step, self.H, self.P, stream.overlap_steps)
+            run = self.island.train_for(self.cfg.train.round_seconds, target - self.step)
+            steps_ended = time.perf_counter()
+            self.rd.log_inner(self.step // self.H, self.name, run.first_step, run.losses, self.cfg.train.log_every)
+            runs.append(run)
+            self.step = target
+            p = syncing_fragment(self.step, self.H, self.P)
+            if p is not None:
+                sync_at = self.step // stride - 1
+                joined = InnerRun.joined(runs)
+                runs = []
+                push = self.island.push(joined, self.fragments.select(p, flatten_named(self.global_params)))
+                meta = self._push_meta(sync_at // self.P, p, joined, cycle_from)
+                cycle_from = time.perf_counter()
+                sent = in_background(partial(self._send, meta, push, self._generation), self._last_push)
+                self._last_push = sent
+                in_flight.append((p, in_background(partial(self._collect, sync_at, meta, push, sent), sent)))
+            q = merging_fragment(self.step, self.H, self.P, stream.overlap_steps)
+            if q is not None and in_flight and in_flight[0][0] == q and self._merge(in_flight.popleft()[1]):
+                in_flight.clear()
+
+    def _run_async(self) -> None:
+        """Asynchronous updates (train.mode = "async"; docs/architecture.md, "Asynchronous rounds"): H steps from
+        the global copy θ_b, push Δ naming b, and the coordinator applies it at once as update u; then pull the
+        updates b .. u (each proved by its digest), restart from θ_{u+1} and go on. No island waits for another.
+
+        A push refused (too stale, or the run is complete) loses its H steps: the island restarts from the full
+        θ. The run ends for this island once its copy reaches θ_rounds."""
+        cycle_from, steps_ended = time.perf_counter(), None
+        while self.round < self.cfg.train.rounds:
+            self._log_train_start(self.round, steps_ended)
+            run = self.island.train(self.H)
+            steps_ended = time.perf_counter()
+            self.rd.log_inner(self.round, self.name, run.first_step, run.losses, self.cfg.train.log_every)
+            push = self.island.push(run, flatten_named(self.global_params))
+            meta = self._push_meta(self.round, 0, run, cycle_from)
+            cycle_from = time.perf_counter()
+            t0 = time.perf_counter()
+            reply = self._push(meta, push)
+            if reply is not None:
+                self.island.keep_residual(push)
+                self.contributed += 1
+            self._catch_up(reply.round + 1 if reply is not None else None)
+            self._restart_from_global()
+            self.waited_s += time.perf_counter() - t0
+            self.save()
+
+    def _catch_up(self, position: int | None) -> None:
+        """Move the global copy to `position` by pulling the updates it missed, one at a time, each proved by its
+        digest; or (None, or when the coordinator no longer keeps one, or restarted) take the full θ."""
+        if position is not None:
+            try:
+                while self.position < position:
+                    if not self.adopt(self.pull(self.position)):
+                        return  # a full θ came instead: the update fell out of the coordinator's window
+                return
+            except TransportError as exc:  # the coordinator restarted, or undid the update: it holds another θ
+                if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                self.rd.log("resync", round=self.round, island=self.name, reason=exc.reason)
+        self.adopt(self.pull(-1, full=True))
+
+    def _push_meta(self, round_: int, fragment: int, run: InnerRun, cycle_from: float) -> pb.PushMeta:
+        """What a push says about itself: where Δ was taken from (its round, or with async the update b, and the
+        fragment's digest in the global copy), its token weight, loss and time."""
+        return pb.PushMeta(
+            **self._meta(), round=round_, fragment=fragment, tokens=run.tokens, inner_steps=len(run.losses),
+            loss=float(run.losses[-1]), compute_s=run.seconds, wall_s=time.perf_counter() - cycle_from,
+            base_digest=bytes.fromhex(self.fragment_digests[fragment]),
+        )  # fmt: skip
+
+    def _log_train_start(self, round_: int, steps_ended: float | None) -> None:
+        """sync_s: from the end of the last inner step to now (at a round boundary without overlap: encode, push,
+        the wait for the round to close, pull, checkpoint; diloco bench sync). waited_s: seconds since the last
+        `train_start` spent blocked on commits (what the overlap did not hide)."""
+        sync = {"sync_s": round(time.perf_counter() - steps_ended, 4)} if steps_ended is not None else {}
+        self.rd.log("train_start", round=round_, island=self.name, step=self.island.state.step,
+                    waited_s=round(self.waited_s, 4), **sync)  # fmt: skip
+        self.waited_s = 0.0
 
     def _merge(self, job: Future[Synced | None]) -> bool:
         """Take a sync's result: keep the residual of an accepted push, move the global copy, merge the fragment

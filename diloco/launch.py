@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from diloco.config import RunConfig, load_config, parse_override, require_rounds
+from diloco.config import RunConfig, load_config, parse_override, require_federated
 from diloco.procs import Federation, FederationError
 from diloco.progress import format_eta
 from diloco.rundir import LAUNCH_LOCK_FILE, RunDirLock, check_free
@@ -87,7 +87,7 @@ def _hidden_variables(cfg: RunConfig) -> set[str]:
 
 def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = True) -> dict[str, Any]:
     cfg = load_config(config, overrides)
-    require_rounds(cfg, "launch")
+    require_federated(cfg, "launch")
     names = cfg.islands.island_names
     values = [resolve_secret(ref) for ref in cfg.network.secrets] or [secrets.token_hex(16) for _ in names]
     env = {SECRET_VAR.format(i): value for i, value in enumerate(values)}

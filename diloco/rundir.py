@@ -20,8 +20,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -247,7 +246,6 @@ class RunDir:
             self.checkpoints.mkdir(exist_ok=True)
             self._t_offset = self._last_t()
             self._t0 = time.monotonic()
-            self._extra: dict[str, dict[str, Any]] = {}
             self._metrics = self.metrics_path.open("a", buffering=1)
             self._write_lock = threading.Lock()
         except BaseException:
@@ -293,23 +291,9 @@ class RunDir:
         return self._t_offset + time.monotonic() - self._t0
 
     def log(self, event: str, **fields: Any) -> None:
-        record = {"event": event, "t": round(self.elapsed(), 4), **fields}
-        for key, value in self._extra.get(event, {}).items():
-            record.setdefault(key, value)
-        line = json.dumps(record) + "\n"
+        line = json.dumps({"event": event, "t": round(self.elapsed(), 4), **fields}) + "\n"
         with self._write_lock:  # threads log too (an island's wire thread, the coordinator's settle thread)
             self._metrics.write(line)
-
-    @contextmanager
-    def annotated(self, event: str, **fields: Any) -> Iterator[None]:
-        """Within the block, every `event` logged here also carries `fields` (never replacing the event's own): a
-        driver adds what only it knows to an event another part logs, e.g. the asynchronous mode's staleness on the
-        `round` event that `GlobalRun.close_round` writes."""
-        self._extra[event] = fields
-        try:
-            yield
-        finally:
-            del self._extra[event]
 
     def log_inner(self, round: int, island: str, first_step: int, losses: Sequence[float], every: int) -> None:
         """An `inner` event for each inner step (counted from 1) that is a multiple of `every`: the same steps

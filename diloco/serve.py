@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco.config import RunConfig, require_rounds
+from diloco.config import RunConfig, require_federated
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir
 from diloco.setup import build_setup
@@ -64,7 +64,7 @@ def serve(
     needs an island's credentials too (it reveals the run's membership, losses and progress).
     """
     check_listen(listen)
-    require_rounds(cfg, "coordinator")
+    require_federated(cfg, "coordinator")
     net = cfg.network
     tls = server_tls(net.tls_cert, net.tls_key, net.tls_ca)
     check_exposure(listen, authenticated=bool(net.secrets), encrypted=tls is not None, insecure=insecure)
@@ -74,6 +74,7 @@ def serve(
     service = DilocoService(
         coordinator, cfg.run.name, coordinator.model_spec, authenticator=Authenticator(secrets),
         config=cfg.transport.for_islands(cfg.islands.count), on_rejected=coordinator.on_rejected,
+        max_staleness=cfg.outer.max_staleness if coordinator.asynchronous else 0,
         status_requires_auth=secrets is not None, islands=cfg.islands.island_names, uplink_codec=cfg.codec.uplink,
     )  # fmt: skip
     coordinator.on_rollback = service.forget_from

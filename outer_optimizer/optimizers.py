@@ -51,6 +51,12 @@ class OuterConfig:
     staleness_exponent: float = 0.5
     """train.mode = "async" only: a in w(τ) = (1 + τ)^(-a), the weight of a pseudo-gradient taken from a θ that τ
     updates have moved since the island pulled it (0: no discount; 0.5 halves a Δ 3 updates stale)."""
+    max_staleness: int = 16
+    """train.mode = "async" only: a pseudo-gradient taken from a θ more than this many updates old is refused (its
+    island restarts from the current θ, losing those steps), and the coordinator keeps this many updates so that an
+    island catches up by pulling the ones it missed rather than the whole θ. `simulate` refuses a config whose
+    islands.slowdown would make a push staler than this. With M equally fast islands pushes are about M - 1 stale.
+    The coordinator holds max_staleness + 1 encoded updates in memory (int8: about a quarter of θ's fp32 bytes each)."""
     clip_norm: float = 0.0
     """If > 0, clip the pseudo-gradient's global norm before the outer step (chained with optax)."""
     aggregate: str = "trimmed_mean"
@@ -84,6 +90,8 @@ class OuterConfig:
             raise ValueError(f"outer.momentum must be > 0 for outer.kind = '{self.kind}' (use kind = 'sgd')")
         if self.momentum_every < 1:
             raise ValueError(f"outer.momentum_every must be >= 1 (got {self.momentum_every})")
+        if self.max_staleness < 0:
+            raise ValueError(f"outer.max_staleness must be >= 0 (got {self.max_staleness})")
         if not valid_staleness_exponent(self.staleness_exponent):
             raise ValueError(f"outer.staleness_exponent must be a finite number >= 0 (got {self.staleness_exponent})")
         for key in ("b1", "b2"):

@@ -245,9 +245,20 @@ def test_async_simulate_resumes_bit_identically(tiny_config: Path, tmp_path: Pat
         (["outer.staleness_exponent=-1"], "outer.staleness_exponent must be a finite number >= 0 (got -1.0)"),
         (["outer.kind=delayed_nesterov", "outer.momentum=0"], "outer.momentum must be > 0 for outer.kind = 'delayed"),
         (["train.mode=lockstep"], "train.mode must be 'diloco', 'sync' or 'async' (got 'lockstep')"),
+        (["outer.max_staleness=-1"], "outer.max_staleness must be >= 0 (got -1)"),
     ],
 )
 def test_an_async_setting_that_cannot_work_is_one_line(tiny_config: Path, overrides: list[str], words: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(tiny_config, overrides)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_simulate_refuses_a_slowdown_whose_pushes_the_coordinator_would_refuse(tiny_config: Path, tmp_path: Path) -> None:
+    # island-1 is 8x slower: 8 pushes of island-0 come before its first, which is 8 updates stale (over 4).
+    cfg = load_config(tiny_config, ["train.mode=async", "train.rounds=12", 'islands.slowdown=["island-1=8"]',
+                                    "outer.max_staleness=4"])  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        run_simulation(cfg, tmp_path / "run", show_progress=False)
+    message = str(info.value)
+    assert "island island-1's pushes would be up to 8 updates stale, over outer.max_staleness = 4" in message, message

@@ -503,3 +503,30 @@ def test_streaming_federation_equals_simulate(
     launched = json.loads((fed.run_dir / "summary.json").read_text())
     assert launched["params_digest"] == simulated["params_digest"] == commits[-1]["digest"]
     assert launched["final_eval_loss"] == pytest.approx(simulated["final_eval_loss"], rel=1e-6)
+
+
+# -- Asynchronous updates in the processes: each push is committed at once, weighted by its staleness; the slow island
+# holds nobody up, and every island's copy after every update it pulled is the coordinator's, bit for bit.
+
+
+def test_asynchronous_federation_does_not_wait_for_a_slow_island(federation: Callable[..., Federation]) -> None:
+    rounds, exponent = 8, 0.5
+    fed = federation(
+        f"train.rounds={rounds}", "train.mode=async", 'islands.slowdown=["island-1=40"]',
+        "outer.kind=delayed_nesterov", "outer.momentum_every=2", f"outer.staleness_exponent={exponent}",
+    )  # fmt: skip
+    fed.start_coordinator()
+    for name in ("island-0", "island-1"):
+        fed.start_island(name)
+    fed.wait_exit(WAIT_S)
+
+    commits = check_run(fed, rounds, ["island-0", "island-1"])
+    pushes = {e["round"]: e for e in fed.events("push")}
+    for c in commits:  # one island's Δ per update, weighted (1 + τ)^-a by the updates applied since its base
+        (island,) = c["islands"]
+        push = pushes[c["round"]]
+        assert push["island"] == island and c["staleness"] == push["staleness"] == c["round"] - push["base"], (c, push)
+        assert c["weight"] == round((1 + c["staleness"]) ** -exponent, 6), c
+    per_island = [sum(c["islands"] == [name] for c in commits) for name in ("island-0", "island-1")]
+    # The island 40x slower pushes far less often and the fast one never waits for it (a round would need both).
+    assert per_island[0] > per_island[1], per_island

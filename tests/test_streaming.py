@@ -175,10 +175,10 @@ def test_a_stream_setting_that_cannot_run_is_one_line(tiny_config: Path, overrid
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_the_processes_refuse_a_simulate_only_mode_in_one_line(tiny_config: Path, mode: str) -> None:
-    from diloco.config import require_rounds
+def test_the_processes_refuse_the_data_parallel_baseline_in_one_line(tiny_config: Path) -> None:
+    from diloco.config import require_federated
 
-    with pytest.raises(ConfigError, match=rf"^launch: train.mode = '{mode}' runs in `diloco simulate` only"):
-        require_rounds(load_config(tiny_config, [f"train.mode={mode}"]), "launch")
-    require_rounds(load_config(tiny_config, ["stream.fragments=2"]), "launch")  # streaming runs in the processes
+    with pytest.raises(ConfigError, match=r"^launch: train.mode = 'sync' \(the data-parallel baseline\) runs in"):
+        require_federated(load_config(tiny_config, ["train.mode=sync"]), "launch")
+    require_federated(load_config(tiny_config, ["train.mode=async"]), "launch")
+    require_federated(load_config(tiny_config, ["stream.fragments=2"]), "launch")  # streaming runs in the processes
