@@ -1,4 +1,4 @@
-"""The `diloco` command line: launch, coordinator, island, status, simulate, bench.
+"""The `diloco` command line: launch, coordinator, island, status, simulate, bench, plot.
 
 Every command takes `--run-dir DIR` (where one applies) and trailing `key=value` config overrides. A user
 mistake (config, data, model path, run directory, a refused island ...) is a `transport.errors.UserError`: it ends
@@ -89,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--secret", default=None, help="that island's secret: env:VAR, file:PATH (or a literal)")
     _add_tls(st, server=False)
 
+    from diloco.plot import X_AXES  # no matplotlib, no JAX: imported when a plot is drawn or a run dir read
+
+    pl = sub.add_parser("plot", help="PNG of the global model's eval loss of run dirs (needs the plot extra)")
+    pl.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories to overlay")
+    pl.add_argument("--out", type=Path, default=None, metavar="FILE.png",
+                    help="PNG to write (default: eval_loss.png, or eval_loss_vs_X.png with --x)")  # fmt: skip
+    pl.add_argument("--x", choices=X_AXES, default=None,
+                    help="one panel against this x axis (default: a 2x2 grid of all four)")  # fmt: skip
+    pl.add_argument("--label", action="append", default=[], metavar="NAME",
+                    help="a run's legend label, once per RUN_DIR in order (default: the run dir's name)")  # fmt: skip
+    pl.add_argument("--title", default=None, help="the figure's title")
+
     from diloco.bench import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
 
     add_bench_parser(sub)
@@ -114,6 +126,14 @@ def _bench(args: argparse.Namespace) -> int:
     from diloco.bench import run_bench
 
     print(json.dumps(run_bench(args), indent=2))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from diloco.plot import plot
+
+    for path in plot(args.run_dirs, args.out, args.x, args.label, args.title):
+        print(f"wrote {path}")
     return 0
 
 
@@ -216,6 +236,7 @@ COMMANDS = {
     "island": _island,
     "status": _status,
     "bench": _bench,
+    "plot": _plot,
 }
 
 
