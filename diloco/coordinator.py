@@ -129,6 +129,9 @@ class Coordinator:
         self._generation = 0
         """Bumped by a rollback: commits queued before it were undone and are not settled."""
         self._unsettled = 0
+        self._unsaved: tuple[Settling, dict] | None = None
+        """The last kept commit that closed a round, with its checkpoint metadata, while its save was not due
+        (train.checkpoint_every > 1): what `flush` saves on a graceful stop."""
         threading.Thread(target=self._settle_forever, name="settle", daemon=True).start()
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -153,6 +156,14 @@ class Coordinator:
     def done(self) -> bool:
         """Every planned round is committed and settled (evaluated, logged, checkpointed)."""
         return self.world.done and self._unsettled == 0
+
+    def flush(self) -> None:
+        """A graceful stop (SIGTERM): once every commit is settled, checkpoint the last committed round if its save
+        was not due, so that a restart resumes exactly where this process stopped."""
+        self.settled()
+        if self._unsaved is not None and self.world.store is not None:
+            self.world.save(*self._unsaved)
+            self._unsaved = None
 
     def close(self) -> None:
         self.settled()
@@ -515,6 +526,8 @@ class Coordinator:
                     meta = None
                     if generation == self._generation:
                         meta, reopened = self._record_locked(pending, digests, dropped, eval_loss)
+                        if reopened is None and pending.round_closed:  # kept: saved now, or by `flush` at a stop
+                            self._unsaved = None if meta is not None else (pending, self.world.checkpoint_meta())
                 if meta is not None:
                     self.world.save(pending, meta)
             finally:
@@ -534,6 +547,7 @@ class Coordinator:
         except DivergedError as exc:
             # θ, the outer state and the open sync are as before the commit (GlobalRun.record); so are its pushes.
             self._generation += 1
+            self._unsaved = None  # an older round's state: its own save (if due) happened when it was kept
             reopened = self.loop.sync
             self.commits = {s: c for s, c in self.commits.items() if s < reopened}
             self.digests = {s: d for s, d in self.digests.items() if s <= reopened}

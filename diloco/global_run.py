@@ -214,7 +214,11 @@ class GlobalRun:
         )  # fmt: skip
         if self.store is None or not pending.round_closed or not checkpoint_due(self.cfg, t.rounds):
             return None
-        return {"totals": t.to_meta(), "durations": list(self.durations)}
+        return self.checkpoint_meta()
+
+    def checkpoint_meta(self) -> dict:
+        """What a checkpoint stores beside the state: the totals and the deadline's history, as they are now."""
+        return {"totals": self.totals.to_meta(), "durations": list(self.durations)}
 
     def save(self, pending: Settling, meta: dict) -> None:
         """Checkpoint the state of a recorded commit (one caller at a time). The event was logged before: a kill in

@@ -22,7 +22,9 @@ islands/ may not import; the engine it drives (Island, models, data, compression
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import threading
 import time
 from collections import deque
@@ -59,6 +61,10 @@ from transport.grpc_client import GrpcTransport
 from transport.handler import PullPayload
 from transport.shaper import LinkShaper, load_link_profiles, profile_for
 from transport.tensors import decoder
+
+LEAVE_WAIT_S = 5.0
+"""How long a stopping island waits for its last push to land and for its Leave: a stop must be prompt even when
+the coordinator is stopping too."""
 
 
 class IslandError(UserError, ValueError):
@@ -159,8 +165,16 @@ class IslandWorker:
         self.waited_s = 0.0
         """Seconds the training thread spent blocked on commits since the last round started (train_start)."""
         self.state_name = "starting"
+        self.stop_reason: str | None = None
+        """Set by `request_stop` (SIGTERM, Ctrl+C): the island leaves at its next sync point."""
         self._stop = threading.Event()
         self._decode = decoder()
+
+    def request_stop(self, reason: str) -> None:
+        """Leave the federation at the next sync point (between inner-step runs): no new push, the checkpoint
+        flushed, a Leave so the coordinator does not wait out the lease. Only sets a flag: safe in a signal
+        handler."""
+        self.stop_reason = reason
 
     @property
     def round(self) -> int:
@@ -379,6 +393,8 @@ class IslandWorker:
                 self._run_async()
             else:
                 self._run_rounds()
+            if self.stop_reason is not None:
+                self._stop_syncs()
         except DivergedError as exc:
             # Say so before dying, so a coordinator does not wait for this island until its lease runs out.
             self._leave(f"diverged: {exc}"[:200])
@@ -391,8 +407,20 @@ class IslandWorker:
                 self.store.close()
         if self._saving is not None:
             self._saving.result()
-        self._leave("done")
+        if self.stop_reason is None:
+            self._leave("done")
+        else:  # the coordinator may be stopping too (launch stops every process at once): do not wait on it long
+            self.rd.log("stopped", round=self.round, island=self.name, reason=self.stop_reason)
+            in_background(partial(self._leave, f"stopped: {self.stop_reason}")).exception(timeout=LEAVE_WAIT_S)
         return self.contributed
+
+    def _stop_syncs(self) -> None:
+        """On a stop: syncs not yet sent are dropped, a push already on the wire gets `LEAVE_WAIT_S` to land (a
+        push after the Leave would make the coordinator count the island alive again)."""
+        self._generation += 1
+        if self._last_push is not None:
+            with contextlib.suppress(TimeoutError):
+                self._last_push.exception(timeout=LEAVE_WAIT_S)
 
     def _run_rounds(self) -> None:
         """Plain or streaming rounds until the coordinator says the run is done (`run`)."""
@@ -404,7 +432,7 @@ class IslandWorker:
         cycle_from = time.perf_counter()
         steps_ended: float | None = None
         runs: list[InnerRun] = []
-        while self.state_name != "done":
+        while self.state_name != "done" and self.stop_reason is None:
             if self.step // stride >= total:  # every sync pushed: collect the last commits, then stop
                 if not in_flight:
                     break
@@ -442,7 +470,7 @@ class IslandWorker:
         A push refused (too stale, or the run is complete) loses its H steps: the island restarts from the full
         θ. The run ends for this island once its copy reaches θ_rounds."""
         cycle_from, steps_ended = time.perf_counter(), None
-        while self.round < self.cfg.train.rounds:
+        while self.round < self.cfg.train.rounds and self.stop_reason is None:
             self._log_train_start(self.round, steps_ended)
             run = self.island.train(self.H)
             steps_ended = time.perf_counter()
@@ -546,12 +574,21 @@ def say_gone(cfg: RunConfig, name: str, target: str, secret: str | None, tls: Tl
 
 
 def run_island_process(cfg: RunConfig, name: str, target: str, run_dir: Path, secret: str | None) -> dict:
+    """`diloco island --no-supervise`: one worker until the run is done, or SIGTERM / Ctrl+C stops it cleanly
+    (`IslandWorker.request_stop`; exit code 0: a stopped island is not restarted by its supervisor)."""
     rd = RunDir(run_dir, cfg)
     client = make_client(cfg, name, target, secret)
     try:
         worker = IslandWorker(cfg, name, client, rd)
+
+        def stop(signum: int, frame: object) -> None:
+            worker.request_stop(signal.Signals(signum).name)
+
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, stop)
         contributed = worker.run()
-        return {"island": name, "rounds_contributed": contributed, "round": worker.round}
+        stopped = {"stopped": worker.stop_reason} if worker.stop_reason else {}
+        return {"island": name, "rounds_contributed": contributed, "round": worker.round, **stopped}
     finally:
         client.close()
         rd.close()

@@ -92,8 +92,10 @@ def serve(
     print(f"diloco coordinator listening on {server.address} (run {cfg.run.name}, round {coordinator.loop.round})",
           flush=True)  # fmt: skip
     stop = threading.Event()
+    stopped_by: list[str] = []
 
     def on_signal(signum: int, frame: Any) -> None:
+        stopped_by.append(signal.Signals(signum).name)
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -122,6 +124,10 @@ def serve(
             signal.signal(s, handler)
         server.stop(grace_s=1.0)
         coordinator.settled(timeout_s=120.0)  # the last commits' evaluations and checkpoints
+        if stopped_by and not coordinator.done:
+            # The open round is abandoned (its pushes come again after a restart); the last committed one is kept.
+            coordinator.flush()
+            rd.log("stopped", round=coordinator.loop.round, reason=stopped_by[0])
         summary = coordinator.summary()
         if coordinator.done:
             rd.write_summary(summary)

@@ -530,3 +530,46 @@ def test_asynchronous_federation_does_not_wait_for_a_slow_island(federation: Cal
     per_island = [sum(c["islands"] == [name] for c in commits) for name in ("island-0", "island-1")]
     # The island 40x slower pushes far less often and the fast one never waits for it (a round would need both).
     assert per_island[0] > per_island[1], per_island
+
+
+# -- Graceful stops: SIGTERM on an island leaves the federation at once (Leave, checkpoint flushed); SIGTERM on the
+# coordinator checkpoints the last committed round even when its save was not due, so its restart loses nothing.
+
+
+def test_sigterm_stops_an_island_and_the_coordinator_cleanly(federation: Callable[..., Federation]) -> None:
+    rounds = 60  # commits run ahead of their `round` events: room for the stops to land mid-run
+    # A long lease: only a Leave can tell the coordinator that the stopped island is gone. The coordinator's own
+    # checkpoint is due only at the end (every 100 rounds), so a stop mid-run has to save one of its own.
+    fed = federation(f"train.rounds={rounds}", "train.checkpoint_every=100", "quorum.lease_s=60",
+                     "quorum.min_islands=1")  # fmt: skip
+    fed.start_coordinator()
+    for name in ("island-0", "island-1"):
+        fed.start_island(name)
+
+    fed.wait_for(lambda: len(fed.rounds()) >= 2, WAIT_S, "two committed rounds")
+    fed.signal("island-1", signal.SIGTERM)
+    assert fed.processes()["island-1"].wait(timeout=60) == 0
+    left = fed.wait_for(lambda: [e for e in fed.events("island_left") if e["island"] == "island-1"], WAIT_S,
+                        "island-1's Leave")[0]  # fmt: skip
+    assert left["reason"] == "stopped: SIGTERM", left
+    assert fed.events("stopped", island="island-1")
+    # The next round closed because every live island pushed, not at a deadline that waited for island-1.
+    alone = fed.wait_for(lambda: [r for r in fed.rounds() if r["round"] > left["round"]], WAIT_S, "a round alone")[0]
+    assert alone["islands"] == ["island-0"] and alone["reason"].startswith("all 1 live islands pushed"), alone
+
+    # The coordinator, stopped while no checkpoint is due: its last committed round is saved anyway.
+    fed.wait_for(lambda: len(fed.rounds()) >= 5, WAIT_S, "five committed rounds")
+    fed.signal("coordinator", signal.SIGTERM)
+    assert fed.coordinator is not None and fed.coordinator.wait(timeout=120) == 0
+    committed = len(fed.rounds())
+    assert fed.events("stopped")[-1]["reason"] == "SIGTERM"
+    assert max(int(p.name) for p in (fed.run_dir / "checkpoints" / "coordinator").iterdir() if p.name.isdigit()) == (
+        committed
+    )
+    fed.start_coordinator()
+    resumed = fed.wait_for(lambda: fed.events(event="resumed"), WAIT_S, "the coordinator to resume")[0]
+    assert resumed["round"] == committed, (resumed, committed)
+    fed.start_island("island-1")  # resumes from its own checkpoint, rejoins
+    fed.wait_exit(WAIT_S * 2)
+    check_run(fed, rounds, ["island-0", "island-1"])
+    assert fed.events("resumed", island="island-1")
