@@ -13,15 +13,20 @@ state touches only the dataclass; this module needs no change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import shutil
 import uuid
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import jax
 import orbax.checkpoint as ocp
 
+from diloco.rundir import DiskFullError
 from transport.codecs import PyTree
 
 State = TypeVar("State")
@@ -29,15 +34,41 @@ _HOST = "state_host_fields"
 _TRASH = ".replaced-"  # not a step name to orbax (hidden, not a number)
 
 
+SPACE_MARGIN = 1.5
+"""A step takes about its arrays' bytes on disk (OCDBT stores them raw) plus metadata; the margin covers the
+metadata, the JSON and a state whose arrays grow (a residual appearing), so a save that passes the check fits."""
+SPACE_SLACK = 1 << 20
+"""Bytes every save needs beyond its arrays (orbax's metadata files, the manifest, the JSON)."""
+
+_STORES: weakref.WeakSet[CheckpointStore] = weakref.WeakSet()
+"""Every open store of this process: their saves in flight count against the free space of the next one."""
+
+
+def state_nbytes(state: PyTree) -> int:
+    """The bytes of a state's arrays (host or device): what a checkpoint of it writes, before metadata."""
+    return sum(int(getattr(leaf, "nbytes", 0)) for leaf in jax.tree.leaves(state))
+
+
+def is_out_of_space(exc: BaseException) -> bool:
+    """orbax reports a full disk as ValueError("RESOURCE_EXHAUSTED: ... No space left on device ...") from its write
+    threads; plain writes raise OSError(ENOSPC)."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in str(exc) or "os_error_code='28'" in str(exc)
+
+
 class CheckpointStore:
     def __init__(self, directory: Path, max_to_keep: int = 3) -> None:
         self.directory = directory.absolute()
+        self._pending_bytes, self._pending_step = 0, -1
+        """What the save in flight (if any) will have written, reserved against the free space, and its step."""
         for leftover in self.directory.glob(f"{_TRASH}*"):  # a replaced step whose removal a kill interrupted
             shutil.rmtree(leftover, ignore_errors=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
         )
+        _STORES.add(self)
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -51,11 +82,40 @@ class CheckpointStore:
         removal: a kill in the middle of it left a step with its arrays and no metadata, seen in CI), so a kill at
         any point leaves either the old step whole or none of it, and the older steps."""
         if step in self._manager.all_steps():
-            self._manager.wait_until_finished()
+            self.wait()
             self._discard(step)
-        self._manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        need = int(state_nbytes(state) * SPACE_MARGIN) + SPACE_SLACK
+        self._check_space(step, need)
+        self._pending_bytes, self._pending_step = need, step
+        with self._disk_errors(step):
+            self._manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+            )
+
+    def _check_space(self, step: int, need: int) -> None:
+        """Refuse, before writing anything, a save that would not fit beside the saves still in flight (so that a
+        full disk never leaves orbax's write threads failing one tensor after another)."""
+        in_flight = sum(s._pending_bytes for s in list(_STORES) if s._manager.is_saving_in_progress())
+        self.directory.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.directory).free
+        if free < need + in_flight:
+            raise DiskFullError(self._full(step, f"needs about {_mb(need + in_flight)}, {_mb(free)} free there"))
+
+    def _full(self, step: int, how_much: str) -> str:
+        return (
+            f"no disk space for checkpoint {step} in {self.directory} ({how_much}); free some space or use a "
+            "--run-dir on a larger disk, then run the same command again: it resumes from the last complete checkpoint"
         )
+
+    @contextlib.contextmanager
+    def _disk_errors(self, step: int) -> Iterator[None]:
+        """A write that failed for want of space (another process filled the disk meanwhile) is the same one line."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_out_of_space(exc):
+                raise
+            raise DiskFullError(self._full(step, "the disk filled up while it was written")) from None
 
     def _discard(self, step: int) -> None:
         old = self.directory / str(step)
@@ -72,11 +132,20 @@ class CheckpointStore:
         return restored.state, dict(restored.meta)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._disk_errors(self._pending_step):
+            self._manager.wait_until_finished()
+        self._pending_bytes = 0
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+            _STORES.discard(self)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
 
 
 def latest_common_step(stores: Sequence[CheckpointStore]) -> int | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -24,10 +25,14 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from diloco.logs import configure as configure_logging
 from transport.errors import UserError
 
 if TYPE_CHECKING:
     from diloco.config import RunConfig
+
+
+log = logging.getLogger("diloco")
 
 
 def _add_common(p: argparse.ArgumentParser, with_config: bool = True) -> None:
@@ -53,6 +58,14 @@ def _add_tls(p: argparse.ArgumentParser, server: bool) -> None:
                    help="allow what is refused beyond loopback: no secrets, or secrets without TLS")  # fmt: skip
 
 
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    """--log-format / --log-level on every command (diloco/logs.py; default: DILOCO_LOG_* or text, info)."""
+    from diloco.logs import FORMATS, LEVELS
+
+    p.add_argument("--log-format", choices=FORMATS, default=None, help="operational lines as text or one-line JSON")
+    p.add_argument("--log-level", choices=LEVELS, default=None, help="the least severe line to print (info)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diloco", description="DiLoCo training across islands over a WAN.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--listen", default="127.0.0.1:50051",
                        help="HOST:PORT (port 0: any free port); beyond loopback needs secrets and TLS")  # fmt: skip
     coord.add_argument("--quiet", action="store_true", help="no status lines")
+    coord.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                       help="serve Prometheus /metrics on port N of the --listen host (default: network.metrics_port; "
+                            "0: off)")  # fmt: skip
     _add_tls(coord, server=True)
 
     isl = sub.add_parser("island", help="one island (region), supervised: restarted when it crashes")
@@ -80,14 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="env:VAR or file:PATH (a literal works but shows in ps); default: from config")  # fmt: skip
     isl.add_argument("--no-supervise", action="store_true", help="run the worker in this process, no restarts")
     isl.add_argument("--max-restarts", type=int, default=5)
+    isl.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                     help="serve Prometheus /metrics on port N of network.metrics_host (default: network.metrics_port "
+                          "+ 1 + this island's index; 0: off)")  # fmt: skip
     _add_tls(isl, server=False)
 
-    st = sub.add_parser("status", help="membership, round, losses, bytes, rejected messages of a coordinator")
+    st = sub.add_parser("status", help="health, membership, round, losses, bytes, rejected messages of a coordinator")
     st.add_argument("address", help="HOST:PORT of the coordinator")
     st.add_argument("--json", action="store_true", help="print the raw status JSON")
+    st.add_argument("--watch", action="store_true", help="a live view, redrawn every 2 s until Ctrl+C")
     st.add_argument("--name", default=None, help="an island's name: credentials, needed when the run has secrets")
     st.add_argument("--secret", default=None, help="that island's secret: env:VAR, file:PATH (or a literal)")
     _add_tls(st, server=False)
+
+    ce = sub.add_parser("certs", help="TLS certificates and island secrets for a federation across machines")
+    ce.add_argument("config", help="TOML run config: its islands.names get a certificate and a secret each")
+    ce.add_argument("--out", type=Path, required=True, help="directory to write them to (created 0700)")
+    ce.add_argument("--host", action="append", default=[], metavar="NAME_OR_IP",
+                    help="a name or address islands dial the coordinator by (repeat; localhost is in)")  # fmt: skip
+    ce.add_argument("--days", type=int, default=365, help="validity of the certificates")
 
     from diloco.plot import X_AXES  # no matplotlib, no JAX: imported when a plot is drawn or a run dir read
 
@@ -104,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     from diloco.bench import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
 
     add_bench_parser(sub)
+    for command in sub.choices.values():
+        _add_logging(command)
     return parser
 
 
@@ -169,8 +198,8 @@ def _warn_literal(keys: Sequence[str]) -> None:
     """A literal secret on the command line works (tests, a quick try) but other local users can read a process's
     arguments (ps, /proc/PID/cmdline): say so once."""
     if keys:
-        print(f"diloco: warning: {', '.join(keys)} is a literal secret on the command line, readable by other local "
-              "users (ps); prefer env:VAR or file:PATH", file=sys.stderr, flush=True)  # fmt: skip
+        log.warning("%s is a literal secret on the command line, readable by other local users (ps); prefer "
+                    "env:VAR or file:PATH", ", ".join(keys))  # fmt: skip
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -178,7 +207,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-coordinator")
-    serve(cfg, run_dir, args.listen, not args.quiet, insecure=args.insecure)
+    serve(cfg, run_dir, args.listen, not args.quiet, insecure=args.insecure, metrics_port_flag=args.metrics_port)
     return 0
 
 
@@ -192,6 +221,9 @@ def _island(args: argparse.Namespace) -> int:
     names = cfg.islands.island_names
     if args.name not in names:
         raise IslandError(f"island '{args.name}' is not in the config's islands.names ({', '.join(names)})")
+    from diloco.metrics import metrics_port
+
+    metrics_port(cfg, args.name, args.metrics_port)  # a bad port is one line here, not a worker failing at each restart
     run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-{args.name}")
     # Settled before supervising: a secret that does not resolve, a bad TLS file or a secret about to travel in
     # clear is one line from the command the user typed, not a worker that fails again at every restart.
@@ -208,8 +240,25 @@ def _island(args: argparse.Namespace) -> int:
         gone = partial(say_gone, cfg, args.name, args.coordinator, secret, tls)
         worker_argv = [*argv, "--no-supervise", "--run-dir", str(run_dir)]
         return supervise(worker_argv, run_dir, args.max_restarts, on_death=gone)
-    result = run_island_process(cfg, args.name, args.coordinator, run_dir, secret)
+    result = run_island_process(cfg, args.name, args.coordinator, run_dir, secret, args.metrics_port)
     print(json.dumps(result), flush=True)
+    return 0
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from diloco.config import load_config
+    from diloco.tls import TlsSetupError, make_federation_kit
+
+    if args.days < 1:
+        raise TlsSetupError(f"--days must be >= 1 (got {args.days})")
+    if args.out.exists() and any(args.out.iterdir()):
+        raise TlsSetupError(f"--out {args.out} is not empty: certificates and secrets are never overwritten")
+    names = load_config(args.config, []).islands.island_names
+    kit = make_federation_kit(args.out, names, args.host, args.days)
+    islands = {name: {"cert": str(kit.client(name)[0]), "key": str(kit.client(name)[1]),
+                      "secret": f"file:{args.out / 'secrets' / name}"} for name in names}  # fmt: skip
+    print(json.dumps({"ca": str(kit.ca), "server_cert": str(kit.server_cert), "server_key": str(kit.server_key),
+                      "islands": islands}, indent=2))  # fmt: skip
     return 0
 
 
@@ -226,7 +275,7 @@ def _status(args: argparse.Namespace) -> int:
     tls = client_tls(*(getattr(args, k) or "" for k in ("tls_ca", "tls_cert", "tls_key", "tls_server_name")))
     check_client_exposure(args.address, sends_secret=secret is not None, encrypted=tls is not None,
                           insecure=args.insecure)  # fmt: skip
-    return show_status(args.address, args.json, island=args.name, secret=secret, tls=tls)
+    return show_status(args.address, args.json, island=args.name, secret=secret, tls=tls, watch=args.watch)
 
 
 COMMANDS = {
@@ -235,6 +284,7 @@ COMMANDS = {
     "coordinator": _coordinator,
     "island": _island,
     "status": _status,
+    "certs": _certs,
     "bench": _bench,
     "plot": _plot,
 }
@@ -267,12 +317,13 @@ def _main(argv: Sequence[str] | None) -> int:
     args.overrides = extra
     args.argv = list(argv) if argv is not None else None
     try:
+        configure_logging(args.log_format, args.log_level)
         return COMMANDS[args.command](args)
     except UserError as exc:
-        print(f"diloco: error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     except KeyboardInterrupt:
-        print("diloco: interrupted", file=sys.stderr)
+        log.warning("interrupted")
         return 130
 
 

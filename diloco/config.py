@@ -38,12 +38,22 @@ class ConfigError(UserError, ValueError):
     """A user mistake in a config file or override; the message is one line naming the key."""
 
 
+LOCAL = {"local": True}
+"""Field metadata: a per-process setting (which TLS files this process uses), not part of the run's identity.
+`to_dict` leaves it out, so the coordinator and each island may set their own and still agree on the config
+digest, and rotating a certificate does not make a run directory "another run"."""
+
+
 @dataclass(frozen=True)
 class RunSection:
     name: str = "diloco"
     """A human name for the run (shown in progress lines and summary.json)."""
     seed: int = 0
     """Seed of everything random: parameter init, data order, jitter. Same seed, same run."""
+    tensorboard: bool = field(default=False, metadata=LOCAL)
+    """Also write TensorBoard curves to RUN_DIR/tensorboard/ (diloco/tensorboard.py), from the same events as
+    metrics.jsonl; needs the `tensorboard` extra (pip install 'diloco[tensorboard]'). Per process, like
+    network.metrics_port: not part of the run's identity, so give it again when resuming."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -98,6 +108,31 @@ class TrainConfig:
             raise ValueError(
                 f"train.batch_size ({self.batch_size}) must be a multiple of train.microbatch ({self.microbatch})"
             )
+
+
+TOML_KEY = "toml_key"
+"""Field metadata: the field's key in TOML files and overrides, when that key cannot be its Python name (`init.from`:
+`from` is a keyword). `from_dict` reads it and `to_dict` writes it, so config.toml and digests use the TOML key."""
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Warm start (diloco/warm_start.py): round 0 begins from another run's checkpoint instead of a random θ_0."""
+
+    from_: str = field(default="", metadata={TOML_KEY: "from"})
+    """A run directory of this project (its newest coordinator checkpoint, or the sync baseline's), a checkpoint
+    directory of one (RUN/checkpoints/coordinator, an island's checkpoints/) or one step of it (.../coordinator/12):
+    θ_0 is its parameters, and the initial `eval` is of them. The model must be the same ([model] and every tensor's
+    shape). Read only when a run starts afresh: a run directory that resumes restores its own checkpoints. "": the
+    random θ_0 of run.seed."""
+    inner_state: bool = False
+    """Each island also starts with the inner AdamW state that the source saved for the island of the same name
+    (moments and step counts as saved, so the learning-rate schedule goes on from the source's count); an island the
+    source has no checkpoint of starts with a fresh one, and says so in one line. false: fresh inner states."""
+
+    def __post_init__(self) -> None:
+        if self.inner_state and not self.from_:
+            raise ValueError("init.inner_state = true needs init.from (the run whose inner optimizer states to load)")
 
 
 @dataclass(frozen=True)
@@ -202,10 +237,6 @@ class CodecConfig:
         return CodecSpec(kind=getattr(self, direction), block_size=self.block_size, zstd_level=self.zstd_level)
 
 
-LOCAL = {"local": True}
-"""Field metadata: a per-process setting (which TLS files this process uses), not part of the run's identity.
-`to_dict` leaves it out, so the coordinator and each island may set their own and still agree on the config
-digest, and rotating a certificate does not make a run directory "another run"."""
 SECRET_REFS = {"secret_refs": True}
 """Field metadata: secret references; `to_dict` keeps env:/file: references and redacts literals."""
 
@@ -239,6 +270,12 @@ class NetworkConfig:
     """An island gives up with a clear error when the coordinator does not answer its first join for this long."""
     coordinator_wait_s: float = 600.0
     """Once joined, how long an island keeps retrying (with backoff, state kept) while the coordinator is away."""
+    metrics_port: int = field(default=0, metadata=LOCAL)
+    """Prometheus /metrics (diloco/metrics.py): the coordinator serves on this port and island i (its index in
+    islands.names) on metrics_port + 1 + i, so one config gives every process of a host its own; `--metrics-port`
+    gives one process its port instead. 0: no metrics endpoint. Per process (not part of the run's identity)."""
+    metrics_host: str = field(default="127.0.0.1", metadata=LOCAL)
+    """Where an island's /metrics listens (the coordinator's listens on the host of its --listen). Per process."""
 
     def __post_init__(self) -> None:
         for key in ("pull_wait_s", "connect_timeout_s", "coordinator_wait_s"):
@@ -246,6 +283,8 @@ class NetworkConfig:
                 raise ValueError(f"network.{key} must be > 0 (got {getattr(self, key)})")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("network.tls_cert and network.tls_key must be set together")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"network.metrics_port must be a port number, 0 (off) to 65535 (got {self.metrics_port})")
 
 
 @dataclass(frozen=True)
@@ -258,6 +297,8 @@ class RunConfig:
     """Where the tokens come from and how they are split across islands."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Rounds, H, batch and mode."""
+    init: InitConfig = field(default_factory=InitConfig)
+    """Warm start: θ_0 (and optionally the islands' inner states) from another run's checkpoint."""
     inner: InnerConfig = field(default_factory=InnerConfig)
     """The islands' inner AdamW."""
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -349,22 +390,28 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported config type {tp}")
 
 
+def _toml_key(f: dataclasses.Field) -> str:
+    """A field's key in TOML and overrides: its name, or the `TOML_KEY` its metadata gives."""
+    return f.metadata.get(TOML_KEY, f.name)
+
+
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build dataclass `cls` from a nested dict; every error is one ConfigError line naming the key."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_toml_key(f): f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
             raise ConfigError(f"unknown config key '{dotted}'{_closest(key, fields, prefix)}")
-        tp = hints[key]
+        name = fields[key].name
+        tp = hints[name]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 raise ConfigError(f"'{dotted}' must be a table/section (got {value!r})")
-            kwargs[key] = from_dict(tp, value, f"{dotted}.")
+            kwargs[name] = from_dict(tp, value, f"{dotted}.")
         else:
-            kwargs[key] = _check_type(value, tp, dotted)
+            kwargs[name] = _check_type(value, tp, dotted)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -481,7 +528,7 @@ def _shareable(value: Any) -> Any:
             if f.metadata.get("local"):
                 continue
             item = _shareable(getattr(value, f.name))
-            out[f.name] = [redact_secret(ref) for ref in item] if f.metadata.get("secret_refs") else item
+            out[_toml_key(f)] = [redact_secret(ref) for ref in item] if f.metadata.get("secret_refs") else item
         return out
     if isinstance(value, list | tuple):
         return [_shareable(v) for v in value]

@@ -35,9 +35,10 @@ import numpy as np
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
 from diloco.global_run import GlobalRun, Settling, diverged_reason
 from diloco.membership import REJOIN, Action, PullKind, PullView, RoundView, answer_pull, decide
+from diloco.metrics import CoordinatorMetrics
 from diloco.rejections import RejectionLog, clip
 from diloco.rounds import Commit, OuterLoop, RoundError
-from diloco.rundir import RunDir
+from diloco.rundir import DiskFullError, RunDir
 from diloco.setup import Setup
 from diloco.summary import Totals
 from islands.island import DivergedError
@@ -77,11 +78,17 @@ def contribution_digest(island: str, tensors: Sequence[EncodedTensor]) -> bytes:
 class Coordinator:
     """Owns θ, the outer optimizer state, membership and the round. Thread-safe (one condition variable)."""
 
-    def __init__(self, cfg: RunConfig, rd: RunDir, setup: Setup, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, cfg: RunConfig, rd: RunDir, setup: Setup, clock: Callable[[], float] = time.monotonic,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.rd = rd
         self.clock = clock
         self.names = cfg.islands.island_names
+        self.metrics = metrics or CoordinatorMetrics(self.names)
+        """Prometheus metrics (diloco/metrics.py), fed by this run dir's events from here on (restore's too)."""
+        rd.observers.append(self.metrics.on_event)
         self.digest = bytes.fromhex(config_digest(cfg))
         self.config_dict = to_dict(cfg)
         self.world = GlobalRun(cfg, rd, setup, durable=True)
@@ -129,10 +136,13 @@ class Coordinator:
         self._generation = 0
         """Bumped by a rollback: commits queued before it were undone and are not settled."""
         self._unsettled = 0
+        self.failure: DiskFullError | None = None
+        """Set when a checkpoint could not be written (no disk space): `serve` stops the run with it."""
         self._unsaved: tuple[Settling, dict] | None = None
         """The last kept commit that closed a round, with its checkpoint metadata, while its save was not due
         (train.checkpoint_every > 1): what `flush` saves on a graceful stop."""
         threading.Thread(target=self._settle_forever, name="settle", daemon=True).start()
+        self.metrics.follow(self)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -353,6 +363,8 @@ class Coordinator:
                 self.cond.wait_for(lambda: answer_pull(self._pull_view(req)).kind is not PullKind.WAIT,
                                    timeout=self.cfg.network.pull_wait_s)  # fmt: skip
                 answer = answer_pull(self._pull_view(req))
+            if answer.kind is not PullKind.UPDATE and answer.kind is not PullKind.FULL:
+                self.metrics.pulled(req.island, answer.kind.value, 0)
             if answer.kind is PullKind.WAIT:  # ABORTED is retryable: the island asks again, keeping its lease
                 raise Rejected(grpc.StatusCode.ABORTED, f"{answer.reason}; retry")
             if answer.kind in (PullKind.PUSH_FIRST, PullKind.RESYNC):
@@ -365,7 +377,9 @@ class Coordinator:
             else:
                 tensors = encode_tree(flatten_named(self.loop.params), FP32)
                 reaches, digest = self.loop.sync, self.world.params_digest
-            self.totals.bytes_down += sum(len(t.payload) for t in tensors)
+            nbytes = sum(len(t.payload) for t in tensors)
+            self.totals.bytes_down += nbytes
+            self.metrics.pulled(req.island, answer.kind.value, nbytes)
             round_, fragment = divmod(reaches, P)
             return PullPayload(
                 round=round_, fragment=fragment, kind=answer.kind.value, param_digest=bytes.fromhex(digest),
@@ -435,6 +449,7 @@ class Coordinator:
         """Count every refusal; log a truncated sample of them (diloco/rejections.py), never one line per attack."""
         if reason.startswith(f"{grpc.StatusCode.ABORTED.name}:"):
             return  # "the round is still open, ask again" answers a pull; it refuses nothing
+        self.metrics.refused(reason)
         with self.cond:
             self.totals.rejected += 1
             admitted = self.rejections.admit(self.clock(), island, reason)
@@ -530,6 +545,8 @@ class Coordinator:
                             self._unsaved = None if meta is not None else (pending, self.world.checkpoint_meta())
                 if meta is not None:
                     self.world.save(pending, meta)
+            except DiskFullError as exc:  # the run cannot go on durably: `serve` stops with this one line
+                self.failure = exc
             finally:
                 with self.cond:
                     self._unsettled -= 1
@@ -580,4 +597,8 @@ class Coordinator:
 
     def live_status(self) -> dict[str, Any]:
         """The summary so far plus who is alive and their last losses: `diloco status` and `launch`'s display."""
-        return {**self.summary(), "islands_alive": sorted(self.last_seen), "last_losses": dict(self.last_loss)}
+        return {
+            **self.summary(), "islands_alive": sorted(self.last_seen), "last_losses": dict(self.last_loss),
+            "island_bytes": {n: dict(t) for n, t in self.metrics.tally.items() if n in self.names},
+            "rejected_by_code": dict(self.metrics.reasons),
+        }  # fmt: skip

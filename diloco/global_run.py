@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from diloco.rounds import Commit, Contribution, GlobalState, OuterLoop, fragment
 from diloco.rundir import RunDir
 from diloco.setup import Evaluator, Setup
 from diloco.summary import Totals, summary
+from diloco.warm_start import initial_params
 from islands.island import DivergedError, divergence_advice
 from transport.digest import tree_digest
 
@@ -109,8 +110,12 @@ class GlobalRun:
         return self.loop.round >= self.cfg.train.rounds
 
     def start(self, step: int | None) -> None:
-        """Resume from checkpoint `step`, or (None) start at θ_0 and evaluate it."""
+        """Resume from checkpoint `step`, or (None) start at θ_0 and evaluate it: the random θ_0, or with init.from
+        the source's parameters (diloco/warm_start.py; only here, so a run that resumes never reads it again)."""
         if step is None or self.store is None:
+            if self.cfg.init.from_:
+                self.loop.state = replace(self.loop.state, params=initial_params(self.cfg, self.loop.params, self.rd))
+                self._digest_all()
             self.totals.initial_eval_loss = self.totals.final_eval_loss = self.evaluate(self.loop.params)
             self.rd.log("eval", step=0, eval_loss=self.totals.initial_eval_loss)
             return

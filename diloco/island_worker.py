@@ -44,9 +44,11 @@ from diloco.async_sim import async_order, planned_steps
 from diloco.checkpoint import CheckpointStore, restore_state, save_state
 from diloco.config import RunConfig, config_digest, require_federated, to_dict
 from diloco.membership import REJOIN
+from diloco.metrics import IslandMetrics, metrics_port, serve_metrics
 from diloco.rounds import fragment_digest, fragment_digests
 from diloco.rundir import RunDir
 from diloco.setup import build_setup, make_island
+from diloco.warm_start import initial_inner_state
 from islands.compress import decoded_tree
 from islands.island import DivergedError, InnerRun, RoundPush
 from outer_optimizer import apply_update
@@ -75,8 +77,9 @@ class CoordinatorAway(UserError, ConnectionError):
     """The coordinator did not answer for longer than the island is willing to wait."""
 
 
-def _retry_forever(fn: Any, what: str, give_up_s: float) -> Any:
-    """Call fn until it succeeds; retryable failures (coordinator away) are retried until give_up_s."""
+def _retry_forever(fn: Any, what: str, give_up_s: float, on_retry: Callable[[], None] | None = None) -> Any:
+    """Call fn until it succeeds; retryable failures (coordinator away) are retried until give_up_s, each such
+    retry told to `on_retry` (the island's retries_total metric)."""
     deadline = time.monotonic() + give_up_s
     delay = 0.5
     while True:
@@ -89,6 +92,8 @@ def _retry_forever(fn: Any, what: str, give_up_s: float) -> Any:
                 deadline = time.monotonic() + give_up_s
             elif time.monotonic() > deadline:
                 raise CoordinatorAway(f"{what}: coordinator did not answer for {give_up_s:.0f}s ({exc})") from None
+            elif on_retry is not None:
+                on_retry()
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
@@ -130,6 +135,9 @@ class IslandWorker:
             )
         require_federated(cfg, "island")
         self.cfg, self.name, self.client, self.rd = cfg, name, client, rd
+        self.metrics = IslandMetrics()
+        """Prometheus metrics (diloco/metrics.py): fed by this island's events, its runs of inner steps, its retries."""
+        rd.observers.append(self.metrics.on_event)
         self.give_up_s = cfg.network.coordinator_wait_s
         setup = build_setup(cfg, islands=[name])
         self.like = setup.init_params
@@ -199,7 +207,7 @@ class IslandWorker:
         req = self._join_request(have_round)
         first = self.global_params is None and self.round < 0
         wait = self.cfg.network.connect_timeout_s if first else self.give_up_s
-        reply = _retry_forever(lambda: self.client.join(req), f"join {self.client.target}", wait)
+        reply = _retry_forever(lambda: self.client.join(req), f"join {self.client.target}", wait, self.metrics.retried)
         self.rd.log("joined", round=reply.round, island=self.name, state=reply.state)
         return reply
 
@@ -221,7 +229,7 @@ class IslandWorker:
         """The commit of sync position `have` (its round, and fragment when streaming), or the full θ (-1, `full`)."""
         round_, fragment = divmod(have, self.P) if have >= 0 else (-1, 0)
         req = pb.PullRequest(**self._meta(), have_round=round_, fragment=fragment, full=full)
-        return _retry_forever(lambda: self.client.pull(req), "pull", self.give_up_s)
+        return _retry_forever(lambda: self.client.pull(req), "pull", self.give_up_s, self.metrics.retried)
 
     def _arrays_from(self, payload: PullPayload) -> dict[str, np.ndarray]:
         return {t.name: np.array(self._decode(t), np.float32) for t in payload.tensors}
@@ -293,7 +301,8 @@ class IslandWorker:
         too stale: Δ is dropped."""
         where = {"round": meta.round, "island": self.name, **self._fragment_field(meta.fragment)}
         try:
-            reply = _retry_forever(lambda: self.client.push(meta, push.sent.encoded), "push", self.give_up_s)
+            reply = _retry_forever(lambda: self.client.push(meta, push.sent.encoded), "push", self.give_up_s,
+                                   self.metrics.retried)  # fmt: skip
         except TransportError as exc:
             if exc.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                 raise
@@ -357,7 +366,8 @@ class IslandWorker:
     def restore(self) -> int:
         """Resume from this island's own checkpoint if it has one; returns its round (-1: none)."""
         steps = self.store.steps() if self.store else []
-        self.island.start(self.like)
+        # Afresh, init.inner_state starts the inner optimizer from the source's (θ_0 comes by the first full pull).
+        self.island.start(self.like, None if steps else initial_inner_state(self.cfg, self.island, self.like, self.rd))
         if not steps:
             return -1
         assert self.store is not None and self.island.state is not None
@@ -443,6 +453,7 @@ class IslandWorker:
                 self._log_train_start(self.step // self.H, steps_ended)
             target = next_event(self.step, self.H, self.P, stream.overlap_steps)
             run = self.island.train_for(self.cfg.train.round_seconds, target - self.step)
+            self.metrics.trained(run)
             steps_ended = time.perf_counter()
             self.rd.log_inner(self.step // self.H, self.name, run.first_step, run.losses, self.cfg.train.log_every)
             runs.append(run)
@@ -473,6 +484,7 @@ class IslandWorker:
         while self.round < self.cfg.train.rounds and self.stop_reason is None:
             self._log_train_start(self.round, steps_ended)
             run = self.island.train(self.H)
+            self.metrics.trained(run)
             steps_ended = time.perf_counter()
             self.rd.log_inner(self.round, self.name, run.first_step, run.losses, self.cfg.train.log_every)
             push = self.island.push(run, flatten_named(self.global_params))
@@ -573,13 +585,20 @@ def say_gone(cfg: RunConfig, name: str, target: str, secret: str | None, tls: Tl
         pass
 
 
-def run_island_process(cfg: RunConfig, name: str, target: str, run_dir: Path, secret: str | None) -> dict:
+def run_island_process(
+    cfg: RunConfig, name: str, target: str, run_dir: Path, secret: str | None, metrics_port_flag: int | None = None
+) -> dict:
     """`diloco island --no-supervise`: one worker until the run is done, or SIGTERM / Ctrl+C stops it cleanly
-    (`IslandWorker.request_stop`; exit code 0: a stopped island is not restarted by its supervisor)."""
+    (`IslandWorker.request_stop`; exit code 0: a stopped island is not restarted by its supervisor). With a metrics
+    port (diloco/metrics.py: network.metrics_port + 1 + the island's index, or `metrics_port_flag`) the worker serves
+    /metrics on network.metrics_host."""
+    port = metrics_port(cfg, name, metrics_port_flag) if name in cfg.islands.island_names else 0
     rd = RunDir(run_dir, cfg)
     client = make_client(cfg, name, target, secret)
+    metrics_server = None
     try:
         worker = IslandWorker(cfg, name, client, rd)
+        metrics_server = serve_metrics(worker.metrics.registry, cfg.network.metrics_host, port)
 
         def stop(signum: int, frame: object) -> None:
             worker.request_stop(signal.Signals(signum).name)
@@ -590,5 +609,7 @@ def run_island_process(cfg: RunConfig, name: str, target: str, run_dir: Path, se
         stopped = {"stopped": worker.stop_reason} if worker.stop_reason else {}
         return {"island": name, "rounds_contributed": contributed, "round": worker.round, **stopped}
     finally:
+        if metrics_server is not None:
+            metrics_server.stop()
         client.close()
         rd.close()

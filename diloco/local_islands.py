@@ -15,6 +15,7 @@ from diloco.config import RunConfig
 from diloco.global_run import GlobalRun
 from diloco.progress import Progress
 from diloco.rundir import RunDir
+from diloco.warm_start import initial_inner_state
 from islands.island import Island
 
 
@@ -24,14 +25,16 @@ def island_stores(cfg: RunConfig, rd: RunDir, names: Sequence[str]) -> list[Chec
 
 
 def start_islands(cfg: RunConfig, rd: RunDir, world: GlobalRun, islands: Sequence[Island]) -> list[CheckpointStore]:
-    """Start every island at θ_0, then the run: from the newest checkpoint that the global state and every island
-    saved (each restored into its freshly started state), or afresh (their joins logged). Returns the islands'
-    stores, in `islands` order."""
-    for island in islands:
-        island.start(world.loop.params)
+    """Start the run, then every island at its θ_0: from the newest checkpoint that the global state and every island
+    saved (each restored into its freshly started state), or afresh (their joins logged; with init.from, θ_0 is the
+    warm start's and, with init.inner_state, so are the inner states). Returns the islands' stores, in `islands`
+    order."""
     stores = island_stores(cfg, rd, [island.name for island in islands])
     step = latest_common_step([world.store, *stores]) if world.store is not None else None
     world.start(step)
+    for island in islands:
+        params = world.loop.params
+        island.start(params, initial_inner_state(cfg, island, params, rd) if step is None else None)
     if step is not None:
         for island, store in zip(islands, stores, strict=True):
             assert island.state is not None

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -148,20 +148,31 @@ def _initial_points(events: list[dict[str, Any]]) -> list[Point]:
 def _commit_points(events: list[dict[str, Any]], cfg: RunConfig) -> list[Point]:
     """One point per evaluated commit, in commit order. Keyed by the commit's position, the last event winning, so
     that a position logged twice (a commit rerun after a restart whose log was not truncated) is one point."""
-    fragments = cfg.stream.fragments
-    per_commit = cfg.train.inner_steps / (cfg.islands.count if cfg.train.mode == "async" else fragments)
+    fragments, per_commit = cfg.stream.fragments, steps_per_commit(cfg)
     by_position: dict[int, Point] = {}
     for e in events:
         loss = _number(e.get("eval_loss"))
         if e.get("event") not in ("round", "sync") or loss is None or not isinstance(e.get("round"), int):
             continue
-        last_fragment = fragments - 1 if e["event"] == "round" else 0
-        position = e["round"] * fragments + int(e.get("fragment", last_fragment))
+        position = commit_position(e["event"], e, fragments)
         by_position[position] = Point(
             steps=(position + 1) * per_commit, tokens=int(e.get("tokens", 0)),
             bytes=int(e.get("bytes_up", 0)) + int(e.get("bytes_down", 0)), wall=float(e.get("t", 0.0)), eval_loss=loss,
         )  # fmt: skip
     return [by_position[s] for s in sorted(by_position)]
+
+
+def steps_per_commit(cfg: RunConfig) -> float:
+    """Inner steps per island from one commit to the next: H / P, or in async mode H / islands.count (module
+    docstring). Shared with diloco/tensorboard.py, so that a curve has the same x in a PNG and in TensorBoard."""
+    return cfg.train.inner_steps / (cfg.islands.count if cfg.train.mode == "async" else cfg.stream.fragments)
+
+
+def commit_position(event: str, fields: Mapping[str, Any], fragments: int) -> int:
+    """The sync position s = round·P + fragment of a `round`, `sync` or `push` event; a `round` event without a
+    `fragment` is its round's last commit, any other event without one has fragment 0 (P = 1 logs none)."""
+    last_fragment = fragments - 1 if event == "round" else 0
+    return int(fields["round"]) * fragments + int(fields.get("fragment", last_fragment))
 
 
 def _number(value: object) -> float | None:

@@ -39,6 +39,21 @@ Wrap = Callable[[list[str]], list[str]]
 COORDINATOR = "coordinator"
 
 
+def as_text(line: str) -> str:
+    """A log line as --log-format text would print it (diloco/logs.py): a JSON record of diloco's becomes
+    "diloco: LEVEL: msg" (or its msg alone at info); any other line is returned as it is."""
+    if not line.startswith("{"):
+        return line
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(record, dict) or not isinstance(record.get("msg"), str):
+        return line
+    level = record.get("level")
+    return record["msg"] if level == "info" else f"diloco: {level}: {record['msg']}"
+
+
 class FederationError(RuntimeError):
     """A process of the federation died or a wait timed out; `process` names the process that died, if one did."""
 
@@ -144,8 +159,9 @@ class Federation:
         return self.events("round")
 
     def last_line(self, name: str = COORDINATOR) -> str:
-        """The last `diloco: error:` line of a process's log (the CLI's one-line user error), else its last line."""
-        lines = log_lines(self.log_path(name))
+        """The last `diloco: error:` line of a process's log (the CLI's one-line user error; with --log-format json
+        the message of its last error record), else its last line."""
+        lines = [as_text(ln) for ln in log_lines(self.log_path(name))]
         errors = [ln for ln in lines if ln.startswith("diloco: error:")]
         return (errors or lines or [""])[-1]
 

@@ -1,13 +1,16 @@
-"""A live progress line on the terminal: round, loss, tokens/s, ETA (rich; plain lines when not a TTY)."""
+"""A live progress line on the terminal: round, loss, tokens/s, ETA (rich; log lines when not a TTY)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
 from rich.console import Console
 from rich.live import Live
 from rich.text import Text
+
+log = logging.getLogger("diloco.progress")
 
 
 def format_eta(seconds: float) -> str:
@@ -43,8 +46,8 @@ class Progress:
         )
         if self._live is not None:
             self._live.update(Text(line))
-        else:
-            print(line, file=sys.stderr, flush=True)
+        else:  # a log line, so that --log-format json makes it JSON (diloco/logs.py)
+            log.info("%s", line, extra={"fields": {"round": round_done, "loss": loss, "eval_loss": eval_loss}})
 
     def close(self) -> None:
         if self._live is not None:

@@ -20,12 +20,19 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from diloco.config import RunConfig, diff_keys, dump_toml, from_dict, to_dict
+from diloco.tensorboard import open_tensorboard
 from transport.errors import UserError
+
+
+class DiskFullError(UserError, OSError):
+    """A checkpoint or a metrics line cannot be written for want of disk space: one line saying where, how much and
+    what to do; the last complete checkpoint is intact, and the same command resumes from it once space is freed
+    (diloco/checkpoint.py checks the free space before each save)."""
 
 
 class RunDirError(UserError, ValueError):
@@ -229,6 +236,8 @@ class RunDir:
         self.metrics_path = path / "metrics.jsonl"
         self.summary_path = path / "summary.json"
         self.checkpoints = path / "checkpoints"
+        # First: a missing tensorboardX is refused before the directory is created or locked.
+        self.tensorboard = open_tensorboard(cfg, path)
         if path.exists() and not path.is_dir():
             raise RunDirError(f"run dir '{path}' exists and is not a directory")
         try:
@@ -248,6 +257,11 @@ class RunDir:
             self._t0 = time.monotonic()
             self._metrics = self.metrics_path.open("a", buffering=1)
             self._write_lock = threading.Lock()
+            self.observers: list[Callable[[str, dict[str, Any]], None]] = []
+            """Told every event after it is written (diloco/metrics.py feeds Prometheus from them): one source for
+            both, so a metric and its event never disagree."""
+            if self.tensorboard is not None:  # run.tensorboard: curves from the same events (diloco/tensorboard.py)
+                self.observers.append(self.tensorboard.observe)
         except BaseException:
             self.lock.release()
             raise
@@ -293,7 +307,15 @@ class RunDir:
     def log(self, event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, "t": round(self.elapsed(), 4), **fields}) + "\n"
         with self._write_lock:  # threads log too (an island's wire thread, the coordinator's settle thread)
-            self._metrics.write(line)
+            try:
+                self._metrics.write(line)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise DiskFullError(f"no disk space left to write {self.metrics_path}; free some space, then run "
+                                    "the same command again: it resumes from the last complete checkpoint") from None
+        for observe in self.observers:
+            observe(event, fields)
 
     def log_inner(self, round: int, island: str, first_step: int, losses: Sequence[float], every: int) -> None:
         """An `inner` event for each inner step (counted from 1) that is a multiple of `every`: the same steps
@@ -317,6 +339,8 @@ class RunDir:
         tmp.replace(self.summary_path)
 
     def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()  # flushed before the lock goes: a finished run's event files are complete
         self._metrics.close()
         self.lock.release()
 

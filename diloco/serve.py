@@ -9,9 +9,9 @@ then exits.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,13 +19,17 @@ from typing import Any
 
 from diloco.config import RunConfig, require_federated
 from diloco.coordinator import Coordinator
+from diloco.metrics import CoordinatorMetrics, MetricsServer, metrics_port, serve_metrics
 from diloco.rundir import RunDir
 from diloco.setup import build_setup
 from diloco.tls import check_exposure, server_tls
+from diloco.warm_start import check_fresh
 from transport.auth import Authenticator, resolve_secret
 from transport.errors import UserError
 from transport.grpc_server import start_server
 from transport.service import DilocoService
+
+log = logging.getLogger("diloco.serve")
 
 
 class ListenError(UserError, OSError):
@@ -55,9 +59,15 @@ def check_listen(listen: str) -> None:
 
 
 def serve(
-    cfg: RunConfig, run_dir: Path, listen: str, progress: bool = True, linger_s: float = 15.0, *, insecure: bool = False
+    cfg: RunConfig, run_dir: Path, listen: str, progress: bool = True, linger_s: float = 15.0, *,
+    insecure: bool = False, metrics_port_flag: int | None = None,
 ) -> dict[str, Any]:
     """Run the coordinator until the run is done or a signal stops it.
+
+    It listens before it restores its checkpoint: the gRPC health check says NOT_SERVING (and islands' calls are
+    UNAVAILABLE, which they retry) until the coordinator accepts islands, SERVING then, NOT_SERVING again from the
+    moment it stops. /metrics (diloco/metrics.py) is served on the host it listens on, on network.metrics_port
+    (`metrics_port_flag`, --metrics-port, instead), over HTTPS with its TLS certificate when it serves TLS.
 
     Security is settled before anything slow starts (diloco/tls.py): TLS files are checked, and beyond loopback
     the coordinator refuses to listen without island secrets and TLS unless `insecure`. With secrets, Status
@@ -69,28 +79,41 @@ def serve(
     tls = server_tls(net.tls_cert, net.tls_key, net.tls_ca)
     check_exposure(listen, authenticated=bool(net.secrets), encrypted=tls is not None, insecure=insecure)
     secrets = island_secrets(cfg)
+    check_fresh(cfg, run_dir)
     rd = RunDir(run_dir, cfg)
-    coordinator = Coordinator(cfg, rd, build_setup(cfg, islands=()))
+    metrics = CoordinatorMetrics(cfg.islands.island_names)
+    transport = cfg.transport.for_islands(cfg.islands.count)
+    try:
+        server = start_server(None, listen, tls=tls, config=transport, on_call=metrics.call)
+    except (OSError, RuntimeError, ValueError) as exc:
+        rd.close()
+        raise ListenError(f"cannot listen on {listen} ({exc}); is the port already in use?") from None
+    metrics_server: MetricsServer | None = None
+    try:
+        metrics_server = serve_metrics(metrics.registry, listen.rpartition(":")[0], metrics_port(cfg, None,
+                                       metrics_port_flag), certfile=net.tls_cert, keyfile=net.tls_key)  # fmt: skip
+        coordinator = Coordinator(cfg, rd, build_setup(cfg, islands=()), metrics=metrics)
+    except BaseException:
+        server.stop(0)
+        if metrics_server is not None:
+            metrics_server.stop()
+        rd.close()
+        raise
     service = DilocoService(
         coordinator, cfg.run.name, coordinator.model_spec, authenticator=Authenticator(secrets),
-        config=cfg.transport.for_islands(cfg.islands.count), on_rejected=coordinator.on_rejected,
+        config=transport, on_rejected=coordinator.on_rejected,
         max_staleness=cfg.outer.max_staleness if coordinator.asynchronous else 0,
         status_requires_auth=secrets is not None, islands=cfg.islands.island_names, uplink_codec=cfg.codec.uplink,
     )  # fmt: skip
     coordinator.on_rollback = service.forget_from
-    try:
-        server = start_server(service, listen, tls=tls)
-    except (OSError, RuntimeError, ValueError) as exc:
-        coordinator.close()
-        rd.close()
-        raise ListenError(f"cannot listen on {listen} ({exc}); is the port already in use?") from None
+    server.attach(service)  # health: SERVING
     # Written whole or not at all (a rename): whoever polls for the file never reads it half-written, empty.
     partial = run_dir / "coordinator.addr.tmp"
     partial.write_text(server.address)
     partial.replace(run_dir / "coordinator.addr")
     rd.set_address(server.address)  # a second coordinator on this run dir is told where this one listens
-    print(f"diloco coordinator listening on {server.address} (run {cfg.run.name}, round {coordinator.loop.round})",
-          flush=True)  # fmt: skip
+    log.info("diloco coordinator listening on %s (run %s, round %d)", server.address, cfg.run.name,
+             coordinator.loop.round, extra={"fields": {"address": server.address, "round": coordinator.loop.round}})
     stop = threading.Event()
     stopped_by: list[str] = []
 
@@ -106,13 +129,16 @@ def serve(
             coordinator.tick()
             if coordinator.world.diverged is not None:  # a commit blew up (undone): stop rather than serve on
                 raise coordinator.world.diverged
+            if coordinator.failure is not None:  # a checkpoint could not be written: stop, the last one is intact
+                raise coordinator.failure
             now = time.monotonic()
             if progress and now - last_line > 5:
                 last_line = now
                 s = coordinator.live_status()
-                print(f"round {s['rounds']}/{cfg.train.rounds} alive {len(s['islands_alive'])} "
-                      f"eval {s['final_eval_loss']:.4f} up {s['bytes_up']:,}B down {s['bytes_down']:,}B "
-                      f"rejected {s['rejected']}", file=sys.stderr, flush=True)  # fmt: skip
+                fields = {k: s[k] for k in ("rounds", "final_eval_loss", "bytes_up", "bytes_down", "rejected")}
+                log.info("round %d/%d alive %d eval %.4f up %s B down %s B rejected %d", s["rounds"],
+                         cfg.train.rounds, len(s["islands_alive"]), s["final_eval_loss"], f"{s['bytes_up']:,}",
+                         f"{s['bytes_down']:,}", s["rejected"], extra={"fields": fields})  # fmt: skip
             if coordinator.done:
                 done_at = done_at or now
                 # Islands collect the last update and leave; do not wait for ever on one that died.
@@ -133,5 +159,7 @@ def serve(
             rd.write_summary(summary)
         coordinator.close()
         rd.close()
+        if metrics_server is not None:
+            metrics_server.stop()
     print(json.dumps(summary), flush=True)
     return summary

@@ -33,6 +33,7 @@ from diloco.rounds import Commit, OuterLoop
 from diloco.rundir import RunDir
 from diloco.setup import Evaluator, Setup, build_setup, make_island
 from diloco.summary import Totals, summary
+from diloco.warm_start import check_fresh, initial_inner_state, initial_params
 from islands.data import BatchStream
 from islands.island import InnerRun, Island, RoundPush
 from islands.mesh import accumulation_steps, build_mesh
@@ -66,6 +67,7 @@ def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) ->
     setup = build_setup(cfg)
     # Device and batch problems are the user's: report them before any run directory is created.
     accumulation_steps(cfg.train.batch_size, cfg.train.microbatch, build_mesh(cfg.islands.devices).size)
+    check_fresh(cfg, run_dir)
     rd = RunDir(run_dir, cfg)
     try:
         run = {"sync": _run_sync, "async": run_async}.get(cfg.train.mode, _run_diloco)
@@ -172,19 +174,22 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
     H = cfg.train.inner_steps
     streams = list(setup.streams.values())
     island: Island = make_island(cfg, "sync", setup.model, UnionStream(streams))
-    island.start(setup.init_params)
     evaluate = Evaluator(setup.model, setup.eval_stack)
     grad_bytes = setup.n_params * 4
     stores = island_stores(cfg, rd, ["sync"])
     step = latest_common_step(stores) if stores else None
-    assert island.state is not None
     if step is not None:
+        island.start(setup.init_params)
+        assert island.state is not None
         state, meta = restore_state(stores[0], step, island.state)
         island.restore(state)
         totals = Totals.from_meta(meta["totals"])
         rd.truncate_after_round(totals.rounds)
         rd.log("resumed", round=totals.rounds, digest=tree_digest(state.params))
-    else:
+    else:  # afresh: θ_0 (and the inner state) may be a warm start's (diloco/warm_start.py)
+        params = initial_params(cfg, setup.init_params, rd)
+        island.start(params, initial_inner_state(cfg, island, params, rd))
+        assert island.state is not None
         totals = Totals(islands_joined=1)
         totals.initial_eval_loss = totals.final_eval_loss = evaluate(island.state.params)
         rd.log("eval", step=0, eval_loss=totals.initial_eval_loss)

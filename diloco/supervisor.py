@@ -19,6 +19,7 @@ of spawning a worker that would be refused, and without overwriting the holder's
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -27,6 +28,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from diloco.rundir import check_free
+
+log = logging.getLogger("diloco.supervisor")
+
 
 USER_ERROR = 2
 
@@ -62,5 +66,5 @@ def supervise(
         if stopping or code in (0, USER_ERROR) or restarts >= max_restarts:
             return code if code >= 0 else 128 - code
         restarts += 1
-        print(f"diloco island: worker died ({why}); restart {restarts}/{max_restarts}", file=sys.stderr, flush=True)
+        log.warning("island worker died (%s); restart %d/%d", why, restarts, max_restarts)
         time.sleep(backoff_s * restarts)

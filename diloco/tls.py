@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import os
 import stat
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +33,8 @@ from typing import Any
 
 from transport.auth import TlsConfig
 from transport.errors import UserError
+
+log = logging.getLogger("diloco.tls")
 
 
 class TlsSetupError(UserError, ValueError):
@@ -86,8 +88,8 @@ def _private_key(name: str, path: str) -> Any:
         raise TlsSetupError(f"{_key(name)}: {path} is not a PEM private key") from None
     mode = os.stat(Path(path).expanduser()).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        print(f"diloco: warning: {_key(name)}: {path} is readable by other users (mode {stat.S_IMODE(mode):o}); "
-              f"chmod 600 it", file=sys.stderr, flush=True)  # fmt: skip
+        log.warning("%s: %s is readable by other users (mode %o); chmod 600 it", _key(name), path,
+                    stat.S_IMODE(mode))  # fmt: skip
     return key
 
 
@@ -176,7 +178,7 @@ def check_exposure(listen: str, *, authenticated: bool, encrypted: bool, insecur
         return
     if not insecure:
         raise ExposureError(f"refusing to listen {problem}; listen on 127.0.0.1, configure them, or pass --insecure")
-    print(f"diloco: warning: --insecure: listening {problem}", file=sys.stderr, flush=True)
+    log.warning("--insecure: listening %s", problem)
 
 
 def check_client_exposure(target: str, *, sends_secret: bool, encrypted: bool, insecure: bool) -> None:
@@ -221,6 +223,29 @@ class LocalPki:
         return TlsConfig(ca_file=str(self.ca), cert_file=str(cert), key_file=str(key))
 
 
+def _san(host: str) -> Any:
+    """A subject alternative name for `host`: an IP address entry for an address, a DNS name otherwise."""
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def make_federation_kit(directory: Path, islands: Sequence[str], hosts: Sequence[str], days: int = 365) -> LocalPki:
+    """`diloco certs`: what a federation across machines needs, in `directory`: the CA, the coordinator's
+    certificate for `hosts`, a client certificate per island, and a fresh secret per island in
+    `directory/secrets/NAME` (0600) for `network.secrets = ["file:..."]`. Nothing is printed but paths."""
+    import secrets
+
+    pki = make_local_pki(directory, islands, days, hosts=hosts, issuer="diloco federation CA")
+    (directory / "secrets").mkdir(mode=0o700, exist_ok=True)
+    for name in islands:
+        _write(directory / "secrets" / name, secrets.token_hex(32).encode(), private=True)
+    return pki
+
+
 def _write(path: Path, data: bytes, private: bool) -> None:
     """Write a key 0600 before its first byte (no window where it is readable), never through a symlink; a
     certificate is public, so it gets 0644 less the umask."""
@@ -231,9 +256,16 @@ def _write(path: Path, data: bytes, private: bool) -> None:
         f.write(data)
 
 
-def make_local_pki(directory: Path, clients: Sequence[str], days: int = 365) -> LocalPki:
-    """A fresh CA, a server certificate for this machine's loopback and one client certificate per name, in
-    `directory` (0700; keys 0600). Certificates are P-256 ECDSA; the CA key stays in memory and is discarded."""
+def make_local_pki(
+    directory: Path,
+    clients: Sequence[str],
+    days: int = 365,
+    hosts: Sequence[str] = (),
+    issuer: str = "diloco launch CA",
+) -> LocalPki:
+    """A fresh CA, a server certificate for this machine's loopback (and `hosts`: the names or addresses islands
+    dial) and one client certificate per name, in `directory` (0700; keys 0600). Certificates are P-256 ECDSA; the
+    CA key stays in memory and is discarded, so no one can issue another certificate from it later."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -267,13 +299,13 @@ def make_local_pki(directory: Path, clients: Sequence[str], days: int = 365) -> 
         return crt, pem
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = name("diloco launch CA")
-    ca_cert = sign("diloco launch CA", ca_key, ca_name, ca_key, True, [])
+    ca_name = name(issuer)
+    ca_cert = sign(issuer, ca_key, ca_name, ca_key, True, [])
     ca_path, _ = save("ca", ca_cert, None)
     server_key = ec.generate_private_key(ec.SECP256R1())
     san = x509.SubjectAlternativeName([
         x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-        x509.IPAddress(ipaddress.ip_address("::1")),
+        x509.IPAddress(ipaddress.ip_address("::1")), *(_san(host) for host in hosts),
     ])  # fmt: skip
     server = sign("localhost", server_key, ca_name, ca_key, False,
                   [san, x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH])])  # fmt: skip

@@ -19,14 +19,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-JAX_CACHE = Path(os.environ["TMP_KEEP_CACHE"]) if os.environ.get("TMP_KEEP_CACHE") else Path(tempfile.mkdtemp(prefix="diloco-tests-xla-cache-"))  # TEMPORARY
+JAX_CACHE = Path(tempfile.mkdtemp(prefix="diloco-tests-xla-cache-"))
 """One persistent XLA compilation cache for this test session (removed at exit): most tests build the same tiny
 models, and compiling their steps is most of what a JAX process costs on 2 cores, so a process (or an in-process
 run) that compiles what an earlier one did loads the executable instead. It changes no computation: a cache hit is
 the executable the compiler would have produced. Tests opt in (`child_env(jax_cache=True)`, `shared_jax_cache`);
 the pytest process itself uses it for its own in-process runs (`pytest_configure`)."""
-if not os.environ.get("TMP_KEEP_CACHE"):  # TEMPORARY
-    atexit.register(shutil.rmtree, JAX_CACHE, ignore_errors=True)
+atexit.register(shutil.rmtree, JAX_CACHE, ignore_errors=True)
 JAX_CACHE_ENV = {
     "JAX_COMPILATION_CACHE_DIR": str(JAX_CACHE),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

@@ -15,12 +15,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from transport import diloco_pb2 as pb
 from transport import diloco_pb2_grpc as pb_grpc
 from transport.auth import TlsConfig
 from transport.client_core import ClientOptions, RetryingClient, push_size, receive_pull
 from transport.config import TransportConfig
+from transport.errors import TransportError
 from transport.handler import PullPayload
 from transport.shaper import LinkDown
 from transport.wire import parse_pull_chunk, serialize_chunk
@@ -88,6 +90,16 @@ class GrpcTransport(RetryingClient):
     def status(self) -> pb.StatusReply:
         """See ``IslandClient.status``."""
         return self._unary(self._stub.Status, pb.StatusRequest())
+
+    def health(self, service: str = "") -> str:
+        """The server's standard gRPC health status (``SERVING``, ``NOT_SERVING``, ...): one attempt, no retries,
+        since the answer is about this moment. A call that fails raises `TransportError` with its code."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.config.rpc_timeout_s)
+        except grpc.RpcError as e:
+            raise TransportError(e.code(), e.details() or "") from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor]) -> pb.PushReply:
         """Stream one pseudo-gradient, with a deadline that grows with its size; retries are deduplicated."""

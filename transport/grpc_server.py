@@ -17,37 +17,83 @@ INVALID_ARGUMENT from the handler, counted like any other refusal, instead of gR
 
 A `Rejected` from the service becomes ``context.abort(code, reason)`` so the island sees why; a call whose
 client went away (or that the watchdog cancelled) ends quietly.
+
+The server also answers the standard gRPC health check (``grpc.health.v1.Health/Check``, grpcio-health-checking)
+for "" and "diloco.v1.Diloco": NOT_SERVING until a service is attached (a coordinator may listen while it restores
+its checkpoint: every diloco call is then UNAVAILABLE, which islands retry) and from the moment `stop` begins,
+SERVING in between. ``Watch`` is refused (UNIMPLEMENTED): a watch holds a server thread for as long as the client
+likes, outside every admission lane; pollers use ``Check``. ``on_call(method, claimed island, code, seconds)`` is
+told of every diloco call once it ended (the coordinator's RPC latency metrics); the island is whatever the
+caller's metadata claims, so whoever counts by it must bound it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from transport import diloco_pb2 as pb
 from transport.admission import STREAM, UNARY, Admission, Slot, lanes_of
 from transport.auth import TlsConfig
+from transport.config import TransportConfig
 from transport.errors import Rejected
-from transport.service import DilocoService, Metadata
+from transport.service import DilocoService, Metadata, claimed_island
 from transport.watchdog import StreamExpired, Watch, Watchdog, message_size
 from transport.wire import parse_push_chunk, serialize_chunk, tolerant
 
 T = TypeVar("T")
 Caller = Callable[[Metadata], str]
+CallObserver = Callable[[str, str, grpc.StatusCode, float], None]
+SERVICE_NAME = "diloco.v1.Diloco"
+STARTING = "the coordinator is starting (restoring its checkpoint); retry"
+
+
+class _CheckOnly(health.HealthServicer):
+    """The standard health service without ``Watch``: a watch would hold a pool thread outside admission."""
+
+    def Watch(self, request: Any, context: grpc.ServicerContext, send_response_callback: Any = None) -> Any:  # noqa: N802
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Watch is not served; poll Check")
 
 
 class _Servicer:
     """The six RPCs: admission, watch, read, answer; every outcome a status."""
 
-    def __init__(self, service: DilocoService) -> None:
-        self._service = service
-        self._config = service.config
-        self.admission = Admission(lanes_of(service.config))
+    def __init__(self, service: DilocoService | None, config: TransportConfig, on_call: CallObserver | None) -> None:
+        self._service: DilocoService | None = service
+        """None while the coordinator starts: every call is UNAVAILABLE until `RunningServer.attach`."""
+        self._config = config
+        self._on_call = on_call
+        self.admission = Admission(lanes_of(config))
         self.watchdog = Watchdog()
+
+    def _ready(self, context: grpc.ServicerContext) -> DilocoService:
+        service = self._service
+        if service is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, STARTING)
+        return service
+
+    @contextmanager
+    def _observed(self, method: str, context: grpc.ServicerContext) -> Iterator[None]:
+        """Tell `on_call` how the call ended and how long it took (nothing when nobody listens)."""
+        t0 = time.perf_counter()
+        code: grpc.StatusCode | None = None
+        try:
+            yield
+        except GeneratorExit:  # a pull whose client stopped reading
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            if self._on_call is not None:
+                code = code or context.code() or grpc.StatusCode.OK
+                island = claimed_island(context.invocation_metadata())
+                self._on_call(method, island, code, time.perf_counter() - t0)
 
     def _open(self, context: grpc.ServicerContext, lane: str, caller: Caller) -> tuple[Metadata, Slot, Watch]:
         """Identify the caller and take its slot (nothing read yet), then start watching the call.
@@ -76,50 +122,53 @@ class _Servicer:
         context.abort(exc.code, exc.reason)
         raise AssertionError("unreachable: abort raises")
 
-    def _unary(self, requests: Iterator[Any], context: grpc.ServicerContext, expected: type, caller: Caller,
-               answer: Callable[[Metadata, Any], T]) -> T:  # fmt: skip
-        try:
-            md, slot, watch = self._open(context, UNARY, caller)
-            with slot, watch:
-                request = self._service.first_message(md, watch.receive(requests, self._config), expected)
-                return answer(md, request)
-        except Exception as e:
-            self._end(context, e)
+    def _unary(self, requests: Iterator[Any], context: grpc.ServicerContext, expected: type, method: str,
+               answer: Callable[[DilocoService, Metadata, Any], T], status: bool = False) -> T:  # fmt: skip
+        with self._observed(method, context):
+            service = self._ready(context)
+            caller = service.status_caller if status else service.authenticate
+            try:
+                md, slot, watch = self._open(context, UNARY, caller)
+                with slot, watch:
+                    request = service.first_message(md, watch.receive(requests, self._config), expected)
+                    return answer(service, md, request)
+            except Exception as e:
+                self._end(context, e)
 
     def Join(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.JoinReply:  # noqa: N802
-        return self._unary(requests, context, pb.JoinRequest, self._service.authenticate, self._service.join)
+        return self._unary(requests, context, pb.JoinRequest, "Join", lambda s, md, r: s.join(md, r))
 
     def Heartbeat(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.HeartbeatReply:  # noqa: N802
-        return self._unary(
-            requests, context, pb.HeartbeatRequest, self._service.authenticate, self._service.heartbeat
-        )
+        return self._unary(requests, context, pb.HeartbeatRequest, "Heartbeat", lambda s, md, r: s.heartbeat(md, r))
 
     def Leave(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.LeaveReply:  # noqa: N802
-        return self._unary(requests, context, pb.LeaveRequest, self._service.authenticate, self._service.leave)
+        return self._unary(requests, context, pb.LeaveRequest, "Leave", lambda s, md, r: s.leave(md, r))
 
     def Status(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.StatusReply:  # noqa: N802
-        return self._unary(
-            requests, context, pb.StatusRequest, self._service.status_caller, lambda md, _: self._service.status(md)
-        )
+        return self._unary(requests, context, pb.StatusRequest, "Status", lambda s, md, _: s.status(md), status=True)
 
     def PushPseudoGrad(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PushReply:  # noqa: N802
-        try:
-            md, slot, watch = self._open(context, STREAM, self._service.authenticate)
-            with slot, watch:
-                return self._service.push(md, watch.receive(requests, self._config, message_size))
-        except Exception as e:
-            self._end(context, e)
+        with self._observed("PushPseudoGrad", context):
+            service = self._ready(context)
+            try:
+                md, slot, watch = self._open(context, STREAM, service.authenticate)
+                with slot, watch:
+                    return service.push(md, watch.receive(requests, self._config, message_size))
+            except Exception as e:
+                self._end(context, e)
 
     def PullGlobal(  # noqa: N802
         self, requests: Iterator[Any], context: grpc.ServicerContext
     ) -> Iterator[pb.PullChunk | bytes]:
-        try:
-            md, slot, watch = self._open(context, STREAM, self._service.authenticate)
-            with slot, watch:
-                request = self._service.first_message(md, watch.receive(requests, self._config), pb.PullRequest)
-                yield from watch.send(self._service.pull(md, request), self._config, message_size)
-        except Exception as e:
-            self._end(context, e)
+        with self._observed("PullGlobal", context):
+            service = self._ready(context)
+            try:
+                md, slot, watch = self._open(context, STREAM, service.authenticate)
+                with slot, watch:
+                    request = service.first_message(md, watch.receive(requests, self._config), pb.PullRequest)
+                    yield from watch.send(service.pull(md, request), self._config, message_size)
+            except Exception as e:
+                self._end(context, e)
 
 
 def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
@@ -166,6 +215,7 @@ class RunningServer:
     port: int
     host: str
     servicer: _Servicer
+    health: health.HealthServicer
 
     @property
     def address(self) -> str:
@@ -177,29 +227,56 @@ class RunningServer:
         """The server's admission slots."""
         return self.servicer.admission
 
+    def attach(self, service: DilocoService) -> None:
+        """Start answering diloco calls with ``service`` (a server started without one) and report SERVING."""
+        self.servicer._service = service
+        self.set_serving(True)
+
+    def set_serving(self, serving: bool) -> None:
+        """What the health check answers, for the whole server and for the diloco service alike."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
     def stop(self, grace_s: float | None = 1.0) -> None:
-        """Stop accepting calls; wait up to ``grace_s`` for calls in flight."""
+        """Report NOT_SERVING, stop accepting calls, and wait up to ``grace_s`` for calls in flight."""
+        self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
         self.servicer.watchdog.close()
 
 
-def start_server(service: DilocoService, listen: str = "127.0.0.1:0", tls: TlsConfig | None = None) -> RunningServer:
+def start_server(
+    service: DilocoService | None,
+    listen: str = "127.0.0.1:0",
+    tls: TlsConfig | None = None,
+    *,
+    config: TransportConfig | None = None,
+    on_call: CallObserver | None = None,
+) -> RunningServer:
     """Serve ``service`` on ``listen`` (port 0 picks a free port) and return once it accepts calls.
 
-    The pool has ``service.config.server_threads`` threads (a thread for every admission slot, and spares that
-    answer refusals), and gRPC itself refuses calls beyond ``max_pending_calls`` held at once.
+    ``service`` None listens at once but answers NOT_SERVING (health) and UNAVAILABLE (diloco calls) until
+    `RunningServer.attach`: a coordinator restoring its checkpoint is seen starting, not absent; ``config`` is then
+    the transport config the service will have. The pool has ``config.server_threads`` threads (a thread for every
+    admission slot, and spares that answer refusals and health checks), and gRPC itself refuses calls beyond
+    ``max_pending_calls`` held at once.
     """
     host, sep, port_text = listen.rpartition(":")
     if not sep or not port_text.isdigit():
         raise ValueError(f"listen address must be HOST:PORT (got {listen!r})")
-    config = service.config
+    if service is not None:
+        config = service.config
+    elif config is None:
+        raise ValueError("start_server without a service needs its transport config")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="diloco-grpc"),
         options=config.grpc_options(),
         maximum_concurrent_rpcs=config.max_pending_calls,
     )
-    servicer = _Servicer(service)
+    servicer = _Servicer(service, config, on_call)
     server.add_generic_rpc_handlers((_handlers(servicer),))
+    checks = _CheckOnly()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     if tls is None:
         port = server.add_insecure_port(listen)
     else:
@@ -207,5 +284,9 @@ def start_server(service: DilocoService, listen: str = "127.0.0.1:0", tls: TlsCo
     if port == 0:
         servicer.watchdog.close()
         raise OSError(f"cannot listen on {listen}")
+    running = RunningServer(
+        server=server, port=port, host=host.strip("[]") or "127.0.0.1", servicer=servicer, health=checks
+    )
+    running.set_serving(service is not None)  # before the first call can ask
     server.start()
-    return RunningServer(server=server, port=port, host=host.strip("[]") or "127.0.0.1", servicer=servicer)
+    return running

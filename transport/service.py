@@ -66,7 +66,8 @@ INTERNAL_REASON = "internal error while answering this call (the server logged i
 _MAX_LOGGED_PLACES = 64
 
 
-def _claimed_island(metadata: Metadata) -> str:
+def claimed_island(metadata: Metadata) -> str:
+    """The island the call metadata names (unchecked: anyone may claim any name)."""
     for key, value in metadata or ():
         if key == ISLAND_KEY:
             return value.decode(errors="replace") if isinstance(value, bytes) else value
@@ -147,7 +148,7 @@ class DilocoService:
             return rejected
         answered = Answered(rejected.code, printable(rejected.reason))
         if self.on_rejected is not None:
-            self.on_rejected(printable(_claimed_island(metadata), 64), str(answered))
+            self.on_rejected(printable(claimed_island(metadata), 64), str(answered))
         return answered
 
     @contextmanager
@@ -184,7 +185,7 @@ class DilocoService:
         metadata names. Either way it must be one of ``islands``: an unknown name is PERMISSION_DENIED.
         """
         caller = self.auth.authenticate(metadata)
-        name = caller if caller is not None else _claimed_island(metadata)
+        name = caller if caller is not None else claimed_island(metadata)
         if not name:
             raise Rejected(grpc.StatusCode.UNAUTHENTICATED, f"no island name in the call metadata ({ISLAND_KEY})")
         if self.islands is not None and name not in self.islands:

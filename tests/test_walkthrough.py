@@ -1,0 +1,130 @@
+"""README.md's "Two regions, step by step", run as written on localhost with TLS on: `diloco certs`, a coordinator
+with every island's secret from a file and metrics over HTTPS, two supervised islands, `diloco status`, an island
+whose processes are all SIGKILLed and started again with the same command, to the end of the run. Then no island
+secret appears in any file the run wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from diloco.rundir import read_events
+from tests.conftest import REPO, child_env, run_cli
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+CONFIG = str(REPO / "configs" / "two-region.toml")
+QUICK = ["train.rounds=6", "train.inner_steps=5", "train.eval_batches=1", "quorum.lease_s=3",
+         "quorum.min_islands=2", "network.coordinator_wait_s=120"]  # fmt: skip
+"""The walkthrough's config, shortened; every process gets the same overrides (they are part of the run's digest).
+Both islands in every round: the run waits for the killed island's return instead of finishing without it."""
+NAMES = ("us-east", "eu-west")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait(probe: Callable[[], object], what: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not probe():
+        dead = [p.args for p in procs if p.poll() not in (None, 0)]
+        assert not dead, f"exited while waiting for {what}: {dead}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _tls(name: str) -> list[str]:
+    return ["--tls-ca", "kit/ca.crt", "--tls-cert", f"kit/client-{name}.crt", "--tls-key", f"kit/client-{name}.key"]
+
+
+@pytest.mark.timeout(600)
+def test_the_two_region_walkthrough(tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> None:
+    def start(*args: str) -> subprocess.Popen[bytes]:
+        with open(tmp_path / f"{args[0]}-{args[args.index('--run-dir') + 1].split('/')[-1]}-{len(processes)}.log",
+                  "wb") as log:  # fmt: skip
+            proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", *args, *QUICK], cwd=tmp_path, stdout=log,
+                                    stderr=subprocess.STDOUT, env=child_env(jax_cache=True), start_new_session=True)
+        processes.append(proc)
+        return proc
+
+    # 1. Certificates and secrets.
+    made = run_cli("certs", CONFIG, "--out", "kit", "--host", "localhost", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    secrets = {name: (tmp_path / "kit" / "secrets" / name).read_text() for name in NAMES}
+    assert all(len(s) == 64 for s in secrets.values())
+    # 2. The coordinator: TLS, secrets from files, metrics.
+    metrics_port = _free_port()
+    coordinator = start("coordinator", CONFIG, "--listen", "127.0.0.1:0", "--run-dir", "runs/coordinator", "--quiet",
+                        "--tls-cert", "kit/server.crt", "--tls-key", "kit/server.key", "--tls-ca", "kit/ca.crt",
+                        "--metrics-port", str(metrics_port))  # fmt: skip
+    addr_file = tmp_path / "runs" / "coordinator" / "coordinator.addr"
+    _wait(addr_file.exists, "the coordinator to listen", processes)
+    address = addr_file.read_text()
+
+    # 3. The islands, supervised, each with its own secret file and certificate.
+    def island(name: str) -> subprocess.Popen[bytes]:
+        return start("island", CONFIG, "--name", name, "--coordinator", address, "--run-dir", f"runs/{name}",
+                     "--secret", f"file:kit/secrets/{name}", *_tls(name))  # fmt: skip
+
+    islands = {name: island(name) for name in NAMES}
+    metrics = tmp_path / "runs" / "coordinator" / "metrics.jsonl"
+    _wait(lambda: read_events(metrics, "round"), "a committed round", processes)
+
+    # 4. Status with an island's credentials, and the metrics over HTTPS trusting the federation's CA.
+    status = run_cli("status", address, "--json", "--name", "us-east", "--secret", "file:kit/secrets/us-east",
+                     *_tls("us-east"), cwd=tmp_path)  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    seen = json.loads(status.stdout)
+    assert seen["run_id"] == "two-region" and seen["health"] == "SERVING", seen
+    trust = ssl.create_default_context(cafile=str(tmp_path / "kit" / "ca.crt"))
+    with urllib.request.urlopen(f"https://127.0.0.1:{metrics_port}/metrics", context=trust, timeout=10) as page:
+        assert "\ndiloco_round " in page.read().decode()
+
+    # 5. eu-west's machine dies (supervisor and worker SIGKILLed); the same command brings it back.
+    os.killpg(islands["eu-west"].pid, signal.SIGKILL)
+    islands["eu-west"].wait(timeout=30)
+    processes.remove(islands["eu-west"])
+    after = len(read_events(metrics, "round"))
+    _wait(lambda: [e for e in read_events(metrics, "island_lost") if e["island"] == "eu-west"], "its lease to run out",
+          processes)  # fmt: skip
+    islands["eu-west"] = island("eu-west")
+    _wait(lambda: coordinator.poll() is not None and all(p.poll() is not None for p in islands.values()),
+          "the run to finish", processes, timeout_s=400)  # fmt: skip
+    assert coordinator.returncode == 0 and all(p.returncode == 0 for p in islands.values())
+    summary = json.loads((tmp_path / "runs" / "coordinator" / "summary.json").read_text())
+    assert summary["rounds"] == 6, summary
+    assert read_events(tmp_path / "runs" / "eu-west" / "metrics.jsonl", "resumed"), "eu-west did not resume"
+    assert all(sorted(r["islands"]) == ["eu-west", "us-east"] for r in read_events(metrics, "round")[after:])
+
+    # No secret value in anything the run wrote (run dirs, logs), only in kit/secrets.
+    for path in (tmp_path / "runs").rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert not any(s.encode() in data for s in secrets.values()), path
+    for log in tmp_path.glob("*.log"):
+        assert not any(s in log.read_text(errors="replace") for s in secrets.values()), log
