@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import threading
 import time
@@ -64,6 +65,9 @@ from transport.handler import PullPayload
 from transport.shaper import LinkShaper, load_link_profiles, profile_for
 from transport.tensors import decoder
 
+STOP_GRACE_S = 10.0
+"""How long a stop may take before the island exits wherever it is: a sync point normally comes within one run of
+inner steps; a wait on an absent coordinator may never end."""
 LEAVE_WAIT_S = 5.0
 """How long a stopping island waits for its last push to land and for its Leave: a stop must be prompt even when
 the coordinator is stopping too."""
@@ -180,9 +184,21 @@ class IslandWorker:
 
     def request_stop(self, reason: str) -> None:
         """Leave the federation at the next sync point (between inner-step runs): no new push, the checkpoint
-        flushed, a Leave so the coordinator does not wait out the lease. Only sets a flag: safe in a signal
-        handler."""
-        self.stop_reason = reason
+        flushed, a Leave so the coordinator does not wait out the lease. Sets a flag and arms a timer, so it is safe
+        in a signal handler: an island blocked on an absent coordinator (retrying for network.coordinator_wait_s)
+        never reaches a sync point, so after STOP_GRACE_S it exits anyway (`_stop_now`)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            timer = threading.Timer(STOP_GRACE_S, self._stop_now)
+            timer.daemon = True  # a stop that completes in time exits without waiting for it
+            timer.start()
+
+    def _stop_now(self) -> None:
+        """The stop's grace ran out: exit at once (exit code 0: it was asked to stop). A checkpoint save cut short
+        leaves the previous step restorable (diloco/checkpoint.py), so a restart resumes from there."""
+        self.rd.log("stopped", round=self.round, island=self.name,
+                    reason=f"{self.stop_reason} (forced after {STOP_GRACE_S:g} s: not at a sync point)")  # fmt: skip
+        os._exit(0)
 
     @property
     def round(self) -> int:

@@ -87,6 +87,7 @@ def _compute_s(events: list[dict[str, Any]], rnd: int) -> float:
     return end - start
 
 
+@pytest.mark.bench  # a timed comparison with the cost model: run with `pytest -m bench`, not README's command
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
