@@ -61,6 +61,8 @@ class CheckpointStore:
     def __init__(self, directory: Path, max_to_keep: int = 3) -> None:
         self.directory = directory.absolute()
         self._pending_bytes, self._pending_step = 0, -1
+        self._discards = 0
+        """Steps replaced so far: names the barrier of the next one (each barrier name is used once)."""
         """What the save in flight (if any) will have written, reserved against the free space, and its step."""
         for leftover in self.directory.glob(f"{_TRASH}*"):  # a replaced step whose removal a kill interrupted
             shutil.rmtree(leftover, ignore_errors=True)
@@ -120,7 +122,11 @@ class CheckpointStore:
     def _discard(self, step: int) -> None:
         old = self.directory / str(step)
         trash = self.directory / f"{_TRASH}{step}-{uuid.uuid4().hex}"
-        old.rename(trash)  # atomic: from here orbax no longer sees the step
+        if jax.process_index() == 0:  # a multi-process island's checkpoint is one directory: its process 0 renames
+            old.rename(trash)  # atomic: from here orbax no longer sees the step
+        if jax.process_count() > 1:  # the others reload once the rename is done (JAX's coordination barrier)
+            ocp.multihost.sync_global_processes(f"diloco_discard_{step}_{self._discards}")
+            self._discards += 1
         self._manager.reload()
         shutil.rmtree(trash, ignore_errors=True)
 

@@ -1,4 +1,5 @@
-"""The `diloco` command line: launch, coordinator, island, status, simulate, bench, plot.
+"""The `diloco` command line: launch, coordinator, island, status, simulate, bench, plot, data prepare,
+deploy k8s.
 
 Every command takes `--run-dir DIR` (where one applies) and trailing `key=value` config overrides. A user
 mistake (config, data, model path, run directory, a refused island ...) is a `transport.errors.UserError`: it ends
@@ -91,11 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
     isl = sub.add_parser("island", help="one island (region), supervised: restarted when it crashes")
     _add_common(isl)
     isl.add_argument("--name", required=True, help="this island's name (one of islands.names)")
-    isl.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    isl.add_argument("--coordinator", default=None,
+                     help="HOST:PORT of the coordinator (needed by every island process but a multi-process island's "
+                          "processes 1..N-1)")  # fmt: skip
     isl.add_argument("--secret", default=None,
                      help="env:VAR or file:PATH (a literal works but shows in ps); default: from config")  # fmt: skip
     isl.add_argument("--no-supervise", action="store_true", help="run the worker in this process, no restarts")
     isl.add_argument("--max-restarts", type=int, default=5)
+    isl.add_argument("--num-processes", type=int, default=None, metavar="N",
+                     help="processes of this island, one JAX program over all their devices (default: "
+                          "islands.processes); without --process-id all N run here, supervised as a group")  # fmt: skip
+    isl.add_argument("--process-id", type=int, default=None, metavar="I",
+                     help="this process's index in a multi-process island (0, the leader, talks to the coordinator)")
+    isl.add_argument("--island-coordinator", default=None, metavar="HOST:PORT",
+                     help="where process 0 serves jax.distributed to the island's processes (with N > 1)")
     isl.add_argument("--metrics-port", type=int, default=None, metavar="N",
                      help="serve Prometheus /metrics on port N of network.metrics_host (default: network.metrics_port "
                           "+ 1 + this island's index; 0: off)")  # fmt: skip
@@ -128,10 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a run's legend label, once per RUN_DIR in order (default: the run dir's name)")  # fmt: skip
     pl.add_argument("--title", default=None, help="the figure's title")
 
+    data = sub.add_parser("data", help="training data: `data prepare` tokenizes text into a token directory")
+    prep = data.add_subparsers(dest="data_command", required=True).add_parser(
+        "prepare", help="text -> DIR/tokens.bin, tokenizer.json, meta.json for data.kind = \"tokens\" "
+                        "(needs the tokenize extra)")  # fmt: skip
+    prep.add_argument("inputs", nargs="+", metavar="INPUT", help="text: files, directories, glob patterns or stdlib:")
+    prep.add_argument("--out", type=Path, required=True, metavar="DIR", help="the directory to write (created)")
+    how = prep.add_mutually_exclusive_group(required=True)
+    how.add_argument("--train-vocab", type=int, metavar="N", help="train a byte-level BPE tokenizer of N ids (>= 256)")
+    how.add_argument("--tokenizer", type=Path, metavar="FILE", help="use this Hugging Face tokenizer.json")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     from diloco.bench import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
+    from diloco.deploy_k8s import add_deploy_parser  # argparse only: nothing rendered, no YAML imported
 
     add_bench_parser(sub)
-    for command in sub.choices.values():
+    deploy, k8s = add_deploy_parser(sub)
+    # `data` and `deploy` take none themselves: argparse would let their subcommand's defaults overwrite them.
+    for command in [*(c for c in sub.choices.values() if c not in (data, deploy)), prep, k8s]:
         _add_logging(command)
     return parser
 
@@ -141,13 +165,24 @@ def _default_run_dir(name: str) -> Path:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from diloco.config import load_config
+    from diloco.config import ConfigError, load_config
     from diloco.simulate import run_simulation
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.islands.processes > 1:
+        raise ConfigError(f"islands.processes = {cfg.islands.processes}: simulate runs every island in this one "
+                          "process; multi-process islands run under `diloco launch` or `diloco island`")  # fmt: skip
     run_dir = args.run_dir or _default_run_dir(cfg.run.name)
     summary = run_simulation(cfg, run_dir, show_progress=not args.no_progress)
     print(json.dumps({"run_dir": str(run_dir), **summary}, indent=2))
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from diloco.data_prepare import prepare, summary
+
+    meta = prepare(args.inputs, args.out, args.train_vocab, args.tokenizer, progress=not args.no_progress)
+    print(json.dumps(summary(args.out, meta), indent=2))
     return 0
 
 
@@ -224,7 +259,22 @@ def _island(args: argparse.Namespace) -> int:
     from diloco.metrics import metrics_port
 
     metrics_port(cfg, args.name, args.metrics_port)  # a bad port is one line here, not a worker failing at each restart
+    from islands.backend import check_backend
+
+    check_backend(cfg.islands.backend)  # likewise a missing pathways extra or proxy environment
     run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-{args.name}")
+    from diloco.island_group import check_group, lock_name, members, run_follower
+
+    group = check_group(cfg, args.process_id, args.num_processes, args.island_coordinator)
+    if group.multiple and args.no_supervise and args.process_id is None:
+        raise IslandError("--no-supervise runs one process of the island: give it --process-id I")
+    if not group.leader:  # a follower talks to its island's leader only (diloco/island_group.py)
+        if not args.no_supervise:
+            worker = [*(sys.argv[1:] if args.argv is None else args.argv), "--no-supervise", "--run-dir", str(run_dir)]
+            return supervise(worker, run_dir, args.max_restarts, lock_name=lock_name(group.process_id))
+        return run_follower(cfg, args.name, run_dir, group)
+    if args.coordinator is None:
+        raise IslandError("--coordinator HOST:PORT is needed (the island's process 0 talks to the coordinator)")
     # Settled before supervising: a secret that does not resolve, a bad TLS file or a secret about to travel in
     # clear is one line from the command the user typed, not a worker that fails again at every restart.
     ref = args.secret or (cfg.network.secrets[names.index(args.name)] if cfg.network.secrets else None)
@@ -239,8 +289,11 @@ def _island(args: argparse.Namespace) -> int:
         argv = [a for a in (sys.argv[1:] if args.argv is None else args.argv) if a != "--no-supervise"]
         gone = partial(say_gone, cfg, args.name, args.coordinator, secret, tls)
         worker_argv = [*argv, "--no-supervise", "--run-dir", str(run_dir)]
+        if group.multiple and args.process_id is None:  # every process of the island, here: one group
+            return supervise(members(worker_argv, group, cfg.islands.devices), run_dir, args.max_restarts,
+                             on_death=gone)  # fmt: skip
         return supervise(worker_argv, run_dir, args.max_restarts, on_death=gone)
-    result = run_island_process(cfg, args.name, args.coordinator, run_dir, secret, args.metrics_port)
+    result = run_island_process(cfg, args.name, args.coordinator, run_dir, secret, args.metrics_port, group)
     print(json.dumps(result), flush=True)
     return 0
 
@@ -260,6 +313,12 @@ def _certs(args: argparse.Namespace) -> int:
     print(json.dumps({"ca": str(kit.ca), "server_cert": str(kit.server_cert), "server_key": str(kit.server_key),
                       "islands": islands}, indent=2))  # fmt: skip
     return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from diloco.deploy_k8s import run_deploy
+
+    return run_deploy(args)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -287,6 +346,8 @@ COMMANDS = {
     "certs": _certs,
     "bench": _bench,
     "plot": _plot,
+    "deploy": _deploy,
+    "data": _data,
 }
 
 

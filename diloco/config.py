@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.membership import QuorumConfig
+from islands.backend import BACKENDS
 from islands.data import DataConfig
 from islands.inner import InnerConfig
 from islands.models import ModelConfig
@@ -92,6 +93,14 @@ class TrainConfig:
     """Time-budgeted rounds: each island trains as many inner steps as fit this many seconds of its own training
     (at least 1, at most inner_steps) before it syncs, so a slow island sends fewer tokens rather than holding up the
     round; the mean is token-weighted. 0: exactly inner_steps per round."""
+    vectorize: bool = False
+    """`diloco simulate` only: run each run of inner steps of all the islands as one program (islands/vectorized.py:
+    their params and inner states stacked along an island axis, n steps of every island in one dispatch) instead of
+    one island after another. Faster where dispatching a step costs as much as computing it (small models, many
+    islands); the results agree with the sequential path to float rounding, not bit for bit, so a run keeps the
+    setting it started with (it is part of the run's identity). Needs train.mode = "diloco", islands.devices = 1, no
+    train.round_seconds and no islands.slowdown (all refused with it); the coordinator and island processes, one
+    island each, refuse it. false: the islands step in turn, the reference path."""
 
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:
@@ -178,6 +187,17 @@ class IslandsConfig:
     slowdown: tuple[str, ...] = ()
     """"NAME=FACTOR" entries: island NAME takes FACTOR (>= 1) times as long per inner step (it sleeps the difference),
     a stand-in for slower hardware in tests and benchmarks."""
+    backend: str = field(default="local", metadata=LOCAL)
+    """How an island process reaches its devices (islands/backend.py): "local" (what JAX finds on this host: CPU
+    devices, GPUs, TPU chips) or "pathways" (the process is the single controller of a Pathways-managed TPU slice,
+    through pathwaysutils: the `pathways` extra, and JAX_PLATFORMS=proxy + JAX_BACKEND_TARGET in its environment;
+    docs/pathways.md). Per process, like the TLS files: islands of one run may reach their devices differently."""
+    processes: int = field(default=1, metadata=LOCAL)
+    """Processes per island (a multi-host island, diloco/island_group.py): N processes joined by jax.distributed into
+    one JAX program, each with islands.devices local devices, so the island's mesh spans N x islands.devices
+    devices. Process 0 talks to the coordinator, the others replay its calls. `diloco island` takes it as the
+    default of --num-processes. Per island (per process, not in the config digest): islands of one run may span
+    different numbers of hosts."""
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -190,6 +210,13 @@ class IslandsConfig:
             raise ValueError(f"islands.names must be non-empty [A-Za-z0-9_-] names (got {list(self.names)})")
         if self.devices < 1:
             raise ValueError(f"islands.devices must be >= 1 (got {self.devices})")
+        if self.processes < 1:
+            raise ValueError(f"islands.processes must be >= 1 (got {self.processes})")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"islands.backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
+        if self.backend == "pathways" and self.processes != 1:
+            raise ValueError("islands.backend = 'pathways' drives a whole slice from one process: islands.processes "
+                             "must be 1")  # fmt: skip
         self.slowdowns()  # refuse a malformed entry when the config loads, not when an island starts
 
     def slowdowns(self) -> dict[str, float]:
@@ -328,6 +355,10 @@ class RunConfig:
             key = "train.round_seconds" if self.train.round_seconds else "stream.fragments / stream.overlap_steps"
             raise ValueError(f"train.mode = 'async' pushes whole runs of train.inner_steps steps (its virtual clock "
                              f"counts steps): {key} cannot be set with it")  # fmt: skip
+        if self.train.vectorize:
+            why = cannot_vectorize(self)
+            if why is not None:
+                raise ValueError(f"train.vectorize = true steps every island in one program: {why}")
         why = check_schedule(self.train.inner_steps, self.stream.fragments, self.stream.overlap_steps)
         if why is not None:
             raise ValueError(why)
@@ -341,13 +372,35 @@ class RunConfig:
         return self.train.rounds * self.train.inner_steps
 
 
+def cannot_vectorize(cfg: RunConfig) -> str | None:
+    """Why the islands of `cfg` cannot step as one program (train.vectorize), naming the key; None if they can."""
+    if cfg.train.mode != "diloco":
+        return f"train.mode must be 'diloco' (got {cfg.train.mode!r}: " + (
+            "one model, nothing to vectorize)" if cfg.train.mode == "sync" else "the islands train at different times)"
+        )
+    if cfg.islands.devices > 1:
+        return f"islands.devices must be 1 (got {cfg.islands.devices}: an island on several devices steps alone)"
+    if cfg.train.round_seconds:
+        return "train.round_seconds cannot be set (a time budget needs each island's own step time)"
+    if cfg.islands.slowdown:
+        return "islands.slowdown cannot be set (a slowed island needs its own step time)"
+    return None
+
+
 def require_federated(cfg: RunConfig, command: str) -> None:
     """The coordinator and island processes run rounds (plain or streaming) or asynchronous updates; the
-    data-parallel baseline runs in `diloco simulate` only: refuse it in one line rather than run DiLoCo on it."""
+    data-parallel baseline runs in `diloco simulate` only: refuse it in one line rather than run DiLoCo on it. So does
+    train.vectorize (a process of theirs holds one island): refused rather than ignored, since a vectorized
+    `simulate` does not end with a federation's digest bit for bit."""
     if cfg.train.mode == "sync":
         raise ConfigError(
             f"{command}: train.mode = 'sync' (the data-parallel baseline) runs in `diloco simulate` only; the "
             "coordinator and island processes run train.mode = 'diloco' or 'async'"
+        )
+    if cfg.train.vectorize:
+        raise ConfigError(
+            f"{command}: train.vectorize = true steps the islands of one process together and runs in `diloco "
+            "simulate` only; the coordinator and island processes run one island each (set it to false)"
         )
 
 

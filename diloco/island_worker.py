@@ -42,16 +42,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco.async_sim import async_order, planned_steps
-from diloco.checkpoint import CheckpointStore, restore_state, save_state
+from diloco.checkpoint import CheckpointStore, save_state
 from diloco.config import RunConfig, config_digest, require_federated, to_dict
+from diloco.island_group import ONE_PROCESS, Channel, Group, LeaderIsland, exit_code, join, restore_checkpoint
 from diloco.membership import REJOIN
 from diloco.metrics import IslandMetrics, metrics_port, serve_metrics
 from diloco.rounds import fragment_digest, fragment_digests
 from diloco.rundir import RunDir
 from diloco.setup import build_setup, make_island
 from diloco.warm_start import initial_inner_state
+from islands.backend import initialize_backend
 from islands.compress import decoded_tree
-from islands.island import DivergedError, InnerRun, RoundPush
+from islands.island import DivergedError, InnerRun, Island, RoundPush
 from outer_optimizer import apply_update
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
 from transport import diloco_pb2 as pb
@@ -132,7 +134,9 @@ class Synced:
 
 
 class IslandWorker:
-    def __init__(self, cfg: RunConfig, name: str, client: IslandClient, rd: RunDir) -> None:
+    def __init__(self, cfg: RunConfig, name: str, client: IslandClient, rd: RunDir, group: Group = ONE_PROCESS) -> None:
+        """`group`: this process's place in a multi-process island (diloco/island_group.py); the worker runs on its
+        leader, process 0, and tells the other processes every call it makes on the island's engine."""
         if name not in cfg.islands.island_names:
             raise IslandError(
                 f"island '{name}' is not in the config's islands.names ({', '.join(cfg.islands.island_names)})"
@@ -145,7 +149,9 @@ class IslandWorker:
         self.give_up_s = cfg.network.coordinator_wait_s
         setup = build_setup(cfg, islands=[name])
         self.like = setup.init_params
-        n_devices = min(cfg.islands.devices, len(jax.local_devices()))
+        self.group = group
+        # A multi-process island's mesh is every device of its processes (jax.distributed's global devices).
+        n_devices = len(jax.devices()) if group.multiple else min(cfg.islands.devices, len(jax.local_devices()))
         if n_devices < cfg.islands.devices:
             rd.log("devices_reduced", island=name, configured=cfg.islands.devices, available=n_devices)
         self.asynchronous = cfg.train.mode == "async"
@@ -154,7 +160,8 @@ class IslandWorker:
             planned_steps(async_order(cfg), cfg.islands.island_names, cfg.train.inner_steps)[name]
             if self.asynchronous else None
         )  # fmt: skip
-        self.island = make_island(cfg, name, setup.model, setup.streams[name], n_devices, total_steps=steps)
+        island = make_island(cfg, name, setup.model, setup.streams[name], n_devices, total_steps=steps)
+        self.island: Island | LeaderIsland = LeaderIsland(island, Channel()) if group.multiple else island
         self.store = CheckpointStore(rd.checkpoints) if cfg.train.checkpoint_every else None
         self.fragments = setup.fragments
         self.P, self.H = self.fragments.count, cfg.train.inner_steps
@@ -374,7 +381,9 @@ class IslandWorker:
         mid-save leaves the previous step restorable (diloco/checkpoint.py)."""
         if self._saving is not None and self._saving.done():
             self._saving.result()  # a save that failed (disk full, permissions) stops the island here, with its error
-        if self.store is not None:
+        if self.store is not None and isinstance(self.island, LeaderIsland):
+            self.island.save_checkpoint(self.store, self.round)  # in step with the followers (diloco/island_group.py)
+        elif self.store is not None:
             # A copy: the next inner step donates the state's buffers to XLA (islands/inner.py), deleting them.
             store, state, round_ = self.store, jax.tree.map(jnp.copy, self.island.state), self.round
             self._saving = in_background(partial(save_state, store, round_, state, {"round": round_}), self._saving)
@@ -386,9 +395,11 @@ class IslandWorker:
         self.island.start(self.like, None if steps else initial_inner_state(self.cfg, self.island, self.like, self.rd))
         if not steps:
             return -1
-        assert self.store is not None and self.island.state is not None
-        state, meta = restore_state(self.store, steps[-1], self.island.state)
-        self.island.restore(state)
+        assert self.store is not None
+        if isinstance(self.island, LeaderIsland):
+            state, meta = self.island.restore_checkpoint(self.store, steps[-1])
+        else:
+            state, meta = restore_checkpoint(self.store, self.island, steps[-1])
         self.global_params = jax.tree.map(np.asarray, state.params)
         self.fragment_digests = fragment_digests(self.fragments, self.global_params, tree_digest(self.global_params))
         self.position = meta["round"] * self.P
@@ -602,18 +613,30 @@ def say_gone(cfg: RunConfig, name: str, target: str, secret: str | None, tls: Tl
 
 
 def run_island_process(
-    cfg: RunConfig, name: str, target: str, run_dir: Path, secret: str | None, metrics_port_flag: int | None = None
+    cfg: RunConfig,
+    name: str,
+    target: str,
+    run_dir: Path,
+    secret: str | None,
+    metrics_port_flag: int | None = None,
+    group: Group = ONE_PROCESS,
 ) -> dict:
     """`diloco island --no-supervise`: one worker until the run is done, or SIGTERM / Ctrl+C stops it cleanly
     (`IslandWorker.request_stop`; exit code 0: a stopped island is not restarted by its supervisor). With a metrics
     port (diloco/metrics.py: network.metrics_port + 1 + the island's index, or `metrics_port_flag`) the worker serves
-    /metrics on network.metrics_host."""
+    /metrics on network.metrics_host. In a multi-process island (`group`) this is its leader, process 0: it joins
+    the island's JAX program first and, however it ends, tells the other processes to stop with its exit code."""
+    initialize_backend(cfg.islands.backend)  # before anything asks JAX for a device (islands/backend.py)
     port = metrics_port(cfg, name, metrics_port_flag) if name in cfg.islands.island_names else 0
     rd = RunDir(run_dir, cfg)
     client = make_client(cfg, name, target, secret)
     metrics_server = None
+    worker: IslandWorker | None = None
+    ended: BaseException | None = None
     try:
-        worker = IslandWorker(cfg, name, client, rd)
+        if group.multiple:
+            join(group)
+        worker = IslandWorker(cfg, name, client, rd, group)
         metrics_server = serve_metrics(worker.metrics.registry, cfg.network.metrics_host, port)
 
         def stop(signum: int, frame: object) -> None:
@@ -624,7 +647,12 @@ def run_island_process(
         contributed = worker.run()
         stopped = {"stopped": worker.stop_reason} if worker.stop_reason else {}
         return {"island": name, "rounds_contributed": contributed, "round": worker.round, **stopped}
+    except BaseException as exc:
+        ended = exc
+        raise
     finally:
+        if worker is not None and isinstance(worker.island, LeaderIsland):
+            worker.island.stop(exit_code(ended))
         if metrics_server is not None:
             metrics_server.stop()
         client.close()

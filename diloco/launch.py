@@ -5,7 +5,9 @@ harness the fault tests and benchmarks use too. The coordinator listens on 127.0
 into the run directory; islands run supervised (restarted when they crash) in their own sub-run-directories
 (islands/NAME), with their WAN link profile (network.links) and XLA_FLAGS giving them islands.devices CPU devices.
 Logs go to RUN_DIR/logs/NAME.log. One live display follows the coordinator's Status RPC. Ctrl+C stops every child
-with SIGTERM so each flushes its checkpoint.
+with SIGTERM so each flushes its checkpoint. With islands.processes = N each island is N processes of islands.devices
+devices each, one JAX program (diloco/island_group.py): its supervisor starts them as a group, joined on a loopback
+port of their own, and restarts them together.
 
 Security, even on one machine (a shared host has other users): every link is mutual TLS, with a CA, a server
 certificate and one client certificate per island made at start in RUN_DIR/tls/ (diloco/tls.py; keys 0600, the
@@ -35,6 +37,7 @@ from rich.live import Live
 from rich.table import Table
 
 from diloco.config import RunConfig, load_config, parse_override, require_federated
+from diloco.island_group import check_supported
 from diloco.procs import Federation, FederationError
 from diloco.progress import format_eta
 from diloco.rundir import LAUNCH_LOCK_FILE, RunDirLock, check_free
@@ -88,6 +91,7 @@ def _hidden_variables(cfg: RunConfig) -> set[str]:
 def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = True) -> dict[str, Any]:
     cfg = load_config(config, overrides)
     require_federated(cfg, "launch")
+    check_supported(cfg, cfg.islands.processes)  # a multi-process island's limits: one line before anything starts
     names = cfg.islands.island_names
     values = [resolve_secret(ref) for ref in cfg.network.secrets] or [secrets.token_hex(16) for _ in names]
     env = {SECRET_VAR.format(i): value for i, value in enumerate(values)}

@@ -15,7 +15,8 @@ that a final SIGKILL also reaches what it started (a supervisor's worker); `hide
 process that no child may inherit (launch: secrets, so that each process gets only its own). Per process,
 `start_coordinator` and `start_island` take extra arguments (`--secret`, `--tls-*`) and environment (a secret,
 `devices_env(1)`: a restart on fewer devices); a coordinator restarted after a kill listens on the address it
-had, so its islands find it again.
+had, so its islands find it again. An island of several processes (islands.processes, or `group_args` for one
+island) runs as one supervised group on a port of its own for jax.distributed (diloco/island_group.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -84,6 +86,13 @@ def child_env(cfg: RunConfig, extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now (the kernel's pick; another process may take it before it is used)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
 def log_lines(path: Path) -> list[str]:
     try:
         return [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -134,6 +143,8 @@ class Federation:
         self.islands: dict[str, subprocess.Popen[bytes]] = {}
         self.others: dict[str, subprocess.Popen[bytes]] = {}
         self.killed: set[str] = set()  # processes SIGKILLed on purpose: their exit is no failure
+        self.island_ports: dict[str, int] = {}
+        """Each multi-process island's jax.distributed port: chosen once, the same for its restarts."""
         self.address = ""
         run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -200,11 +211,19 @@ class Federation:
     def island_argv(self, name: str, args: Sequence[str] = (), supervised: bool | None = None) -> list[str]:
         """The island's command line (after `python -m diloco.cli`): the same for its first start and restarts."""
         supervised = self.supervise if supervised is None else supervised
+        processes = self.cfg.islands.processes
+        group = self.group_args(name, processes) if processes > 1 and "--num-processes" not in args else []
         return [
             "island", self.config, "--name", name, "--coordinator", self.address,
-            "--run-dir", str(self.island_dir(name)), *args, *([] if supervised else ["--no-supervise"]),
+            "--run-dir", str(self.island_dir(name)), *group, *args, *([] if supervised else ["--no-supervise"]),
             *self.overrides,
         ]  # fmt: skip
+
+    def group_args(self, name: str, processes: int) -> list[str]:
+        """`diloco island` flags that make island `name` a group of `processes` processes on this host, joined on
+        a loopback port of its own (run them supervised: the supervisor starts the group)."""
+        port = self.island_ports.setdefault(name, free_port())
+        return ["--num-processes", str(processes), "--island-coordinator", f"127.0.0.1:{port}"]
 
     def start_coordinator(
         self, timeout_s: float = 180.0, env: Mapping[str, str] | None = None, args: Sequence[str] = ()

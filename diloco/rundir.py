@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import sys
@@ -27,6 +28,8 @@ from typing import IO, Any
 from diloco.config import RunConfig, diff_keys, dump_toml, from_dict, to_dict
 from diloco.tensorboard import open_tensorboard
 from transport.errors import UserError
+
+log = logging.getLogger("diloco.rundir")
 
 
 class DiskFullError(UserError, OSError):
@@ -286,11 +289,25 @@ class RunDir:
         except ValueError as exc:
             raise RunDirError(f"run dir '{self.path}': its config.toml no longer loads ({exc})") from None
         differing = diff_keys(stored, to_dict(cfg))
+        if differing and self._never_started():
+            # A run refused at start (a step too big for memory, a bad data path found late) saved nothing to resume:
+            # the corrected command may take its directory, as it could before the first attempt made it.
+            log.warning("run dir '%s' holds a run that saved nothing (it differs in: %s); starting afresh with this "
+                        "config", self.path, ", ".join(differing[:8]))  # fmt: skip
+            self.config_path.write_text(dump_toml(to_dict(cfg)))
+            self.metrics_path.unlink(missing_ok=True)
+            return
         if differing:
             raise RunDirError(
                 f"run dir '{self.path}' holds another run (config differs in: {', '.join(differing[:8])}); "
                 "use a new --run-dir"
             )
+
+    def _never_started(self) -> bool:
+        """Nothing here can be resumed: no checkpoint step, no summary and no committed round or sync event."""
+        saved = any(self.checkpoints.rglob("_CHECKPOINT_METADATA")) if self.checkpoints.is_dir() else False
+        committed = any(e.get("event") in ("round", "sync") for e in read_events(self.metrics_path))
+        return not (saved or committed or self.summary_path.exists())
 
     def _last_t(self) -> float:
         last = 0.0

@@ -17,6 +17,7 @@ from diloco.config import ConfigError, RunConfig
 from islands.data import BatchStream, eval_batches, load_sources
 from islands.inner import make_eval_fn, make_inner_optimizer
 from islands.island import Batches, Island
+from islands.memory import Footprint, OutOfMemoryError, device_room, eval_advice, verdict
 from islands.mesh import build_mesh, replicated
 from islands.models import Model, build_model, param_count
 from outer_optimizer.fragments import FragmentError, Fragments
@@ -31,7 +32,8 @@ class Setup:
     streams: dict[str, BatchStream]
     """Island name -> its batch stream, for the islands asked for (none for a coordinator)."""
     eval_stack: np.ndarray
-    """int32 [eval_batches, batch_size, seq_len + 1]: the fixed validation batches."""
+    """int32 [chunks, sequences, seq_len + 1]: the fixed validation batches, train.eval_batches of train.batch_size
+    sequences, in chunks of train.microbatch sequences when it is set (see `eval_chunks`)."""
     init_params: PyTree
     """θ_0, the same in every process for one seed."""
     fragments: Fragments
@@ -53,7 +55,8 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         i = names.index(name)
         streams[name] = BatchStream(shards[i], cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=i)
     model = build_model(cfg.model)
-    stack = np.stack(eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len))
+    stack = eval_chunks(eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len),
+                        cfg.train.microbatch)  # fmt: skip
     params = model.init(jax.random.key(cfg.run.seed))
     sizes = {name: int(np.size(leaf)) for name, leaf in flatten_named(params).items()}
     try:
@@ -63,6 +66,14 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
     return Setup(model, streams, stack, params, fragments)
 
 
+def eval_chunks(batches: list[np.ndarray], microbatch: int) -> np.ndarray:
+    """The evaluation batches stacked, in chunks of `microbatch` sequences when it is set: evaluation then needs no
+    more memory than a training pass (a batch that fits only in micro-batches must not be evaluated whole). The loss
+    is a mean over equally sized chunks, so it is the batches' mean loss whatever the chunking."""
+    stack = np.stack(batches)
+    return stack.reshape(-1, microbatch, stack.shape[-1]) if microbatch else stack
+
+
 def make_island(
     cfg: RunConfig,
     name: str,
@@ -70,12 +81,18 @@ def make_island(
     stream: Batches,
     n_devices: int | None = None,
     total_steps: int | None = None,
+    check_memory: bool = True,
 ) -> Island:
     """Island `name` as the config describes it (inner AdamW over the whole run's steps, mesh, uplink codec).
 
     `total_steps`: the inner steps this island will take, which its learning-rate schedule spans (default
-    `cfg.total_inner_steps`, every island's count in rounds; the asynchronous mode gives each island its own)."""
-    return Island(
+    `cfg.total_inner_steps`, every island's count in rounds; the asynchronous mode gives each island its own).
+
+    Its train step is compiled here and checked against the memory free now (`Island.check_memory`): a step too big
+    is one line (OutOfMemoryError) before any state is placed or evaluation runs, in every driver. `check_memory =
+    False` where the island's own step never runs: train.vectorize's program (islands/vectorized.py) is compiled and
+    checked instead, and compiling this one too would cost every island a compilation for nothing."""
+    island = Island(
         name,
         model,
         make_inner_optimizer(cfg.inner, cfg.total_inner_steps if total_steps is None else total_steps),
@@ -86,17 +103,42 @@ def make_island(
         shard_params=cfg.islands.shard_params,
         inner=cfg.inner,
         slowdown=cfg.islands.slowdowns().get(name, 1.0),
+        remat=None if cfg.model.kind == "custom" else cfg.model.remat,
     )
+    if check_memory:
+        island.check_memory()
+    return island
 
 
 class Evaluator:
-    """Loss of a parameter set on the fixed validation batches, replicated on the first device."""
+    """Loss of a parameter set on the fixed validation batches, replicated on the first device.
+
+    The first call compiles the evaluation ahead of time and checks that it fits in the memory free (islands/memory.py):
+    too big is one line (OutOfMemoryError), not a RESOURCE_EXHAUSTED traceback. Later calls hit jit's cache."""
 
     def __init__(self, model: Model, eval_stack: np.ndarray) -> None:
         mesh = build_mesh(1)
         self._fn = make_eval_fn(model.loss, mesh)
         self._sharding = replicated(mesh)
         self._batches = jax.device_put(eval_stack, self._sharding)
+        self._checked = False
+
+    def _check_memory(self, params: PyTree) -> None:
+        compiled = self._fn.lower(params, self._batches).compile()
+        n, rows, tokens = self._batches.shape
+        message = verdict(
+            "evaluating the global model",
+            Footprint.of(compiled),
+            device_room(list(self._sharding.mesh.devices.flat)),
+            f"{n} chunk{'s' if n > 1 else ''} of {rows} x {tokens} tokens, one at a time",
+            eval_advice(rows),
+        )
+        if message is not None:
+            raise OutOfMemoryError(message)
+        self._checked = True
 
     def __call__(self, params: PyTree) -> float:
-        return float(self._fn(jax.device_put(params, self._sharding), self._batches))
+        placed = jax.device_put(params, self._sharding)
+        if not self._checked:
+            self._check_memory(placed)
+        return float(self._fn(placed, self._batches))

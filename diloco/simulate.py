@@ -9,6 +9,10 @@ on CPU with the same config both end with the same parameter digest. With `[stre
 islands' batches at every step, i.e. on exactly the tokens the islands see, so the two modes compare like for like.
 `train.mode = "async"` runs asynchronous DiLoCo on a virtual clock (diloco/async_sim.py).
 
+`train.vectorize = true` runs each run of inner steps of all the islands as one program (islands/vectorized.py)
+instead of one island after another; everything between two runs (pushes, commits, merges, checkpoints) is the same.
+It agrees with the sequential path to float rounding, not bit for bit (tests/test_vectorized.py).
+
 Resume: after every `train.checkpoint_every` rounds the global state and every island's state are checkpointed;
 running the same command with the same --run-dir continues from the newest round that all of them saved and, on
 CPU with the same seed, ends with bit-identical parameters.
@@ -37,6 +41,7 @@ from diloco.warm_start import check_fresh, initial_inner_state, initial_params
 from islands.data import BatchStream
 from islands.island import InnerRun, Island, RoundPush
 from islands.mesh import accumulation_steps, build_mesh
+from islands.vectorized import IslandStack
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
 from transport.digest import tree_digest
 
@@ -81,11 +86,15 @@ def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) ->
 def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> dict[str, Any]:
     names = list(cfg.islands.island_names)
     world = GlobalRun(cfg, rd, setup, durable=False)
-    islands = [make_island(cfg, name, setup.model, setup.streams[name]) for name in names]
+    vectorize = cfg.train.vectorize  # then IslandStack compiles and checks its own program, not each island's step
+    islands = [make_island(cfg, n, setup.model, setup.streams[n], check_memory=not vectorize) for n in names]
     stores = start_islands(cfg, rd, world, islands)
     totals = world.totals
     H = cfg.train.inner_steps
-    lockstep = Lockstep(islands, world.loop, H, cfg.stream, step=world.loop.round * H, budget_s=cfg.train.round_seconds)
+    lockstep = Lockstep(
+        islands, world.loop, H, cfg.stream, step=world.loop.round * H, budget_s=cfg.train.round_seconds,
+        vectorize=vectorize,
+    )  # fmt: skip
     progress = Progress(cfg.train.rounds, f"{cfg.run.name} diloco x{len(names)}", show_progress)
     t_sync = time.monotonic()
 
@@ -97,7 +106,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
             totals.bytes_up += push.sent.payload_nbytes
             totals.compute_s += push.run.seconds
         seconds, t_sync = time.monotonic() - t_sync, time.monotonic()
-        # The islands take turns here: a sync's wall time is every island's wall time.
+        # The islands take turns here (or, vectorized, step together): a sync's wall time is every island's.
         totals.island_wall_s += seconds
         losses = [float(push.run.losses[-1]) for push in pushes.values()]
         commit = world.close_round(losses=losses, seconds=seconds, deliveries=len(pushes))
@@ -120,6 +129,9 @@ class Lockstep:
     Each `advance` trains every island up to the next event of outer_optimizer/fragments.py: a fragment's sync
     (every island pushes Δ_p, `close` commits it) and/or the merge of a fragment committed τ steps earlier. Without
     streaming (P = 1, τ = 0) that is H steps, a push of all of θ, the commit, and θ_{r+1} taken as it is.
+
+    With `vectorize` the steps up to the event are one program of every island (islands/vectorized.py), which hands
+    each island its new state and its own InnerRun back: the rest of `advance` does not know the difference.
     """
 
     def __init__(
@@ -130,6 +142,7 @@ class Lockstep:
         stream: StreamConfig,
         step: int = 0,
         budget_s: float = 0.0,
+        vectorize: bool = False,
     ) -> None:
         self.islands, self.loop = islands, loop
         self.H, self.P = inner_steps, stream.fragments
@@ -139,14 +152,15 @@ class Lockstep:
         self.budget_s = budget_s
         """train.round_seconds: each island trains what fits this many seconds of its own steps, at most H (whole
         rounds only, so the schedule's `step` then counts rounds of H, not each island's own steps)."""
+        if vectorize and budget_s > 0:
+            raise ValueError("a time budget needs each island's own step time: it cannot be vectorized")
+        self._stack = IslandStack(islands) if vectorize else None
         self._since_push: dict[str, list[InnerRun]] = {island.name: [] for island in islands}
 
     def advance(self, close: Callable[[dict[str, RoundPush]], Commit]) -> bool:
         """Train to the next event and handle it; True when a round ended here (its last fragment committed)."""
         target = next_event(self.step, self.H, self.P, self.tau)
-        for island in self.islands:
-            n = target - self.step
-            run = island.train_for(self.budget_s, n)
+        for island, run in zip(self.islands, self._train(target - self.step), strict=True):
             self._since_push[island.name].append(run)
         self.step = target
         round_closed = False
@@ -167,6 +181,12 @@ class Lockstep:
             for island in self.islands:
                 island.merge(self.loop.fragment_params(q), self.alpha)
         return round_closed
+
+    def _train(self, n: int) -> list[InnerRun]:
+        """n inner steps of every island (with a time budget, what fits it), one InnerRun per island in order."""
+        if self._stack is not None:
+            return self._stack.train(n)
+        return [island.train_for(self.budget_s, n) for island in self.islands]
 
 
 def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> dict[str, Any]:

@@ -15,51 +15,112 @@ The worker, not the supervisor, holds the run directory's lock (diloco/rundir.py
 with it, so its restart takes the directory at once. Before each start the supervisor checks that no one else
 holds it (an island started twice on one --run-dir), so that it refuses with one line naming the holder instead
 of spawning a worker that would be refused, and without overwriting the holder's worker.pid.
+
+A multi-process island on one host (islands.processes = N, diloco/island_group.py) is supervised as a group: its N
+workers start together (process I's pid in RUN_DIR/process-I.pid; worker.pid is process 0's), and when any of them
+dies the others are SIGKILLed (they cannot go on without it: their collectives would hang or fail) and all N
+restart together, after the same backoff, so the island re-forms and resumes from its checkpoint. The group ends
+when process 0 ends (its followers follow it out: they are given FOLLOWERS_EXIT_S, then killed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from diloco.rundir import check_free
+from diloco.rundir import LOCK_FILE, check_free
 
 log = logging.getLogger("diloco.supervisor")
 
 
 USER_ERROR = 2
+FOLLOWERS_EXIT_S = 30.0
+"""How long a group's other workers get to exit after its process 0 ended (they exit with it at once, normally)."""
+POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class Member:
+    """One worker process: its `diloco` arguments, the environment it adds (its device count), its pid file."""
+
+    argv: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+    pid_file: str = "worker.pid"
+
+
+def _start(members: Sequence[Member], run_dir: Path) -> list[subprocess.Popen[bytes]]:
+    children = []
+    for member in members:
+        env = {**os.environ, **member.env} if member.env else None
+        children.append(subprocess.Popen([sys.executable, "-m", "diloco.cli", *member.argv], env=env))
+        (run_dir / member.pid_file).write_text(str(children[-1].pid))
+    return children
+
+
+def _wait_group(children: list[subprocess.Popen[bytes]]) -> int:
+    """The group's exit code: process 0's when it ends first with the others following, else the first failure's
+    (a non-zero exit or a signal), the others then SIGKILLed."""
+    if len(children) == 1:
+        return children[0].wait()
+    leader, deadline = children[0], None
+    while True:
+        failed = [c.returncode for c in children if c.poll() is not None and c.returncode != 0]
+        if failed or all(c.returncode is not None for c in children):
+            break
+        if leader.returncode is not None and deadline is None:
+            deadline = time.monotonic() + FOLLOWERS_EXIT_S
+        if deadline is not None and time.monotonic() > deadline:
+            log.warning("island processes did not exit with process 0; killing them")
+            break
+        time.sleep(POLL_S)
+    for child in children:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+            child.wait()
+    if failed:
+        return USER_ERROR if USER_ERROR in failed else failed[0]
+    return leader.returncode
 
 
 def supervise(
-    worker_argv: Sequence[str],
+    worker_argv: Sequence[str] | Sequence[Member],
     run_dir: Path,
     max_restarts: int = 5,
     backoff_s: float = 1.0,
     on_death: Callable[[str], None] | None = None,
+    lock_name: str = LOCK_FILE,
 ) -> int:
+    """Run the worker (`diloco` arguments), or a group of workers (`Member`s, process 0 first), until done.
+    `lock_name`: the run directory's lock the worker takes (a multi-process island's process I > 0 takes its own)."""
+    given = list(worker_argv)
+    group = given if given and isinstance(given[0], Member) else [Member([str(a) for a in given])]
     restarts = 0
     stopping = False
-    child: subprocess.Popen[bytes] | None = None
+    children: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, forward)
     run_dir.mkdir(parents=True, exist_ok=True)
     while True:
-        check_free(run_dir)
-        child = subprocess.Popen([sys.executable, "-m", "diloco.cli", *worker_argv])
-        (run_dir / "worker.pid").write_text(str(child.pid))
-        code = child.wait()
+        check_free(run_dir, lock_name)
+        children = _start(group, run_dir)
+        code = _wait_group(children)
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         if on_death is not None and not stopping and code not in (0, USER_ERROR):  # a user error left by itself
             on_death(f"worker died ({why})")

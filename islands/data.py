@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from islands import prepared
 from transport.errors import UserError
 
 KINDS: tuple[str, ...] = ("text", "tokens", "synthetic")
@@ -79,7 +80,9 @@ class DataConfig:
     files skipped), a glob pattern (matches sorted), or "stdlib:" (kind = "text" only), the built-in corpus:
     the installed Python's standard-library .py sources without their test suites (about 12 MB), read at run
     time; "stdlib:json,email" keeps only those top-level packages or modules. Relative paths are relative to
-    the current directory. Split into disjoint per-island shards, see shard_block_tokens."""
+    the current directory. With kind = "tokens", a directory written by `diloco data prepare` is read as its
+    tokens.bin, checked against its meta.json (islands/prepared.py). Split into disjoint per-island shards, see
+    shard_block_tokens."""
 
     shard_block_tokens: int = 8192
     """IID split granularity: the training corpus is cut into blocks of this many tokens, which a seeded
@@ -378,6 +381,23 @@ def split_tail(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
 
 
+def _prepared(cfg: DataConfig, spec: str, where: str, vocab_size: int) -> str:
+    """The path to read for spec: a prepared directory (`diloco data prepare`) is read as its tokens.bin, once its
+    meta.json agrees with model.vocab_size and data.token_dtype (islands/prepared.py); other specs are kept."""
+    path, meta_path = prepared.locate(spec)
+    if meta_path is None:
+        return spec
+    if cfg.kind != "tokens":
+        raise DataError(f"{where} holds tokens prepared by `diloco data prepare` ({meta_path}): set data.kind=tokens")
+    meta = prepared.read_meta(meta_path)
+    if isinstance(meta, str):
+        raise DataError(f"{where}: {meta}")
+    problems = prepared.mismatches(meta, vocab_size, cfg.token_dtype)
+    if problems:
+        raise DataError(f"{where} was prepared by `diloco data prepare` ({meta_path}): {'; '.join(problems)}")
+    return path
+
+
 def open_source(
     cfg: DataConfig,
     spec: str,
@@ -395,6 +415,7 @@ def open_source(
     if cfg.kind == "synthetic":
         train, val = split_tail(synthetic_tokens(cfg.synthetic_tokens, vocab_size, seed), cfg.val_fraction)
         return TokenSource(name=where, train=train, val=val, n_train=len(train))
+    spec = _prepared(cfg, spec, where, vocab_size)
     dtype = np.dtype(np.uint8 if cfg.kind == "text" else cfg.token_dtype)
     files = resolve_files(spec, where, key)
     # Name the file only when the spec (a directory, glob or stdlib:) does not already.

@@ -67,7 +67,10 @@ def learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Schedule
     )
 
 
+@functools.lru_cache(maxsize=32)
 def make_inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW (after global-norm clipping) on the warmup-cosine schedule. Cached: the islands of one process get the
+    same transformation, so `make_train_step`'s cache (keyed by it) gives them one compiled step, not one each."""
     adamw = optax.adamw(
         learning_rate_schedule(cfg, total_steps),
         b1=cfg.b1,
@@ -121,6 +124,17 @@ def _constrain(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:
 TrainStep = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree, dict[str, jax.Array]]]
 
 
+def inner_update(
+    loss_fn: LossFn, tx: optax.GradientTransformation, params: PyTree, opt_state: PyTree, batch: jax.Array
+) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
+    """One inner step on one island's batch [passes, seqs, tokens+1], not jitted: the body that `make_train_step`
+    jits over an island's mesh and islands/vectorized.py maps over an axis of islands."""
+    loss, grads, metrics = _accumulated_grads(loss_fn, params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+
 @functools.lru_cache(maxsize=32)
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, shard_params: bool) -> TrainStep:
     """jit(step) over `mesh`; params and optimizer state are donated and keep their layout.
@@ -130,10 +144,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mes
     """
 
     def step(params: PyTree, opt_state: PyTree, batch: jax.Array) -> tuple[PyTree, PyTree, dict]:
-        loss, grads, metrics = _accumulated_grads(loss_fn, params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+        params, opt_state, metrics = inner_update(loss_fn, tx, params, opt_state, batch)
         return _constrain(params, mesh, shard_params), _constrain(opt_state, mesh, shard_params), metrics
 
     return jax.jit(step, donate_argnums=(0, 1))

@@ -15,6 +15,12 @@ committed fragment arrives, τ steps later.
 After its H steps an island checks that every loss and every parameter is finite, and stops with `DivergedError`
 (a user error: exit code 2, never restarted) naming the island, the first bad step and the settings to change,
 instead of sending a NaN pseudo-gradient that the codec and the coordinator would refuse round after round.
+
+Before any step, an island compiles its step ahead of time and checks that one step fits in the memory its devices
+(on CPU, the host) have free (`check_memory`, islands/memory.py): a batch or a model too big is `OutOfMemoryError`,
+one line naming the settings that shrink it, instead of a RESOURCE_EXHAUSTED traceback. `make_island` checks it from
+the shapes alone, before any state exists; the first `train` checks again, its state and its neighbours' now held, and
+runs the executable so compiled (jit's cache keeps it: the step is compiled once).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +37,8 @@ import optax
 
 from islands.compress import Compressed, Residual, compress_tree, zero_residual
 from islands.inner import InnerConfig, make_train_step, place_tree
-from islands.mesh import accumulation_steps, batch_sharding, build_mesh
+from islands.memory import Footprint, OutOfMemoryError, device_room, step_advice, verdict
+from islands.mesh import accumulation_steps, batch_sharding, build_mesh, param_sharding
 from islands.models import Model
 from outer_optimizer import pseudo_gradient
 from transport.codecs import CodecSpec, PyTree, flatten_named, unflatten_named
@@ -139,11 +146,14 @@ class Island:
         devices: list[jax.Device] | None = None,
         inner: InnerConfig | None = None,
         slowdown: float = 1.0,
+        remat: bool | None = None,
     ) -> None:
-        """`inner`, when given, only puts the values of the inner settings into a divergence message. `slowdown`:
-        each inner step takes this many times as long (the island sleeps the difference; tests and benchmarks)."""
+        """`inner`, when given, only puts the values of the inner settings into a divergence message, and `remat`
+        (model.remat; None: the model has no such setting) into an out-of-memory one. `slowdown`: each inner step
+        takes this many times as long (the island sleeps the difference; tests and benchmarks)."""
         self.name = name
         self.inner = inner
+        self.remat = remat
         self.slowdown = slowdown
         self.model = model
         self.tx = tx
@@ -151,6 +161,7 @@ class Island:
         self.uplink = uplink or CodecSpec(kind="fp32")
         self.mesh = build_mesh(n_devices, devices)
         self.shard_params = shard_params
+        self.microbatch = microbatch
         self.passes = accumulation_steps(stream.batch_size, microbatch, n_devices)
         self._batch_sharding = batch_sharding(self.mesh)
         self._step_fn: Callable | None = None
@@ -185,18 +196,78 @@ class Island:
 
     # -- training ------------------------------------------------------------------------------------------------
 
-    def next_batch(self) -> jax.Array:
+    def next_host_batch(self) -> np.ndarray:
+        """The stream's next batch as int32 [passes, sequences per pass, tokens], on the host (cursor advanced)."""
         host = self.stream.next()
-        host = host.reshape(self.passes, host.shape[0] // self.passes, host.shape[1])
-        return jax.device_put(host, self._batch_sharding)
+        return host.reshape(self.passes, host.shape[0] // self.passes, host.shape[1])
+
+    def next_batch(self) -> jax.Array:
+        host = self.next_host_batch()
+        if self._batch_sharding.is_fully_addressable:
+            return jax.device_put(host, self._batch_sharding)
+        # A multi-process island (diloco/island_group.py): every process draws the same batch k from the same
+        # stream and hands its own devices only their rows. device_put would first compare the whole batch across
+        # processes (an all-gather per step).
+        return jax.make_array_from_callback(host.shape, self._batch_sharding, lambda index: host[index])
+
+    def _batch_shape(self) -> tuple[int, int, int]:
+        """[passes, sequences per pass, tokens]: what `next_batch` puts on the mesh."""
+        return self.passes, self.stream.batch_size // self.passes, self.stream.seq_len + 1
+
+    def abstract_state(self) -> tuple[PyTree, PyTree] | None:
+        """(params, inner optimizer state) as shapes with the layouts `place` gives them: no memory, no values. None
+        when the model's init cannot be traced without running it (a custom model may do host work there)."""
+        try:
+            params = jax.eval_shape(self.model.init, jax.random.key(0))
+            opt_state = jax.eval_shape(self.tx.init, params)
+        except Exception:  # whatever the user's code raises under tracing: the check waits for the real state
+            return None
+
+        def placed(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+            layout = param_sharding(self.mesh, x.shape, self.shard_params)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout)
+
+        return jax.tree.map(placed, params), jax.tree.map(placed, opt_state)
+
+    def check_memory(self, params: PyTree = None, opt_state: PyTree = None) -> Any:
+        """Compile the inner step for this state (default: `abstract_state`, before any exists) and raise
+        OutOfMemoryError when one step needs more than the devices (on CPU, the host) have free now.
+
+        Returns the compiled step (`jax.stages.Compiled`; None when there is no state and none can be traced). jit's
+        cache keeps it, so the train step does not compile again: the check costs no second compilation. No check
+        where XLA or the device cannot tell (islands/memory.py).
+        """
+        if params is None:
+            abstract = self.abstract_state()
+            if abstract is None:
+                return None
+            params, opt_state = abstract
+        step = make_train_step(self.model.loss, self.tx, self.mesh, self.shard_params)
+        batch = jax.ShapeDtypeStruct(self._batch_shape(), jnp.int32, sharding=self._batch_sharding)
+        compiled = step.lower(params, opt_state, batch).compile()
+        passes, rows, tokens = self._batch_shape()
+        split = f" in {passes} passes of {rows}" if passes > 1 else ""
+        mine = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        message = verdict(
+            f"island {self.name}",
+            Footprint.of(compiled),
+            device_room(mine),
+            f"one train step (batch {self.stream.batch_size} x {tokens} tokens{split})",
+            step_advice(self.stream.batch_size, self.microbatch, passes, self.mesh.size, self.shard_params,
+                        self.remat),  # fmt: skip
+        )
+        if message is not None:
+            raise OutOfMemoryError(message)
+        return compiled
 
     def _warm_up(self) -> None:
-        """Compile the inner step by running it once on copies of the state and a batch of zeros (results dropped,
-        no batch consumed), so that no timed step, step budget or slowdown ever includes the compilation."""
+        """Compile the inner step (`check_memory`, now that this island's state and its neighbours' are held) and run
+        it once on copies of the state and a batch of zeros (results dropped, no batch consumed), so that no timed
+        step, step budget or slowdown ever includes the compilation."""
         assert self.state is not None and self._step_fn is not None
-        zeros = np.zeros((self.stream.batch_size, self.stream.seq_len + 1), np.int32)
-        batch = jax.device_put(zeros.reshape(self.passes, -1, zeros.shape[1]), self._batch_sharding)
-        out = self._step_fn(self.place(self.state.params), self.place(self.state.inner_opt_state), batch)
+        compiled = self.check_memory(self.state.params, self.state.inner_opt_state)
+        batch = jnp.zeros(self._batch_shape(), jnp.int32, device=self._batch_sharding)  # made on the devices
+        out = compiled(self.place(self.state.params), self.place(self.state.inner_opt_state), batch)
         jax.block_until_ready(out)
         self._warm = True
 
@@ -206,7 +277,6 @@ class Island:
         if not self._warm:
             self._warm_up()
         params, opt_state = self.state.params, self.state.inner_opt_state
-        first_step = self.state.step
         losses = []
         t0 = time.perf_counter()
         for _ in range(n_steps):
@@ -215,8 +285,15 @@ class Island:
         host_losses = np.asarray(jax.device_get(losses), dtype=np.float32)
         if self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
-        seconds = time.perf_counter() - t0
-        self.check_finite(host_losses, params, first_step)
+        return self.adopt(params, opt_state, host_losses, time.perf_counter() - t0)
+
+    def adopt(self, params: PyTree, opt_state: PyTree, losses: np.ndarray, seconds: float) -> InnerRun:
+        """Take what len(losses) inner steps from the current state produced (on batches drawn from this island's
+        stream, whose cursor is past them) as the new state, once `check_finite` passed: `train`'s last part, also
+        the way back of islands/vectorized.py, which steps many islands at once."""
+        assert self.state is not None, "start() the island first"
+        first_step, n_steps = self.state.step, len(losses)
+        self.check_finite(losses, params, first_step)
         self.state = replace(
             self.state,
             params=params,
@@ -225,7 +302,7 @@ class Island:
             data_cursor=self.stream.cursor,
         )
         tokens = n_steps * self.stream.batch_size * self.stream.seq_len
-        return InnerRun(losses=host_losses, tokens=tokens, seconds=seconds, first_step=first_step)
+        return InnerRun(losses=losses, tokens=tokens, seconds=seconds, first_step=first_step)
 
     def check_finite(self, losses: np.ndarray, params: PyTree, first_step: int) -> None:
         """Raise DivergedError naming the first inner step whose loss is NaN/Inf, or the parameters if they are.

@@ -25,7 +25,9 @@ class MeshError(UserError, ValueError):
 
 
 def build_mesh(n_devices: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    available = list(devices) if devices is not None else jax.local_devices()
+    """A 1-D mesh of the first `n_devices` of `devices` (default: every device of the JAX program, which for a
+    multi-process island (jax.distributed) is every process's devices, in process order; else this process's)."""
+    available = list(devices) if devices is not None else jax.devices()
     if n_devices > len(available):
         raise MeshError(
             f"islands.devices is {n_devices} but this process sees {len(available)} device(s); on CPU set "

@@ -234,3 +234,20 @@ def test_a_second_coordinator_on_a_run_dir_exits_2_with_one_line(tmp_path: Path,
         if first.poll() is None:
             first.kill()
             first.wait(timeout=30)
+
+
+def test_a_run_that_saved_nothing_gives_its_dir_to_a_corrected_config(tmp_path: Path) -> None:
+    """A first attempt refused at start (e.g. a step too big for memory) leaves config.toml and nothing to resume:
+    the corrected command takes the directory; once a round is committed another config is refused."""
+    from diloco.config import load_config
+    from diloco.rundir import RunDir, RunDirError
+
+    base = ["data.kind=synthetic"]
+    first, fixed = load_config(None, [*base, "train.batch_size=64"]), load_config(None, [*base, "train.batch_size=8"])
+    RunDir(tmp_path / "r", first).close()
+    rd = RunDir(tmp_path / "r", fixed)
+    assert "batch_size = 8" in (tmp_path / "r" / "config.toml").read_text()
+    rd.log("round", round=0, eval_loss=1.0)
+    rd.close()
+    with pytest.raises(RunDirError, match=r"holds another run \(config differs in: train.batch_size\)"):
+        RunDir(tmp_path / "r", first)

@@ -336,10 +336,11 @@ def _aligned_f32(x: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _host_device() -> jax.Device:
+    # This process's own: in a multi-process JAX program (a multi-host island) jax.devices()[0] is process 0's.
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
     except RuntimeError:  # a platform list without "cpu" (e.g. JAX_PLATFORMS=proxy): use the default device
-        return jax.devices()[0]
+        return jax.local_devices()[0]
 
 
 def _to_device_flat(x: Any) -> jax.Array:

@@ -33,6 +33,7 @@ HELP = {
     "colocation": "islands sharing a host: inner-step time against their fair share of the cores (threads, pinning)",
     "utilization": "compute utilization over WAN links: plain DiLoCo vs its cost model vs Streaming with overlap",
     "heterogeneous": "one island 2x slower: plain vs time-budgeted vs async DiLoCo on one virtual time axis",
+    "simulator": "simulate's islands stepped in turn vs as one program (train.vectorize): wall time, speedup, max |Δ|",
 }
 
 
@@ -63,6 +64,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     conv = parsers["convergence"]
     _with_config(conv)
     conv.add_argument("--islands", type=int, default=4, help="M, the islands of the DiLoCo and sync runs")
+    conv.add_argument("--grid", action="append", default=[], metavar="METHOD:KEY=V1,V2",
+                      help="a method's hyperparameter grid (METHOD: L1, LM, Ls or all; repeat): each method is "
+                           "compared at its best point")  # fmt: skip
+    conv.add_argument("--vectorize", action="store_true", help="the DiLoCo runs step their islands as one program")
+    conv.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
+                      help="pretrain one island STEPS steps (plain AdamW), then run each method from it")  # fmt: skip
 
     codec = parsers["codec"]
     codec.add_argument("--size-mb", type=float, default=64.0, help="MiB of float32 pseudo-gradient")
@@ -101,6 +108,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     _add_load(parsers["load"])
     _add_soak(parsers["soak"])
     _add_heterogeneous(parsers["heterogeneous"])
+    sim = parsers["simulator"]
+    _with_config(sim)
+    sim.add_argument("--islands", type=int, default=4, help="M, the islands of both runs")
+    sim.add_argument("--rounds", type=int, default=None, help="rounds of both runs (default: the config's)")
 
 
 def _add_fuzz(p: argparse.ArgumentParser) -> None:
@@ -169,7 +180,8 @@ def _convergence(args: argparse.Namespace) -> Result:
     from diloco.bench.convergence import run_convergence_bench
     from diloco.config import load_config
 
-    return run_convergence_bench(load_config(args.config, args.overrides), _run_dir(args), args.islands)
+    cfg = load_config(args.config, args.overrides)
+    return run_convergence_bench(cfg, _run_dir(args), args.islands, args.grid, args.warm_start, args.vectorize)
 
 
 def _codec(args: argparse.Namespace) -> Result:
@@ -268,6 +280,14 @@ def _heterogeneous(args: argparse.Namespace) -> Result:
     return run_heterogeneous_bench(cfg, _run_dir(args), args.rounds, args.islands, args.factor, args.target)
 
 
+def _simulator(args: argparse.Namespace) -> Result:
+    from diloco.bench.simulator import run_simulator_bench
+    from diloco.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    return run_simulator_bench(cfg, _run_dir(args), args.islands, args.rounds)
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "overhead": _overhead,
     "convergence": _convergence,
@@ -285,6 +305,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "colocation": _colocation,
     "utilization": _utilization,
     "heterogeneous": _heterogeneous,
+    "simulator": _simulator,
 }
 
 

@@ -26,6 +26,9 @@ Metrics = dict[str, jax.Array]
 KINDS: tuple[str, ...] = ("transformer", "moe", "custom")
 """The model kinds `build_model` knows."""
 
+COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+"""The values of model.compute_dtype."""
+
 
 class ModelError(UserError, ValueError):
     """A user error in the model section of the config (bad sizes, an entry that does not import)."""
@@ -90,6 +93,19 @@ class ModelConfig:
     init_scale: float = 0.02
     """Standard deviation of the normal initialisation of weight matrices and embeddings."""
 
+    compute_dtype: str = "float32"
+    """dtype of the matmuls and activations of the forward and backward passes: "float32" or "bfloat16" (mixed
+    precision, for accelerators; on CPU bfloat16 is usually slower). Parameters, their gradients and the optimizer
+    state stay float32 either way (the master weights: pseudo-gradients, codecs and the coordinator see float32):
+    weights are cast where they are used, and layer-norm statistics, the attention softmax and the cross-entropy
+    run in float32 for stability. Honoured by kind transformer and moe; a custom model may read it."""
+
+    remat: bool = False
+    """Rematerialise every transformer block in the backward pass (`jax.checkpoint`, nothing saved inside a block):
+    a block keeps only its input [batch, seq_len, d_model] for the backward pass, which recomputes the rest, at the
+    cost of about one more forward pass per step. For models whose activations do not fit (train.microbatch is the
+    other knob); the loss and gradients are the same. Honoured by kind transformer and moe."""
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ModelError(f"model.kind must be one of {', '.join(KINDS)} (got {self.kind!r})")
@@ -105,6 +121,12 @@ class ModelConfig:
             _check_int(name, getattr(self, name))
         if self.d_model % self.n_heads:
             raise ModelError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ModelError(
+                f"model.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)} (got {self.compute_dtype!r})"
+            )
+        if not isinstance(self.remat, bool):
+            raise ModelError(f"model.remat must be true or false (got {self.remat!r})")
         if self.top_k > self.n_experts:
             raise ModelError(f"model.top_k ({self.top_k}) must be <= model.n_experts ({self.n_experts})")
         # Normalise TOML ints (`init_scale = 1`) to floats so equal configs compare and hash equal.

@@ -54,9 +54,12 @@ def experts(p: Params, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.A
     """The MoE feed-forward (a transformer.FFApply): x [B, T, D] -> (y [B, T, D], aux scalar)."""
     b, t, d = x.shape
     tokens = x.reshape(b * t, d)
-    combine, aux = route(tokens @ p["router"], cfg.top_k)
-    hidden = jax.nn.gelu(jnp.einsum("nd,edf->nef", tokens, p["w1"]) + p["b1"])
-    outs = jnp.einsum("nef,efd->ned", hidden, p["w2"]) + p["b2"]
+    # The router runs in float32 whatever the compute dtype (Switch Transformer's "selective precision":
+    # routing decisions are unstable in bfloat16); it is a [D, E] matmul, cheap next to the experts'.
+    combine, aux = route(tokens.astype(jnp.float32) @ p["router"], cfg.top_k)
+    dtype = tokens.dtype  # the experts' weights are cast at use, like transformer.dense does
+    hidden = jax.nn.gelu(jnp.einsum("nd,edf->nef", tokens, p["w1"].astype(dtype)) + p["b1"].astype(dtype))
+    outs = jnp.einsum("nef,efd->ned", hidden, p["w2"].astype(dtype)) + p["b2"].astype(dtype)
     y = jnp.einsum("ne,ned->nd", combine.astype(outs.dtype), outs)
     return y.reshape(b, t, d), aux
 

@@ -5,6 +5,13 @@ in float32, GELU MLP, learned position embeddings, a final LayerNorm and an outp
 input embedding. The feed-forward is pluggable (`ff_init`/`ff_apply`) so the mixture-of-experts model
 (`islands.models.moe`) reuses everything else here unchanged.
 
+Mixed precision (`cfg.compute_dtype`): the parameters are always float32 (the master weights the optimizer,
+the pseudo-gradients and the coordinator see). The embedding output is cast to the compute dtype and every
+weight is cast to its input's dtype where it is used (`dense`), so with bfloat16 every matmul, forward and
+backward, and the residual stream run in bfloat16 while the gradients arrive in float32. Layer-norm
+statistics, the attention softmax and the cross-entropy run in float32, on scores and logits upcast from the
+matmuls that make them. `cfg.remat` recomputes each block in the backward pass (`forward` says how).
+
 Params layout (float32 leaves; the blocks are a list so Streaming DiLoCo can cut fragments by layer):
     {"embed": {"tok": [V, D], "pos": [T, D]},
      "blocks": [{"ln1": norm, "attn": {"wqkv": [D, 3D], "wo": [D, D]}, "ln2": norm, "ff": ...}, ...],
@@ -53,6 +60,13 @@ def layer_norm(p: Params, x: jax.Array, eps: float = 1e-5) -> jax.Array:
     return (y * p["scale"] + p["bias"]).astype(x.dtype)
 
 
+def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x @ w (+ b) in x's dtype: the float32 weight is cast where it is used, so bfloat16 activations run a
+    bfloat16 matmul and the gradient still flows back (cast to float32) into the float32 parameter."""
+    y = x @ w.astype(x.dtype)
+    return y if b is None else y + b.astype(x.dtype)
+
+
 def init_attention(key: jax.Array, cfg: ModelConfig) -> Params:
     k_qkv, k_out = jax.random.split(key)
     d = cfg.d_model
@@ -66,15 +80,17 @@ def attention(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Causal multi-head self-attention: position t attends to positions <= t only."""
     b, t, d = x.shape
     h = cfg.n_heads
-    qkv = (x @ p["wqkv"]).reshape(b, t, 3, h, d // h)
+    qkv = dense(x, p["wqkv"]).reshape(b, t, 3, h, d // h)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    # Scores and softmax in float32 whatever the activation dtype: exp() overflows in half precision.
+    # Scores and softmax in float32 whatever the activation dtype: exp() overflows in half precision. The
+    # matmul itself stays in the activation dtype (upcast after it, not preferred_element_type=float32): its
+    # backward then runs bfloat16 matmuls too, where a float32 output would make them mixed float32 ones.
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(d // h)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
-    return out @ p["wo"]
+    return dense(out, p["wo"])
 
 
 def init_mlp(key: jax.Array, cfg: ModelConfig) -> Params:
@@ -90,7 +106,7 @@ def init_mlp(key: jax.Array, cfg: ModelConfig) -> Params:
 
 def mlp(p: Params, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Dense GELU MLP; no auxiliary loss."""
-    y = jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    y = dense(jax.nn.gelu(dense(x, p["w1"], p["b1"])), p["w2"], p["b2"])
     return y, jnp.zeros((), jnp.float32)
 
 
@@ -107,8 +123,9 @@ def embed(p: Params, tokens: jax.Array) -> jax.Array:
 
 
 def unembed(p: Params, x: jax.Array) -> jax.Array:
-    """Logits through the transposed input embedding (tied weights), in float32."""
-    return (x @ p["tok"].T).astype(jnp.float32)
+    """Logits through the transposed input embedding (tied weights), in float32 (upcast after the matmul, as
+    for the attention scores, so the backward matmuls stay in the compute dtype)."""
+    return dense(x, p["tok"].T).astype(jnp.float32)
 
 
 def init_params(key: jax.Array, cfg: ModelConfig, ff_init: FFInit = init_mlp) -> Params:
@@ -125,6 +142,13 @@ def init_params(key: jax.Array, cfg: ModelConfig, ff_init: FFInit = init_mlp) ->
     return {"embed": init_embedding(k_embed, cfg), "blocks": blocks, "final_norm": init_norm(cfg.d_model)}
 
 
+def block(p: Params, x: jax.Array, cfg: ModelConfig, ff_apply: FFApply) -> tuple[jax.Array, jax.Array]:
+    """One pre-LayerNorm block: x + attention(ln1(x)), then + feed-forward(ln2(x)) -> (x, auxiliary loss)."""
+    x = x + attention(p["attn"], layer_norm(p["ln1"], x), cfg)
+    y, aux = ff_apply(p["ff"], layer_norm(p["ln2"], x), cfg)
+    return x + y, aux
+
+
 def forward(
     params: Params, tokens: jax.Array, cfg: ModelConfig, ff_apply: FFApply = mlp
 ) -> tuple[jax.Array, jax.Array]:
@@ -133,12 +157,19 @@ def forward(
         raise ModelError(
             f"model input must be [batch, <= model.seq_len ({cfg.seq_len})] tokens (got shape {tokens.shape})"
         )
-    x = embed(params["embed"], tokens)
+    apply_block = functools.partial(block, cfg=cfg, ff_apply=ff_apply)
+    if cfg.remat:
+        # Save nothing inside a block: the backward pass keeps only each block's input (and its float32 params,
+        # live anyway) and recomputes the rest, weight casts included: about one more forward pass per step.
+        # dots_with_no_batch_dims_saveable would recompute only attention and elementwise ops but keep the four
+        # projections' outputs, ~9 x d_model values per token per block against d_model here (3x the saved
+        # activations at d_model 256, context 256). The knob is there for when activations do not fit, so it
+        # takes the smallest footprint.
+        apply_block = jax.checkpoint(apply_block, policy=jax.checkpoint_policies.nothing_saveable)
+    x = embed(params["embed"], tokens).astype(cfg.compute_dtype)
     aux = []
-    for block in params["blocks"]:
-        x = x + attention(block["attn"], layer_norm(block["ln1"], x), cfg)
-        y, block_aux = ff_apply(block["ff"], layer_norm(block["ln2"], x), cfg)
-        x = x + y
+    for p in params["blocks"]:
+        x, block_aux = apply_block(p, x)
         aux.append(block_aux)
     x = layer_norm(params["final_norm"], x)
     return unembed(params["embed"], x), jnp.stack(aux)
