@@ -92,6 +92,16 @@ count = 2
 """
 
 
+def cut_after_round(run_dir: Path, round_: int) -> None:
+    """Leave in a `simulate` run dir what a kill right after round `round_`'s checkpoint leaves: later checkpoints and
+    the summary never written (the resume tests of the sequential, streaming and vectorized paths)."""
+    for store in (run_dir / "checkpoints").iterdir():
+        for step in store.iterdir():
+            if step.name.isdigit() and int(step.name) > round_:
+                shutil.rmtree(step)
+    (run_dir / "summary.json").unlink()
+
+
 def write_corpus(path: Path, n_bytes: int = 40_000, seed: int = 0) -> Path:
     """A learnable byte corpus: words drawn from a small vocabulary, so loss falls well below log(256)."""
     rng = np.random.default_rng(seed)

@@ -12,7 +12,6 @@ Every value below is a short binary fraction, so float32 holds it exactly and th
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +30,7 @@ from diloco.simulate import Lockstep, run_simulation
 from islands.island import Island
 from outer_optimizer import mean
 from outer_optimizer.fragments import Fragments
+from tests.conftest import cut_after_round
 from transport.codecs import CodecSpec, flatten_named
 
 FP32 = CodecSpec(kind="fp32")
@@ -130,12 +130,7 @@ def test_streaming_simulate_resumes_bit_identically(tiny_config: Path, tmp_path:
     cfg = load_config(tiny_config, STREAM)
     run_dir = tmp_path / "run"
     reference = run_simulation(cfg, run_dir, show_progress=False)  # uninterrupted: the figures to end with
-    # What a kill right after round 1's checkpoint leaves on disk: later checkpoints and the summary never written.
-    for store in (run_dir / "checkpoints").iterdir():
-        for step in store.iterdir():
-            if step.name.isdigit() and int(step.name) > 1:
-                shutil.rmtree(step)
-    (run_dir / "summary.json").unlink()
+    cut_after_round(run_dir, 1)
     resumed = run_simulation(cfg, run_dir, show_progress=False)
     events = read_events(run_dir / "metrics.jsonl")
     assert [e["round"] for e in events if e["event"] == "resumed"] == [1]

@@ -8,7 +8,6 @@ plain and Streaming DiLoCo; resume from its own checkpoints exactly; and be refu
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import jax
@@ -26,6 +25,7 @@ from diloco.warm_start import newest_step
 from islands.data import BatchStream
 from islands.island import DivergedError, Island
 from islands.vectorized import IslandStack
+from tests.conftest import cut_after_round
 from transport.codecs import PyTree
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -102,11 +102,7 @@ def test_a_vectorized_run_resumes_to_the_same_parameters(tiny_config: Path, tmp_
     cfg = load_config(tiny_config, [*STREAM, *LOSSY, "train.vectorize=true"])
     run_dir = tmp_path / "run"
     reference = run_simulation(cfg, run_dir, show_progress=False)
-    for store in (run_dir / "checkpoints").iterdir():
-        for step in store.iterdir():
-            if step.name.isdigit() and int(step.name) > 1:
-                shutil.rmtree(step)
-    (run_dir / "summary.json").unlink()
+    cut_after_round(run_dir, 1)
     resumed = run_simulation(cfg, run_dir, show_progress=False)
     events = read_events(run_dir / "metrics.jsonl")
     assert [e["round"] for e in events if e["event"] == "resumed"] == [1]
