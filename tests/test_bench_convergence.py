@@ -46,7 +46,7 @@ def test_grid_points_are_the_cartesian_product_in_order() -> None:
     assert Point("Ls", ()).key == "default"
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # the bench's end-to-end smoke run (45 s): pytest -m bench, like the other benches' smoke runs
 def test_warm_start_and_grids_pick_each_methods_best(tiny_config: Path, tmp_path: Path) -> None:
     cfg = load_config(tiny_config, ["train.rounds=3", "train.inner_steps=2", "train.checkpoint_every=1"])
     grid = ["LM:inner.lr=1e-4,3e-3"]
