@@ -138,9 +138,8 @@ def run_convergence_bench(
         rows = table[keys[method]] = []
         for point in points:
             variant = _variant(base, point.overrides, **_method_config(base, method, islands, vectorize))
-            where = run_dir / keys[method] if len(points) == 1 and not point.overrides else (
-                run_dir / keys[method] / point.key
-            )  # fmt: skip
+            # A point without overrides is a method without a grid: its run keeps the bench's original place.
+            where = run_dir / keys[method] / point.key if point.overrides else run_dir / keys[method]
             result = run_simulation(variant, where, show_progress=False)
             rows.append({
                 "overrides": list(point.overrides), "final_eval_loss": round(result["final_eval_loss"], 4),
