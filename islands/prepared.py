@@ -61,6 +61,9 @@ def read_meta(path: Path) -> dict[str, Any] | str:
         return f"{path} lacks {', '.join(META_KEYS)}: not written by `diloco data prepare`"
     if meta["format"] != META_FORMAT:
         return f"{path} has format {meta['format']!r}; this diloco reads format {META_FORMAT}"
+    vocab = meta["vocab_size"]
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1 or not isinstance(meta["token_dtype"], str):
+        return f"{path} has vocab_size {vocab!r} and token_dtype {meta['token_dtype']!r}: not a count and a dtype name"
     return meta
 
 

@@ -201,3 +201,14 @@ def test_ids_past_65536_are_stored_as_uint32(prepared: Path, corpus: Path, tmp_p
 )
 def test_mismatches_allow_a_padded_vocabulary(vocab_size: int, dtype: str, problems: int) -> None:
     assert len(mismatches({"vocab_size": 4096, "token_dtype": "uint16"}, vocab_size, dtype)) == problems
+
+
+@pytest.mark.parametrize("vocab", ["4096", -1, True, None])
+def test_a_meta_json_with_a_bad_vocab_size_is_one_reason(tmp_path: Path, vocab: object) -> None:
+    from islands.prepared import META_FORMAT, read_meta
+
+    path = tmp_path / "meta.json"
+    path.write_text(json.dumps({"format": META_FORMAT, "vocab_size": vocab, "token_dtype": "uint16", "tokens": 1,
+                                "tokenizer_sha256": "x", "sources": []}))  # fmt: skip
+    why = read_meta(path)
+    assert isinstance(why, str) and "not a count and a dtype name" in why, why
