@@ -400,15 +400,17 @@ class Coordinator:
         """After a commit diverged: did the islands' own losses explode too (the run diverged), or is it one Δ?
 
         An island can wreck the model with a finite but absurd Δ while reporting a healthy loss (a bug, or an insider
-        with its credentials), so only the islands' reported losses may stop the run. A contribution that diverges
-        while its island's loss is healthy is dropped instead, every time; the run never stops on it, since an
-        insider could otherwise stop the run at will. The price: a run whose *outer* step is too large for healthy
-        islands drops every contribution and makes no progress, with a `contribution_dropped` event (and hint) each
-        time rather than an exit.
+        with its credentials), so only the islands' reported losses may stop the run, and only when *every* island
+        that took part in the round or is live agrees: one insider can claim an exploded loss as easily as send an
+        absurd Δ, and if one claim stopped the run, an insider could stop it at will. Otherwise the largest
+        contribution is dropped, every time. The price: a run whose *outer* step is too large for healthy islands
+        drops every contribution and makes no progress, with a `contribution_dropped` event (and hint) each time
+        rather than an exit.
         """
         initial = self.totals.initial_eval_loss
-        losses = [self.last_loss[n] for n in self.loop.pending if n in self.last_loss]
-        return any(diverged_reason(x, initial, self.world.divergence_factor) for x in losses)
+        voters = set(self.loop.pending) | set(self.last_seen)
+        losses = [self.last_loss[n] for n in sorted(voters) if n in self.last_loss]
+        return bool(losses) and all(diverged_reason(x, initial, self.world.divergence_factor) for x in losses)
 
     def _refuse_if_diverged(self) -> None:
         if self.world.diverged is not None:

@@ -148,3 +148,19 @@ def test_islands_whose_own_loss_exploded_stop_the_run(coordinator: Coordinator) 
     assert coordinator.settled(60)
     assert coordinator.world.diverged is not None and coordinator.loop.round == 0
     refused(lambda: push(coordinator, "island-0", 1e-3), grpc.StatusCode.FAILED_PRECONDITION, "diverged")
+
+
+@pytest.mark.parametrize("insider_fill", [1e30, 0.0])
+def test_one_island_claiming_an_exploded_loss_cannot_stop_the_run(coordinator: Coordinator, insider_fill: float) -> None:
+    # An insider holding island-1's secret reports an exploded loss, with a Δ that wrecks the model or with a
+    # harmless one beside another wrecking Δ: the healthy island-0 disagrees, so the run goes on without the wreck.
+    push(coordinator, "island-1", insider_fill, loss=1e9)
+    push(coordinator, "island-0", 1e30 if insider_fill == 0.0 else 1e-3, loss=1.0)  # closes the round: both pushed
+    assert coordinator.settled(60)
+    assert coordinator.world.diverged is None and coordinator.loop.round == 0
+    dropped = read_events(coordinator.rd.metrics_path, "contribution_dropped")
+    assert [e["island"] for e in dropped] == ["island-1" if insider_fill else "island-0"], dropped
+    with coordinator.cond:
+        coordinator._close_locked(coordinator.clock(), "forced")
+    assert coordinator.settled(60)
+    assert coordinator.world.diverged is None and coordinator.loop.round == 1

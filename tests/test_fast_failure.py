@@ -46,10 +46,14 @@ def test_a_killed_worker_is_reported_by_its_supervisor_and_the_round_goes_on(tin
         closed_after_s = time.monotonic() - killed_at
         summary = fed.wait_done(300)
     assert left[0]["island"] == "island-1" and left[0]["reason"] == "worker died (signal 9)", left
-    # Round 1 closed without the victim, unless its restarted worker rejoined (at the coordinator) before the
-    # survivor pushed: then the round rightly waited for both, and the Leave still spared it the lease.
+    # Round 1 closed without the victim, unless (a) its restarted worker rejoined (at the coordinator) before the
+    # survivor pushed: then the round rightly waited for both, and the Leave still spared it the lease; or (b) the
+    # kill landed late, after the victim's round-1 push reached the coordinator (seen once in CI under load).
     rejoined = [e for e in fed.events("island_joined") if e["island"] == "island-1" and left[0]["t"] < e["t"]]
-    assert closed["islands"] == ["island-0"] or (rejoined and rejoined[0]["t"] < closed["t"]), (closed, rejoined)
+    pushed_before_kill = [e for e in fed.events("push") if e["island"] == "island-1" and e["round"] == 1
+                          and e["t"] < left[0]["t"]]  # fmt: skip
+    assert (closed["islands"] == ["island-0"] or (rejoined and rejoined[0]["t"] < closed["t"])
+            or pushed_before_kill), (closed, rejoined)  # fmt: skip
     assert closed_after_s < 60, closed_after_s  # long before its 120 s lease (seconds, on a quiet machine)
     assert summary["rounds"] == 3 and summary["islands_lost"] == 0  # a Leave, not a lease expiry
     print(f"round 1 closed {closed_after_s:.2f} s after the SIGKILL")

@@ -46,7 +46,7 @@ from diloco.bench.errors import BenchError
 from diloco.bench.federation import _federation
 from diloco.bench.load import load_config_text, proc_memory_kib
 from diloco.config import RunConfig, config_digest, load_config
-from diloco.procs import Federation, FederationError
+from diloco.procs import Federation, FederationError, log_lines
 from transport import diloco_pb2 as pb
 from transport.auth import call_metadata
 from transport.client_core import push_wire_chunks
@@ -397,8 +397,9 @@ def _run(mode: str, messages: int, seed: int, run_dir: Path, tmp: Path, threads:
     return result
 
 
-def _legit_round(fed: Federation, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Start the run's real islands and wait for a round committed after one of them pushed."""
+def _legit_round(fed: Federation, timeout_s: float = 240.0) -> dict[str, Any]:
+    """Start the run's real islands and wait for a round committed after one of them pushed (a tiny round takes
+    seconds; the timeout allows for a loaded machine). A miss keeps every process's last log lines: the finding."""
     t0 = time.monotonic()
     try:
         for name in fed.names:
@@ -407,7 +408,9 @@ def _legit_round(fed: Federation, timeout_s: float = 600.0) -> dict[str, Any]:
         fed.wait_for(pushed, timeout_s, "a real island's push")
         rounds = fed.wait_rounds(len(fed.rounds()) + 1, timeout_s)
     except FederationError as exc:  # the finding, not the benchmark's failure
-        return {"committed": False, "why": str(exc).splitlines()[0], "s": round(time.monotonic() - t0, 1)}
+        logs = {name: log_lines(fed.log_path(name))[-8:] for name in fed.processes()}
+        return {"committed": False, "why": str(exc).splitlines()[0], "s": round(time.monotonic() - t0, 1),
+                "coordinator_state": fed.events()[-5:], "logs": logs}  # fmt: skip
     losses = [r["eval_loss"] for r in rounds if "eval_loss" in r]
     return {"committed": True, "s": round(time.monotonic() - t0, 1), "round": rounds[-1]["round"],
             "eval_losses_finite": all(math.isfinite(x) for x in losses)}  # fmt: skip
@@ -418,6 +421,8 @@ def run_fuzz_bench(messages: int = 5000, seed: int = 0, run_dir: Path | None = N
     if messages < 2 or threads < 1:
         raise BenchError(f"bench fuzz: --messages must be >= 2 (got {messages})")
     run_dir = run_dir or Path("runs") / f"bench-fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
+    if run_dir.exists() and any(run_dir.iterdir()):  # its islands' directories would hold another run's secrets
+        raise BenchError(f"bench fuzz: --run-dir '{run_dir}' is not empty; give a new one")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-fuzz-") as tmp:
         runs = {mode: _run(mode, messages // 2, seed, run_dir, Path(tmp), threads) for mode in ("auth", "open")}
