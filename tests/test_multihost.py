@@ -107,17 +107,17 @@ def test_two_process_island_trains_as_one_process_island(tmp_path: Path, tiny_co
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_killed_follower_restarts_the_island_as_a_whole(tmp_path: Path, tiny_config: Path, feds: list) -> None:
-    fed = _federation(feds, tiny_config, tmp_path / "fed", "islands.devices=2", "train.rounds=5")
+    fed = _federation(feds, tiny_config, tmp_path / "fed", "islands.devices=2")
     fed.start_coordinator()
     fed.start_island("island-0", args=fed.group_args("island-0", 2), supervised=True)
     fed.start_island("island-1", env=devices_env(2))
-    fed.wait_rounds(2, WAIT_S)
+    fed.wait_rounds(2, WAIT_S)  # round 1's island checkpoint is on disk: the restart resumes from it
     island = fed.island_dir("island-0")
     leader, follower = (int((island / f).read_text()) for f in ("worker.pid", "process-1.pid"))
     os.kill(follower, signal.SIGKILL)
     fed.wait_done(WAIT_S)
     fed.stop(linger_s=20.0)
-    check_run(fed, 5, list(fed.names))
+    check_run(fed, ROUNDS, list(fed.names))
     # The whole island restarted: a new leader process, resumed from its checkpoint, joined again.
     assert int((island / "worker.pid").read_text()) != leader
     assert fed.events("resumed", island="island-0")

@@ -416,16 +416,22 @@ def _legit_round(fed: Federation, timeout_s: float = 240.0) -> dict[str, Any]:
             "eval_losses_finite": all(math.isfinite(x) for x in losses)}  # fmt: skip
 
 
-def run_fuzz_bench(messages: int = 5000, seed: int = 0, run_dir: Path | None = None, threads: int = 4) -> dict:
-    """Fuzz a coordinator with secrets and one without, ``messages`` in all (half each); see the module docstring."""
-    if messages < 2 or threads < 1:
-        raise BenchError(f"bench fuzz: --messages must be >= 2 (got {messages})")
+MODES = ("auth", "open")
+
+
+def run_fuzz_bench(
+    messages: int = 5000, seed: int = 0, run_dir: Path | None = None, threads: int = 4, modes: tuple[str, ...] = MODES
+) -> dict:
+    """Fuzz a coordinator with secrets and one without (`modes`), ``messages`` in all (shared equally); see the
+    module docstring."""
+    if messages < len(modes) or threads < 1 or not modes or set(modes) - set(MODES):
+        raise BenchError(f"bench fuzz: --messages must be >= {len(modes)} (got {messages}), modes some of {MODES}")
     run_dir = run_dir or Path("runs") / f"bench-fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
     if run_dir.exists() and any(run_dir.iterdir()):  # its islands' directories would hold another run's secrets
         raise BenchError(f"bench fuzz: --run-dir '{run_dir}' is not empty; give a new one")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-fuzz-") as tmp:
-        runs = {mode: _run(mode, messages // 2, seed, run_dir, Path(tmp), threads) for mode in ("auth", "open")}
+        runs = {mode: _run(mode, messages // len(modes), seed, run_dir, Path(tmp), threads) for mode in modes}
     return {
         "bench": "fuzz", "seed": seed, "run_dir": str(run_dir),
         "messages_sent": sum(r["messages"] for r in runs.values()),
