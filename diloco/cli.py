@@ -248,7 +248,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 def _island(args: argparse.Namespace) -> int:
     from diloco.island_worker import IslandError, run_island_process, say_gone
-    from diloco.supervisor import supervise
+    from diloco.supervisor import follow_supervisor, supervise
     from diloco.tls import check_client_exposure, client_tls
     from transport.auth import is_secret_reference, resolve_secret
 
@@ -266,6 +266,8 @@ def _island(args: argparse.Namespace) -> int:
     from diloco.island_group import check_group, lock_name, members, run_follower
 
     group = check_group(cfg, args.process_id, args.num_processes, args.island_coordinator)
+    if args.no_supervise:
+        follow_supervisor()  # a worker under a supervisor does not outlive it (diloco/supervisor.py)
     if group.multiple and args.no_supervise and args.process_id is None:
         raise IslandError("--no-supervise runs one process of the island: give it --process-id I")
     if not group.leader:  # a follower talks to its island's leader only (diloco/island_group.py)

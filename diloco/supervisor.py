@@ -11,6 +11,11 @@ coordinator that this island is gone (`diloco island` sends a Leave with the isl
 others' round closes now instead of when the dead worker's lease runs out (quorum.lease_s). Only the lease covers
 a host that dies with its supervisor, or a partition.
 
+A worker outlives no supervisor: the supervisor names itself in the worker's environment (SUPERVISOR_PID_ENV), and
+the worker's `follow_supervisor` watches its parent; when the supervisor is gone (SIGKILLed with its host's
+session, say), the worker stops as on SIGTERM, at its next sync point, instead of training on as an orphan that
+holds the run directory's lock and would race the island's next supervisor.
+
 The worker, not the supervisor, holds the run directory's lock (diloco/rundir.py): a dead worker's lock is gone
 with it, so its restart takes the directory at once. Before each start the supervisor checks that no one else
 holds it (an island started twice on one --run-dir), so that it refuses with one line naming the holder instead
@@ -31,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +51,11 @@ USER_ERROR = 2
 FOLLOWERS_EXIT_S = 30.0
 """How long a group's other workers get to exit after its process 0 ended (they exit with it at once, normally)."""
 POLL_S = 0.1
+SUPERVISOR_PID_ENV = "DILOCO_SUPERVISOR_PID"
+"""Set by the supervisor in each worker's environment: the pid the worker's parent must stay."""
+ORPHAN_KILL_S = 120.0
+"""A worker whose supervisor is gone stops cleanly (SIGTERM's path); if it has not exited after this long (a step or
+a save that hangs), it is killed."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,7 @@ class Member:
 def _start(members: Sequence[Member], run_dir: Path) -> list[subprocess.Popen[bytes]]:
     children = []
     for member in members:
-        env = {**os.environ, **member.env} if member.env else None
+        env = {**os.environ, **member.env, SUPERVISOR_PID_ENV: str(os.getpid())}
         children.append(subprocess.Popen([sys.executable, "-m", "diloco.cli", *member.argv], env=env))
         (run_dir / member.pid_file).write_text(str(children[-1].pid))
     return children
@@ -129,3 +140,24 @@ def supervise(
         restarts += 1
         log.warning("island worker died (%s); restart %d/%d", why, restarts, max_restarts)
         time.sleep(backoff_s * restarts)
+
+
+def follow_supervisor(poll_s: float = 0.5) -> threading.Thread | None:
+    """In a supervised worker (SUPERVISOR_PID_ENV set): a daemon thread that stops this process as SIGTERM would
+    once its parent is no longer the supervisor that started it (it died; the worker was re-parented), and kills
+    it ORPHAN_KILL_S later if it is still alive. None when the worker runs unsupervised."""
+    expected = os.environ.get(SUPERVISOR_PID_ENV, "")
+    if not expected.isdigit():
+        return None
+
+    def watch() -> None:
+        while os.getppid() == int(expected):
+            time.sleep(poll_s)
+        log.warning("the island's supervisor (pid %s) is gone; this worker stops", expected)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_KILL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="follow-supervisor", daemon=True)
+    thread.start()
+    return thread

@@ -173,6 +173,27 @@ def test_an_evaluation_too_big_is_one_error(tiny_config: Path) -> None:
         evaluate(model.init(jax.random.key(0)))
 
 
+def test_the_evaluator_compiles_once(tiny_config: Path) -> None:
+    """Its memory check compiles the evaluation ahead of time; the calls after it must reuse that executable, not
+    compile again (one compile per commit would cost the coordinator seconds a round on a large model)."""
+    from jax import monitoring
+
+    cfg = load_config(tiny_config, [])
+    model = build_model(cfg.model)
+    evaluate = Evaluator(model, np.zeros((2, 4, cfg.model.seq_len + 1), np.int32))
+    params = model.init(jax.random.key(0))
+    others = [jax.block_until_ready(jax.tree.map(lambda x, i=i: x * (1 + i / 10), params)) for i in range(3)]
+    compiles: list[str] = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
+    evaluate(params)
+    first = len(compiles)
+    losses = [evaluate(p) for p in others]
+    assert first >= 1 and len(compiles) == first, compiles
+    assert len(set(losses)) == 3  # really evaluated each parameter set
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["diloco", "sync"])
 def test_the_users_oversized_batch_is_one_line_before_any_step(mode: str, tmp_path: Path,

@@ -1,8 +1,8 @@
 """Multi-host islands (diloco/island_group.py): one island = N processes driven as one JAX program.
 
-With real processes, sockets and signals, on CPU over gloo: island-0 as 2 processes x 2 devices trains as island-0
-as 1 process x 4 devices does (the same losses, within float tolerance: the cross-process all-reduce adds in another
-order), and every island's θ equals the coordinator's after every round; a follower SIGKILLed mid-run takes its
+With real processes, sockets and signals, on CPU over gloo: island-0 as 2 processes x 2 devices trains as one process
+of 4 devices does (the same losses as `simulate`, within float tolerance: the cross-process all-reduce adds in
+another order), and every island's θ equals the coordinator's after every round; a follower SIGKILLed mid-run takes its
 island down, the island's supervisor restarts it whole and it rejoins; a user mistake is one line and exit code 2.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +19,8 @@ import pytest
 
 from diloco.cli import main
 from diloco.procs import Federation, devices_env
-from tests.conftest import JAX_CACHE, REPO
+from diloco.rundir import read_events
+from tests.conftest import JAX_CACHE, REPO, child_env
 from tests.test_federation import ENV, FAST, check_run
 
 ROUNDS = 3
@@ -42,62 +43,41 @@ def _federation(made: list[Federation], tiny_config: Path, run_dir: Path, *overr
     return fed
 
 
-def _run(fed: Federation, island0: dict, out: dict) -> None:
-    """Coordinator, island-0 as given, island-1 on 2 devices; wait for the run to end (in a thread)."""
-    try:
-        fed.start_coordinator()
-        fed.start_island("island-0", **island0)
-        fed.start_island("island-1", env=devices_env(2))
-        t0 = time.monotonic()
-        fed.wait_rounds(1, WAIT_S)
-        out["first_round_s"] = time.monotonic() - t0
-        out["summary"] = fed.wait_done(WAIT_S)
-        fed.stop(linger_s=20.0)
-    except BaseException as exc:  # re-raised in the test's thread
-        out["error"] = exc
-
-
-def _losses(fed: Federation) -> list[float]:
-    """The run's loss curve: each round's eval loss at the coordinator, then every island's pushed losses."""
-    curve = [r["eval_loss"] for r in fed.rounds()]
-    for name in fed.names:
-        curve += [e["loss"] for e in fed.events("pushed", island=name)]
-    return curve
-
-
-def _round_seconds(fed: Federation) -> float:
-    """Mean seconds between the coordinator's commits after the first (start-up and compilation excluded)."""
-    t = [r["t"] for r in fed.rounds()]
-    return (t[-1] - t[0]) / (len(t) - 1)
+def _curve(rounds: list[dict]) -> list[float]:
+    """A run's curve as the coordinator and `simulate` both log it: each round's mean island loss and eval loss."""
+    return [x for r in rounds for x in (r["loss"], r["eval_loss"])]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_process_island_trains_as_one_process_island(tmp_path: Path, tiny_config: Path, feds: list) -> None:
-    multi = _federation(feds, tiny_config, tmp_path / "multi", "islands.devices=2")
-    # The reference island-0 is one process of 4 devices; island-1 keeps its 2 (devices_reduced, as configured).
-    single = _federation(feds, tiny_config, tmp_path / "single", "islands.devices=4")
-    outs: dict[str, dict] = {"multi": {}, "single": {}}
-    runs = [
-        threading.Thread(target=_run, args=(multi, {"args": multi.group_args("island-0", 2), "supervised": True},
-                                            outs["multi"])),
-        threading.Thread(target=_run, args=(single, {"env": devices_env(4)}, outs["single"])),
-    ]  # fmt: skip
-    for t in runs:  # side by side: most of each run is start-up, waiting on JAX's imports and compilations
-        t.start()
-    for t in runs:
-        t.join()
-    for out in outs.values():
-        if "error" in out:
-            raise out["error"]
-    for fed in (multi, single):
-        check_run(fed, ROUNDS, list(fed.names))  # every island's θ is the coordinator's after every round
+    """island-0 as 2 processes x 2 devices against the one-process run of the same config: `diloco simulate` with
+    every island on 4 devices, which a federation of one-process islands matches bit for bit
+    (tests/test_federation.py::test_launch_equals_simulate). Only the order of float sums differs."""
+    reference = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "simulate", str(tiny_config), *RUN, "islands.devices=4",
+         "--run-dir", str(tmp_path / "simulate"), "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(4, jax_cache=True), cwd=REPO,
+    )  # fmt: skip
+    try:
+        multi = _federation(feds, tiny_config, tmp_path / "multi", "islands.devices=2")
+        multi.start_coordinator()
+        multi.start_island("island-0", args=multi.group_args("island-0", 2), supervised=True)
+        multi.start_island("island-1", env=devices_env(2))
+        multi.wait_done(WAIT_S)
+        multi.stop(linger_s=20.0)
+        _, err = reference.communicate(timeout=WAIT_S)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.communicate()
+    assert reference.returncode == 0, err[-2000:]
+    check_run(multi, ROUNDS, list(multi.names))  # every island's θ is the coordinator's after every round
     assert multi.events("joined", island="island-0")[0]["event"] == "joined"
-    a, b = _losses(multi), _losses(single)
-    assert len(a) == len(b) == ROUNDS + 2 * ROUNDS
+    a, b = _curve(multi.rounds()), _curve(read_events(tmp_path / "simulate" / "metrics.jsonl", "round"))
+    assert len(a) == len(b) == 2 * ROUNDS
     worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
-    print(f"loss curves differ by at most {worst:.3g}; round {_round_seconds(multi):.3f} s (2x2) vs "
-          f"{_round_seconds(single):.3f} s (1x4)")  # fmt: skip
+    print(f"loss curves differ by at most {worst:.3g}")
     assert worst < 1e-4, (a, b)
     # The follower kept its own lock and pid file beside the leader's run.lock.
     island = multi.island_dir("island-0")

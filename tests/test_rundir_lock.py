@@ -176,6 +176,44 @@ def test_the_supervisor_refuses_a_held_run_dir_before_starting_a_worker(tmp_path
     assert not (run_dir / "worker.pid").exists()  # the holder's worker.pid (were it an island) is not overwritten
 
 
+def _free(run_dir: Path) -> bool:
+    try:
+        check_free(run_dir)
+    except RunDirBusy:
+        return False
+    return True
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie may wait for a reaper that never comes)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_worker_does_not_outlive_its_supervisor(tmp_path: Path, tiny_config: Path, holders: list) -> None:
+    """A SIGKILLed supervisor forwards nothing; its worker (here waiting for a coordinator that never answers) must
+    notice and stop rather than hold the island's run dir against the island's next supervisor."""
+    run_dir, supervisor_log = tmp_path / "island", tmp_path / "island.log"
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "island", str(tiny_config), "--name", "island-0", "--coordinator",
+         "127.0.0.1:9", "--run-dir", str(run_dir), "network.coordinator_wait_s=600"],
+        stdout=subprocess.DEVNULL, stderr=supervisor_log.open("wb"), env=child_env(), cwd=REPO,
+    )  # fmt: skip
+    holders.append(supervisor)
+    _wait_for(lambda: (run_dir / "worker.pid").exists() and (run_dir / LOCK_FILE).exists(), "the worker's lock")
+    worker = int((run_dir / "worker.pid").read_text())
+    _wait_for(lambda: read_holder(run_dir / LOCK_FILE, 0.0).get("pid") == worker, "the worker to hold the run dir")
+    supervisor.kill()
+    supervisor.wait(timeout=30)
+    _wait_for(lambda: not _running(worker), "the orphaned worker to stop", timeout_s=60)
+    _wait_for(lambda: _free(run_dir), "the run dir to be free", timeout_s=10)  # the next supervisor may take it
+    assert b"supervisor (pid" in supervisor_log.read_bytes()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_second_launch_is_refused_before_it_touches_the_run_dir(
