@@ -9,7 +9,7 @@ coordinator's run dir is RUN_DIR, island NAME's is RUN_DIR/islands/NAME.
 Options, for the callers that need them: `supervise` runs islands under their supervisor (launch; a test's
 supervised island), else `--no-supervise` so that a SIGKILL kills the island and not a supervisor that restarts it
 behind our back; `wrap` prefixes every command (`Namespace.wrap`: the whole federation inside a kernel-shaped
-network namespace, tests/netns.py); `jax_cache` shares one persistent XLA compilation cache so restarted processes
+network namespace, diloco/netns.py); `jax_cache` shares one persistent XLA compilation cache so restarted processes
 load their compiled steps instead of compiling again; `new_session` puts each child in its own process group so
 that a final SIGKILL also reaches what it started (a supervisor's worker); `hide_env` names variables of this
 process that no child may inherit (launch: secrets, so that each process gets only its own). Per process,

@@ -1,11 +1,24 @@
-"""`diloco bench utilization`'s arithmetic: the plain round's cost model and the measured utilization, by hand."""
+"""`diloco bench utilization`'s arithmetic: the plain round's cost models (the config's links, one kernel-shaped link)
+and the measured utilization, by hand; `--kernel-link`'s refusals in one line; and (`pytest -m bench`, root only) one
+small end-to-end run in a kernel-shaped namespace."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from diloco.bench import utilization
 from diloco.bench.errors import BenchError
-from diloco.bench.utilization import measured_utilization, plain_round_model
+from diloco.bench.utilization import (
+    measured_utilization,
+    plain_round_model,
+    run_utilization_bench,
+    shared_link_round_model,
+)
+from diloco.cli import main
+from diloco.config import load_config
+from diloco.netns import list_namespaces, netns_available
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,13 +36,102 @@ def test_no_link_and_no_close_is_full_utilization() -> None:
     assert model == {"period_s": pytest.approx(0.4), "utilization": pytest.approx(1.0), "wire_share": 0.0}
 
 
-def test_measured_utilization_leaves_out_round_0() -> None:
+def test_measured_utilization_leaves_out_the_warm_up_rounds() -> None:
     pushes = [
         {"island": "a", "round": 0, "compute_s": 1.0, "wall_s": 30.0},  # start-up: left out
         {"island": "b", "round": 0, "compute_s": 1.0, "wall_s": 25.0},  # start-up: left out
-        {"island": "a", "round": 1, "compute_s": 1.0, "wall_s": 2.0},
-        {"island": "b", "round": 1, "compute_s": 2.0, "wall_s": 2.0},
+        {"island": "a", "round": 1, "compute_s": 1.0, "wall_s": 6.0},  # waited for b's start-up: left out
+        {"island": "b", "round": 1, "compute_s": 1.0, "wall_s": 2.0},  # left out
+        {"island": "a", "round": 2, "compute_s": 1.0, "wall_s": 2.0},
+        {"island": "b", "round": 2, "compute_s": 2.0, "wall_s": 2.0},
     ]
     assert measured_utilization(pushes) == pytest.approx(3.0 / 4.0)
     with pytest.raises(BenchError, match="raise --rounds"):
-        measured_utilization(pushes[:2])
+        measured_utilization(pushes[:4])
+
+
+@pytest.mark.parametrize(
+    ("compute", "round_bytes", "goodput_mbit", "close_s", "period_s", "util", "wire_share"),
+    [
+        # 2.5 MB at 10 Mbit/s = 2 s on the wire; the slowest island's 1 s of steps; 0.5 s commit -> 3.5 s.
+        ({"a": 1.0, "b": 0.5}, 2_500_000, 10.0, 0.5, 3.5, 0.75 / 3.5, 2.0 / 3.5),
+        # 3 islands: 3 pushes of 1 MB + 3 pulls of 0.5 MB = 4.5 MB at 36 Mbit/s = 1 s; max compute 2 s; no close.
+        ({"a": 2.0, "b": 2.0, "c": 1.0}, 4_500_000, 36.0, 0.0, 3.0, (5.0 / 3) / 3.0, 1.0 / 3.0),
+        # Nothing moved: the round is compute and close alone.
+        ({"a": 0.4}, 0, 20.0, 0.1, 0.5, 0.8, 0.0),
+    ],
+)
+def test_on_one_kernel_link_the_rounds_bytes_share_one_rate(
+    compute: dict[str, float],
+    round_bytes: int,
+    goodput_mbit: float,
+    close_s: float,
+    period_s: float,
+    util: float,
+    wire_share: float,
+) -> None:
+    model = shared_link_round_model(compute, round_bytes, goodput_mbit, close_s)
+    assert model == {
+        "period_s": pytest.approx(period_s),
+        "utilization": pytest.approx(util),
+        "wire_share": pytest.approx(wire_share),
+    }
+
+
+def test_one_link_for_all_is_slower_than_a_link_each() -> None:
+    # Two islands pushing 1.25 MB and pulling 1.25 MB each at 10 Mbit/s: 1 s each way on a link of their own
+    # (plain_round_model: 2 s of wire), 4 s when all four transfers share the one queue.
+    each = {"a": 1.0, "b": 1.0}
+    own = plain_round_model({"a": 1.0, "b": 1.0}, each, each, close_s=0.0)
+    shared = shared_link_round_model({"a": 1.0, "b": 1.0}, 4 * 1_250_000, 10.0, close_s=0.0)
+    assert own["period_s"] == pytest.approx(3.0) and shared["period_s"] == pytest.approx(5.0)
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("diloco: error:") and says in err and "\n" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("rate", ["0", "-1", "nan", "1e6"])
+def test_a_kernel_link_rate_out_of_range_is_one_line(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], rate: str
+) -> None:
+    args = ["bench", "utilization", str(tiny_config), "--run-dir", str(tmp_path / "b"), f"--kernel-link={rate}"]
+    _one_line_error(capsys, args, "bench utilization: --kernel-link: rate_mbit must be in (0, 100000]")
+    assert not (tmp_path / "b").exists()
+
+
+def test_no_namespace_here_is_one_line_naming_why(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    why = "needs root (CAP_NET_ADMIN) to create network namespaces"
+    monkeypatch.setattr(utilization, "netns_available", lambda: (False, why))
+    args = ["bench", "utilization", str(tiny_config), "--run-dir", str(tmp_path / "b"), "--kernel-link", "20"]
+    _one_line_error(capsys, args, f"--kernel-link needs a kernel-shaped network namespace: {why}")
+    assert not (tmp_path / "b").exists()
+
+
+_NETNS_OK, _NETNS_WHY = netns_available()
+
+
+@pytest.mark.bench  # two federations in a shaped namespace (~1-2 min): run with `pytest -m bench`
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(360)
+@pytest.mark.skipif(not _NETNS_OK, reason=f"kernel-shaped namespaces unavailable here: {_NETNS_WHY}")
+@pytest.mark.usefixtures("shared_jax_cache")
+def test_both_runs_go_through_one_kernel_shaped_namespace(tiny_config: Path, tmp_path: Path) -> None:
+    before = set(list_namespaces())
+    out = run_utilization_bench(tiny_config, [], tmp_path / "ut", rounds=4, fragments=2, overlap=1, kernel_link=40)
+    assert out["links"] == "kernel tbf 40 Mbit/s"
+    kernel = out["kernel_link"]
+    assert kernel["rate_mbit"] == 40 and 20 < kernel["goodput_mbit"] <= 42, kernel
+    assert kernel["namespace"].startswith("diloco-ut-") and kernel["namespace"] not in list_namespaces()
+    assert set(list_namespaces()) <= before  # nothing left behind
+    plain, model = out["plain"], out["plain"]["model"]
+    assert 0 < plain["utilization"] <= 1 and 0 < model["utilization"] <= 1 and 0 < model["wire_share"] < 1
+    assert model["parts_s"]["wire"] == pytest.approx(model["bytes"]["round"] * 8 / (kernel["goodput_mbit"] * 1e6), 0.01)
+    assert 0 < out["streaming"]["utilization"] <= 1
+    for run in ("plain", "streaming"):  # the user-space shaper was off in both
+        assert load_config(tmp_path / "ut" / run / "config.toml").network.links == ""

@@ -105,6 +105,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     ut.add_argument("--rounds", type=int, default=6, help="rounds of each run (each island's first push is left out)")
     ut.add_argument("--fragments", type=int, default=5, help="P, the fragments of the streaming run")
     ut.add_argument("--overlap", type=int, default=2, help="τ, inner steps before a sent fragment is merged")
+    ut.add_argument("--kernel-link", type=float, default=None, metavar="MBIT",
+                    help="run both federations in one network namespace whose loopback tc tbf shapes to MBIT Mbit/s, "
+                         "shared by all islands both ways; the user-space shaper off (root, ip and tc)")  # fmt: skip
     _add_load(parsers["load"])
     _add_soak(parsers["soak"])
     _add_heterogeneous(parsers["heterogeneous"])
@@ -260,7 +263,9 @@ def _sync(args: argparse.Namespace) -> Result:
 def _utilization(args: argparse.Namespace) -> Result:
     from diloco.bench.utilization import run_utilization_bench
 
-    return run_utilization_bench(args.config, args.overrides, _run_dir(args), args.rounds, args.fragments, args.overlap)
+    return run_utilization_bench(
+        args.config, args.overrides, _run_dir(args), args.rounds, args.fragments, args.overlap, args.kernel_link
+    )
 
 
 def _colocation(args: argparse.Namespace) -> Result:

@@ -42,7 +42,7 @@ from typing import Any
 
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, load_config
-from diloco.procs import Federation, FederationError
+from diloco.procs import Federation, FederationError, Wrap
 from transport.shaper import load_link_profiles, profile_for
 
 RECOVERY_SLACK_S = 10.0
@@ -93,10 +93,13 @@ def _rounds_with(fed: Federation, name: str, after_round: int = -1) -> list[int]
 
 
 @contextlib.contextmanager
-def _federation(config_path: str | Path, overrides: Sequence[str], run_dir: Path) -> Iterator[Federation]:
-    """A Federation whose failure ends the benchmark as one BenchError line; the details stay in its logs."""
+def _federation(
+    config_path: str | Path, overrides: Sequence[str], run_dir: Path, wrap: Wrap | None = None
+) -> Iterator[Federation]:
+    """A Federation whose failure ends the benchmark as one BenchError line; the details stay in its logs.
+    `wrap` prefixes every process's command (`diloco.netns.Namespace.wrap`: the federation in a shaped namespace)."""
     try:
-        with Federation(config_path, overrides, run_dir) as fed:
+        with Federation(config_path, overrides, run_dir, wrap=wrap) as fed:
             yield fed
     except FederationError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -105,13 +108,18 @@ def _federation(config_path: str | Path, overrides: Sequence[str], run_dir: Path
 
 @contextlib.contextmanager
 def finished_run(
-    config_path: str | Path, overrides: Sequence[str], run_dir: Path, rounds: int, slack_s: float = 120.0
+    config_path: str | Path,
+    overrides: Sequence[str],
+    run_dir: Path,
+    rounds: int,
+    slack_s: float = 120.0,
+    wrap: Wrap | None = None,
 ) -> Iterator[tuple[RunConfig, Federation, dict[str, Any]]]:
     """A federation of the config run to its end with `train.rounds = rounds`: the resolved config, the federation
-    (its events readable until the block ends) and summary.json's contents."""
+    (its events readable until the block ends) and summary.json's contents. `wrap` as for `_federation`."""
     overrides = [*overrides, f"train.rounds={rounds}"]
     cfg = load_config(config_path, overrides)
-    with _federation(config_path, overrides, run_dir) as fed:
+    with _federation(config_path, overrides, run_dir, wrap) as fed:
         fed.start()
         yield cfg, fed, fed.wait_done(timeout_s=slack_s + 60.0 * rounds)
 

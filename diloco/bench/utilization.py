@@ -3,7 +3,9 @@ overlap, over the config's WAN links, against the cost model.
 
 Two real federations of one config (`diloco.procs.Federation`, as `launch` starts them), one after the other:
 plain rounds (P = 1, τ = 0), then Streaming DiLoCo (`--fragments` P, `--overlap` τ). Utilization is what the
-islands report with each push, as in summary.json but without round 0 (process start, join, first compiles):
+islands report with each push, as in summary.json but without the first WARMUP_ROUNDS rounds (round 0: process
+start, join, first compiles; round 1: an island that pushed round 0 early waited for the slowest one's start-up,
+and that wait is in its round-1 wall time):
 Σ compute_s / Σ wall_s, where wall_s is the time since the island's previous push.
 
 The cost model of a plain round (docs/architecture.md, "Cost model"), from the run's own measured parts:
@@ -11,7 +13,7 @@ The cost model of a plain round (docs/architecture.md, "Cost model"), from the r
     period = max_i (down_i + c_i + up_i) + close            utilization = mean_i c_i / period
 
   c_i      island i's compute seconds of that round's H steps (its push's compute_s); the model is evaluated
-           for every round after the first, then averaged
+           for every round after the warm-up ones, then averaged
   up_i     `transport.shaper.transfer_time_s` of its median push bytes on its uplink (latency + bytes / bandwidth)
   down_i   one pull: the request's one-way latency up, then the update's bytes on its downlink
   close    the coordinator's median commit (aggregate, outer step, downlink encode): all an island waits for;
@@ -22,29 +24,54 @@ leaves out encode/decode and apply on the islands and the islands' own checkpoin
 gap `model_points` (measured minus model, in percentage points). "wire_share" is the model's share of a round
 that is link time: choose the model size and H (key=value overrides) to make it about one half.
 
-Run: ``diloco bench utilization configs/local.toml [--rounds 6] [--fragments 5] [--overlap 2] [key=value ...]``.
+With ``--kernel-link MBIT`` the links are the kernel's, not the user-space shaper's: both federations run, one after
+the other, inside ONE fresh network namespace whose loopback carries a `tc tbf` qdisc at MBIT Mbit/s
+(`diloco.netns`; root, `ip` and `tc` needed, else the bench refuses with `netns_available()`'s reason), and
+`network.links=""` turns the user-space shaper off, so real TCP under a real queue is the only bottleneck. The
+namespace's TCP goodput is measured first (`measure_goodput_mbit`) and reported. Loopback has one egress queue:
+every island's push and pull, both directions, share it, so the plain model is `shared_link_round_model` (the round's
+bytes, all islands' pushes and pulls, over the one goodput), not per-island up and down links; loopback's RTT is ~0.
+
+Run: ``diloco bench utilization configs/local.toml [--rounds 6] [--fragments 5] [--overlap 2] [--kernel-link MBIT]
+[key=value ...]``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from diloco.bench.errors import BenchError
 from diloco.bench.federation import finished_run
 from diloco.config import RunConfig
-from diloco.procs import Federation
+from diloco.netns import (
+    LinkError,
+    Namespace,
+    NetnsUnavailable,
+    ShapedLink,
+    measure_goodput_mbit,
+    netns_available,
+    shaped_namespace,
+)
+from diloco.procs import Federation, Wrap
 from transport.shaper import UNSHAPED, LinkProfile, load_link_profiles, profile_for, transfer_time_s
+
+WARMUP_ROUNDS = 2
+"""Rounds left out of both the measured figure and the model: round 0's pushes hold the processes' start, the join
+and, with streaming, every fragment's first encode and commit compiling; round 1's wall time of an island that pushed
+round 0 early holds its wait for the slowest island's start-up (tens of seconds on a loaded machine)."""
 
 
 def measured_utilization(pushes: list[dict[str, Any]]) -> float:
-    """Σ compute_s / Σ wall_s of the coordinator's `push` events after round 0 (whose pushes hold the processes'
-    start, the join and, with streaming, every fragment's first encode and commit compiling)."""
-    later = [e for e in pushes if e["round"] >= 1]
+    """Σ compute_s / Σ wall_s of the coordinator's `push` events after the warm-up rounds (WARMUP_ROUNDS)."""
+    later = [e for e in pushes if e["round"] >= WARMUP_ROUNDS]
     wall = sum(e["wall_s"] for e in later)
     if wall <= 0:
-        raise BenchError("bench utilization: no push after round 0; raise --rounds")
+        raise BenchError(f"bench utilization: no push after the {WARMUP_ROUNDS} warm-up rounds; raise --rounds")
     return sum(e["compute_s"] for e in later) / wall
 
 
@@ -59,46 +86,89 @@ def plain_round_model(
     return {"period_s": period, "utilization": compute / period, "wire_share": wire / period}
 
 
+def shared_link_round_model(
+    compute_s: dict[str, float], round_bytes: float, goodput_mbit: float, close_s: float
+) -> dict[str, float]:
+    """One plain round on a kernel-shaped link (`--kernel-link`): period = the slowest island's compute + every byte
+    of the round over the link + close; pure, so table-tested.
+
+    Why not `plain_round_model`: in the namespace every island's push and pull, both directions, pass the ONE
+    egress queue of its loopback (diloco/netns.py), so they do not run side by side on links of their own but
+    take turns on one rate. The round's communication is then all its bytes (`round_bytes`: every island's push
+    plus every island's pull) over the one measured TCP goodput. Loopback's RTT is ~0, so there is no latency
+    term. An island that finishes its steps early pushes while the others still compute, so this is the
+    period's upper end when the islands' compute times differ much."""
+    wire = round_bytes * 8 / (goodput_mbit * 1e6)
+    period = max(compute_s.values()) + wire + close_s
+    compute = statistics.fmean(compute_s.values())
+    return {"period_s": period, "utilization": compute / period, "wire_share": wire / period}
+
+
 def _links(cfg: RunConfig) -> dict[str, LinkProfile]:
     profiles = load_link_profiles(cfg.network.links) if cfg.network.links else {}
     return {n: profile_for(profiles, n) if profiles else UNSHAPED for n in cfg.islands.island_names}
 
 
-def _plain_model(cfg: RunConfig, fed: Federation) -> dict[str, Any]:
-    """The model of every round after the first (each from that round's own compute times), averaged."""
+def _plain_model(cfg: RunConfig, fed: Federation, goodput_mbit: float | None) -> dict[str, Any]:
+    """The model of every round after the warm-up ones (each from that round's own compute times), averaged: over the
+    config's links (`plain_round_model`), or over one shared kernel link of `goodput_mbit` when that is given
+    (`shared_link_round_model`)."""
     pushes = fed.events("push")
     names = cfg.islands.island_names
     up_bytes = {n: statistics.median(e["bytes_up"] for e in pushes if e["island"] == n) for n in names}
     # Every island pulls each round's update once: the coordinator's downlink bytes grow by n updates a round.
     totals = [e["bytes_down"] for e in fed.events("round")]
     per_pull = statistics.median(b - a for a, b in zip(totals, totals[1:], strict=False)) / len(names)
-    links = _links(cfg)
-    chunk = cfg.transport.chunk_bytes
-    up = {n: transfer_time_s(links[n], int(up_bytes[n]), "up", chunk) for n in names}
-    down = {n: links[n].latency_ms / 1e3 + transfer_time_s(links[n], int(per_pull), "down", chunk) for n in names}
+    round_bytes = sum(up_bytes.values()) + len(names) * per_pull  # every push and every pull of one round
     close = statistics.median(e["close_s"]["commit"] for e in fed.events("round")[1:])
+    parts: dict[str, Any]
+    if goodput_mbit is None:
+        links = _links(cfg)
+        chunk = cfg.transport.chunk_bytes
+        up = {n: transfer_time_s(links[n], int(up_bytes[n]), "up", chunk) for n in names}
+        down = {n: links[n].latency_ms / 1e3 + transfer_time_s(links[n], int(per_pull), "down", chunk) for n in names}
+        parts = {"up": {n: round(v, 4) for n, v in up.items()}, "down": {n: round(v, 4) for n, v in down.items()}}
+
+        def model_of(compute: dict[str, float]) -> dict[str, float]:
+            return plain_round_model(compute, up, down, close)
+    else:
+        parts = {"wire": round(round_bytes * 8 / (goodput_mbit * 1e6), 4)}
+
+        def model_of(compute: dict[str, float]) -> dict[str, float]:
+            return shared_link_round_model(compute, round_bytes, goodput_mbit, close)
+
     per_round = []
-    for r in range(1, cfg.train.rounds):
+    for r in range(WARMUP_ROUNDS, cfg.train.rounds):
         compute = {e["island"]: e["compute_s"] for e in pushes if e["round"] == r}
         if set(compute) == set(names):
-            per_round.append(plain_round_model(compute, up, down, close))
+            per_round.append(model_of(compute))
     if not per_round:
-        raise BenchError("bench utilization: no round after the first held every island; raise --rounds")
+        raise BenchError("bench utilization: no round after the warm-up ones held every island; raise --rounds")
     model = {k: statistics.fmean(m[k] for m in per_round) for k in per_round[0]}
     return {
         **{k: round(v, 4) for k, v in model.items()},
         "parts_s": {
             "compute_median": round(statistics.median(e["compute_s"] for e in pushes), 4),
-            "up": {n: round(v, 4) for n, v in up.items()},
-            "down": {n: round(v, 4) for n, v in down.items()},
+            **parts,
             "close": round(close, 4),
         },
-        "bytes": {"push_median": int(statistics.median(up_bytes.values())), "pull": int(per_pull)},
+        "bytes": {
+            "push_median": int(statistics.median(up_bytes.values())),
+            "pull": int(per_pull),
+            "round": int(round_bytes),
+        },
     }
 
 
-def _run(config: str | Path, overrides: list[str], run_dir: Path, rounds: int) -> tuple[RunConfig, dict, Any]:
-    with finished_run(config, overrides, run_dir, rounds, slack_s=180.0) as (cfg, fed, summary):
+def _run(
+    config: str | Path,
+    overrides: list[str],
+    run_dir: Path,
+    rounds: int,
+    wrap: Wrap | None = None,
+    goodput_mbit: float | None = None,
+) -> tuple[RunConfig, dict, Any]:
+    with finished_run(config, overrides, run_dir, rounds, slack_s=180.0, wrap=wrap) as (cfg, fed, summary):
         result = {
             "utilization": round(measured_utilization(fed.events("push")), 4),
             "summary_utilization": summary["compute_utilization"],
@@ -106,26 +176,81 @@ def _run(config: str | Path, overrides: list[str], run_dir: Path, rounds: int) -
             "wall_s": summary["wall_s"],
             "bytes_up": summary["bytes_up"],
         }
-        model = _plain_model(cfg, fed) if not cfg.stream.streaming else None
+        model = _plain_model(cfg, fed, goodput_mbit) if not cfg.stream.streaming else None
     return cfg, result, model
 
 
+GOODPUT_PROBE_S = 2.0
+"""About how long the goodput measurement of a `--kernel-link` namespace sends for (at least 100 kB)."""
+
+
+def kernel_shaped_link(rate_mbit: float) -> ShapedLink:
+    """The `--kernel-link` link; a rate out of range is the user's one-line BenchError."""
+    try:
+        return ShapedLink(rate_mbit=rate_mbit)
+    except LinkError as exc:
+        raise BenchError(f"bench utilization: --kernel-link: {exc}") from None
+
+
+@contextlib.contextmanager
+def _kernel_namespace(link: ShapedLink) -> Iterator[tuple[Namespace, float]]:
+    """A fresh shaped namespace and its measured TCP goodput (Mbit/s); a machine that cannot make one is a BenchError
+    naming why."""
+    ok, why = netns_available()
+    if not ok:
+        raise BenchError(f"bench utilization: --kernel-link needs a kernel-shaped network namespace: {why}")
+    try:
+        with shaped_namespace(link, name_prefix="diloco-ut") as ns:
+            nbytes = max(100_000, int(link.rate_mbit * 1e6 / 8 * GOODPUT_PROBE_S))
+            try:
+                goodput = measure_goodput_mbit(ns, nbytes, timeout=60.0 + 10 * GOODPUT_PROBE_S)
+            except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as exc:  # timeout included
+                raise BenchError(f"bench utilization: measuring the namespace's goodput failed: {exc}") from None
+            yield ns, goodput
+    except NetnsUnavailable as exc:
+        raise BenchError(f"bench utilization: --kernel-link: {exc}") from None
+
+
 def run_utilization_bench(
-    config: str | Path, overrides: list[str], run_dir: Path, rounds: int, fragments: int, overlap: int
+    config: str | Path,
+    overrides: list[str],
+    run_dir: Path,
+    rounds: int,
+    fragments: int,
+    overlap: int,
+    kernel_link: float | None = None,
 ) -> dict[str, Any]:
-    if rounds < 3:
-        raise BenchError(f"bench utilization: --rounds must be >= 3 (the first push is left out; got {rounds})")
+    """Plain, then streaming, federations of the config (module docstring); with `kernel_link` (Mbit/s), both inside
+    one namespace shaped by tbf at that rate, the user-space shaper off."""
+    if rounds < WARMUP_ROUNDS + 2:
+        raise BenchError(f"bench utilization: --rounds must be >= {WARMUP_ROUNDS + 2} (the first {WARMUP_ROUNDS} "
+                         f"rounds are left out; got {rounds})")  # fmt: skip
     plain = ["stream.fragments=1", "stream.overlap_steps=0"]
     stream = [f"stream.fragments={fragments}", f"stream.overlap_steps={overlap}"]
-    cfg, plain_run, model = _run(config, [*overrides, *plain], run_dir / "plain", rounds)
-    _, stream_run, _ = _run(config, [*overrides, *stream], run_dir / "streaming", rounds)
+    kernel: dict[str, Any] | None = None
+    if kernel_link is None:
+        cfg, plain_run, model = _run(config, [*overrides, *plain], run_dir / "plain", rounds)
+        _, stream_run, _ = _run(config, [*overrides, *stream], run_dir / "streaming", rounds)
+    else:
+        link = kernel_shaped_link(kernel_link)
+        overrides = [*overrides, 'network.links=""']
+        with _kernel_namespace(link) as (ns, goodput):
+            kernel = {"rate_mbit": link.rate_mbit, "goodput_mbit": round(goodput, 3), "namespace": ns.name}
+            cfg, plain_run, model = _run(
+                config, [*overrides, *plain], run_dir / "plain", rounds, wrap=ns.wrap, goodput_mbit=goodput
+            )
+            _, stream_run, _ = _run(config, [*overrides, *stream], run_dir / "streaming", rounds, wrap=ns.wrap)
     assert model is not None
+    links = cfg.network.links or None
+    if kernel is not None:
+        links = f"kernel tbf {kernel['rate_mbit']:g} Mbit/s"
     return {
         "bench": "utilization",
         "islands": cfg.islands.count,
         "H": cfg.train.inner_steps,
         "rounds": rounds,
-        "links": cfg.network.links or None,
+        "links": links,
+        **({"kernel_link": kernel} if kernel is not None else {}),
         "codec": {"uplink": cfg.codec.uplink, "downlink": cfg.codec.downlink},
         "plain": {
             **plain_run,

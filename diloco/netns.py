@@ -1,4 +1,5 @@
-"""Kernel-shaped WAN links for tests: processes in a private network namespace (test_netns, test_kernel_shaped).
+"""Kernel-shaped WAN links: processes in a private network namespace (`diloco bench utilization --kernel-link`,
+tests/test_netns.py, tests/test_kernel_shaped.py).
 
 Why: the in-process link shaper in `transport` models a WAN in Python; this module makes the *kernel* do
 it, so real gRPC processes talking over real TCP sockets see a real bottleneck (TCP congestion control,
@@ -15,7 +16,7 @@ about twice as long; a pull racing a push shares the rate too. Measured goodput 
 nominal rate because tbf counts Ethernet/IP/TCP headers and the ACKs (about 6% at MTU 1500).
 
 Requires root (CAP_NET_ADMIN and CAP_SYS_ADMIN), `ip` and `tc` (iproute2). `netns_available()` tells,
-once per process, whether this machine can do it and why not; tests skip on it.
+once per process, whether this machine can do it and why not; tests skip on it, the benchmark refuses with it.
 """
 
 from __future__ import annotations
