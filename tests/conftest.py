@@ -135,6 +135,16 @@ def child_env(devices: int = 1, jax_cache: bool = False) -> dict[str, str]:
     return env
 
 
+def fails(capsys: pytest.CaptureFixture[str], args: list[str], expected: str) -> None:
+    """`diloco ARGS` in this process ends with exit code 2 and one `diloco: error:` line holding `expected`."""
+    from diloco.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("diloco: error:") and expected in err, err
+    assert "\n" not in err and "Traceback" not in err
+
+
 def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """`diloco ARGS` as a child process sharing the session's XLA compilation cache."""
     return subprocess.run(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from diloco.cli import main
-from tests.conftest import TINY_TOML, run_cli, write_corpus
+from tests.conftest import TINY_TOML, fails, run_cli, write_corpus
 
 
 def _config(tmp_path: Path, corpus: Path, extra: str = "") -> Path:
@@ -16,52 +16,45 @@ def _config(tmp_path: Path, corpus: Path, extra: str = "") -> Path:
     return path
 
 
-def _fails(capsys: pytest.CaptureFixture[str], args: list[str], expected: str) -> None:
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("diloco: error:") and expected in err, err
-    assert "\n" not in err and "Traceback" not in err
-
-
 def test_broken_toml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\nd_model = ")
-    _fails(capsys, ["simulate", str(bad)], f"config file '{bad}' is not valid TOML")
+    fails(capsys, ["simulate", str(bad)], f"config file '{bad}' is not valid TOML")
 
 
 def test_unknown_key(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(capsys, ["simulate", str(tiny_config), "model.d_modle=8"], "did you mean 'model.d_model'?")
+    fails(capsys, ["simulate", str(tiny_config), "model.d_modle=8"], "did you mean 'model.d_model'?")
 
 
 def test_missing_data_file(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.txt"
-    _fails(capsys, ["simulate", str(tiny_config), f"data.path={missing}", "--run-dir", str(tmp_path / "r")],
+    fails(capsys, ["simulate", str(tiny_config), f"data.path={missing}", "--run-dir", str(tmp_path / "r")],
            str(missing))  # fmt: skip
 
 
 def test_empty_data_file(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
-    _fails(capsys, ["simulate", str(tiny_config), f"data.path={empty}"], "empty")
+    fails(capsys, ["simulate", str(tiny_config), f"data.path={empty}"], "empty")
 
 
 def test_data_shorter_than_one_sequence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     short = write_corpus(tmp_path / "short.txt", n_bytes=12)
-    _fails(capsys, ["simulate", str(_config(tmp_path, short))], "seq_len")
+    fails(capsys, ["simulate", str(_config(tmp_path, short))], "seq_len")
 
 
 def test_more_islands_than_the_data_allows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corpus = write_corpus(tmp_path / "small.txt", n_bytes=400)
-    _fails(capsys, ["simulate", str(_config(tmp_path, corpus)), "islands.count=40"], "too few for 40 islands")
+    fails(capsys, ["simulate", str(_config(tmp_path, corpus)), "islands.count=40"], "too few for 40 islands")
 
 
 def test_custom_model_that_does_not_import(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(capsys, ["simulate", str(tiny_config), "model.kind=custom", "model.entry=nosuch_pkg.mod:build"],
+    fails(capsys, ["simulate", str(tiny_config), "model.kind=custom", "model.entry=nosuch_pkg.mod:build"],
            "model.entry 'nosuch_pkg.mod:build': cannot import module")  # fmt: skip
 
 
 def test_devices_the_process_does_not_have(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(capsys, ["simulate", str(tiny_config), "islands.devices=64"], "islands.devices is 64")
+    fails(capsys, ["simulate", str(tiny_config), "islands.devices=64"], "islands.devices is 64")
 
 
 def test_stray_argument(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,7 +75,7 @@ def test_console_exit_code_and_single_line(tmp_path: Path) -> None:
 
 
 def test_island_name_not_in_config(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(capsys, ["island", str(tiny_config), "--name", "mars", "--coordinator", "127.0.0.1:1"],
+    fails(capsys, ["island", str(tiny_config), "--name", "mars", "--coordinator", "127.0.0.1:1"],
            "island 'mars' is not in the config's islands.names (island-0, island-1)")  # fmt: skip
 
 
@@ -93,17 +86,17 @@ def test_port_already_in_use(tiny_config: Path, tmp_path: Path, capsys: pytest.C
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        _fails(capsys, ["coordinator", str(tiny_config), "--listen", f"127.0.0.1:{port}", "--run-dir", str(tmp_path / "c")],
+        fails(capsys, ["coordinator", str(tiny_config), "--listen", f"127.0.0.1:{port}", "--run-dir", str(tmp_path / "c")],
                f"cannot listen on 127.0.0.1:{port}: Address already in use")  # fmt: skip
 
 
 def test_bad_listen_address(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(capsys, ["coordinator", str(tiny_config), "--listen", "localhost"], "--listen must be HOST:PORT")
+    fails(capsys, ["coordinator", str(tiny_config), "--listen", "localhost"], "--listen must be HOST:PORT")
 
 
 @pytest.mark.slow
 def test_coordinator_that_does_not_answer(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(
+    fails(
         capsys,
         ["island", str(tiny_config), "--name", "island-0", "--coordinator", "127.0.0.1:1", "--no-supervise",
          "--run-dir", str(tmp_path / "i"), "network.connect_timeout_s=1", "transport.max_attempts=1"],
@@ -159,7 +152,7 @@ def test_coordinator_listens_on_loopback_by_default() -> None:
 def test_open_coordinator_without_secrets_is_refused(tiny_config: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     run_dir = tmp_path / "c"
-    _fails(capsys, ["coordinator", str(tiny_config), "--listen", "0.0.0.0:0", "--run-dir", str(run_dir)],
+    fails(capsys, ["coordinator", str(tiny_config), "--listen", "0.0.0.0:0", "--run-dir", str(run_dir)],
            "refusing to listen on 0.0.0.0:0 without island secrets (network.secrets) and TLS (network.tls_cert/"
            "tls_key or --tls-cert/--tls-key): anyone who reaches it could join and push into the global model; "
            "listen on 127.0.0.1, configure them, or pass --insecure")  # fmt: skip
@@ -171,7 +164,7 @@ def test_secrets_without_tls_beyond_loopback_are_refused(tiny_config: Path, tmp_
                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("T_S0", "s0")
     monkeypatch.setenv("T_S1", "s1")
-    _fails(capsys, ["coordinator", str(tiny_config), "--listen", "[::]:0", "--run-dir", str(tmp_path / "c"),
+    fails(capsys, ["coordinator", str(tiny_config), "--listen", "[::]:0", "--run-dir", str(tmp_path / "c"),
                     'network.secrets=["env:T_S0", "env:T_S1"]'],
            "refusing to listen on [::]:0 without TLS (network.tls_cert/tls_key or --tls-cert/--tls-key): island "
            "secrets would cross the network in clear")  # fmt: skip
@@ -180,23 +173,23 @@ def test_secrets_without_tls_beyond_loopback_are_refused(tiny_config: Path, tmp_
 def test_literal_secret_in_a_config_file_is_refused(tmp_path: Path, corpus: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     path = _config(tmp_path, corpus, '\n[network]\nsecrets = ["env:S0", "hunter2"]\n')
-    _fails(capsys, ["simulate", str(path)],
+    fails(capsys, ["simulate", str(path)],
            f"network.secrets[1] in config file '{path}' is a literal secret; write env:VAR or file:PATH")  # fmt: skip
     assert "hunter2" not in capsys.readouterr().err
     # A run directory's config.toml reused as a config: its placeholder is no secret either.
     path.write_text(TINY_TOML.format(corpus=corpus) + '\n[network]\nsecrets = ["<literal secret redacted>", "env:S"]\n')
-    _fails(capsys, ["simulate", str(path)], "network.secrets[0] in config file")
-    _fails(capsys, ["simulate", str(path)], "is the placeholder of a redacted secret")
+    fails(capsys, ["simulate", str(path)], "network.secrets[0] in config file")
+    fails(capsys, ["simulate", str(path)], "is the placeholder of a redacted secret")
 
 
 def test_tls_flags_are_checked_before_anything_starts(tiny_config: Path, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     base = ["coordinator", str(tiny_config), "--listen", "127.0.0.1:0", "--run-dir", str(tmp_path / "c")]
     missing = tmp_path / "missing.crt"
-    _fails(capsys, [*base, "--tls-ca", str(tmp_path / "ca.crt")],
+    fails(capsys, [*base, "--tls-ca", str(tmp_path / "ca.crt")],
            "network.tls_cert / --tls-cert is required for a TLS coordinator")  # fmt: skip
-    _fails(capsys, [*base, "--tls-cert", str(missing)], "network.tls_cert and network.tls_key must be set together")
-    _fails(capsys, [*base, "--tls-cert", str(missing), "--tls-key", str(missing)],
+    fails(capsys, [*base, "--tls-cert", str(missing)], "network.tls_cert and network.tls_key must be set together")
+    fails(capsys, [*base, "--tls-cert", str(missing), "--tls-key", str(missing)],
            f"network.tls_cert / --tls-cert: cannot read {missing} (No such file or directory)")  # fmt: skip
     assert not (tmp_path / "c").exists()
 
@@ -205,10 +198,10 @@ def test_clients_refuse_to_send_a_secret_in_clear(tiny_config: Path, capsys: pyt
                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("T_S0", "s0")
     expected = "refusing to send an island secret in clear to 10.9.8.7:50051: set network.tls_ca (or --tls-ca)"
-    _fails(capsys, ["island", str(tiny_config), "--name", "island-0", "--coordinator", "10.9.8.7:50051",
+    fails(capsys, ["island", str(tiny_config), "--name", "island-0", "--coordinator", "10.9.8.7:50051",
                     "--secret", "env:T_S0"], expected)  # fmt: skip
-    _fails(capsys, ["status", "10.9.8.7:50051", "--name", "island-0", "--secret", "env:T_S0"], expected)
-    _fails(capsys, ["status", "127.0.0.1:1", "--name", "island-0"], "--name and --secret go together")
+    fails(capsys, ["status", "10.9.8.7:50051", "--name", "island-0", "--secret", "env:T_S0"], expected)
+    fails(capsys, ["status", "127.0.0.1:1", "--name", "island-0"], "--name and --secret go together")
 
 
 def test_literal_secret_on_the_command_line_warns(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ import pytest
 from diloco import data_prepare
 from diloco.cli import main
 from islands.prepared import mismatches
-from tests.conftest import TINY_TOML
+from tests.conftest import TINY_TOML, fails
 
 pytest.importorskip("tokenizers")  # the tokenize extra (in dev, so CI has it)
 
@@ -50,13 +50,6 @@ def prepared(tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -
     assert printed["out"] == str(out) and printed["vocab_size"] == VOCAB
     assert printed["overrides"] == f"data.kind=tokens data.path={out} model.vocab_size={VOCAB}"
     return out
-
-
-def _fails(capsys: pytest.CaptureFixture[str], args: list[str], expected: str) -> None:
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("diloco: error:") and expected in err, err
-    assert "\n" not in err and "Traceback" not in err
 
 
 def test_prepare_writes_tokens_that_decode_back_to_the_text(prepared: Path, corpus: Path) -> None:
@@ -121,7 +114,7 @@ def test_a_run_that_disagrees_with_meta_is_one_line(prepared: Path, tmp_path: Pa
     config.write_text(TINY_TOML.format(corpus="unused"))
     run_dir = tmp_path / "run"
     for path in (prepared, prepared / "tokens.bin"):  # the directory, or its tokens.bin with meta.json beside it
-        _fails(capsys, ["simulate", str(config), "data.kind=tokens", f"data.path={path}", *overrides,
+        fails(capsys, ["simulate", str(config), "data.kind=tokens", f"data.path={path}", *overrides,
                         "--run-dir", str(run_dir)], expected)  # fmt: skip
     assert not run_dir.exists()  # refused before the run directory is made
 
@@ -130,28 +123,28 @@ def test_a_prepared_directory_read_as_text_is_one_line(prepared: Path, tmp_path:
                                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     config = tmp_path / "c.toml"
     config.write_text(TINY_TOML.format(corpus=prepared))
-    _fails(capsys, ["simulate", str(config), "--run-dir", str(tmp_path / "run")], "set data.kind=tokens")
+    fails(capsys, ["simulate", str(config), "--run-dir", str(tmp_path / "run")], "set data.kind=tokens")
 
 
 def test_user_mistakes_are_one_line(tmp_path: Path, corpus: Path, prepared: Path,
                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     out = str(tmp_path / "o")
-    _fails(capsys, ["data", "prepare", str(tmp_path / "nope.txt"), "--out", out, "--train-vocab", "300"],
+    fails(capsys, ["data", "prepare", str(tmp_path / "nope.txt"), "--out", out, "--train-vocab", "300"],
            f"input '{tmp_path / 'nope.txt'}': no such file or directory")  # fmt: skip
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
-    _fails(capsys, ["data", "prepare", str(empty), "--out", out, "--train-vocab", "300"], "the corpus is empty")
-    _fails(capsys, ["data", "prepare", str(corpus), "--out", out, "--train-vocab", "255"],
+    fails(capsys, ["data", "prepare", str(empty), "--out", out, "--train-vocab", "300"], "the corpus is empty")
+    fails(capsys, ["data", "prepare", str(corpus), "--out", out, "--train-vocab", "255"],
            "--train-vocab must be at least 256")  # fmt: skip
-    _fails(capsys, ["data", "prepare", str(corpus), "--out", str(prepared), "--train-vocab", "300"],
+    fails(capsys, ["data", "prepare", str(corpus), "--out", str(prepared), "--train-vocab", "300"],
            "already holds a prepared corpus")  # fmt: skip
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
-    _fails(capsys, ["data", "prepare", str(latin1), "--out", out, "--train-vocab", "300"],
+    fails(capsys, ["data", "prepare", str(latin1), "--out", out, "--train-vocab", "300"],
            f"input file '{latin1}' is not UTF-8 text (byte 3 cannot be decoded)")  # fmt: skip
-    _fails(capsys, ["data", "prepare", str(corpus), "--out", out, "--tokenizer", str(corpus / "a.txt")],
+    fails(capsys, ["data", "prepare", str(corpus), "--out", out, "--tokenizer", str(corpus / "a.txt")],
            "is not a Hugging Face tokenizer.json")  # fmt: skip
-    _fails(capsys, ["data", "prepare", str(corpus), "--out", out, "--tokenizer", str(tmp_path / "none.json")],
+    fails(capsys, ["data", "prepare", str(corpus), "--out", out, "--tokenizer", str(tmp_path / "none.json")],
            "no such file")  # fmt: skip
     assert not Path(out).exists()
 
@@ -159,7 +152,7 @@ def test_user_mistakes_are_one_line(tmp_path: Path, corpus: Path, prepared: Path
 def test_without_the_tokenizers_package_the_extra_is_named(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` now raises ImportError
-    _fails(capsys, ["data", "prepare", str(corpus), "--out", str(tmp_path / "o"), "--train-vocab", "300"],
+    fails(capsys, ["data", "prepare", str(corpus), "--out", str(tmp_path / "o"), "--train-vocab", "300"],
            "pip install 'diloco[tokenize]'")  # fmt: skip
 
 
