@@ -424,8 +424,10 @@ def run_fuzz_bench(
 ) -> dict:
     """Fuzz a coordinator with secrets and one without (`modes`), ``messages`` in all (shared equally); see the
     module docstring."""
-    if messages < len(modes) or threads < 1 or not modes or set(modes) - set(MODES):
-        raise BenchError(f"bench fuzz: --messages must be >= {len(modes)} (got {messages}), modes some of {MODES}")
+    if not modes or set(modes) - set(MODES):
+        raise BenchError(f"bench fuzz: modes must be some of {', '.join(MODES)} (got {', '.join(modes) or 'none'})")
+    if messages < len(modes) or threads < 1:
+        raise BenchError(f"bench fuzz: --messages must be >= {len(modes)} (got {messages})")
     run_dir = run_dir or Path("runs") / f"bench-fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
     if run_dir.exists() and any(run_dir.iterdir()):  # its islands' directories would hold another run's secrets
         raise BenchError(f"bench fuzz: --run-dir '{run_dir}' is not empty; give a new one")
