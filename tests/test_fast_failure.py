@@ -32,8 +32,11 @@ def test_a_killed_worker_is_reported_by_its_supervisor_and_the_round_goes_on(tin
                  "quorum.max_deadline_s=300", "network.pull_wait_s=2", "train.checkpoint_every=1"]  # fmt: skip
     with Federation(tiny_config, overrides, tmp_path / "run", cwd=REPO, env=ENV, jax_cache=JAX_CACHE) as fed:
         fed.start_coordinator()
-        fed.start_island("island-0")
+        # The victim first: a supervised island starts seconds later than a bare one, and with rounds of about a
+        # second the survivor once finished the whole run before the victim joined (seen in a full suite).
         fed.start_island("island-1", supervised=True)
+        fed.wait_for(lambda: fed.events("joined", island="island-1"), 300, "island-1 to join")
+        fed.start_island("island-0")
         fed.wait_rounds(1, 300)
         # Kill the victim's worker as soon as it starts training round 1 (its supervisor wrote worker.pid).
         fed.wait_for(lambda: fed.events("train_start", island="island-1")[1:], 300, "island-1 training round 1",

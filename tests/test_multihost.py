@@ -1,9 +1,10 @@
 """Multi-host islands (diloco/island_group.py): one island = N processes driven as one JAX program.
 
-With real processes, sockets and signals, on CPU over gloo: island-0 as 2 processes x 2 devices trains as one process
-of 4 devices does (the same losses as `simulate`, within float tolerance: the cross-process all-reduce adds in
-another order), and every island's θ equals the coordinator's after every round; a follower SIGKILLed mid-run takes its
-island down, the island's supervisor restarts it whole and it rejoins; a user mistake is one line and exit code 2.
+With real processes, sockets and signals, on CPU over gloo, in one federation: island-0 as 2 processes x 2 devices
+trains as one process of 4 devices does (the same losses as `simulate`, within float tolerance: the cross-process
+all-reduce adds in another order), even though one of its followers is SIGKILLed mid-run: the island goes down as a
+whole, its supervisor restarts it, it resumes from its checkpoint and redoes the round it lost. Every island's θ
+equals the coordinator's after every round. A user mistake is one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ from diloco.cli import main
 from diloco.procs import Federation, devices_env
 from diloco.rundir import read_events
 from tests.conftest import JAX_CACHE, REPO, child_env
-from tests.test_federation import ENV, FAST, check_run
+from tests.test_federation import ENV, FAST, _finished_checkpoints, check_run
 
 ROUNDS = 3
-RUN = [*FAST, "quorum.min_islands=2", f"train.rounds={ROUNDS}"]
-"""Every round holds both islands (min_islands = count), so the two runs take the same steps."""
+SLOWDOWN = 10
+"""island-0 sleeps 9x its compute in each round's training (islands.slowdown: about 2 s a round here), so the
+follower's SIGKILL, sent once the round's checkpoint is complete on disk, lands while the island trains and before
+that round's push: the restarted island redoes the same round from that checkpoint on the same batches, and the
+curve stays simulate's."""
+RUN = [*FAST, "quorum.min_islands=2", f"train.rounds={ROUNDS}", "codec.uplink=fp32", "codec.downlink=fp32",
+       f'islands.slowdown=["island-0={SLOWDOWN}"]']  # fmt: skip
+"""Every round holds both islands (min_islands = count), so the two runs take the same steps; fp32 both ways: no
+error-feedback residual, so a redone push is the lost one, bit for bit."""
 WAIT_S = 240.0
 
 
@@ -37,20 +45,24 @@ def feds(tmp_path: Path, tiny_config: Path) -> Iterator[list[Federation]]:
         fed.stop(grace_s=0.0)
 
 
-def _federation(made: list[Federation], tiny_config: Path, run_dir: Path, *overrides: str) -> Federation:
-    fed = Federation(tiny_config, [*RUN, *overrides], run_dir, cwd=REPO, env=ENV, jax_cache=JAX_CACHE)
-    made.append(fed)
-    return fed
-
-
 def _curve(rounds: list[dict]) -> list[float]:
     """A run's curve as the coordinator and `simulate` both log it: each round's mean island loss and eval loss."""
     return [x for r in rounds for x in (r["loss"], r["eval_loss"])]
 
 
+def _training_a_saved_round(fed: Federation) -> int | None:
+    """The round island-0 trains now (r >= 1) once its checkpoint of round r is complete on disk, else None."""
+    started = [e["round"] for e in fed.events("train_start", island="island-0")]
+    if not started or started[-1] < 1:
+        return None
+    return started[-1] if str(started[-1]) in _finished_checkpoints(fed, "island-0") else None
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_process_island_trains_as_one_process_island(tmp_path: Path, tiny_config: Path, feds: list) -> None:
+def test_two_process_island_trains_as_one_process_island_through_a_killed_follower(
+    tmp_path: Path, tiny_config: Path, feds: list
+) -> None:
     """island-0 as 2 processes x 2 devices against the one-process run of the same config: `diloco simulate` with
     every island on 4 devices, which a federation of one-process islands matches bit for bit
     (tests/test_federation.py::test_launch_equals_simulate). Only the order of float sums differs."""
@@ -60,49 +72,37 @@ def test_two_process_island_trains_as_one_process_island(tmp_path: Path, tiny_co
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(4, jax_cache=True), cwd=REPO,
     )  # fmt: skip
     try:
-        multi = _federation(feds, tiny_config, tmp_path / "multi", "islands.devices=2")
-        multi.start_coordinator()
-        multi.start_island("island-0", args=multi.group_args("island-0", 2), supervised=True)
-        multi.start_island("island-1", env=devices_env(2))
-        multi.wait_done(WAIT_S)
-        multi.stop(linger_s=20.0)
+        fed = Federation(tiny_config, [*RUN, "islands.devices=2"], tmp_path / "multi", cwd=REPO, env=ENV,
+                         jax_cache=JAX_CACHE)  # fmt: skip
+        feds.append(fed)
+        fed.start_coordinator()
+        fed.start_island("island-0", args=fed.group_args("island-0", 2), supervised=True)
+        fed.start_island("island-1", env=devices_env(2))
+        killed_in = fed.wait_for(lambda: _training_a_saved_round(fed), WAIT_S, "island-0 training a saved round")
+        island = fed.island_dir("island-0")
+        leader, follower = (int((island / f).read_text()) for f in ("worker.pid", "process-1.pid"))
+        os.kill(follower, signal.SIGKILL)
+        fed.wait_done(WAIT_S)
+        fed.stop(linger_s=20.0)
         _, err = reference.communicate(timeout=WAIT_S)
     finally:
         if reference.poll() is None:
             reference.kill()
             reference.communicate()
     assert reference.returncode == 0, err[-2000:]
-    check_run(multi, ROUNDS, list(multi.names))  # every island's θ is the coordinator's after every round
-    assert multi.events("joined", island="island-0")[0]["event"] == "joined"
-    a, b = _curve(multi.rounds()), _curve(read_events(tmp_path / "simulate" / "metrics.jsonl", "round"))
+    check_run(fed, ROUNDS, list(fed.names))  # every island's θ is the coordinator's after every round
+    # The whole island restarted: a new leader process, resumed from its checkpoint of the round it was training,
+    # joined again; the follower kept its own lock and pid file beside the leader's run.lock.
+    assert int((island / "worker.pid").read_text()) != leader
+    assert [e["round"] for e in fed.events("resumed", island="island-0")] == [killed_in]
+    assert len(fed.events("joined", island="island-0")) == 2
+    assert "restart 1/5" in fed.log_path("island-0").read_text()
+    assert (island / "process-1.lock").exists() and (island / "process-1.pid").exists()
+    a, b = _curve(fed.rounds()), _curve(read_events(tmp_path / "simulate" / "metrics.jsonl", "round"))
     assert len(a) == len(b) == 2 * ROUNDS
     worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
-    print(f"loss curves differ by at most {worst:.3g}")
+    print(f"killed in round {killed_in}; loss curves differ by at most {worst:.3g}")
     assert worst < 1e-4, (a, b)
-    # The follower kept its own lock and pid file beside the leader's run.lock.
-    island = multi.island_dir("island-0")
-    assert (island / "process-1.lock").exists() and (island / "process-1.pid").exists()
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_killed_follower_restarts_the_island_as_a_whole(tmp_path: Path, tiny_config: Path, feds: list) -> None:
-    fed = _federation(feds, tiny_config, tmp_path / "fed", "islands.devices=2")
-    fed.start_coordinator()
-    fed.start_island("island-0", args=fed.group_args("island-0", 2), supervised=True)
-    fed.start_island("island-1", env=devices_env(2))
-    fed.wait_rounds(2, WAIT_S)  # round 1's island checkpoint is on disk: the restart resumes from it
-    island = fed.island_dir("island-0")
-    leader, follower = (int((island / f).read_text()) for f in ("worker.pid", "process-1.pid"))
-    os.kill(follower, signal.SIGKILL)
-    fed.wait_done(WAIT_S)
-    fed.stop(linger_s=20.0)
-    check_run(fed, ROUNDS, list(fed.names))
-    # The whole island restarted: a new leader process, resumed from its checkpoint, joined again.
-    assert int((island / "worker.pid").read_text()) != leader
-    assert fed.events("resumed", island="island-0")
-    assert len(fed.events("joined", island="island-0")) >= 2
-    assert "restart 1/5" in fed.log_path("island-0").read_text()
 
 
 @pytest.mark.parametrize(
