@@ -15,6 +15,7 @@ for this process; everything a command creates (run dirs, checkpoints, logs, key
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from diloco.logs import configure as configure_logging
 from transport.errors import UserError
@@ -390,5 +391,21 @@ def _main(argv: Sequence[str] | None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The process's entry point (the `diloco` script, `python -m diloco.cli`): `main`, then leave at once.
+
+    Everything a command keeps is written by the time `main` returns (checkpoints waited for, summary and logs
+    flushed). Exiting through the interpreter's teardown instead can abort a finished process: a native thread that
+    gRPC or XLA still runs (a server's poller, a channel's) is unwound by the exiting interpreter and the C++
+    runtime aborts ("FATAL: exception not rethrown", exit status 134), seen once on a coordinator that had just
+    written its summary. A supervisor or a script would take that for a crash."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
