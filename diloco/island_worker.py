@@ -352,13 +352,26 @@ class IslandWorker:
                     break
         return self.pull(-1, full=True)
 
-    def _send(self, meta: pb.PushMeta, push: RoundPush, generation: int) -> bool | None:
+    def _encoded(self, run: InnerRun, reference: dict[str, Any]) -> Future[RoundPush]:
+        """Δ for the leaves `reference` names, encoded: with streaming on a thread of its own (the training thread
+        goes on with the next fragment's steps meanwhile: Δ itself is taken now, before they replace θ); without,
+        here. A plain round waits for its commit anyway, and a multi-process island's leader must make every engine
+        call on this thread, where its followers hear of it in order (diloco/island_group.py)."""
+        if self.P == 1:
+            done: Future[RoundPush] = Future()
+            done.set_result(self.island.push(run, reference))
+            return done
+        return in_background(self.island.take_delta(run, reference).encode)
+
+    def _send(self, meta: pb.PushMeta, push: Future[RoundPush], generation: int) -> bool | None:
         """Push Δ (on a wire thread, after the previous sync's push); None when a resync made it stale first."""
         if generation != self._generation:
             return None
-        return self._push(meta, push) is not None
+        return self._push(meta, push.result()) is not None
 
-    def _collect(self, sync: int, meta: pb.PushMeta, push: RoundPush, sent: Future[bool | None]) -> Synced | None:
+    def _collect(
+        self, sync: int, meta: pb.PushMeta, pending: Future[RoundPush], sent: Future[bool | None]
+    ) -> Synced | None:
         """Wait for sync `sync`'s commit once its push went out (`run` merges the result when its turn comes).
 
         Pushes leave in order, each right after the previous one, and the coordinator holds a push for a later
@@ -367,6 +380,7 @@ class IslandWorker:
         accepted = sent.result()
         if accepted is None:
             return None
+        push = pending.result()
         return Synced(push, accepted, self._pull_after_push(sync, meta, push))
 
     # -- checkpoints -------------------------------------------------------------------------------------------
@@ -490,7 +504,7 @@ class IslandWorker:
                 sync_at = self.step // stride - 1
                 joined = InnerRun.joined(runs)
                 runs = []
-                push = self.island.push(joined, self.fragments.select(p, flatten_named(self.global_params)))
+                push = self._encoded(joined, self.fragments.select(p, flatten_named(self.global_params)))
                 meta = self._push_meta(sync_at // self.P, p, joined, cycle_from)
                 cycle_from = time.perf_counter()
                 sent = in_background(partial(self._send, meta, push, self._generation), self._last_push)

@@ -130,6 +130,23 @@ class RoundPush:
     accepted."""
 
 
+@dataclass(frozen=True)
+class TakenDelta:
+    """Δ of one sync taken on the device but not yet encoded (`Island.take_delta`): `encode` may run on another
+    thread, so a streaming island's training thread goes on with the next fragment's steps while the wire thread
+    quantizes and compresses this one (docs/architecture.md, "Streaming DiLoCo")."""
+
+    run: InnerRun
+    delta: dict[str, PyTree]
+    residual: Residual
+    """This island's error feedback for the leaves of Δ as it was when Δ was taken."""
+    spec: CodecSpec
+
+    def encode(self) -> RoundPush:
+        """encode(Δ + e): the bytes to push, the Δ the coordinator will decode and the residual to keep."""
+        return RoundPush(self.run, compress_tree(jax.device_get(self.delta), self.residual, self.spec))
+
+
 class Island:
     """An island's training engine on a mesh of its local devices."""
 
@@ -357,11 +374,15 @@ class Island:
     def push(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
         """Δ = reference - θ_local over the leaves `reference` names (all of θ, or one fragment's), encoded with
         this island's error feedback for those leaves. `run`: the steps trained since that fragment last synced."""
+        return self.take_delta(run, reference).encode()
+
+    def take_delta(self, run: InnerRun, reference: dict[str, PyTree]) -> TakenDelta:
+        """`push` without its encoding: Δ is dispatched on the device now, before the next inner step replaces θ."""
         assert self.state is not None
         local = flatten_named(self.state.params, to_numpy=False)
         delta = pseudo_gradient(reference, {name: local[name] for name in reference})
         residual = None if self.state.residual is None else {name: self.state.residual[name] for name in reference}
-        return RoundPush(run, compress_tree(jax.device_get(delta), residual, self.uplink))
+        return TakenDelta(run, delta, residual, self.uplink)
 
     def keep_residual(self, push: RoundPush) -> None:
         """The push reached the coordinator's round: keep what its codec dropped, to send next round.
