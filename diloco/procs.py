@@ -339,7 +339,9 @@ class Federation:
                 raise FederationError(f"coordinator exited without a summary: {tail(self.log_path())}", COORDINATOR)
             return json.loads(summary.read_text())
 
-        return self.wait_for(finished, timeout_s, "the run to finish", 0.2)
+        # The probe itself reads the coordinator's exit: wait_for's own check could see it exit just after the probe
+        # found it running and fail a run that finished.
+        return self.wait_for(finished, timeout_s, "the run to finish", 0.2, coordinator_needed=False)
 
     def stop(self, grace_s: float = 10.0, linger_s: float = 0.0) -> None:
         """Give every live process `linger_s` to end on its own (islands leave after the last round), then SIGTERM

@@ -406,4 +406,6 @@ class Island:
             merged = dict(global_fragment)
         else:
             merged = {n: alpha * local[n] + (1.0 - alpha) * np.asarray(g) for n, g in global_fragment.items()}
-        self.set_params(unflatten_named({**local, **merged}, self.state.params))
+        # Only the fragment's leaves are placed (copied onto the mesh): the others are this island's own, already
+        # there. Placing all of θ would copy the whole model at every one of the P merges of a round.
+        self.state = replace(self.state, params=unflatten_named({**local, **self.place(merged)}, self.state.params))

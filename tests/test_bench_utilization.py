@@ -36,6 +36,15 @@ def test_no_link_and_no_close_is_full_utilization() -> None:
     assert model == {"period_s": pytest.approx(0.4), "utilization": pytest.approx(1.0), "wire_share": 0.0}
 
 
+def test_measured_period_is_the_median_round_after_the_warm_up() -> None:
+    # Round 0 commits at 20 s (start-up), round 1 at 30 s: its 10 s held the slowest island's start-up (left out).
+    times = {0: 20.0, 1: 30.0, 2: 31.0, 3: 32.5, 4: 33.0, 5: 34.2}
+    rounds = [{"round": r, "t": t} for r, t in reversed(times.items())]  # any order: sorted by round
+    assert utilization.measured_period_s(rounds) == pytest.approx(1.1)  # median of 1.0, 1.5, 0.5, 1.2: (1.0 + 1.2) / 2
+    with pytest.raises(BenchError, match="fewer than two rounds after the 2 warm-up rounds"):
+        utilization.measured_period_s(rounds[-2:])
+
+
 def test_measured_utilization_leaves_out_the_warm_up_rounds() -> None:
     pushes = [
         {"island": "a", "round": 0, "compute_s": 1.0, "wall_s": 30.0},  # start-up: left out

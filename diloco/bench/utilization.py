@@ -75,6 +75,16 @@ def measured_utilization(pushes: list[dict[str, Any]]) -> float:
     return sum(e["compute_s"] for e in later) / wall
 
 
+def measured_period_s(rounds: list[dict[str, Any]]) -> float:
+    """The median wall time between consecutive `round` events after the warm-up rounds: what a round costs, by the
+    coordinator's clock. Utilization (compute over wall seconds) counts an island's steps slowed by the processes
+    it shares cores with as compute, so two runs on one shared host compare by their periods, not by it alone."""
+    times = [e["t"] for e in sorted(rounds, key=lambda e: e["round"]) if e["round"] >= WARMUP_ROUNDS - 1]
+    if len(times) < 2:
+        raise BenchError(f"bench utilization: fewer than two rounds after the {WARMUP_ROUNDS} warm-up rounds")
+    return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
+
+
 def plain_round_model(
     compute_s: dict[str, float], up: dict[str, float], down: dict[str, float], close_s: float
 ) -> dict[str, float]:
@@ -171,6 +181,7 @@ def _run(
     with finished_run(config, overrides, run_dir, rounds, slack_s=180.0, wrap=wrap) as (cfg, fed, summary):
         result = {
             "utilization": round(measured_utilization(fed.events("push")), 4),
+            "period_s": round(measured_period_s(fed.rounds()), 4),
             "summary_utilization": summary["compute_utilization"],
             "final_eval_loss": summary["final_eval_loss"],
             "wall_s": summary["wall_s"],
@@ -259,5 +270,6 @@ def run_utilization_bench(
         },
         "streaming": {"fragments": fragments, "overlap_steps": overlap, **stream_run},
         "streaming_over_plain": round(stream_run["utilization"] / plain_run["utilization"], 3),
+        "streaming_period_over_plain": round(stream_run["period_s"] / plain_run["period_s"], 3),
         "run_dir": str(run_dir),
     }
