@@ -202,10 +202,10 @@ class IslandWorker:
         taken from."""
         self._generation = 0
         """Bumped at every restart from the full θ: a sync queued before it is dropped unsent."""
-        self._last_push: Future[bool | None] | None = None
         self.wire = Serial("wire")
         """Encodes (streaming) and pushes, in sync order."""
-        """The newest push handed to a wire thread: the next one leaves after it."""
+        self._last_push: Future[bool | None] | None = None
+        """The newest push handed to the wire thread: a stop gives it time to land (`_stop_syncs`)."""
         self.contributed = 0
         self._saving: Future[None] | None = None
         """The checkpoint save in flight (`save`)."""
@@ -393,7 +393,7 @@ class IslandWorker:
         return self.wire.submit(self.island.take_delta(run, reference).encode)
 
     def _send(self, meta: pb.PushMeta, push: Future[RoundPush], generation: int) -> bool | None:
-        """Push Δ (on a wire thread, after the previous sync's push); None when a resync made it stale first."""
+        """Push Δ (on the wire thread, after the previous sync's push); None when a resync made it stale first."""
         if generation != self._generation:
             return None
         return self._push(meta, push.result()) is not None
