@@ -52,6 +52,9 @@ from transport.validate import ModelSpec
 FP32 = CodecSpec(kind="fp32")
 MAX_DROPPED = 256
 """Digests of dropped contributions remembered per round (16 bytes each), beyond which the oldest is forgotten."""
+MEMBERSHIP_BURST = 10
+"""`island_joined` (or `island_left`) events of one island written a minute: a supervised island that restarts
+several times a minute still has each one logged; an insider's Join/Leave loop is counted, not logged."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ class Coordinator:
         self.digests: dict[int, str] = {self.loop.sync: self.world.params_digest}
         """The digest of θ at each of the last `kept` positions: what an asynchronous push's base is checked against."""
         self.rejections = RejectionLog()
+        self.memberships = RejectionLog(burst=MEMBERSHIP_BURST)
+        """`island_joined` / `island_left` events written per island and kind a minute (`_log_membership`)."""
         self.dropped: dict[bytes, str] = {}
         """Contributions to the open round dropped at commit (content digest -> why): the same bytes are refused if
         pushed again (an island re-pushing after a lost reply), a retrained Δ from the same island is not. Keyed by
@@ -205,7 +210,8 @@ class Coordinator:
             now = self.clock()
             if req.island not in self.last_seen:
                 self.totals.islands_joined += 1
-                self.rd.log("island_joined", round=self.loop.round, island=req.island, devices=req.devices)
+                if self._membership_logged("island_joined", req.island):
+                    self.rd.log("island_joined", round=self.loop.round, island=req.island, devices=req.devices)
             self.last_seen[req.island] = now
             return pb.JoinReply(
                 run_id=self.run_id,
@@ -237,7 +243,8 @@ class Coordinator:
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         with self.cond:
             if self.last_seen.pop(req.island, None) is not None:
-                self.rd.log("island_left", round=self.loop.round, island=req.island, reason=req.reason)
+                if self._membership_logged("island_left", req.island):
+                    self.rd.log("island_left", round=self.loop.round, island=req.island, reason=req.reason)
             self._tick_locked()
         return pb.LeaveReply(ok=True)
 
@@ -463,11 +470,25 @@ class Coordinator:
         if counts:
             self.rd.log("rejected_suppressed", round=self.loop.round, counts=counts)
 
+    def _log_membership_suppressed(self, counts: dict[str, int]) -> None:
+        if counts:
+            self.rd.log("membership_suppressed", round=self.loop.round, counts=counts)
+
+    def _membership_logged(self, event: str, island: str) -> bool:
+        """Whether this `island_joined` or `island_left` event is written: at most MEMBERSHIP_BURST per island and
+        kind a minute, the rest counted in `membership_suppressed`. An insider with one island's secret can send
+        Join and Leave in turn, each one accepted: without the cap every pair would be two lines of metrics.jsonl
+        (seen in `diloco bench fuzz`). The island is one of the run's (checked before), so the counts are bounded."""
+        admitted = self.memberships.admit(self.clock(), island, "", kind=f"{event} {island}")
+        self._log_membership_suppressed(admitted.suppressed)
+        return admitted.event is not None
+
     # -- rounds ------------------------------------------------------------------------------------------------
 
     def tick(self) -> None:
         with self.cond:
             self._log_suppressed(self.rejections.flush(self.clock()))
+            self._log_membership_suppressed(self.memberships.flush(self.clock()))
             self._tick_locked()
 
     def _tick_locked(self) -> None:

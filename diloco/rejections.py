@@ -61,9 +61,10 @@ class RejectionLog:
         self._window_start = now
         return ended
 
-    def admit(self, now: float, island: str, reason: str) -> Admitted:
+    def admit(self, now: float, island: str, reason: str, kind: str | None = None) -> Admitted:
+        """Whether this event is written; `kind` is its bucket (default: the status code `reason` starts with)."""
         ended = self.flush(now)
-        kind = kind_of(reason)
+        kind = kind_of(reason) if kind is None else kind
         if self._written.get(kind, 0) >= self.burst:
             self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
             return Admitted(None, ended)

@@ -164,3 +164,26 @@ def test_one_island_claiming_an_exploded_loss_cannot_stop_the_run(coordinator: C
         coordinator._close_locked(coordinator.clock(), "forced")
     assert coordinator.settled(60)
     assert coordinator.world.diverged is None and coordinator.loop.round == 1
+
+
+def test_an_insiders_join_leave_loop_is_counted_not_logged_line_by_line(coordinator: Coordinator) -> None:
+    """One island's secret lets an insider send Join and Leave in turn, each accepted: 200 pairs write at most
+    MEMBERSHIP_BURST events of each kind in a minute, and the rest are counted once the minute is over."""
+    from diloco.coordinator import MEMBERSHIP_BURST
+
+    now = [1000.0]
+    coordinator.clock = lambda: now[0]
+    join = pb.JoinRequest(run_id=coordinator.run_id, island="island-0", config_digest=coordinator.digest)
+    leave = pb.LeaveRequest(run_id=coordinator.run_id, island="island-0", reason="x" * 100)
+    for _ in range(200):
+        coordinator.join(join)
+        coordinator.leave(leave)
+    assert coordinator.totals.islands_joined == 200  # every join still counts
+    path = coordinator.rd.metrics_path
+    assert len(read_events(path, "island_joined")) == len(read_events(path, "island_left")) == MEMBERSHIP_BURST
+    now[0] += 61.0
+    coordinator.tick()
+    (suppressed,) = read_events(path, "membership_suppressed")
+    assert suppressed["counts"] == {"island_joined island-0": 190, "island_left island-0": 190}
+    coordinator.join(join)  # a new minute: logged again
+    assert len(read_events(path, "island_joined")) == MEMBERSHIP_BURST + 1
