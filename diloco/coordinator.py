@@ -117,7 +117,7 @@ class Coordinator:
         """The digest of θ at each of the last `kept` positions: what an asynchronous push's base is checked against."""
         self.rejections = RejectionLog()
         self.memberships = RejectionLog(burst=MEMBERSHIP_BURST)
-        """`island_joined` / `island_left` events written per island and kind a minute (`_log_membership`)."""
+        """`island_joined` / `island_left` events written per island and kind a minute (`_membership_logged`)."""
         self.dropped: dict[bytes, str] = {}
         """Contributions to the open round dropped at commit (content digest -> why): the same bytes are refused if
         pushed again (an island re-pushing after a lost reply), a retrained Δ from the same island is not. Keyed by
@@ -487,8 +487,9 @@ class Coordinator:
 
     def tick(self) -> None:
         with self.cond:
-            self._log_suppressed(self.rejections.flush(self.clock()))
-            self._log_membership_suppressed(self.memberships.flush(self.clock()))
+            now = self.clock()
+            self._log_suppressed(self.rejections.flush(now))
+            self._log_membership_suppressed(self.memberships.flush(now))
             self._tick_locked()
 
     def _tick_locked(self) -> None:
