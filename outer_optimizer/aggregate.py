@@ -39,6 +39,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -203,14 +204,24 @@ def _order_statistic(rule: str, deltas: Sequence[optax.Updates], t: int) -> Aggr
     treedef = leaves[0][1]
     if any(td != treedef for _, td in leaves):
         raise ValueError(f"{rule} got pseudo-gradients of different structures")
-    out, counts, size = [], jnp.zeros(len(deltas), jnp.int32), 0
-    for j in range(treedef.num_leaves):
-        values = tuple(jnp.asarray(flat[j], jnp.float32) for flat, _ in leaves)
-        value, count = _middle_mean(values, t)
-        out.append(value)
-        counts, size = counts + count, size + values[0].size
+    by_leaf = tuple(tuple(flat[j] for flat, _ in leaves) for j in range(treedef.num_leaves))
+    out, counts = _middle_means(by_leaf, t, len(deltas))
+    size = sum(int(np.size(values[0])) for values in by_leaf)
     kept = counts.astype(jnp.float32) / max(size, 1)
     return Aggregated(jax.tree.unflatten(treedef, out), kept)
+
+
+@partial(jax.jit, static_argnums=(1, 2))
+def _middle_means(by_leaf: tuple[tuple[jax.Array, ...], ...], t: int, n: int) -> tuple[list[jax.Array], jax.Array]:
+    """`_middle_mean` of every leaf (by_leaf[j]: the islands' values of leaf j) as one program, and the kept counts
+    summed over leaves: one dispatch per commit instead of one per leaf (a model has ~100 leaves; each dispatch
+    and host-to-device copy on its own cost the coordinator's commit 55 ms of a 6.4M-parameter model's 170 ms)."""
+    out, counts = [], jnp.zeros(n, jnp.int32)
+    for values in by_leaf:
+        value, count = _middle_mean(tuple(jnp.asarray(x, jnp.float32) for x in values), t)
+        out.append(value)
+        counts = counts + count
+    return out, counts
 
 
 def trimmed_mean(deltas: Sequence[optax.Updates], weights: Sequence[float], trim: float) -> Aggregated:
