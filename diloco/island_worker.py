@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -159,6 +159,23 @@ class Synced:
     payload: PullPayload
 
 
+@dataclass
+class SyncSpent:
+    """The training thread's seconds off its inner steps since the last `train_start`, by cause (diloco bench sync
+    reads them). Without overlap a sync is encode, then the wait (push, the round's close, pull), then the adopt;
+    what remains of sync_s after them is the merge, the checkpoint copy and the loop itself."""
+
+    encode_s: float = 0.0
+    """Taking Δ and, without streaming, encoding it (streaming islands encode on the wire thread)."""
+    waited_s: float = 0.0
+    """Blocked on commits: what the overlap did not hide."""
+    adopt_s: float = 0.0
+    """Decoding the committed update, applying it to the global copy and checking its digest."""
+
+    def fields(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in asdict(self).items()}
+
+
 class IslandWorker:
     def __init__(self, cfg: RunConfig, name: str, client: IslandClient, rd: RunDir, group: Group = ONE_PROCESS) -> None:
         """`group`: this process's place in a multi-process island (diloco/island_group.py); the worker runs on its
@@ -209,8 +226,8 @@ class IslandWorker:
         self.contributed = 0
         self._saving: Future[None] | None = None
         """The checkpoint save in flight (`save`)."""
-        self.waited_s = 0.0
-        """Seconds the training thread spent blocked on commits since the last round started (train_start)."""
+        self.spent = SyncSpent()
+        """Where the training thread's time between two runs of inner steps went (reported by train_start)."""
         self.state_name = "starting"
         self.stop_reason: str | None = None
         """Set by `request_stop` (SIGTERM, Ctrl+C): the island leaves at its next sync point."""
@@ -351,6 +368,7 @@ class IslandWorker:
         """Push Δ; None when the round closed without it (a slow island, a restarted coordinator) or (async) it was
         too stale: Δ is dropped."""
         where = {"round": meta.round, "island": self.name, **self._fragment_field(meta.fragment)}
+        t0 = time.perf_counter()
         try:
             reply = _retry_forever(lambda: self.client.push(meta, push.sent.encoded), "push", self.give_up_s,
                                    self.metrics.retried)  # fmt: skip
@@ -359,7 +377,8 @@ class IslandWorker:
                 raise
             self.rd.log("push_dropped", **where, reason=exc.reason)
             return None
-        self.rd.log("pushed", **where, bytes_up=push.sent.payload_nbytes, loss=meta.loss)
+        self.rd.log("pushed", **where, bytes_up=push.sent.payload_nbytes, loss=meta.loss,
+                    push_s=round(time.perf_counter() - t0, 4))  # fmt: skip
         return reply
 
     def _pull_after_push(self, sync: int, meta: pb.PushMeta, push: RoundPush) -> PullPayload:
@@ -533,7 +552,9 @@ class IslandWorker:
                 sync_at = self.step // stride - 1
                 joined = InnerRun.joined(runs)
                 runs = []
+                t0 = time.perf_counter()
                 push = self._encoded(joined, self.fragments.select(p, flatten_named(self.global_params)))
+                self.spent.encode_s += time.perf_counter() - t0
                 meta = self._push_meta(sync_at // self.P, p, joined, cycle_from)
                 cycle_from = time.perf_counter()
                 sent = self.wire.submit(partial(self._send, meta, push, self._generation))
@@ -567,7 +588,7 @@ class IslandWorker:
                 self.contributed += 1
             self._catch_up(reply.round + 1 if reply is not None else None)
             self._restart_from_global()
-            self.waited_s += time.perf_counter() - t0
+            self.spent.waited_s += time.perf_counter() - t0
             self.save()
 
     def _catch_up(self, position: int | None) -> None:
@@ -596,12 +617,12 @@ class IslandWorker:
 
     def _log_train_start(self, round_: int, steps_ended: float | None) -> None:
         """sync_s: from the end of the last inner step to now (at a round boundary without overlap: encode, push,
-        the wait for the round to close, pull, checkpoint; diloco bench sync). waited_s: seconds since the last
-        `train_start` spent blocked on commits (what the overlap did not hide)."""
+        the wait for the round to close, pull, checkpoint; diloco bench sync), and where the training thread's time
+        went since the last `train_start` (`SyncSpent`)."""
         sync = {"sync_s": round(time.perf_counter() - steps_ended, 4)} if steps_ended is not None else {}
         self.rd.log("train_start", round=round_, island=self.name, step=self.island.state.step,
-                    waited_s=round(self.waited_s, 4), **sync)  # fmt: skip
-        self.waited_s = 0.0
+                    **self.spent.fields(), **sync)  # fmt: skip
+        self.spent = SyncSpent()
 
     def _merge(self, job: Future[Synced | None]) -> bool:
         """Take a sync's result: keep the residual of an accepted push, move the global copy, merge the fragment
@@ -609,13 +630,15 @@ class IslandWorker:
         global copy's round boundaries. True when it restarted (the syncs still in flight are then stale)."""
         t0 = time.perf_counter()
         done = job.result()
-        self.waited_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.spent.waited_s += t1 - t0
         if done is None:
             return False
         if done.accepted:
             self.island.keep_residual(done.push)  # only an accepted push carries its residual (Island.keep_residual)
             self.contributed += 1
         restarted = not self.adopt(done.payload)
+        self.spent.adopt_s += time.perf_counter() - t1
         if restarted:
             self._restart_from_global()
         else:
