@@ -6,6 +6,7 @@ cores // N) cores (`share_cores`; `lone_share_step_s`, t_k). Then N island proce
   1thread   XLA_FLAGS=--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1 in each
   pinned    each process pinned to its share of the cores (os.sched_setaffinity; round-robin when N > cores)
   batch     as default, under the SCHED_BATCH policy (longer time slices for CPU-bound processes)
+  1thread+batch  both
 Their fair share of the cores is t_k · max(1, N·k / cores): with 3 islands on 2 cores each owns 2/3 of a core, so
 the best it can do is its one-core time t_1 stretched by 3/2. Measuring the share from the lone time on *every*
 core (`fair_from_all_cores_s`, the figure the issue quoted) assumes a lone island turns 2 cores into a 2x faster
@@ -32,7 +33,7 @@ from diloco.bench.errors import BenchError
 from diloco.procs import devices_env
 
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-VARIANTS = ("default", "1thread", "pinned", "batch")
+VARIANTS = ("default", "1thread", "pinned", "batch", "1thread+batch")
 
 
 def _child(config: str, overrides: Sequence[str], island: int, warmup: int, steps: int) -> None:
@@ -54,11 +55,11 @@ def _child(config: str, overrides: Sequence[str], island: int, warmup: int, step
 
 def _placement(variant: str, i: int, cores: list[int], per_island: int) -> Callable[[], None] | None:
     """What a child does before it starts: pin itself to its cores, or take the batch policy (or nothing)."""
-    if variant == "pinned":
+    if "pinned" in variant.split("+"):
         start = (i * per_island) % len(cores)
         share = {cores[(start + j) % len(cores)] for j in range(per_island)}
         return lambda: os.sched_setaffinity(0, share)
-    if variant == "batch":
+    if "batch" in variant.split("+"):
         return lambda: os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     return None
 
@@ -69,7 +70,7 @@ def _run(
     cores = sorted(os.sched_getaffinity(0))
     procs = []
     for i in range(n):
-        flags = ONE_THREAD if variant == "1thread" else ""
+        flags = ONE_THREAD if "1thread" in variant.split("+") else ""
         env = {**os.environ, **devices_env(1, flags), "JAX_PLATFORMS": "cpu"}
         argv = [sys.executable, "-m", "diloco.bench.colocation", config, str(i), str(warmup), str(steps), *overrides]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
