@@ -126,8 +126,8 @@ def in_background(job: Callable[[], T], after: Future | None = None) -> Future[T
 
 
 class Serial:
-    """Jobs run one after the other on one daemon thread, in the order they were submitted: an island's encodes and
-    pushes (each push reaches the wire after the previous one). One long-lived thread rather than one per job:
+    """Jobs run one after the other on one daemon thread, in the order they were submitted: an island's encodes, or
+    one fragment's pushes (`IslandWorker.lanes`). One long-lived thread rather than one per job:
     starting a thread waits until it is scheduled, which on shared cores cost a streaming island's training thread
     about 5 % of its time (py-spy); a daemon, because a push blocked on an absent coordinator must not keep a
     dying process alive."""
@@ -220,9 +220,15 @@ class IslandWorker:
         self._generation = 0
         """Bumped at every restart from the full θ: a sync queued before it is dropped unsent."""
         self.wire = Serial("wire")
-        """Encodes (streaming) and pushes, in sync order."""
-        self._last_push: Future[bool | None] | None = None
-        """The newest push handed to the wire thread: a stop gives it time to land (`_stop_syncs`)."""
+        """Encodes (streaming), in sync order."""
+        self.lanes = [Serial(f"push-{p}") for p in range(self.P)]
+        """One push lane per fragment. Pushes of different fragments are on the wire together, as concurrent RPCs
+        share one HTTP/2 connection: each pays the link's latency once, side by side. Pushed one after the other,
+        P pushes a round paid P one-way latencies in a row (P 5 on wan3's 90 ms link: 0.6 s a round, more than the
+        round's 10 steps of compute, so every island waited at its merges for the far one). A fragment's next
+        push follows its merge, so a lane never holds more than one push of its own."""
+        self._last_push: dict[int, Future[bool | None]] = {}
+        """Each lane's newest push: a stop gives them time to land (`_stop_syncs`)."""
         self.contributed = 0
         self._saving: Future[None] | None = None
         """The checkpoint save in flight (`save`)."""
@@ -412,7 +418,7 @@ class IslandWorker:
         return self.wire.submit(self.island.take_delta(run, reference).encode)
 
     def _send(self, meta: pb.PushMeta, push: Future[RoundPush], generation: int) -> bool | None:
-        """Push Δ (on the wire thread, after the previous sync's push); None when a resync made it stale first."""
+        """Push Δ (on its fragment's lane, once encoded); None when a resync made it stale first."""
         if generation != self._generation:
             return None
         return self._push(meta, push.result()) is not None
@@ -422,9 +428,10 @@ class IslandWorker:
     ) -> Synced | None:
         """Wait for sync `sync`'s commit once its push went out (`run` merges the result when its turn comes).
 
-        Pushes leave in order, each right after the previous one, and the coordinator holds a push for a later
-        fragment's sync until that sync opens (`Coordinator.early`); the pulls wait for their commits side by
-        side, so a sync's round trip never holds up the next fragment's push."""
+        Each push leaves on its fragment's lane as soon as it is encoded, beside the other fragments' (`lanes`);
+        the coordinator holds a push for a later fragment's sync until that sync opens (`Coordinator.early`), and
+        the pulls wait for their commits side by side, so a sync's round trip never holds up the next fragment's
+        push."""
         accepted = sent.result()
         if accepted is None:
             return None
@@ -517,9 +524,10 @@ class IslandWorker:
         """On a stop: syncs not yet sent are dropped, a push already on the wire gets `LEAVE_WAIT_S` to land (a
         push after the Leave would make the coordinator count the island alive again)."""
         self._generation += 1
-        if self._last_push is not None:
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        for push in self._last_push.values():
             with contextlib.suppress(TimeoutError):
-                self._last_push.exception(timeout=LEAVE_WAIT_S)
+                push.exception(timeout=max(0.0, deadline - time.monotonic()))
 
     def _run_rounds(self) -> None:
         """Plain or streaming rounds until the coordinator says the run is done (`run`)."""
@@ -557,8 +565,8 @@ class IslandWorker:
                 self.spent.encode_s += time.perf_counter() - t0
                 meta = self._push_meta(sync_at // self.P, p, joined, cycle_from)
                 cycle_from = time.perf_counter()
-                sent = self.wire.submit(partial(self._send, meta, push, self._generation))
-                self._last_push = sent
+                sent = self.lanes[p].submit(partial(self._send, meta, push, self._generation))
+                self._last_push[p] = sent
                 in_flight.append((p, in_background(partial(self._collect, sync_at, meta, push, sent), sent)))
             q = merging_fragment(self.step, self.H, self.P, stream.overlap_steps)
             if q is not None and in_flight and in_flight[0][0] == q and self._merge(in_flight.popleft()[1]):
