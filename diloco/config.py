@@ -187,6 +187,12 @@ class IslandsConfig:
     slowdown: tuple[str, ...] = ()
     """"NAME=FACTOR" entries: island NAME takes FACTOR (>= 1) times as long per inner step (it sleeps the difference),
     a stand-in for slower hardware in tests and benchmarks."""
+    device_step_s: float = 0.0
+    """Every inner step of every island lasts at least this many seconds: the island sleeps what its step left, so
+    its host is idle then, as a host is while its accelerator runs the step (0: off). A stand-in for islands whose
+    steps are bound by their devices, for benchmarks on one shared host: islands.slowdown stretches each step by a
+    factor of its measured time, so the cores' contention is stretched with it; this keeps the steps' length fixed
+    (docs/architecture.md, "Cost model")."""
     backend: str = field(default="local", metadata=LOCAL)
     """How an island process reaches its devices (islands/backend.py): "local" (what JAX finds on this host: CPU
     devices, GPUs, TPU chips) or "pathways" (the process is the single controller of a Pathways-managed TPU slice,
@@ -212,6 +218,8 @@ class IslandsConfig:
             raise ValueError(f"islands.devices must be >= 1 (got {self.devices})")
         if self.processes < 1:
             raise ValueError(f"islands.processes must be >= 1 (got {self.processes})")
+        if not 0.0 <= self.device_step_s <= 60.0:
+            raise ValueError(f"islands.device_step_s must be between 0 and 60 seconds (got {self.device_step_s})")
         if self.backend not in BACKENDS:
             raise ValueError(f"islands.backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
         if self.backend == "pathways" and self.processes != 1:
@@ -384,6 +392,8 @@ def cannot_vectorize(cfg: RunConfig) -> str | None:
         return "train.round_seconds cannot be set (a time budget needs each island's own step time)"
     if cfg.islands.slowdown:
         return "islands.slowdown cannot be set (a slowed island needs its own step time)"
+    if cfg.islands.device_step_s:
+        return "islands.device_step_s cannot be set (a step's length is each island's own)"
     return None
 
 

@@ -151,12 +151,25 @@ class Serial:
 
 
 @dataclass(frozen=True)
+class Ready:
+    """A streaming fragment's update applied off the training thread (`IslandWorker._ready`): the fragment's leaves
+    of the global copy it was applied to (`base`) and the leaves it makes, which passed the commit's digest."""
+
+    position: int
+    """The sync position the global copy reaches with it."""
+    base: dict[str, np.ndarray]
+    leaves: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
 class Synced:
-    """One sync's outcome on the wire thread: was Δ accepted, and what the pull after it brought."""
+    """One sync's outcome on the wire thread: was Δ accepted, what the pull after it brought, and (streaming) that
+    update already applied to its fragment (None: the training thread applies it, or it was not an update)."""
 
     push: RoundPush
     accepted: bool
     payload: PullPayload
+    ready: Ready | None = None
 
 
 @dataclass
@@ -227,6 +240,10 @@ class IslandWorker:
         P pushes a round paid P one-way latencies in a row (P 5 on wan3's 90 ms link: 0.6 s a round, more than the
         round's 10 steps of compute, so every island waited at its merges for the far one). A fragment's next
         push follows its merge, so a lane never holds more than one push of its own."""
+        self.pulls = [Serial(f"pull-{p}") for p in range(self.P)]
+        """One lane per fragment for the wait on its commits and the apply of each (`_collect`): like `lanes`, a
+        long-lived thread rather than one started at every sync (that start cost the training thread a few per
+        cent), and a fragment's commits are waited for in order."""
         self._last_push: dict[int, Future[bool | None]] = {}
         """Each lane's newest push: a stop gives them time to land (`_stop_syncs`)."""
         self.contributed = 0
@@ -311,12 +328,13 @@ class IslandWorker:
     def _position_of(self, payload: PullPayload) -> int:
         return payload.round * self.P + payload.fragment
 
-    def adopt(self, payload: PullPayload) -> bool:
+    def adopt(self, payload: PullPayload, ready: Ready | None = None) -> bool:
         """Move the global copy to the payload's position: apply the fragment's û (an update of the position the
-        copy holds) or take the full θ; verify the digest. True when it was an update (the caller merges that
-        fragment into the local θ), False for the full θ (the caller restarts from it: `resync`)."""
+        copy holds; `ready`: already applied on the wire thread) or take the full θ; verify the digest. True when it
+        was an update (the caller merges that fragment into the local θ), False for the full θ (the caller restarts
+        from it: `resync`)."""
         if payload.kind == "update":
-            if self._apply_update(payload):
+            if self._apply_update(payload, ready):
                 return True
             # should never happen; recover with the full parameters
             self.rd.log("digest_mismatch", round=payload.round, island=self.name, **self._fragment_field(
@@ -332,25 +350,54 @@ class IslandWorker:
                     digest=digest)  # fmt: skip
         return False
 
-    def _apply_update(self, payload: PullPayload) -> bool:
-        """θ_p += û_p on the global copy when the update is for the position it holds and its digest checks out."""
+    def _apply_update(self, payload: PullPayload, ready: Ready | None = None) -> bool:
+        """θ_p += û_p on the global copy when the update is for the position it holds and its digest checks out.
+        A `ready` one is taken as it is when it was applied to the leaves the copy holds now; else it is redone."""
         p = self.position % self.P
-        update = self._arrays_from(payload)
-        if (
-            self.position < 0
-            or self._position_of(payload) != self.position + 1
-            or set(update) != set(self.fragments.names[p])
-        ):
+        if self.position < 0 or self._position_of(payload) != self.position + 1:
             return False
         theta = flatten_named(self.global_params)
-        new = unflatten_named({**theta, **apply_update(self.fragments.select(p, theta), update)}, self.like)
-        if fragment_digest(self.fragments, new, p) != payload.param_digest.hex():
-            return False
+        base = self.fragments.select(p, theta)
+        if self.P > 1:
+            if ready is None or ready.position != self.position + 1 or any(
+                ready.base[n] is not base[n] for n in base
+            ):  # fmt: skip
+                ready = self._ready(payload, base)
+            if ready is None:
+                return False
+            new = unflatten_named({**theta, **ready.leaves}, self.like)
+        else:  # plain rounds prove all of θ: its digest needs the whole new tree
+            update = self._arrays_from(payload)
+            if set(update) != set(base):
+                return False
+            new = unflatten_named({**theta, **apply_update(base, update)}, self.like)
+            if fragment_digest(self.fragments, new, p) != payload.param_digest.hex():
+                return False
         self.global_params, self.position = new, self.position + 1
         self.fragment_digests[p] = payload.param_digest.hex()
         self.rd.log("synced", round=self.round, island=self.name, kind="update", **self._where(p),
                     digest=payload.param_digest.hex())  # fmt: skip
         return True
+
+    def _ready(self, payload: PullPayload, base: dict[str, np.ndarray] | None = None) -> Ready | None:
+        """A streaming fragment's update (P > 1) applied to that fragment's leaves of the global copy (`base`, default
+        the leaves it holds now) and proved by the commit's digest (the fragment's `fragment_digest`: its leaves by
+        name); None when it is not such an update or fails. Pure in what it reads, so the wire thread runs it as soon
+        as the pull lands (`_collect`): decoding, adding and hashing stay off the training thread, which at the merge
+        only checks that the copy still holds `base` (a fragment's leaves change only by its own merges and by a
+        restart from the full θ)."""
+        position = self._position_of(payload)
+        if self.P == 1 or payload.kind != "update" or self.global_params is None:
+            return None
+        if base is None:
+            base = self.fragments.select((position - 1) % self.P, flatten_named(self.global_params))
+        update = self._arrays_from(payload)
+        if set(update) != set(base):
+            return None
+        leaves = apply_update(base, update)
+        if tree_digest(leaves) != payload.param_digest.hex():
+            return None
+        return Ready(position, base, leaves)
 
     def resync(self, payload: PullPayload) -> None:
         """Restart from the coordinator's full θ (new, restarted, refused, or lagging)."""
@@ -436,7 +483,8 @@ class IslandWorker:
         if accepted is None:
             return None
         push = pending.result()
-        return Synced(push, accepted, self._pull_after_push(sync, meta, push))
+        payload = self._pull_after_push(sync, meta, push)
+        return Synced(push, accepted, payload, self._ready(payload))
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
@@ -567,7 +615,7 @@ class IslandWorker:
                 cycle_from = time.perf_counter()
                 sent = self.lanes[p].submit(partial(self._send, meta, push, self._generation))
                 self._last_push[p] = sent
-                in_flight.append((p, in_background(partial(self._collect, sync_at, meta, push, sent), sent)))
+                in_flight.append((p, self.pulls[p].submit(partial(self._collect, sync_at, meta, push, sent))))
             q = merging_fragment(self.step, self.H, self.P, stream.overlap_steps)
             if q is not None and in_flight and in_flight[0][0] == q and self._merge(in_flight.popleft()[1]):
                 in_flight.clear()
@@ -645,7 +693,7 @@ class IslandWorker:
         if done.accepted:
             self.island.keep_residual(done.push)  # only an accepted push carries its residual (Island.keep_residual)
             self.contributed += 1
-        restarted = not self.adopt(done.payload)
+        restarted = not self.adopt(done.payload, done.ready)
         self.spent.adopt_s += time.perf_counter() - t1
         if restarted:
             self._restart_from_global()

@@ -103,6 +103,7 @@ def make_island(
         shard_params=cfg.islands.shard_params,
         inner=cfg.inner,
         slowdown=cfg.islands.slowdowns().get(name, 1.0),
+        device_step_s=cfg.islands.device_step_s,
         remat=None if cfg.model.kind == "custom" else cfg.model.remat,
     )
     if check_memory:

@@ -164,14 +164,18 @@ class Island:
         inner: InnerConfig | None = None,
         slowdown: float = 1.0,
         remat: bool | None = None,
+        device_step_s: float = 0.0,
     ) -> None:
         """`inner`, when given, only puts the values of the inner settings into a divergence message, and `remat`
         (model.remat; None: the model has no such setting) into an out-of-memory one. `slowdown`: each inner step
-        takes this many times as long (the island sleeps the difference; tests and benchmarks)."""
+        takes this many times as long (the island sleeps the difference; tests and benchmarks). `device_step_s`: every
+        inner step lasts at least this long (it sleeps the rest, leaving the host idle as an accelerator's step does;
+        benchmarks)."""
         self.name = name
         self.inner = inner
         self.remat = remat
         self.slowdown = slowdown
+        self.device_step_s = device_step_s
         self.model = model
         self.tx = tx
         self.stream = stream
@@ -300,8 +304,10 @@ class Island:
             params, opt_state, metrics = self._step_fn(params, opt_state, self.next_batch())
             losses.append(metrics["loss"])
         host_losses = np.asarray(jax.device_get(losses), dtype=np.float32)
-        if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
+        took = time.perf_counter() - t0
+        lasts = max(self.slowdown * took, n_steps * self.device_step_s)
+        if lasts > took:
+            time.sleep(lasts - took)
         return self.adopt(params, opt_state, host_losses, time.perf_counter() - t0)
 
     def adopt(self, params: PyTree, opt_state: PyTree, losses: np.ndarray, seconds: float) -> InnerRun:

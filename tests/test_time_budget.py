@@ -1,4 +1,5 @@
-"""Time-budgeted rounds (`train.round_seconds`) and the slow-island knob (`islands.slowdown`).
+"""Time-budgeted rounds (`train.round_seconds`), the slow-island knob (`islands.slowdown`) and the emulated device-bound
+step (`islands.device_step_s`).
 
 A slow island trains fewer inner steps in the same budget instead of holding up the round, and its pseudo-gradient
 weighs what it trained (token-weighted). The budgets are far apart from the step times here (an island 20x slower
@@ -47,9 +48,31 @@ def test_simulate_weighs_each_island_by_what_it_trained_in_its_budget(tiny_confi
     assert result["tokens"] == (2 * H + steps["island-1"]) * 8 * 16
 
 
+def test_a_device_bound_step_lasts_its_floor_and_leaves_the_results_alone(tiny_config: Path) -> None:
+    """islands.device_step_s: each step lasts at least the floor (the island sleeps the rest), the floor counts as
+    the run's compute seconds, and what the steps compute does not change. The floor (0.25 s) is far above a tiny
+    model's step (5-50 ms), and sleep never returns early, so the lower bounds cannot flake."""
+    floor = 0.25
+    plain = load_config(tiny_config, [f"train.inner_steps={H}"])
+    bound = load_config(tiny_config, [f"train.inner_steps={H}", f"islands.device_step_s={floor}"])
+    runs = []
+    for cfg in (plain, bound):
+        setup = build_setup(cfg)
+        island = make_island(cfg, "island-0", setup.model, setup.streams["island-0"])
+        island.start(setup.init_params)
+        runs.append((island.train(4), island))
+    (free, free_island), (slow, slow_island) = runs
+    assert slow.seconds >= 4 * floor
+    assert free.seconds < 4 * floor  # the floor is what made it long
+    assert list(slow.losses) == list(free.losses)
+    assert slow_island.state.step == free_island.state.step == 4
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [
+        (["islands.device_step_s=-0.1"], "islands.device_step_s must be between 0 and 60 seconds"),
+        (["islands.device_step_s=61"], "islands.device_step_s must be between 0 and 60 seconds"),
         (["islands.slowdown=['island-9=2']"], "islands.slowdown entry 'island-9=2' must be NAME=FACTOR"),
         (["islands.slowdown=['island-0=0.5']"], "FACTOR a number >= 1"),
         (["train.round_seconds=-1"], "train.round_seconds must be a finite number >= 0"),

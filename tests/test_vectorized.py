@@ -120,6 +120,7 @@ def test_a_vectorized_run_resumes_to_the_same_parameters(tiny_config: Path, tmp_
         (["islands.devices=2"], "islands.devices must be 1"),
         (["train.round_seconds=1.5"], "train.round_seconds cannot be set"),
         (["islands.slowdown=['island-1=2']"], "islands.slowdown cannot be set"),
+        (["islands.device_step_s=0.1"], "islands.device_step_s cannot be set"),
     ],
 )
 def test_what_cannot_be_vectorized_is_refused_in_one_line(tiny_config: Path, overrides: list[str], named: str) -> None:
