@@ -278,9 +278,11 @@ class LeaderIsland:
         self.channel.send("keep_residual")
         self.island.keep_residual(push)
 
-    def merge(self, global_fragment: dict[str, PyTree], alpha: float = 0.0) -> None:
-        self.channel.send("merge", global_fragment, alpha=alpha)
-        self.island.merge(global_fragment, alpha)
+    def merge(
+        self, global_fragment: dict[str, PyTree], alpha: float = 0.0, on_mesh: dict[str, PyTree] | None = None
+    ) -> None:
+        self.channel.send("merge", global_fragment, alpha=alpha)  # the followers place their own copy
+        self.island.merge(global_fragment, alpha, on_mesh)
 
     def save_checkpoint(self, store: CheckpointStore, round_: int) -> None:
         self.channel.send("save", round=round_)

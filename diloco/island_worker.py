@@ -150,6 +150,11 @@ class Serial:
                 out.set_exception(exc)
 
 
+def same_leaves(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same arrays under the same names: the same objects, not equal ones (cheap, and exact)."""
+    return a.keys() == b.keys() and all(a[n] is b[n] for n in a)
+
+
 @dataclass(frozen=True)
 class Ready:
     """A streaming fragment's update applied off the training thread (`IslandWorker._ready`): the fragment's leaves
@@ -159,6 +164,8 @@ class Ready:
     """The sync position the global copy reaches with it."""
     base: dict[str, np.ndarray]
     leaves: dict[str, np.ndarray]
+    on_mesh: dict[str, Any] | None
+    """`leaves` placed on the island's mesh, ready for a merge with α = 0 (`Island.merge`); None with α > 0."""
 
 
 @dataclass(frozen=True)
@@ -359,9 +366,7 @@ class IslandWorker:
         theta = flatten_named(self.global_params)
         base = self.fragments.select(p, theta)
         if self.P > 1:
-            if ready is None or ready.position != self.position + 1 or any(
-                ready.base[n] is not base[n] for n in base
-            ):  # fmt: skip
+            if ready is None or ready.position != self.position + 1 or not same_leaves(ready.base, base):
                 ready = self._ready(payload, base)
             if ready is None:
                 return False
@@ -394,10 +399,12 @@ class IslandWorker:
         update = self._arrays_from(payload)
         if set(update) != set(base):
             return None
-        leaves = apply_update(base, update)
+        # Host arrays, so that the copy's leaves stay these objects (flatten_named of a device array makes a new one).
+        leaves = {name: np.asarray(v) for name, v in apply_update(base, update).items()}
         if tree_digest(leaves) != payload.param_digest.hex():
             return None
-        return Ready(position, base, leaves)
+        on_mesh = self.island.place(leaves) if self.cfg.stream.merge_alpha == 0.0 else None
+        return Ready(position, base, leaves, on_mesh)
 
     def resync(self, payload: PullPayload) -> None:
         """Restart from the coordinator's full θ (new, restarted, refused, or lagging)."""
@@ -699,7 +706,10 @@ class IslandWorker:
             self._restart_from_global()
         else:
             p = (self.position - 1) % self.P
-            self.island.merge(self.fragments.select(p, flatten_named(self.global_params)), self.cfg.stream.merge_alpha)
+            global_fragment = self.fragments.select(p, flatten_named(self.global_params))
+            ready = done.ready  # placed already, if the copy took its leaves (else `adopt` redid them)
+            on_mesh = ready.on_mesh if ready is not None and same_leaves(ready.leaves, global_fragment) else None
+            self.island.merge(global_fragment, self.cfg.stream.merge_alpha, on_mesh)
         if self.position % self.P == 0:
             self.save()
         return restarted

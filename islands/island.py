@@ -401,17 +401,22 @@ class Island:
         if self.state.residual is not None and push.sent.residual is not None:
             self.state = replace(self.state, residual={**self.state.residual, **push.sent.residual})
 
-    def merge(self, global_fragment: dict[str, PyTree], alpha: float = 0.0) -> None:
+    def merge(
+        self, global_fragment: dict[str, PyTree], alpha: float = 0.0, on_mesh: dict[str, PyTree] | None = None
+    ) -> None:
         """θ_p <- α·θ_p,local + (1 - α)·θ_p,global for the leaves `global_fragment` names (Streaming DiLoCo's merge).
 
-        α = 0 takes the global leaves as they are (no float op), so every island holds them bit for bit.
+        α = 0 takes the global leaves as they are (no float op), so every island holds them bit for bit. `on_mesh`:
+        those leaves already placed on this island's mesh (`place`, by a thread that had the time), used as they
+        are when α = 0; the island owns them from here on (the next step donates them).
         """
         assert self.state is not None, "start() the island first"
         local = flatten_named(self.state.params, to_numpy=False)
         if alpha == 0.0:
-            merged = dict(global_fragment)
+            placed = on_mesh if on_mesh is not None else self.place(dict(global_fragment))
         else:
-            merged = {n: alpha * local[n] + (1.0 - alpha) * np.asarray(g) for n, g in global_fragment.items()}
+            placed = self.place({n: alpha * local[n] + (1.0 - alpha) * np.asarray(g)
+                                 for n, g in global_fragment.items()})  # fmt: skip
         # Only the fragment's leaves are placed (copied onto the mesh): the others are this island's own, already
         # there. Placing all of θ would copy the whole model at every one of the P merges of a round.
-        self.state = replace(self.state, params=unflatten_named({**local, **self.place(merged)}, self.state.params))
+        self.state = replace(self.state, params=unflatten_named({**local, **placed}, self.state.params))
