@@ -472,14 +472,15 @@ def test_launch_equals_simulate(shared_launch: SharedLaunch) -> None:
 # τ steps later, each fragment's copy proved bit-identical, and the same floats as the one-process simulation.
 
 
+@pytest.mark.parametrize("alpha", ["0.5", "0"])  # α = 0 merges the leaves the pull lane placed (IslandWorker._ready)
 def test_streaming_federation_equals_simulate(
-    federation: Callable[..., Federation], tiny_config: Path, tmp_path: Path
+    federation: Callable[..., Federation], tiny_config: Path, tmp_path: Path, alpha: str
 ) -> None:
     from diloco.config import load_config
     from diloco.simulate import run_simulation
 
     rounds = 3
-    stream = ["stream.fragments=2", "stream.overlap_steps=1", "stream.merge_alpha=0.5"]  # H = 4: a sync every 2 steps
+    stream = ["stream.fragments=2", "stream.overlap_steps=1", f"stream.merge_alpha={alpha}"]  # H = 4: a sync every 2 steps
     overrides = [f"train.rounds={rounds}", "quorum.min_islands=2", *stream]  # every sync holds both islands
     fed = federation(*overrides)
     fed.start_coordinator()
