@@ -59,27 +59,35 @@ def test_measured_utilization_leaves_out_the_warm_up_rounds() -> None:
         measured_utilization(pushes[:4])
 
 
+MB = 1_250_000
+"""Bytes that take 1 s at 10 Mbit/s."""
+
+
 @pytest.mark.parametrize(
-    ("compute", "round_bytes", "goodput_mbit", "close_s", "period_s", "util", "wire_share"),
+    ("compute", "push_bytes", "pull_bytes", "close_s", "period_s", "util", "wire_share"),
     [
-        # 2.5 MB at 10 Mbit/s = 2 s on the wire; the slowest island's 1 s of steps; 0.5 s commit -> 3.5 s.
-        ({"a": 1.0, "b": 0.5}, 2_500_000, 10.0, 0.5, 3.5, 0.75 / 3.5, 2.0 / 3.5),
-        # 3 islands: 3 pushes of 1 MB + 3 pulls of 0.5 MB = 4.5 MB at 36 Mbit/s = 1 s; max compute 2 s; no close.
-        ({"a": 2.0, "b": 2.0, "c": 1.0}, 4_500_000, 36.0, 0.0, 3.0, (5.0 / 3) / 3.0, 1.0 / 3.0),
+        # Equal islands, 1 s a transfer: pulls end at 1 and 2, steps at 2 and 3; a pushes [2, 3], b [3, 4]; + 0.5.
+        ({"a": 1.0, "b": 1.0}, {"a": MB, "b": MB}, MB, 0.5, 4.5, 1.0 / 4.5, 4.0 / 4.5),
+        # The slow island (b, 2 s) pulls first [0, 1], a [1, 2]; a's steps end at 2.5, b's at 3:
+        # a pushes [2.5, 3.5], b [3.5, 4.5].
+        ({"a": 0.5, "b": 2.0}, {"a": MB, "b": MB}, MB, 0.0, 4.5, 1.25 / 4.5, 4.0 / 4.5),
+        # Long steps hide the other island's transfers: pulls [0, 0.5], [0.5, 1]; steps end at 3.5 and 4;
+        # pushes of 2 s [3.5, 5.5], then [5.5, 7.5].
+        ({"a": 3.0, "b": 3.0}, {"a": 2 * MB, "b": 2 * MB}, MB / 2, 0.0, 7.5, 3.0 / 7.5, 5.0 / 7.5),
         # Nothing moved: the round is compute and close alone.
-        ({"a": 0.4}, 0, 20.0, 0.1, 0.5, 0.8, 0.0),
+        ({"a": 0.4}, {"a": 0}, 0, 0.1, 0.5, 0.8, 0.0),
     ],
 )
-def test_on_one_kernel_link_the_rounds_bytes_share_one_rate(
+def test_on_one_kernel_link_the_rounds_transfers_take_turns(
     compute: dict[str, float],
-    round_bytes: int,
-    goodput_mbit: float,
+    push_bytes: dict[str, float],
+    pull_bytes: float,
     close_s: float,
     period_s: float,
     util: float,
     wire_share: float,
 ) -> None:
-    model = shared_link_round_model(compute, round_bytes, goodput_mbit, close_s)
+    model = shared_link_round_model(compute, push_bytes, pull_bytes, 10.0, close_s)
     assert model == {
         "period_s": pytest.approx(period_s),
         "utilization": pytest.approx(util),
@@ -88,12 +96,12 @@ def test_on_one_kernel_link_the_rounds_bytes_share_one_rate(
 
 
 def test_one_link_for_all_is_slower_than_a_link_each() -> None:
-    # Two islands pushing 1.25 MB and pulling 1.25 MB each at 10 Mbit/s: 1 s each way on a link of their own
-    # (plain_round_model: 2 s of wire), 4 s when all four transfers share the one queue.
+    # Two islands pushing and pulling 1 s worth each: 1 s each way on a link of their own (plain_round_model: 2 s of
+    # wire a round), while on the one queue the second pull and the first push wait for the others (4 s).
     each = {"a": 1.0, "b": 1.0}
     own = plain_round_model({"a": 1.0, "b": 1.0}, each, each, close_s=0.0)
-    shared = shared_link_round_model({"a": 1.0, "b": 1.0}, 4 * 1_250_000, 10.0, close_s=0.0)
-    assert own["period_s"] == pytest.approx(3.0) and shared["period_s"] == pytest.approx(5.0)
+    shared = shared_link_round_model({"a": 1.0, "b": 1.0}, {"a": MB, "b": MB}, MB, 10.0, close_s=0.0)
+    assert own["period_s"] == pytest.approx(3.0) and shared["period_s"] == pytest.approx(4.0)
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:

@@ -30,7 +30,7 @@ the other, inside ONE fresh network namespace whose loopback carries a `tc tbf` 
 `network.links=""` turns the user-space shaper off, so real TCP under a real queue is the only bottleneck. The
 namespace's TCP goodput is measured first (`measure_goodput_mbit`) and reported. Loopback has one egress queue:
 every island's push and pull, both directions, share it, so the plain model is `shared_link_round_model` (the round's
-bytes, all islands' pushes and pulls, over the one goodput), not per-island up and down links; loopback's RTT is ~0.
+pulls and pushes taking turns on the one goodput), not per-island up and down links; loopback's RTT is ~0.
 
 Run: ``diloco bench utilization configs/local.toml [--rounds 6] [--fragments 5] [--overlap 2] [--kernel-link MBIT]
 [key=value ...]``.
@@ -97,19 +97,32 @@ def plain_round_model(
 
 
 def shared_link_round_model(
-    compute_s: dict[str, float], round_bytes: float, goodput_mbit: float, close_s: float
+    compute_s: dict[str, float],
+    push_bytes: dict[str, float],
+    pull_bytes: float,
+    goodput_mbit: float,
+    close_s: float,
 ) -> dict[str, float]:
-    """One plain round on a kernel-shaped link (`--kernel-link`): period = the slowest island's compute + every byte
-    of the round over the link + close; pure, so table-tested.
+    """One plain round on a kernel-shaped link (`--kernel-link`), played out on one queue; pure, so table-tested.
 
     Why not `plain_round_model`: in the namespace every island's push and pull, both directions, pass the ONE
-    egress queue of its loopback (diloco/netns.py), so they do not run side by side on links of their own but
-    take turns on one rate. The round's communication is then all its bytes (`round_bytes`: every island's push
-    plus every island's pull) over the one measured TCP goodput. Loopback's RTT is ~0, so there is no latency
-    term. An island that finishes its steps early pushes while the others still compute, so this is the
-    period's upper end when the islands' compute times differ much."""
-    wire = round_bytes * 8 / (goodput_mbit * 1e6)
-    period = max(compute_s.values()) + wire + close_s
+    egress queue of its loopback (diloco/netns.py), so they do not run side by side on links of their own but take
+    turns on one rate. The round opens with the commit: the islands' pulls (`pull_bytes` each) leave one after the
+    other, the slowest island's first (with equal compute any order is the same); each island trains from the end
+    of its own pull, and its push (`push_bytes`) takes the queue once its steps are done and the queue is free. The
+    round closes when the last push has landed, and the commit (`close_s`) follows. Measured on the 5 Mbit/s link
+    (BENCHMARKS.md, "Device-bound islands"), the pushes of a round landed one transfer time apart, as here; a model
+    that shares the rate among all of a round's transfers at once put every island's start after the last pull and
+    was 0.3 s a round too slow. Loopback's RTT is ~0, so there is no latency term."""
+    rate = goodput_mbit * 1e6 / 8  # bytes per second
+    link_free, ready = 0.0, []
+    for name in sorted(compute_s, key=lambda n: -compute_s[n]):
+        link_free += pull_bytes / rate
+        ready.append((link_free + compute_s[name], name))
+    for at, name in sorted(ready):
+        link_free = max(link_free, at) + push_bytes[name] / rate
+    period = link_free + close_s
+    wire = (len(compute_s) * pull_bytes + sum(push_bytes[n] for n in compute_s)) / rate
     compute = statistics.fmean(compute_s.values())
     return {"period_s": period, "utilization": compute / period, "wire_share": wire / period}
 
@@ -145,7 +158,7 @@ def _plain_model(cfg: RunConfig, fed: Federation, goodput_mbit: float | None) ->
         parts = {"wire": round(round_bytes * 8 / (goodput_mbit * 1e6), 4)}
 
         def model_of(compute: dict[str, float]) -> dict[str, float]:
-            return shared_link_round_model(compute, round_bytes, goodput_mbit, close)
+            return shared_link_round_model(compute, up_bytes, per_pull, goodput_mbit, close)
 
     per_round = []
     for r in range(WARMUP_ROUNDS, cfg.train.rounds):
