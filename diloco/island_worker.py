@@ -127,10 +127,10 @@ def in_background(job: Callable[[], T], after: Future | None = None) -> Future[T
 
 class Serial:
     """Jobs run one after the other on one daemon thread, in the order they were submitted: an island's encodes, or
-    one fragment's pushes (`IslandWorker.lanes`). One long-lived thread rather than one per job:
-    starting a thread waits until it is scheduled, which on shared cores cost a streaming island's training thread
-    about 5 % of its time (py-spy); a daemon, because a push blocked on an absent coordinator must not keep a
-    dying process alive."""
+    one fragment's pushes or commit waits (`IslandWorker.lanes`, `IslandWorker.pulls`). One long-lived thread rather
+    than one per job: starting a thread waits until it is scheduled, which on shared cores cost a streaming island's
+    training thread about 5 % of its time (py-spy); a daemon, because a push blocked on an absent coordinator must
+    not keep a dying process alive."""
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
@@ -164,8 +164,9 @@ class Ready:
     """The sync position the global copy reaches with it."""
     base: dict[str, np.ndarray]
     leaves: dict[str, np.ndarray]
-    on_mesh: dict[str, Any] | None
-    """`leaves` placed on the island's mesh, ready for a merge with α = 0 (`Island.merge`); None with α > 0."""
+    on_mesh: dict[str, Any] | None = None
+    """`leaves` placed on the island's mesh by the pull lane, ready for a merge with α = 0 (`Island.merge`); None
+    with α > 0, or when the training thread redid the update (its merge places the leaves itself)."""
 
 
 @dataclass(frozen=True)
@@ -403,8 +404,7 @@ class IslandWorker:
         leaves = {name: np.asarray(v) for name, v in apply_update(base, update).items()}
         if tree_digest(leaves) != payload.param_digest.hex():
             return None
-        on_mesh = self.island.place(leaves) if self.cfg.stream.merge_alpha == 0.0 else None
-        return Ready(position, base, leaves, on_mesh)
+        return Ready(position, base, leaves)
 
     def resync(self, payload: PullPayload) -> None:
         """Restart from the coordinator's full θ (new, restarted, refused, or lagging)."""
@@ -491,7 +491,10 @@ class IslandWorker:
             return None
         push = pending.result()
         payload = self._pull_after_push(sync, meta, push)
-        return Synced(push, accepted, payload, self._ready(payload))
+        ready = self._ready(payload)
+        if ready is not None and self.cfg.stream.merge_alpha == 0.0:  # the merge takes the leaves as they are
+            ready = replace(ready, on_mesh=self.island.place(ready.leaves))
+        return Synced(push, accepted, payload, ready)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
