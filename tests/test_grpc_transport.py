@@ -218,6 +218,44 @@ def test_shaped_push_takes_link_time_and_linkdown_is_retried(env):
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.attempts == FAST.max_attempts
 
 
+def test_a_shaped_rpc_pays_a_round_trip_and_a_lost_reply_is_retried(env):
+    """Every RPC pays the request's latency up and its reply's down (one RTT, transport.client_core.call_once); a
+    reply lost on its way back makes the call UNAVAILABLE, and the push retried then gets the same reply without
+    being applied twice."""
+    from transport.shaper import LinkDown
+
+    class Recording:
+        def __init__(self, lose_reply: bool = False):
+            self.messages: list[str] = []
+            self.lose_reply = lose_reply
+
+        def start_message(self, direction):
+            self.messages.append(direction)
+            if direction == "down" and self.lose_reply:
+                self.lose_reply = False
+                raise LinkDown("reply lost")
+
+        def transmit(self, nbytes, direction):
+            pass
+
+    rec = Recording()
+    c = env.client(shaper=rec)
+    c.heartbeat(pb.HeartbeatRequest(run_id=RUN, island="i0"))
+    c.pull(pb.PullRequest(run_id=RUN, island="i0", have_round=-1))
+    assert rec.messages == ["up", "down", "up", "down"]
+
+    lossy = Recording(lose_reply=True)
+    sleeps: list[float] = []
+    first = env.client("i1", shaper=lossy, sleep=sleeps.append).push(meta("i1"), delta(0.5, "fp32"))
+    assert first.accepted and len(sleeps) == 1 and lossy.messages == ["up", "down", "up", "down"]
+    assert env.handler.applied == [("i1", 0, 0, 1000)], "the push whose reply was lost is applied once"
+
+    timed = LinkShaper(LinkProfile(up_mbps=0, down_mbps=0, latency_ms=60.0), seed=1)
+    t0 = time.monotonic()
+    env.client(shaper=timed).heartbeat(pb.HeartbeatRequest(run_id=RUN, island="i0"))
+    assert time.monotonic() - t0 >= 2 * 0.060 * 0.99  # no jitter: exactly two one-way latencies, at least
+
+
 def test_linkdown_mid_stream_is_retried_and_applied_once(env):
     class FlakyShaper:
         """Goes down after a few chunks on the first attempt only."""

@@ -5,10 +5,12 @@
 channel, or a direct call). Everything else lives here once, so both move exactly the same chunks through the
 same checks and fail the same way:
 
-* **One attempt** (`call_once`): charge the link shaper's per-message latency, run the call, and map every
-  failure to ``TransportError``: the shaper's ``LinkDown`` becomes UNAVAILABLE (what a real network would
-  give, so it is retried), a ``Rejected`` from the service keeps its code and reason, and a
-  ``grpc.RpcError`` keeps its status (it only occurs over gRPC). This is the only place failures are mapped.
+* **One attempt** (`call_once`): charge the link shaper's one-way latency of the request (up) and of its reply
+  (down, once the reply is in: a lost reply is an UNAVAILABLE call too), run the call, and map every failure to
+  ``TransportError``: the shaper's ``LinkDown`` becomes UNAVAILABLE (what a real network would give, so it is
+  retried; a push retried after its reply was lost gets the same reply again, `DilocoService`), a ``Rejected``
+  from the service keeps its code and reason, and a ``grpc.RpcError`` keeps its status (it only occurs over
+  gRPC). This is the only place failures are mapped.
 * **Retries** (`with_retries`): tenacity at this RPC boundary only, exponential backoff with full jitter,
   attempts and deadlines from ``TransportConfig``, and only for codes in ``RETRYABLE_CODES``.
 * **Pushes** (`push_wire_chunks`): ~1 MiB chunks, meta + header on the first, the digest trailer on the last;
@@ -54,7 +56,7 @@ class ShaperLike(Protocol):
     """
 
     def start_message(self, direction: Direction) -> None:
-        """Pay the one-way latency of one message (once per RPC attempt)."""
+        """Pay the one-way latency of one message (twice per RPC attempt: its request up, its reply down)."""
         ...
 
     def transmit(self, nbytes: int, direction: Direction) -> None:
@@ -83,7 +85,10 @@ def call_once(shaper: ShaperLike | None, fn: Callable[[], T]) -> T:
     try:
         if shaper is not None:
             shaper.start_message("up")
-        return fn()
+        result = fn()
+        if shaper is not None:  # the reply crosses the link too: an RPC costs a round trip, not half of one
+            shaper.start_message("down")
+        return result
     except LinkDown as e:
         raise TransportError(grpc.StatusCode.UNAVAILABLE, f"link down: {e}") from None
     except Rejected as e:

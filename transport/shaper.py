@@ -2,7 +2,8 @@
 
 DiLoCo (arXiv 2311.08105) exists because the links between regions are slow; to test and benchmark it on
 one machine we put a shaper in front of every transfer. The transports call it once per message
-(`start_message`: one-way latency plus seeded jitter) and once per ~1 MiB chunk (`transmit`).
+(`start_message`: one-way latency plus seeded jitter), that is twice per RPC (the request up, its reply down:
+an RPC costs one RTT), and once per ~1 MiB chunk (`transmit`).
 
 Model, per direction ("up" = island -> coordinator, "down" = coordinator -> island), each independent:
 
@@ -21,7 +22,8 @@ Model, per direction ("up" = island -> coordinator, "down" = coordinator -> isla
   `LinkDown` during one, and a transfer still in flight when one begins fails at its start (the RPC layer
   turns that into UNAVAILABLE and retries). `set_partitioned` simulates an unscheduled partition.
 
-`transfer_time_s` is the matching pure cost model (used by benchmarks and the cost model in docs/architecture.md).
+`transfer_time_s` and `rpc_time_s` are the matching pure cost model (used by benchmarks and the cost model in
+docs/architecture.md).
 The clock and sleep are injected so unit tests can run on a fake clock and check times exactly.
 """
 
@@ -247,6 +249,13 @@ def transfer_time_s(profile: LinkProfile, nbytes: int, direction: str, chunk_byt
     wire_s = nbytes * 8 / bw * attempts
     retransmit_wait_s = n_chunks * profile.rtt_s * (attempts - 1)
     return profile.latency_ms / 1e3 + wire_s + retransmit_wait_s
+
+
+def rpc_time_s(profile: LinkProfile, nbytes: int, direction: str, chunk_bytes: int = 1 << 20) -> float:
+    """Expected seconds for one RPC whose payload of ``nbytes`` goes ``direction`` (a push "up", a pull "down"):
+    the payload's `transfer_time_s` (one one-way latency included) plus the other message's latency, since the
+    transports charge the request's latency and the reply's (``transport.client_core.call_once``)."""
+    return transfer_time_s(profile, nbytes, direction, chunk_bytes) + profile.latency_ms / 1e3
 
 
 # ---------------------------------------------------------------------------------------------------------
