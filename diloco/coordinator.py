@@ -19,13 +19,15 @@ pushed into it push again after resyncing, and nothing half-applied ever existed
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,13 @@ MAX_DROPPED = 256
 MEMBERSHIP_BURST = 10
 """`island_joined` (or `island_left`) events of one island written a minute: a supervised island that restarts
 several times a minute still has each one logged; an insider's Join/Leave loop is counted, not logged."""
+PUSH_LANDING_S = 2.0
+"""How long a pull sent right after its island's push (`PullRequest.after_push`) gives that push to reach the
+coordinator before the answer is "push first": the push was on the wire first, so it lands about when the pull does,
+and once it is streaming in, `Coordinator.arriving` holds the pull anyway. A push that never lands (lost with a
+coordinator that restarted) costs its island this long, then a push again."""
+PUSH_MISSING = (PullKind.PUSH_FIRST, PullKind.RESYNC)
+"""The answers a pull gets when the coordinator holds no push of the island's for the sync it asks about."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,10 @@ class Coordinator:
         """Streaming: pushes for the P - 1 syncs after the open one, by position then island, each joining its sync
         when it opens. A fast island sends its next fragment while a slower one still holds up the open sync, so
         several syncs are on the wire at once; bounded by islands x (P - 1) fragments."""
+        self.arriving: Counter[tuple[str, int]] = Counter()
+        """Pushes streaming in, by island and sync position (`receiving`): a pull for a position whose push is still
+        arriving waits for it rather than being told to push first (diloco/membership.py, `PullView.arriving`).
+        Bounded by the push streams the server runs at once."""
         self.opened_at = clock()
         self.on_rollback: Callable[[int], None] | None = None
         """Told the first round a rollback reopened (serve.py: the service forgets the pushes it accepted for it and
@@ -249,6 +262,22 @@ class Coordinator:
                     self.rd.log("island_left", round=self.loop.round, island=req.island, reason=req.reason)
             self._tick_locked()
         return pb.LeaveReply(ok=True)
+
+    @contextlib.contextmanager
+    def receiving(self, meta: pb.PushMeta) -> Iterator[None]:
+        """While a push whose first chunk passed the service's checks streams in and is handed to `push`: the pull
+        its island sent as soon as the push was on the wire then waits for it (`arriving`)."""
+        key = (meta.island, meta.round * self.loop.fragments.count + meta.fragment)
+        with self.cond:
+            self.arriving[key] += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.arriving[key] -= 1
+                if not self.arriving[key]:
+                    del self.arriving[key]
+                self.cond.notify_all()  # a pull held for it decides again: the push landed, or it failed
 
     def current_round(self, fragment: int) -> int:
         """The one round a push of `fragment` may be for: the open round, or (streaming) the next one for a fragment
@@ -367,6 +396,9 @@ class Coordinator:
     def pull(self, req: pb.PullRequest) -> PullPayload:
         with self.cond:
             self._refuse_if_diverged()
+            if req.after_push:  # its push left just before it: let that land (or fail) before "push first"
+                self.cond.wait_for(lambda: answer_pull(self._pull_view(req)).kind not in PUSH_MISSING,
+                                   timeout=min(PUSH_LANDING_S, self.cfg.network.pull_wait_s))  # fmt: skip
             answer = answer_pull(self._pull_view(req))
             if answer.kind is PullKind.WAIT:
                 self.cond.wait_for(lambda: answer_pull(self._pull_view(req)).kind is not PullKind.WAIT,
@@ -430,6 +462,7 @@ class Coordinator:
         return PullView(
             have_round=have, full=req.full, round=self.loop.sync, done=self.world.done,
             pushed=req.island in (self.loop.pending if have == self.loop.sync else self.early.get(have, {})),
+            arriving=(req.island, have) in self.arriving,
             last_commit_round=max(self.commits, default=None),
             kept=self.kept,
         )  # fmt: skip

@@ -324,10 +324,11 @@ class IslandWorker:
             except TransportError:
                 pass  # the coordinator is away; the main loop's retries handle it
 
-    def pull(self, have: int, full: bool = False) -> PullPayload:
-        """The commit of sync position `have` (its round, and fragment when streaming), or the full θ (-1, `full`)."""
+    def pull(self, have: int, full: bool = False, after_push: bool = False) -> PullPayload:
+        """The commit of sync position `have` (its round, and fragment when streaming), or the full θ (-1, `full`).
+        `after_push`: this island's push for `have` has just gone out (`_collect`)."""
         round_, fragment = divmod(have, self.P) if have >= 0 else (-1, 0)
-        req = pb.PullRequest(**self._meta(), have_round=round_, fragment=fragment, full=full)
+        req = pb.PullRequest(**self._meta(), have_round=round_, fragment=fragment, full=full, after_push=after_push)
         return _retry_forever(lambda: self.client.pull(req), "pull", self.give_up_s, self.metrics.retried)
 
     def _arrays_from(self, payload: PullPayload) -> dict[str, np.ndarray]:
@@ -424,13 +425,15 @@ class IslandWorker:
         """A `synced` event's place with streaming: the fragment it moved (an update) and the copy's sync position."""
         return {**({} if p is None else self._fragment_field(p)), "position": self.position} if self.P > 1 else {}
 
-    def _push(self, meta: pb.PushMeta, push: RoundPush) -> pb.PushReply | None:
+    def _push(
+        self, meta: pb.PushMeta, push: RoundPush, on_sent: Callable[[], None] | None = None
+    ) -> pb.PushReply | None:
         """Push Δ; None when the round closed without it (a slow island, a restarted coordinator) or (async) it was
-        too stale: Δ is dropped."""
+        too stale: Δ is dropped. `on_sent`: told once the push's last chunk is on the wire (`_collect`)."""
         where = {"round": meta.round, "island": self.name, **self._fragment_field(meta.fragment)}
         t0 = time.perf_counter()
         try:
-            reply = _retry_forever(lambda: self.client.push(meta, push.sent.encoded), "push", self.give_up_s,
+            reply = _retry_forever(lambda: self.client.push(meta, push.sent.encoded, on_sent), "push", self.give_up_s,
                                    self.metrics.retried)  # fmt: skip
         except TransportError as exc:
             if exc.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
@@ -459,6 +462,16 @@ class IslandWorker:
                     break
         return self.pull(-1, full=True)
 
+    def _pull_beside_push(self, sync: int) -> PullPayload | None:
+        """The pull `_collect` sends while its push is still on the wire; None when the coordinator holds no push
+        of ours for `sync` (it did not land, was refused, or a restarted coordinator lost it)."""
+        try:
+            return self.pull(sync, after_push=True)
+        except TransportError as exc:
+            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            return None
+
     def _encoded(self, run: InnerRun, reference: dict[str, Any]) -> Future[RoundPush]:
         """Δ for the leaves `reference` names, encoded: with streaming on the wire thread, just before its push (the
         training thread goes on with the next fragment's steps meanwhile: Δ itself is taken now, before they
@@ -471,26 +484,43 @@ class IslandWorker:
             return done
         return self.wire.submit(self.island.take_delta(run, reference).encode)
 
-    def _send(self, meta: pb.PushMeta, push: Future[RoundPush], generation: int) -> bool | None:
-        """Push Δ (on its fragment's lane, once encoded); None when a resync made it stale first."""
-        if generation != self._generation:
-            return None
-        return self._push(meta, push.result()) is not None
+    def _send(
+        self, meta: pb.PushMeta, push: Future[RoundPush], generation: int, on_wire: threading.Event
+    ) -> bool | None:
+        """Push Δ (on its fragment's lane, once encoded); None when a resync made it stale first. `on_wire` is set
+        once the push is on the wire, or done with (a push that never got out wakes its pull too)."""
+        try:
+            if generation != self._generation:
+                return None
+            return self._push(meta, push.result(), on_wire.set) is not None
+        finally:
+            on_wire.set()
 
     def _collect(
-        self, sync: int, meta: pb.PushMeta, pending: Future[RoundPush], sent: Future[bool | None]
+        self,
+        sync: int,
+        meta: pb.PushMeta,
+        pending: Future[RoundPush],
+        sent: Future[bool | None],
+        on_wire: threading.Event,
     ) -> Synced | None:
         """Wait for sync `sync`'s commit once its push went out (`run` merges the result when its turn comes).
 
         Each push leaves on its fragment's lane as soon as it is encoded, beside the other fragments' (`lanes`);
         the coordinator holds a push for a later fragment's sync until that sync opens (`Coordinator.early`), and
         the pulls wait for their commits side by side, so a sync's round trip never holds up the next fragment's
-        push."""
+        push. The pull goes out as soon as the push is on the wire (`on_wire`), not once its reply is back: its
+        request crosses the link beside the push's last bytes, which saves one round trip a sync (the push's
+        reply comes back while the commit is made), and the coordinator holds it until the push has landed
+        (`PullRequest.after_push`). Should the coordinator still hold no push of ours, the usual path decides once
+        the push's reply is in (`_pull_after_push`: push again, or resync)."""
+        on_wire.wait()
+        early = None if sent.done() else self._pull_beside_push(sync)
         accepted = sent.result()
         if accepted is None:
             return None
         push = pending.result()
-        payload = self._pull_after_push(sync, meta, push)
+        payload = early if early is not None else self._pull_after_push(sync, meta, push)
         ready = self._ready(payload)
         if ready is not None and self.cfg.stream.merge_alpha == 0.0:  # the merge takes the leaves as they are
             ready = replace(ready, on_mesh=self.island.place(ready.leaves))
@@ -623,9 +653,11 @@ class IslandWorker:
                 self.spent.encode_s += time.perf_counter() - t0
                 meta = self._push_meta(sync_at // self.P, p, joined, cycle_from)
                 cycle_from = time.perf_counter()
-                sent = self.lanes[p].submit(partial(self._send, meta, push, self._generation))
+                on_wire = threading.Event()
+                sent = self.lanes[p].submit(partial(self._send, meta, push, self._generation, on_wire))
                 self._last_push[p] = sent
-                in_flight.append((p, self.pulls[p].submit(partial(self._collect, sync_at, meta, push, sent))))
+                collect = partial(self._collect, sync_at, meta, push, sent, on_wire)
+                in_flight.append((p, self.pulls[p].submit(collect)))
             q = merging_fragment(self.step, self.H, self.P, stream.overlap_steps)
             if q is not None and in_flight and in_flight[0][0] == q and self._merge(in_flight.popleft()[1]):
                 in_flight.clear()

@@ -154,6 +154,10 @@ class PullView:
     later one the coordinator holds until it opens)."""
     last_commit_round: int | None
     """The position whose û this coordinator committed last in this process (None: none since it started)."""
+    arriving: bool = False
+    """This island's push for the position it holds is still streaming in: an island asks for the commit as soon as
+    its push is on the wire, not once the push's reply is back, so the pull's request travels beside the push's
+    last bytes instead of a round trip after them (`IslandWorker._collect`)."""
     kept: int = 1
     """How many commits up to `last_commit_round` the coordinator keeps for pulls (one per fragment: an island whose
     overlapped merges lag a sync or two behind still gets the update it needs, not the whole θ)."""
@@ -166,7 +170,7 @@ class PullAnswer:
 
 
 def answer_pull(v: PullView) -> PullAnswer:
-    if not v.full and v.round < v.have_round < v.round + v.kept and v.pushed:
+    if not v.full and v.round < v.have_round < v.round + v.kept and (v.pushed or v.arriving):
         # Streaming: the island pushed a later fragment's sync early (the coordinator holds it until that sync
         # opens); its commit comes in turn.
         return PullAnswer(PullKind.WAIT, f"round {v.have_round} is queued behind round {v.round}")
@@ -179,6 +183,8 @@ def answer_pull(v: PullView) -> PullAnswer:
             "pull the full parameters",
         )
     if not v.full and v.have_round == v.round and not v.done:
+        if v.arriving and not v.pushed:  # the push is on its way: its outcome decides, so hold the pull for it
+            return PullAnswer(PullKind.WAIT, f"the island's push for round {v.round} is still arriving")
         if not v.pushed:
             reason = f"round {v.round} has no pseudo-gradient from the island; push it first"
             return PullAnswer(PullKind.PUSH_FIRST, reason)

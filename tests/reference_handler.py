@@ -7,6 +7,7 @@ wire ever lets a message reach state (``state_digest`` changes iff the handler a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections.abc import Mapping, Sequence
@@ -76,6 +77,9 @@ class ReferenceHandler:
         with self._lock:
             self.members.pop(req.island, None)
         return pb.LeaveReply(ok=True)
+
+    def receiving(self, meta: pb.PushMeta) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def current_round(self, fragment: int) -> int:
         return self.round

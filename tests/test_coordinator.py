@@ -187,3 +187,50 @@ def test_an_insiders_join_leave_loop_is_counted_not_logged_line_by_line(coordina
     assert suppressed["counts"] == {"island_joined island-0": 190, "island_left island-0": 190}
     coordinator.join(join)  # a new minute: logged again
     assert len(read_events(path, "island_joined")) == MEMBERSHIP_BURST + 1
+
+
+def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
+    coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An island asks for the commit as soon as its push is on the wire (`PullRequest.after_push`): the coordinator
+    holds that pull while the push is still on its way, and while it streams in (`receiving`), instead of answering
+    "push first"; a pull without the flag, or one whose push never lands, still hears "push first"."""
+    import threading
+    import time
+
+    import diloco.coordinator as coordinator_module
+
+    def pull(island: str, after_push: bool):
+        req = pb.PullRequest(run_id=coordinator.run_id, island=island, have_round=0, after_push=after_push)
+        return coordinator.pull(req)
+
+    refused(lambda: pull("island-0", False), grpc.StatusCode.FAILED_PRECONDITION, "push it first")
+    monkeypatch.setattr(coordinator_module, "PUSH_LANDING_S", 0.05)
+    refused(lambda: pull("island-0", True), grpc.StatusCode.FAILED_PRECONDITION, "push it first")  # it never lands
+
+    got: dict[str, object] = {}
+
+    def pull_in_background(island: str) -> threading.Thread:
+        thread = threading.Thread(target=lambda: got.setdefault(island, pull(island, True)))
+        thread.start()
+        return thread
+
+    monkeypatch.setattr(coordinator_module, "PUSH_LANDING_S", 30.0)
+    first = pull_in_background("island-0")  # asks before its push lands
+    time.sleep(0.1)
+    push(coordinator, "island-0", 1e-3)
+    first.join(timeout=0.2)
+    assert first.is_alive(), "the push landed, the round is still open: the pull waits for the commit"
+    monkeypatch.setattr(coordinator_module, "PUSH_LANDING_S", 0.0)
+    with coordinator.receiving(pb.PushMeta(run_id=coordinator.run_id, island="island-1", round=0)):
+        second = pull_in_background("island-1")  # no landing time: held because island-1's push is streaming in
+        second.join(timeout=0.2)
+        assert second.is_alive()
+        push(coordinator, "island-1", 1e-3)  # the second push closes the round
+    for thread in (first, second):
+        thread.join(timeout=30)
+    assert coordinator.loop.round == 1
+    for name in ("island-0", "island-1"):
+        payload = got[name]
+        assert payload.kind == "update" and payload.round == 1, payload  # type: ignore[attr-defined]
+    assert coordinator.arriving == {}

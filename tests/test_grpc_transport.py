@@ -243,6 +243,10 @@ def test_a_shaped_rpc_pays_a_round_trip_and_a_lost_reply_is_retried(env):
     c.heartbeat(pb.HeartbeatRequest(run_id=RUN, island="i0"))
     c.pull(pb.PullRequest(run_id=RUN, island="i0", have_round=-1))
     assert rec.messages == ["up", "down", "up", "down"]
+    # A pull sent right behind a push rides with the push's bytes: its request pays no latency of its own.
+    rec.messages.clear()
+    c.pull(pb.PullRequest(run_id=RUN, island="i0", have_round=-1, after_push=True))
+    assert rec.messages == ["down"]
 
     lossy = Recording(lose_reply=True)
     sleeps: list[float] = []
@@ -254,6 +258,25 @@ def test_a_shaped_rpc_pays_a_round_trip_and_a_lost_reply_is_retried(env):
     t0 = time.monotonic()
     env.client(shaper=timed).heartbeat(pb.HeartbeatRequest(run_id=RUN, island="i0"))
     assert time.monotonic() - t0 >= 2 * 0.060 * 0.99  # no jitter: exactly two one-way latencies, at least
+
+
+def test_on_sent_is_told_once_the_last_chunk_is_on_the_wire(env):
+    """`IslandClient.push(..., on_sent)`: the island's cue to ask for the commit without waiting for the reply."""
+    sent_after: list[int] = []
+
+    class Counting:
+        chunks = 0
+
+        def start_message(self, direction):
+            pass
+
+        def transmit(self, nbytes, direction):
+            Counting.chunks += 1
+
+    config = TransportConfig(chunk_bytes=64 * 1024, max_attempts=2, backoff_initial_s=0.01, rpc_timeout_s=10)
+    c = env.client(shaper=Counting(), config=config)
+    assert c.push(meta(), delta(0.5, "fp32"), on_sent=lambda: sent_after.append(Counting.chunks)).accepted
+    assert Counting.chunks > 1 and sent_after == [Counting.chunks], "told once, after the last of several chunks"
 
 
 def test_linkdown_mid_stream_is_retried_and_applied_once(env):

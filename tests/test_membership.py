@@ -58,10 +58,11 @@ def test_quorum_config_validation() -> None:
         QuorumConfig(min_deadline_s=10, max_deadline_s=5)
 
 
-def _pull(have, *, full=False, round_=5, done=False, pushed=True, last=4, kept=1) -> PullView:
+def _pull(have, *, full=False, round_=5, done=False, pushed=True, arriving=False, last=4, kept=1) -> PullView:
     return PullView(
-        have_round=have, full=full, round=round_, done=done, pushed=pushed, last_commit_round=last, kept=kept
-    )
+        have_round=have, full=full, round=round_, done=done, pushed=pushed, last_commit_round=last,
+        arriving=arriving, kept=kept,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -89,6 +90,12 @@ def _pull(have, *, full=False, round_=5, done=False, pushed=True, last=4, kept=1
         (_pull(5), PullKind.WAIT, "round 5 is still open"),
         # ... but it has not pushed (the coordinator restarted and lost the push): push first
         (_pull(5, pushed=False), PullKind.PUSH_FIRST, "no pseudo-gradient from the island"),
+        # ... unless that push is still streaming in (the island asked as soon as its push was on the wire): its
+        # outcome decides, so wait; the same for an early push of a later fragment's sync
+        (_pull(5, pushed=False, arriving=True), PullKind.WAIT, "push for round 5 is still arriving"),
+        (_pull(6, kept=2, pushed=False, arriving=True), PullKind.WAIT, "queued behind round 5"),
+        # a push arriving for a position beyond the window does not make a coordinator that went back wait
+        (_pull(7, kept=2, pushed=False, arriving=True), PullKind.RESYNC, "restarted at round 5"),
         # the run is complete: whoever holds the last round gets the full θ instead of waiting
         (_pull(5, done=True), PullKind.FULL, "full θ_5"),
         # ahead of a coordinator that restarted behind it: resync, never wait (it would deadlock)

@@ -22,7 +22,6 @@ from transport.shaper import (
     LinkShaper,
     load_link_profiles,
     profile_for,
-    rpc_time_s,
     transfer_time_s,
 )
 
@@ -226,13 +225,6 @@ def test_transfer_time_formula():
     assert transfer_time_s(wan, 20_000_000, "up") == pytest.approx(3.2)
     with pytest.raises(ValueError, match="direction"):
         transfer_time_s(wan, 1, "sideways")
-
-
-def test_rpc_time_is_the_transfer_plus_the_other_messages_latency():
-    p = LinkProfile(up_mbps=50.0, down_mbps=25.0, latency_ms=90.0)
-    assert rpc_time_s(p, 472_064, "up") == pytest.approx(0.090 + 472_064 * 8 / 50e6 + 0.090)
-    assert rpc_time_s(p, 472_064, "down") == pytest.approx(0.090 + 472_064 * 8 / 25e6 + 0.090)
-    assert rpc_time_s(LinkProfile(up_mbps=0, down_mbps=0), 10 * MiB, "up") == 0.0
 
 
 # --- outages ----------------------------------------------------------------------------------------------

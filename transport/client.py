@@ -16,7 +16,7 @@ failure type to handle. Every call is idempotent on the coordinator, which is wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from transport import diloco_pb2 as pb
@@ -55,8 +55,12 @@ class IslandClient(Protocol):
         """A snapshot of the coordinator (membership, round, losses, bytes)."""
         ...
 
-    def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor]) -> pb.PushReply:
-        """Send one encoded pseudo-gradient; a retried push is deduplicated by (island, round, fragment)."""
+    def push(
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], on_sent: Callable[[], None] | None = None
+    ) -> pb.PushReply:
+        """Send one encoded pseudo-gradient; a retried push is deduplicated by (island, round, fragment).
+        ``on_sent`` is called (on the sending thread) each time an attempt has handed its last chunk to the wire:
+        the island then asks for the commit without waiting for the push's reply (`IslandWorker._collect`)."""
         ...
 
     def pull(self, req: pb.PullRequest) -> PullPayload:

@@ -76,14 +76,19 @@ class ClientOptions(TypedDict, total=False):
     """How to wait between retries; None is ``time.sleep`` (tests pass a recorder to see the backoff)."""
 
 
-def call_once(shaper: ShaperLike | None, fn: Callable[[], T]) -> T:
+def call_once(shaper: ShaperLike | None, fn: Callable[[], T], request_latency: bool = True) -> T:
     """One attempt of an RPC, whose every failure comes out as a ``TransportError`` that `with_retries` judges.
+
+    ``request_latency=False``: the request rides right behind a push's last bytes on the same link (a pull with
+    ``after_push``), so it arrives with them. The shaper charges a message's one-way latency before its bytes go,
+    so the push's latency already covers the request's: charging it again would make the request arrive one
+    latency after the push, which no real link does.
 
     The single mapping of failures for both clients: ``LinkDown`` -> UNAVAILABLE (retryable, like a real
     network outage), ``Rejected`` -> its own code and reason, ``grpc.RpcError`` -> its status and details.
     """
     try:
-        if shaper is not None:
+        if shaper is not None and request_latency:
             shaper.start_message("up")
         result = fn()
         if shaper is not None:  # the reply crosses the link too: an RPC costs a round trip, not half of one
@@ -137,16 +142,24 @@ class RetryingClient:
         self._sleep = options.get("sleep")
         self._metadata = call_metadata(island, secret)
 
-    def _retried(self, fn: Callable[[], T]) -> T:
-        """``fn`` as one RPC: attempts of `call_once` (shaper charge + failure mapping), retried."""
-        return with_retries(self.config, lambda: call_once(self.shaper, fn), self._sleep)
+    def _retried(self, fn: Callable[[], T], behind_push: bool = False) -> T:
+        """``fn`` as one RPC: attempts of `call_once` (shaper charge + failure mapping), retried. ``behind_push``:
+        the first attempt rides behind a push's bytes (`call_once`'s ``request_latency``); a retry goes later."""
+        attempts = 0
+
+        def attempt() -> T:
+            nonlocal attempts
+            attempts += 1
+            return call_once(self.shaper, fn, request_latency=not (behind_push and attempts == 1))
+
+        return with_retries(self.config, attempt, self._sleep)
 
     def _push_stream(
-        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor]
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], on_sent: Callable[[], None] | None = None
     ) -> Callable[[], Iterator[pb.PushChunk | bytes]]:
         """A fresh chunk stream per attempt; the header (metas only, no digest) is built once for all of them."""
         header = build_header(tensors, self.config.chunk_bytes)
-        return lambda: push_wire_chunks(meta, tensors, self.config.chunk_bytes, self.shaper, header)
+        return lambda: push_wire_chunks(meta, tensors, self.config.chunk_bytes, self.shaper, header, on_sent)
 
     def close(self) -> None:
         """Nothing to release here; a subclass that holds a channel closes it."""
@@ -164,8 +177,10 @@ def push_wire_chunks(
     chunk_bytes: int,
     shaper: ShaperLike | None = None,
     header: pb.PayloadHeader | None = None,
+    on_sent: Callable[[], None] | None = None,
 ) -> Iterator[pb.PushChunk | bytes]:
-    """The chunks of one push: the first a message (meta + header), every later one already serialized.
+    """The chunks of one push: the first a message (meta + header), every later one already serialized; once the
+    transport has taken the last one (it asks for the next), ``on_sent`` is called.
 
     Serializing the data chunks by hand (``transport.wire``) costs one copy each instead of protobuf's three.
     The payload is hashed chunk by chunk as the wire pulls them (``iter_trailed_views``), so the first byte goes
@@ -180,6 +195,8 @@ def push_wire_chunks(
             yield pb.PushChunk(index=0, meta=meta, header=header, data=b"".join(pieces), digest=digest)
         else:
             yield encode_data_chunk(PUSH_DATA_FIELD, i, *pieces, digest=digest)
+    if on_sent is not None:
+        on_sent()
 
 
 def receive_pull(

@@ -165,18 +165,20 @@ class PushReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., round: _Optional[int] = ..., detail: _Optional[str] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("run_id", "island", "have_round", "fragment", "full")
+    __slots__ = ("run_id", "island", "have_round", "fragment", "full", "after_push")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     HAVE_ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     FULL_FIELD_NUMBER: _ClassVar[int]
+    AFTER_PUSH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island: str
     have_round: int
     fragment: int
     full: bool
-    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., have_round: _Optional[int] = ..., fragment: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
+    after_push: bool
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., have_round: _Optional[int] = ..., fragment: _Optional[int] = ..., full: _Optional[bool] = ..., after_push: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("run_id", "round", "fragment", "kind", "param_digest", "payload")

@@ -101,10 +101,12 @@ class GrpcTransport(RetryingClient):
             raise TransportError(e.code(), e.details() or "") from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
-    def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor]) -> pb.PushReply:
+    def push(
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], on_sent: Callable[[], None] | None = None
+    ) -> pb.PushReply:
         """Stream one pseudo-gradient, with a deadline that grows with its size; retries are deduplicated."""
         timeout = self.config.stream_deadline_s(push_size(tensors))
-        stream = self._push_stream(meta, tensors)
+        stream = self._push_stream(meta, tensors, on_sent)
 
         def once() -> pb.PushReply:
             link_failure: list[BaseException] = []
@@ -147,4 +149,4 @@ class GrpcTransport(RetryingClient):
                 call.cancel()  # stop the server streaming the rest of a payload we refused
                 raise
 
-        return self._retried(once)
+        return self._retried(once, behind_push=req.after_push)

@@ -12,6 +12,7 @@ service; it never reaches the client and never stops the server.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -65,6 +66,13 @@ class CoordinatorHandler(Protocol):
 
     def current_round(self, fragment: int) -> int:
         """The round a push for ``fragment`` must be for (the service rejects stale/future ones)."""
+        ...
+
+    def receiving(self, meta: pb.PushMeta) -> AbstractContextManager[None]:
+        """Held while a push whose first chunk passed every check streams in and is handed to `push` (or fails):
+        the coordinator holds a pull of that island for that sync until it is through, instead of answering "push
+        first" (an island asks for the commit as soon as its push is on the wire). A handler that does not care
+        returns ``contextlib.nullcontext()``."""
         ...
 
     def push(

@@ -10,7 +10,7 @@ framing are skipped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Unpack
 
 from transport import diloco_pb2 as pb
@@ -50,9 +50,11 @@ class InProcessTransport(RetryingClient):
         """See ``IslandClient.status``."""
         return self._retried(lambda: self.service.status(self._metadata))
 
-    def push(self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor]) -> pb.PushReply:
+    def push(
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], on_sent: Callable[[], None] | None = None
+    ) -> pb.PushReply:
         """Push a pseudo-gradient through the same chunking and checks as over gRPC."""
-        stream = self._push_stream(meta, tensors)
+        stream = self._push_stream(meta, tensors, on_sent)
         # The same serialized chunks a gRPC push sends, parsed by the same parser the server uses.
         return self._retried(
             lambda: self.service.push(
@@ -62,4 +64,7 @@ class InProcessTransport(RetryingClient):
 
     def pull(self, req: pb.PullRequest) -> PullPayload:
         """Pull the committed update (or full params) through the same chunking and checks."""
-        return self._retried(lambda: receive_pull(self.service.pull(self._metadata, req), self.config, self.shaper))
+        return self._retried(
+            lambda: receive_pull(self.service.pull(self._metadata, req), self.config, self.shaper),
+            behind_push=req.after_push,
+        )

@@ -14,7 +14,9 @@ Both the gRPC servicer and the in-process transport run every message through th
 * checks that need only the first chunk (run id, island, push metadata, round, tensor specs, declared sizes)
   run before any payload byte is buffered, and the declared total is reserved from a budget shared by all
   pushes in flight (``max_buffered_mb``); digest, decode and finiteness run once the bytes are in; a push
-  that fails gives its buffer back at once.
+  that fails gives its buffer back at once. From those first checks until the handler has answered, the push is
+  `CoordinatorHandler.receiving`: its island's pull for that sync, sent as soon as the push was on the wire, waits
+  for it.
 
 Every answer goes through `answering`: a refusal is a `Rejected` (code + reason) whose reason is made
 `printable` (bounded, control characters escaped: it may carry an attacker's strings) and is reported once
@@ -31,7 +33,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -56,6 +58,9 @@ from transport.validate import (
     spec_for,
 )
 from transport.wire import PULL_DATA_FIELD, Undecodable, encode_data_chunk
+
+if TYPE_CHECKING:  # transport.codecs imports JAX; the service only needs its type
+    from transport.codecs import EncodedTensor
 
 Metadata = Iterable[tuple[str, str | bytes]] | None
 T = TypeVar("T")
@@ -287,13 +292,24 @@ class DilocoService:
         buf = Reassembler(
             header, self.config.max_payload_bytes, self.config.max_tensors, self._codecs, budget=self.budget
         )
-        try:
-            tensors, arrays = self._receive(buf, first, chunks)
-        finally:
-            buf.close()  # the budget back; a failed stream's buffer is given up at once
+        with self.handler.receiving(meta):  # a pull its island sent meanwhile waits for the outcome
+            try:
+                tensors, arrays = self._receive(buf, first, chunks)
+            finally:
+                buf.close()  # the budget back; a failed stream's buffer is given up at once
+            return self._commit(key, meta, buf.digest, tensors, arrays)
 
+    def _commit(
+        self,
+        key: tuple[str, int, int],
+        meta: pb.PushMeta,
+        digest: bytes,
+        tensors: list[EncodedTensor],
+        arrays: dict[str, np.ndarray],
+    ) -> pb.PushReply:
+        """A whole, checked push: the cached reply of a duplicate, else the handler's (remembered when accepted)."""
         with self._commit_lock:
-            cached = self._cached(key, buf.digest)
+            cached = self._cached(key, digest)
             if cached is not None:
                 # A retried duplicate of an accepted push: same answer, handler not called again.
                 return cached
@@ -301,8 +317,8 @@ class DilocoService:
             check_round(meta.round, self.handler.current_round(meta.fragment), self.max_staleness)
             reply = self.handler.push(meta, tensors, arrays)
             if reply.accepted:
-                reply = pb.PushReply(accepted=True, round=reply.round, detail=reply.detail, digest=buf.digest)
-                self._accepted[key] = (buf.digest, reply)
+                reply = pb.PushReply(accepted=True, round=reply.round, detail=reply.detail, digest=digest)
+                self._accepted[key] = (digest, reply)
                 while len(self._accepted) > self.config.idempotency_cache:
                     self._accepted.popitem(last=False)
             return reply

@@ -22,8 +22,7 @@ Model, per direction ("up" = island -> coordinator, "down" = coordinator -> isla
   `LinkDown` during one, and a transfer still in flight when one begins fails at its start (the RPC layer
   turns that into UNAVAILABLE and retries). `set_partitioned` simulates an unscheduled partition.
 
-`transfer_time_s` and `rpc_time_s` are the matching pure cost model (used by benchmarks and the cost model in
-docs/architecture.md).
+`transfer_time_s` is the matching pure cost model (used by benchmarks and the cost model in docs/architecture.md).
 The clock and sleep are injected so unit tests can run on a fake clock and check times exactly.
 """
 
@@ -249,13 +248,6 @@ def transfer_time_s(profile: LinkProfile, nbytes: int, direction: str, chunk_byt
     wire_s = nbytes * 8 / bw * attempts
     retransmit_wait_s = n_chunks * profile.rtt_s * (attempts - 1)
     return profile.latency_ms / 1e3 + wire_s + retransmit_wait_s
-
-
-def rpc_time_s(profile: LinkProfile, nbytes: int, direction: str, chunk_bytes: int = 1 << 20) -> float:
-    """Expected seconds for one RPC whose payload of ``nbytes`` goes ``direction`` (a push "up", a pull "down"):
-    the payload's `transfer_time_s` (one one-way latency included) plus the other message's latency, since the
-    transports charge the request's latency and the reply's (``transport.client_core.call_once``)."""
-    return transfer_time_s(profile, nbytes, direction, chunk_bytes) + profile.latency_ms / 1e3
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ Run: ``diloco bench transport [--payload-mb 256] [--shaped-mbps 50] [--shaped-mb
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -53,6 +54,9 @@ class _SinkHandler:
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         return pb.LeaveReply(ok=True)
+
+    def receiving(self, meta: pb.PushMeta) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def current_round(self, fragment: int) -> int:
         return 0

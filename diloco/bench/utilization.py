@@ -14,9 +14,12 @@ The cost model of a plain round (docs/architecture.md, "Cost model"), from the r
 
   c_i      island i's compute seconds of that round's H steps (its push's compute_s); the model is evaluated
            for every round after the warm-up ones, then averaged
-  up_i     one push: `transport.shaper.rpc_time_s` of its median push bytes on its uplink (the request's latency,
-           the bytes at the link's bandwidth, the reply's latency: one RTT plus the bytes)
-  down_i   one pull: the request's one-way latency up, then the update's bytes and latency on its downlink
+  up_i     one push: `transport.shaper.transfer_time_s` of its median push bytes on its uplink (the one-way
+           latency, then the bytes at the link's bandwidth); its reply's latency back is off the path, since the
+           reply comes back beside the committed update
+  down_i   the committed update: its bytes and one-way latency on the downlink. The pull's request went out right
+           behind the push's last bytes (`PullRequest.after_push`), so it costs no latency of its own: a round
+           costs one RTT plus its bytes, as docs/architecture.md's cost model says
   close    the coordinator's median commit (aggregate, outer step, downlink encode): all an island waits for;
            the evaluation and the checkpoint follow off the islands' path (docs/architecture.md)
 
@@ -59,7 +62,7 @@ from diloco.netns import (
     shaped_namespace,
 )
 from diloco.procs import Federation, Wrap
-from transport.shaper import UNSHAPED, LinkProfile, load_link_profiles, profile_for, rpc_time_s
+from transport.shaper import UNSHAPED, LinkProfile, load_link_profiles, profile_for, transfer_time_s
 
 WARMUP_ROUNDS = 2
 """Rounds left out of both the measured figure and the model: round 0's pushes hold the processes' start, the join
@@ -149,8 +152,8 @@ def _plain_model(cfg: RunConfig, fed: Federation, goodput_mbit: float | None) ->
     if goodput_mbit is None:
         links = _links(cfg)
         chunk = cfg.transport.chunk_bytes
-        up = {n: rpc_time_s(links[n], int(up_bytes[n]), "up", chunk) for n in names}
-        down = {n: rpc_time_s(links[n], int(per_pull), "down", chunk) for n in names}
+        up = {n: transfer_time_s(links[n], int(up_bytes[n]), "up", chunk) for n in names}
+        down = {n: transfer_time_s(links[n], int(per_pull), "down", chunk) for n in names}
         parts = {"up": {n: round(v, 4) for n, v in up.items()}, "down": {n: round(v, 4) for n, v in down.items()}}
 
         def model_of(compute: dict[str, float]) -> dict[str, float]:
