@@ -82,7 +82,7 @@ def serve(
     check_fresh(cfg, run_dir)
     rd = RunDir(run_dir, cfg)
     metrics = CoordinatorMetrics(cfg.islands.island_names)
-    transport = cfg.transport.for_islands(cfg.islands.count)
+    transport = cfg.transport.for_islands(cfg.islands.count, cfg.stream.fragments)
     try:
         server = start_server(None, listen, tls=tls, config=transport, on_call=metrics.call)
     except (OSError, RuntimeError, ValueError) as exc:

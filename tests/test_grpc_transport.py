@@ -376,6 +376,21 @@ def test_config_validation_names_the_key():
     assert TransportConfig().server_threads == 16 + 16 + 2
 
 
+@pytest.mark.parametrize(
+    ("islands", "fragments", "streams", "per_island"),
+    [
+        (3, 1, 16, 4),  # plain rounds: one push and one pull an island, with room for a retry; the defaults hold
+        (3, 5, 30, 12),  # Streaming DiLoCo, P = 5: a push and a pull per fragment at once, and a retry
+        (1, 8, 18, 18),  # the server as a whole holds at least what one island may
+        (20, 1, 40, 4),  # many islands: two streams each
+    ],
+)
+def test_for_islands_makes_room_for_every_honest_islands_streams(islands, fragments, streams, per_island):
+    cfg = TransportConfig().for_islands(islands, fragments)
+    assert (cfg.max_streams, cfg.max_streams_per_island) == (streams, per_island)
+    assert cfg.max_pending_calls >= cfg.server_threads  # a valid config: every thread's call can be queued
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_transport_bench_small():

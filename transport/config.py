@@ -133,14 +133,19 @@ class TransportConfig:
         """``max_buffered_mb`` in bytes."""
         return int(self.max_buffered_mb * MIB)
 
-    def for_islands(self, n_islands: int) -> TransportConfig:
+    def for_islands(self, n_islands: int, fragments: int = 1) -> TransportConfig:
         """These limits, raised where needed so that `n_islands` honest islands never meet them: each may hold a
-        push or pull stream and a retry of it, and a heartbeat beside its main thread's join at once."""
-        streams = max(self.max_streams, 2 * n_islands)
+        push and a pull stream per fragment (Streaming DiLoCo's P lanes of each, `IslandWorker.lanes` and
+        `pulls`, all on the wire at once when the coordinator waits for a slow island) and a retry beside them,
+        and a heartbeat beside its main thread's join at once. With P = 5 a cap of 4 streams an island refused the
+        fifth of an island's pulls (UNAVAILABLE, retried after a backoff): seconds lost per round."""
+        per_island = max(self.max_streams_per_island, 2 * fragments + 2)
+        streams = max(self.max_streams, 2 * fragments * n_islands, per_island)
         unary = max(self.max_unary_calls, 2 * n_islands)
         # gRPC's own queue must hold every thread's call and as many waiting: it only guards memory.
         pending = max(self.max_pending_calls, 2 * (streams + unary + 2))
-        return replace(self, max_streams=streams, max_unary_calls=unary, max_pending_calls=pending)
+        return replace(self, max_streams=streams, max_streams_per_island=per_island, max_unary_calls=unary,
+                       max_pending_calls=pending)  # fmt: skip
 
     @property
     def max_payload_bytes(self) -> int:
