@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -484,17 +484,21 @@ class IslandWorker:
             return done
         return self.wire.submit(self.island.take_delta(run, reference).encode)
 
-    def _send(
-        self, meta: pb.PushMeta, push: Future[RoundPush], generation: int, on_wire: threading.Event
-    ) -> bool | None:
-        """Push Δ (on its fragment's lane, once encoded); None when a resync made it stale first. `on_wire` is set
-        once the push is on the wire, or done with (a push that never got out wakes its pull too)."""
+    def _send(self, meta: pb.PushMeta, push: Future[RoundPush], generation: int, on_wire: Future[bool]) -> bool | None:
+        """Push Δ (on its fragment's lane, once encoded); None when a resync made it stale first. `on_wire` says
+        True once the push's last chunk is on the wire, False if the push is done with before (stale, or it failed):
+        its pull waits for one or the other."""
+
+        def settle(out: bool) -> None:
+            with contextlib.suppress(InvalidStateError):  # told once: by the first attempt that got out, or here
+                on_wire.set_result(out)
+
         try:
             if generation != self._generation:
                 return None
-            return self._push(meta, push.result(), on_wire.set) is not None
+            return self._push(meta, push.result(), partial(settle, True)) is not None
         finally:
-            on_wire.set()
+            settle(False)
 
     def _collect(
         self,
@@ -502,7 +506,7 @@ class IslandWorker:
         meta: pb.PushMeta,
         pending: Future[RoundPush],
         sent: Future[bool | None],
-        on_wire: threading.Event,
+        on_wire: Future[bool],
     ) -> Synced | None:
         """Wait for sync `sync`'s commit once its push went out (`run` merges the result when its turn comes).
 
@@ -514,8 +518,7 @@ class IslandWorker:
         reply comes back while the commit is made), and the coordinator holds it until the push has landed
         (`PullRequest.after_push`). Should the coordinator still hold no push of ours, the usual path decides once
         the push's reply is in (`_pull_after_push`: push again, or resync)."""
-        on_wire.wait()
-        early = None if sent.done() else self._pull_beside_push(sync)
+        early = self._pull_beside_push(sync) if on_wire.result() else None
         accepted = sent.result()
         if accepted is None:
             return None
@@ -653,7 +656,7 @@ class IslandWorker:
                 self.spent.encode_s += time.perf_counter() - t0
                 meta = self._push_meta(sync_at // self.P, p, joined, cycle_from)
                 cycle_from = time.perf_counter()
-                on_wire = threading.Event()
+                on_wire: Future[bool] = Future()
                 sent = self.lanes[p].submit(partial(self._send, meta, push, self._generation, on_wire))
                 self._last_push[p] = sent
                 collect = partial(self._collect, sync_at, meta, push, sent, on_wire)
