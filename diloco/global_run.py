@@ -146,10 +146,13 @@ class GlobalRun:
         return pending.commit
 
     def evaluate_commit(self, pending: Settling) -> float:
-        """The eval loss of a commit's θ (timed into `pending.eval_s`); reads nothing that later commits change."""
+        """The eval loss of a commit's θ (timed into `pending.eval_s`); reads nothing that later commits change.
+        It also counts what the aggregation rule kept (`Commit.kept`), the record's other CPU cost, so that the
+        coordinator runs both outside its lock."""
         t0 = time.perf_counter()
         loss = self.evaluate(pending.state.params)
         pending.eval_s = time.perf_counter() - t0
+        pending.commit.kept  # noqa: B018 - counted (and cached) here
         return loss
 
     def commit(

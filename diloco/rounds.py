@@ -17,6 +17,8 @@ fragment P-1 commits. P = 1 (one fragment of every leaf) is plain DiLoCo, with t
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -26,7 +28,7 @@ import numpy as np
 import optax
 
 from islands.compress import Residual, compress_tree, zero_residual
-from outer_optimizer import Rule, apply_update, make_outer_step, mean
+from outer_optimizer import Aggregated, Rule, apply_update, make_outer_step, mean
 from outer_optimizer.fragments import Fragments
 from transport.codecs import CodecSpec, EncodedTensor, PyTree, flatten_named, unflatten_named
 from transport.digest import tree_digest
@@ -70,8 +72,15 @@ class Commit:
     """Digest of the new global parameters."""
     fragment_digest: str
     """Digest of the committed fragment's new leaves (`fragment_digest`): what an island that applies û proves."""
-    kept: tuple[float, ...]
-    """Per island of `islands`: the share of its Δ the aggregation rule used (outer_optimizer.Aggregated.kept)."""
+    shares: Aggregated = field(repr=False, compare=False)
+    """The rule's record of what it used of each island's Δ (its `delta` dropped), read by `kept`."""
+
+    @functools.cached_property
+    def kept(self) -> tuple[float, ...]:
+        """Per island of `islands`: the share of its Δ the aggregation rule used (outer_optimizer.Aggregated.kept).
+        Counted when first read, which the coordinator does off the islands' path (docs/architecture.md, "Commits
+        off the critical path")."""
+        return tuple(float(k) for k in self.shares.kept)
 
     @property
     def reduced(self) -> dict[str, float]:
@@ -249,5 +258,5 @@ class OuterLoop:
             tokens=sum(c.tokens for c in contributions),
             digest=(digest := tree_digest(new_params)),
             fragment_digest=digest if self.fragments.count == 1 else fragment_digest(self.fragments, new_params, p),
-            kept=tuple(float(k) for k in jax.device_get(combined.kept)),
+            shares=dataclasses.replace(combined, delta=None),
         )

@@ -85,7 +85,7 @@ class ReferenceHandler:
         return self.round
 
     def push(
-        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray]
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray], payload_digest: bytes
     ) -> pb.PushReply:
         with self._lock:
             for name, delta in arrays.items():

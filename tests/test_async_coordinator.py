@@ -18,6 +18,7 @@ from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir, read_events
 from diloco.setup import build_setup
 from transport import diloco_pb2 as pb
+from transport.chunking import payload_digest
 from transport.codecs import CodecSpec, decode, encode_tree, flatten_named
 from transport.digest import tree_digest
 from transport.errors import Rejected
@@ -46,7 +47,8 @@ def push(coord: Coordinator, island: str, base: int, digest: str, fill: float) -
     named = {k: np.full(np.shape(v), fill, np.float32) for k, v in _theta(coord).items()}
     meta = pb.PushMeta(run_id=coord.run_id, island=island, round=base, tokens=128, loss=1.0,
                        base_digest=bytes.fromhex(digest))  # fmt: skip
-    return coord.push(meta, encode_tree(named, CodecSpec(kind="fp32")), named)
+    tensors = encode_tree(named, CodecSpec(kind="fp32"))
+    return coord.push(meta, tensors, named, payload_digest(tensors))
 
 
 def refused(call, code: grpc.StatusCode, words: str) -> None:

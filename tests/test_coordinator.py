@@ -19,6 +19,7 @@ from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir, read_events
 from diloco.setup import build_setup
 from transport import diloco_pb2 as pb
+from transport.chunking import payload_digest
 from transport.codecs import CodecSpec, encode_tree, flatten_named
 from transport.digest import tree_digest
 from transport.errors import Rejected
@@ -45,7 +46,7 @@ def push(coord: Coordinator, island: str, fill: float, **meta_fields) -> pb.Push
         "run_id": coord.run_id, "island": island, "round": coord.loop.round, "tokens": 128, "loss": 1.0,
         "base_digest": bytes.fromhex(coord.world.params_digest), **meta_fields,
     }  # fmt: skip
-    return coord.push(pb.PushMeta(**fields), tensors, named)
+    return coord.push(pb.PushMeta(**fields), tensors, named, payload_digest(tensors))
 
 
 def refused(call, code: grpc.StatusCode, words: str) -> None:

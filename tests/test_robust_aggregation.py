@@ -104,6 +104,28 @@ def test_trim_count(trim: float, n: int, count: int) -> None:
     assert trim_count(trim, n) == count
 
 
+def _stable_kept(rows: np.ndarray, t: int) -> np.ndarray:
+    """The shares `kept` must report, counted the slow way: rank every column with ties in island order."""
+    n, size = rows.shape
+    counts = np.zeros(n)
+    for column in rows.T:
+        ranks = np.empty(n, int)
+        ranks[np.argsort(column, kind="stable")] = np.arange(n)
+        counts += (ranks >= t) & (ranks < n - t)
+    return counts / size
+
+
+@pytest.mark.parametrize("n", [3, 4, 9, 17, 33, 40])  # one word of uint8, uint16, uint32; two words
+def test_trimmed_mean_kept_counts_the_masks(n: int) -> None:
+    rng = np.random.default_rng(n)
+    rows = rng.integers(-3, 4, size=(n, 257)).astype(np.float32)  # small integers: many ties
+    trees = [{"a": row[:200].reshape(20, 10), "b": row[200:]} for row in rows]
+    t = trim_count(0.25, n)
+    got = trimmed_mean(trees, [1] * n, 0.25)
+    np.testing.assert_allclose(got.kept, _stable_kept(rows, t), rtol=1e-6)
+    assert got.kept.dtype == np.float32 and got.kept.shape == (n,)
+
+
 def test_lower_median_is_an_element() -> None:
     assert float(lower_median(jnp.array([5.0, 1.0, 9.0, 2.0]))) == 2.0
     assert float(lower_median(jnp.array([3.0, 1.0]))) == 1.0

@@ -422,7 +422,10 @@ def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
         if not np.isfinite(np.asarray(scale)).all():
             raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
     data = np.asarray(raw).data  # host buffer, zero-copy on CPU
-    payload = _zstd_compress(data, spec.zstd_level) if spec.zstd_level else bytes(data)
+    # Without zstd the payload is a read-only view of that buffer, not a copy of it (6.38M fp32 parameters: 25.5 MB
+    # and 10-30 ms a copy here, on every commit's and every push's path). For fp32 of a host array the buffer is
+    # the input's own: nothing in this project changes an encoded array in place.
+    payload = _zstd_compress(data, spec.zstd_level) if spec.zstd_level else data.cast("B").toreadonly()
     return EncodedTensor(
         name=name,
         codec=spec.kind,

@@ -47,6 +47,9 @@ class PullPayload:
     kind: PullKindName
     param_digest: bytes
     tensors: Sequence[EncodedTensor]
+    on_done: Callable[[], None] | None = None
+    """Called by the transport once the pull's stream is over: its last chunk handed to the wire, or the stream
+    failed or was cancelled (never for a stream that did not start)."""
 
 
 class CoordinatorHandler(Protocol):
@@ -76,9 +79,10 @@ class CoordinatorHandler(Protocol):
         ...
 
     def push(
-        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray]
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray], payload_digest: bytes
     ) -> pb.PushReply:
-        """A validated pseudo-gradient: encoded tensors and their decoded, finite arrays.
+        """A validated pseudo-gradient: encoded tensors, their decoded, finite arrays, and the SHA-256 of the
+        concatenated payloads (`transport.chunking.payload_digest`), checked against the bytes as they arrived.
 
         The arrays are read-only (fp32 ones are zero-copy views of the receive buffer): copy before
         modifying in place. Both stay valid after the call; keep only what you need.

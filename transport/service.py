@@ -31,7 +31,7 @@ import logging
 import threading
 import traceback
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -315,7 +315,7 @@ class DilocoService:
                 return cached
             # The round may have closed while the bytes streamed in.
             check_round(meta.round, self.handler.current_round(meta.fragment), self.max_staleness)
-            reply = self.handler.push(meta, tensors, arrays)
+            reply = self.handler.push(meta, tensors, arrays, digest)
             if reply.accepted:
                 reply = pb.PushReply(accepted=True, round=reply.round, detail=reply.detail, digest=digest)
                 self._accepted[key] = (digest, reply)
@@ -361,12 +361,21 @@ class DilocoService:
                 param_digest=payload.param_digest,
                 payload=header,
             )
-        return self._answered_chunks(metadata, _pull_chunks(pull_header, payload.tensors, self.config.chunk_bytes))
+        chunks = _pull_chunks(pull_header, payload.tensors, self.config.chunk_bytes)
+        return self._answered_chunks(metadata, chunks, payload.on_done)
 
-    def _answered_chunks(self, metadata: Metadata, chunks: Iterator[T]) -> Iterator[T]:
-        """``chunks``, with a failure while making one answered like any other."""
-        with self.answering(metadata):
-            yield from chunks
+    def _answered_chunks(
+        self, metadata: Metadata, chunks: Iterator[T], then: Callable[[], None] | None = None
+    ) -> Iterator[T]:
+        """``chunks``, with a failure while making one answered like any other; ``then`` runs once the stream is
+        over (gRPC asks for the next chunk only when the last one is written, so after the last one is on the wire;
+        or the stream failed, or was cancelled and this generator closed)."""
+        try:
+            with self.answering(metadata):
+                yield from chunks
+        finally:
+            if then is not None:
+                then()
 
 
 def _decoded(chunk: Any, position: int) -> Any:

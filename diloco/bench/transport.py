@@ -62,7 +62,7 @@ class _SinkHandler:
         return 0
 
     def push(
-        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray]
+        self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray], payload_digest: bytes
     ) -> pb.PushReply:
         return pb.PushReply(accepted=True)
 
