@@ -46,6 +46,7 @@ from diloco.summary import Totals
 from islands.island import DivergedError
 from outer_optimizer import discount, staleness_weight
 from transport import diloco_pb2 as pb
+from transport.chunking import SharedDigest
 from transport.codecs import CodecError, CodecSpec, EncodedTensor, encode_tree, flatten_named
 from transport.errors import Rejected
 from transport.handler import PullPayload
@@ -129,6 +130,8 @@ class Coordinator:
         self.commits: dict[int, Commit] = {}
         """The last `kept` commits by sync position (`OuterLoop.sync`; the round without streaming): what pulls
         answer with."""
+        self.trailers: dict[int, SharedDigest] = {}
+        """The payload digest of each of the last `kept` commits' encoded update, hashed once for all its pulls."""
         self.served: dict[int, set[str]] = {}
         """The islands that have received each of the last `kept` commits (by sync position), as the transport tells
         once a pull's stream is over (`_served`): what that commit's evaluation waits for (`_yield_to_pulls`)."""
@@ -425,9 +428,10 @@ class Coordinator:
                 commit = self.commits[self._position(req)]
                 tensors: Sequence[EncodedTensor] = commit.encoded
                 reaches, digest = self._position(req) + 1, commit.fragment_digest
+                trailer = self.trailers.get(self._position(req))
             else:
                 tensors = encode_tree(flatten_named(self.loop.params), FP32)
-                reaches, digest = self.loop.sync, self.world.params_digest
+                reaches, digest, trailer = self.loop.sync, self.world.params_digest, None
             island = req.island
             nbytes = sum(len(t.payload) for t in tensors)
             self.totals.bytes_down += nbytes
@@ -435,7 +439,7 @@ class Coordinator:
             round_, fragment = divmod(reaches, P)
             return PullPayload(
                 round=round_, fragment=fragment, kind=answer.kind.value, param_digest=bytes.fromhex(digest),
-                tensors=tensors, on_done=lambda: self._served(island, reaches - 1),
+                tensors=tensors, shared_digest=trailer, on_done=lambda: self._served(island, reaches - 1),
             )  # fmt: skip
 
     def _served(self, island: str, position: int) -> None:
@@ -581,8 +585,9 @@ class Coordinator:
             # θ_{s+1} is served from here on; its evaluation and checkpoint follow on the settle thread, off the
             # islands' path (docs/architecture.md, "Commits off the critical path").
             self.commits[sync] = pending.commit
-            self.commits.pop(sync - self.kept, None)
-            self.served.pop(sync - self.kept, None)
+            self.trailers[sync] = SharedDigest(pending.commit.encoded)
+            for kept in (self.commits, self.trailers, self.served):
+                kept.pop(sync - self.kept, None)
             self.digests[sync + 1] = pending.commit.digest
             self.digests.pop(sync + 1 - self.kept, None)
             self._settle_queue.put((self._generation, pending, dict(self.pending_digest), dict(self.dropped)))
@@ -665,6 +670,8 @@ class Coordinator:
             self._unsaved = None  # an older round's state: its own save (if due) happened when it was kept
             reopened = self.loop.sync
             self.commits = {s: c for s, c in self.commits.items() if s < reopened}
+            self.trailers = {s: t for s, t in self.trailers.items() if s < reopened}
+            self.served = {s: n for s, n in self.served.items() if s < reopened}
             self.digests = {s: d for s, d in self.digests.items() if s <= reopened}
             self.pending_digest, self.dropped = digests, dropped
             self.early.clear()  # taken from fragments of undone commits: those islands resync

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from transport.chunking import (
     BufferPool,
     Reassembler,
+    SharedDigest,
     build_header,
     iter_chunk_data,
     iter_trailed_views,
@@ -224,6 +225,19 @@ def test_large_payload_digest_is_hashed_in_the_background_and_matches():
     abandoned = iter_trailed_views(tensors, 1 << 20)
     next(abandoned)
     abandoned.close()  # a stream given up half-way stops its hashing thread (no hang, no error)
+
+
+def test_streams_of_the_same_tensors_share_one_digest():
+    """The pulls of one commit hash its payload once (`SharedDigest`); a stream given up half-way does not stop it."""
+    tensors = tensors_of([5000, 17, 3000])
+    shared = SharedDigest(tensors)
+    abandoned = iter_trailed_views(tensors, 1024, shared)
+    next(abandoned)
+    abandoned.close()
+    first, second = (list(iter_trailed_views(tensors, 1024, shared)) for _ in range(2))
+    assert first == second and [d for _, d in first[:-1]] == [b""] * (len(first) - 1)
+    assert first[-1][1] == payload_digest(tensors) == shared.result()
+    assert [b"".join(p) for p, _ in first] == [data for _, data, _ in trailed(tensors, 1024)]
 
 
 def test_buffer_pool_reuses_only_unreferenced_buffers():

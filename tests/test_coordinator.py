@@ -235,3 +235,38 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
         payload = got[name]
         assert payload.kind == "update" and payload.round == 1, payload  # type: ignore[attr-defined]
     assert coordinator.arriving == {}
+
+
+def test_a_commit_is_evaluated_once_its_islands_have_received_it(
+    coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The evaluation yields to the commit's pulls (`Coordinator._yield_to_pulls`): it waits until every island that
+    contributed has been sent the commit (the transport calls `PullPayload.on_done`), or EVAL_YIELD_S. Both pulls
+    share one payload digest."""
+    import diloco.coordinator as coordinator_module
+
+    def pull(island: str):
+        return coordinator.pull(pb.PullRequest(run_id=coordinator.run_id, island=island, have_round=0))
+
+    monkeypatch.setattr(coordinator_module, "EVAL_YIELD_S", 60.0)
+    push(coordinator, "island-0", 1e-3)
+    push(coordinator, "island-1", 1e-3)  # closes round 0
+    assert coordinator.loop.round == 1
+    assert not coordinator.settled(timeout_s=0.3), "evaluated before any island received the commit"
+    first, second = pull("island-0"), pull("island-1")
+    assert first.kind == second.kind == "update" and first.shared_digest is second.shared_digest
+    assert first.shared_digest is not None and first.shared_digest.result() == payload_digest(first.tensors)
+    first.on_done()  # type: ignore[misc]
+    assert not coordinator.settled(timeout_s=0.3), "evaluated before island-1 received the commit"
+    assert read_events(coordinator.rd.metrics_path, "round") == []
+    second.on_done()  # type: ignore[misc]
+    assert coordinator.settled(timeout_s=30)
+    assert [e["round"] for e in read_events(coordinator.rd.metrics_path, "round")] == [0]
+
+    # An island that never pulls holds the evaluation up for EVAL_YIELD_S at most.
+    monkeypatch.setattr(coordinator_module, "EVAL_YIELD_S", 0.5)
+    push(coordinator, "island-0", 1e-3)
+    push(coordinator, "island-1", 1e-3)
+    assert coordinator.loop.round == 2
+    assert coordinator.settled(timeout_s=30)
+    assert [e["round"] for e in read_events(coordinator.rd.metrics_path, "round")] == [0, 1]

@@ -409,7 +409,7 @@ def test_subnormal_values_reach_the_handler_as_zeros():
         assert b[1] != 0
         received: dict[str, np.ndarray] = {}
         apply = s.handler.push
-        s.handler.push = lambda m, tensors, arrays: (received.update(arrays), apply(m, tensors, arrays))[1]
+        s.handler.push = lambda m, tensors, arrays, digest: (received.update(arrays), apply(m, tensors, arrays, digest))[1]
         assert s.client().push(meta(), [fp32_tensor("b", b), fp32_tensor("w", np.zeros((4, 4), np.float32))]).accepted
         assert received["b"].tolist() == [0.5, 0, 0.5, 0.5, 0.5, 0, 0.5, 0.5]
 

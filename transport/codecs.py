@@ -403,12 +403,16 @@ def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
         x = np.asarray(x)
     dtype = _dtype_name(x.dtype)
     shape = tuple(int(d) for d in np.shape(x))
-    flat = _to_device_flat(x)
     if spec.kind == "fp32":
-        raw = flat  # float32 already; only finiteness needs checking
-        if not bool(_all_finite(flat)):
+        # The layout is the host float32 array itself; only finiteness needs checking, and numpy checks a host array
+        # in one pass with no dispatch (a 6.38M-parameter tree of ~100 leaves: 1.5 ms, against 23 ms through one
+        # jitted check per leaf). A device array comes to the host here, as its payload had to anyway.
+        raw = np.ascontiguousarray(np.asarray(x, np.float32)).reshape(-1)
+        if not np.isfinite(raw).all():
             raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
-    elif spec.kind == "bf16":
+        return _encoded(name, spec, dtype, shape, raw)
+    flat = _to_device_flat(x)
+    if spec.kind == "bf16":
         raw, ok = _enc_bf16(flat)
         if not bool(ok) and not bool(_all_finite(flat)):
             raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
@@ -421,6 +425,11 @@ def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
         # small scale vector replaces a pass over the whole tensor.
         if not np.isfinite(np.asarray(scale)).all():
             raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
+    return _encoded(name, spec, dtype, shape, raw)
+
+
+def _encoded(name: str, spec: CodecSpec, dtype: str, shape: tuple[int, ...], raw: Any) -> EncodedTensor:
+    """The tensor whose payload is ``raw``'s bytes (zstd-compressed when the spec says so)."""
     data = np.asarray(raw).data  # host buffer, zero-copy on CPU
     # Without zstd the payload is a read-only view of that buffer, not a copy of it (6.38M fp32 parameters: 25.5 MB
     # and 10-30 ms a copy here, on every commit's and every push's path). For fp32 of a host array the buffer is

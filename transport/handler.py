@@ -21,6 +21,7 @@ import numpy as np
 from transport import diloco_pb2 as pb
 
 if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
+    from transport.chunking import SharedDigest
     from transport.codecs import EncodedTensor
 
 PullKindName = Literal["update", "full"]
@@ -47,6 +48,9 @@ class PullPayload:
     kind: PullKindName
     param_digest: bytes
     tensors: Sequence[EncodedTensor]
+    shared_digest: SharedDigest | None = None
+    """The tensors' payload digest, shared by every pull that sends these same tensors (one per commit), or None to
+    hash them for this stream alone."""
     on_done: Callable[[], None] | None = None
     """Called by the transport once the pull's stream is over: its last chunk handed to the wire, or the stream
     failed or was cancelled (never for a stream that did not start)."""

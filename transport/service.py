@@ -40,7 +40,14 @@ import numpy as np
 
 from transport import diloco_pb2 as pb
 from transport.auth import ISLAND_KEY, Authenticator
-from transport.chunking import ByteBudget, Reassembler, build_header, check_header, iter_trailed_views
+from transport.chunking import (
+    ByteBudget,
+    Reassembler,
+    SharedDigest,
+    build_header,
+    check_header,
+    iter_trailed_views,
+)
 from transport.config import TransportConfig
 from transport.errors import Rejected
 from transport.handler import KIND_TO_PB, CoordinatorHandler, RejectionSink
@@ -361,7 +368,7 @@ class DilocoService:
                 param_digest=payload.param_digest,
                 payload=header,
             )
-        chunks = _pull_chunks(pull_header, payload.tensors, self.config.chunk_bytes)
+        chunks = _pull_chunks(pull_header, payload.tensors, self.config.chunk_bytes, payload.shared_digest)
         return self._answered_chunks(metadata, chunks, payload.on_done)
 
     def _answered_chunks(
@@ -385,10 +392,13 @@ def _decoded(chunk: Any, position: int) -> Any:
     return chunk
 
 
-def _pull_chunks(header: pb.PullHeader, tensors: Iterable, chunk_bytes: int) -> Iterator[pb.PullChunk | bytes]:
+def _pull_chunks(
+    header: pb.PullHeader, tensors: Iterable, chunk_bytes: int, shared: SharedDigest | None = None
+) -> Iterator[pb.PullChunk | bytes]:
     """Header on the first chunk (a message), digest trailer on the last, every chunk after the first
-    pre-serialized (see ``transport.wire``); the payload is hashed as it streams."""
-    for i, (pieces, digest) in enumerate(iter_trailed_views(list(tensors), chunk_bytes)):
+    pre-serialized (see ``transport.wire``); the payload is hashed as it streams (or once for every stream that
+    shares ``shared``)."""
+    for i, (pieces, digest) in enumerate(iter_trailed_views(list(tensors), chunk_bytes, shared)):
         if i == 0:
             yield pb.PullChunk(index=0, header=header, data=b"".join(pieces), digest=digest)
         else:
