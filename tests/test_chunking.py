@@ -227,6 +227,35 @@ def test_large_payload_digest_is_hashed_in_the_background_and_matches():
     abandoned.close()  # a stream given up half-way stops its hashing thread (no hang, no error)
 
 
+def test_a_large_payload_is_hashed_on_a_helper_thread_as_it_lands():
+    """From BACKGROUND_MIN_BYTES up the receiver hashes on a helper thread (`_FillHasher`): the same bytes come out,
+    a wrong trailer is still refused, and a stream given up half-way stops its helper at `close`."""
+    import threading
+
+    from transport.chunking import BACKGROUND_MIN_BYTES
+
+    def helpers() -> int:
+        return sum(t.name == "diloco-digest" and t.is_alive() for t in threading.enumerate())
+
+    tensors = tensors_of([BACKGROUND_MIN_BYTES // 4 + 3, 5])
+    header, chunks = build_header(tensors, 1 << 20), trailed(tensors, 1 << 20)
+    assert [bytes(t.payload) for t in reassemble(header, chunks)] == [t.payload for t in tensors]
+    index, data, digest = chunks[-1]
+    forged = bytes([digest[0] ^ 1]) + digest[1:]
+    assert "digest mismatch" in rejected(header, [*chunks[:-1], (index, data, forged)]).reason
+    before = helpers()
+    half = Reassembler(header, 1 << 30, 1000, CODECS)
+    for i, data, digest in chunks[:3]:
+        half.add(i, data, digest)
+    assert helpers() == before + 1
+    half.close()
+    for _ in range(100):
+        if helpers() == before:
+            break
+        threading.Event().wait(0.05)
+    assert helpers() == before
+
+
 def test_streams_of_the_same_tensors_share_one_digest():
     """The pulls of one commit hash its payload once (`SharedDigest`); a stream given up half-way does not stop it."""
     tensors = tensors_of([5000, 17, 3000])

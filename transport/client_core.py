@@ -216,14 +216,17 @@ def receive_pull(
     if header.kind not in PB_TO_KIND:
         raise Rejected(grpc.StatusCode.DATA_LOSS, f"unknown pull kind {header.kind}")
     chunk: pb.PullChunk | None = first
-    while chunk is not None:
-        if shaper is not None:
-            shaper.transmit(len(chunk.data), "down")
-        if chunk is not first and chunk.HasField("header"):
-            raise Rejected(grpc.StatusCode.DATA_LOSS, f"pull chunk {chunk.index} repeats the header")
-        buf.add(chunk.index, chunk.data, chunk.digest)
-        chunk = next(it, None)
-    tensors = buf.finish()
+    try:
+        while chunk is not None:
+            if shaper is not None:
+                shaper.transmit(len(chunk.data), "down")
+            if chunk is not first and chunk.HasField("header"):
+                raise Rejected(grpc.StatusCode.DATA_LOSS, f"pull chunk {chunk.index} repeats the header")
+            buf.add(chunk.index, chunk.data, chunk.digest)
+            chunk = next(it, None)
+        tensors = buf.finish()
+    finally:
+        buf.close()  # a stream that failed gives its buffer and its hashing thread up at once
     return PullPayload(
         round=header.round,
         fragment=header.fragment,
