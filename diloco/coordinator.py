@@ -46,10 +46,10 @@ from diloco.summary import Totals
 from islands.island import DivergedError
 from outer_optimizer import discount, staleness_weight
 from transport import diloco_pb2 as pb
-from transport.chunking import SharedDigest
 from transport.codecs import CodecError, CodecSpec, EncodedTensor, encode_tree, flatten_named
 from transport.errors import Rejected
 from transport.handler import PullPayload
+from transport.service import SharedPull
 from transport.validate import ModelSpec
 
 FP32 = CodecSpec(kind="fp32")
@@ -130,11 +130,14 @@ class Coordinator:
         self.commits: dict[int, Commit] = {}
         """The last `kept` commits by sync position (`OuterLoop.sync`; the round without streaming): what pulls
         answer with."""
-        self.trailers: dict[int, SharedDigest] = {}
-        """The payload digest of each of the last `kept` commits' encoded update, hashed once for all its pulls."""
+        self.streams: dict[int, SharedPull] = {}
+        """Each of the last `kept` commits' update as its pulls send it, serialized (and hashed) once for them all."""
         self.served: dict[int, set[str]] = {}
         """The islands that have received each of the last `kept` commits (by sync position), as the transport tells
         once a pull's stream is over (`_served`): what that commit's evaluation waits for (`_yield_to_pulls`)."""
+        self.working: dict[str, int] = {}
+        """The round each island last said (by heartbeat) it is training on: a plain commit is evaluated once its
+        islands have moved past it (`_yield_to_pulls`). Keyed by the run's island names only."""
         self.digests: dict[int, str] = {self.loop.sync: self.world.params_digest}
         """The digest of θ at each of the last `kept` positions: what an asynchronous push's base is checked against."""
         self.rejections = RejectionLog()
@@ -264,6 +267,9 @@ class Coordinator:
                 # Its lease expired (a stall, a partition): not an attack, so no `rejected` event; it joins again.
                 return pb.HeartbeatReply(round=self.loop.round, lease_s=self.cfg.quorum.lease_s, state=REJOIN)
             self.last_seen[req.island] = self.clock()
+            if self.working.get(req.island) != req.round:
+                self.working[req.island] = int(req.round)
+                self.cond.notify_all()
             return pb.HeartbeatReply(round=self.loop.round, lease_s=self.cfg.quorum.lease_s, state=self._state_name())
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
@@ -428,10 +434,10 @@ class Coordinator:
                 commit = self.commits[self._position(req)]
                 tensors: Sequence[EncodedTensor] = commit.encoded
                 reaches, digest = self._position(req) + 1, commit.fragment_digest
-                trailer = self.trailers.get(self._position(req))
+                shared = self.streams.get(self._position(req))
             else:
                 tensors = encode_tree(flatten_named(self.loop.params), FP32)
-                reaches, digest, trailer = self.loop.sync, self.world.params_digest, None
+                reaches, digest, shared = self.loop.sync, self.world.params_digest, None
             island = req.island
             nbytes = sum(len(t.payload) for t in tensors)
             self.totals.bytes_down += nbytes
@@ -439,7 +445,7 @@ class Coordinator:
             round_, fragment = divmod(reaches, P)
             return PullPayload(
                 round=round_, fragment=fragment, kind=answer.kind.value, param_digest=bytes.fromhex(digest),
-                tensors=tensors, shared_digest=trailer, on_done=lambda: self._served(island, reaches - 1),
+                tensors=tensors, shared=shared, on_done=lambda: self._served(island, reaches - 1),
             )  # fmt: skip
 
     def _served(self, island: str, position: int) -> None:
@@ -585,8 +591,8 @@ class Coordinator:
             # θ_{s+1} is served from here on; its evaluation and checkpoint follow on the settle thread, off the
             # islands' path (docs/architecture.md, "Commits off the critical path").
             self.commits[sync] = pending.commit
-            self.trailers[sync] = SharedDigest(pending.commit.encoded)
-            for kept in (self.commits, self.trailers, self.served):
+            self.streams[sync] = SharedPull()
+            for kept in (self.commits, self.streams, self.served):
                 kept.pop(sync - self.kept, None)
             self.digests[sync + 1] = pending.commit.digest
             self.digests.pop(sync + 1 - self.kept, None)
@@ -640,22 +646,31 @@ class Coordinator:
                 self.on_rollback(reopened)
 
     def _yield_to_pulls(self, pending: Settling) -> None:
-        """Wait, at most EVAL_YIELD_S, until every island that contributed to the commit and still holds a lease has
-        received it, unless a later commit is queued to be settled (the settle thread must not fall behind).
+        """Wait, at most EVAL_YIELD_S, until every island that contributed to the commit and still holds a lease is
+        done with it, unless a later commit is queued to be settled (the settle thread must not fall behind). Done:
+        it has been sent the commit and, with plain rounds, has said by heartbeat that it trains on the next round
+        (it beats at once after adopting: `IslandWorker._merge`). Streaming and asynchronous islands train while
+        they pull, so for them the pull is all.
 
         The evaluation is the coordinator's lowest-priority work: nobody waits for it, while every contributor waits
-        for its pull. Run at once, it took the CPU from the pulls it overlapped: on the 6.38M-parameter sync of 3
-        islands sharing 2 cores, one evaluation took 0.15 s instead of 0.06 s and the critical path grew by about
-        0.07 s (docs/architecture.md, "Commits off the critical path")."""
+        for its commit. Run at once, on a host whose cores the islands share, it took the CPU from the pulls it
+        overlapped (the 6.38M-parameter sync of 3 islands on 2 cores: one evaluation took 0.15 s instead of 0.06 s
+        and the critical path grew by 0.07 s), and run once the pulls were sent, from the islands' adopt of θ
+        (0.055 s instead of 0.03 s; docs/architecture.md, "Commits off the critical path")."""
         commit = pending.commit
         position = commit.round * self.loop.fragments.count + commit.fragment
+        plain = self.loop.fragments.count == 1 and not self.asynchronous
 
-        def received() -> bool:
-            waiting = {name for name in commit.islands if name in self.last_seen}
-            return waiting <= self.served.get(position, set()) or not self._settle_queue.empty()
+        def done(name: str) -> bool:
+            sent = name in self.served.get(position, ())
+            return sent and (not plain or self.working.get(name, -1) > commit.round)
+
+        def all_done() -> bool:
+            live = [name for name in commit.islands if name in self.last_seen]
+            return all(done(name) for name in live) or not self._settle_queue.empty()
 
         with self.cond:
-            self.cond.wait_for(received, timeout=EVAL_YIELD_S)
+            self.cond.wait_for(all_done, timeout=EVAL_YIELD_S)
 
     def _record_locked(
         self, pending: Settling, digests: dict[str, bytes], dropped: dict[bytes, str], eval_loss: float
@@ -670,7 +685,7 @@ class Coordinator:
             self._unsaved = None  # an older round's state: its own save (if due) happened when it was kept
             reopened = self.loop.sync
             self.commits = {s: c for s, c in self.commits.items() if s < reopened}
-            self.trailers = {s: t for s, t in self.trailers.items() if s < reopened}
+            self.streams = {s: t for s, t in self.streams.items() if s < reopened}
             self.served = {s: n for s, n in self.served.items() if s < reopened}
             self.digests = {s: d for s, d in self.digests.items() if s <= reopened}
             self.pending_digest, self.dropped = digests, dropped

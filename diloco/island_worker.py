@@ -263,6 +263,8 @@ class IslandWorker:
         self.stop_reason: str | None = None
         """Set by `request_stop` (SIGTERM, Ctrl+C): the island leaves at its next sync point."""
         self._stop = threading.Event()
+        self._beat = threading.Event()
+        """Set to send a heartbeat now (`_heartbeats`): after a plain commit is adopted, and at the stop."""
         self._decode = decoder()
 
     def request_stop(self, reason: str) -> None:
@@ -311,7 +313,14 @@ class IslandWorker:
         return reply
 
     def _heartbeats(self, lease_s: float) -> None:
-        while not self._stop.wait(max(lease_s / 3, 0.2)):
+        """Renew the lease every third of it, and at once when `_beat` is set: an island that adopted a plain commit
+        says so with its new round (the coordinator evaluates that commit only once its islands have moved on:
+        docs/architecture.md, "Commits off the critical path")."""
+        while True:
+            self._beat.wait(max(lease_s / 3, 0.2))
+            self._beat.clear()
+            if self._stop.is_set():
+                return
             try:
                 reply = self.client.heartbeat(
                     pb.HeartbeatRequest(**self._meta(), round=max(self.round, 0), step=self.island.state.step)
@@ -598,6 +607,7 @@ class IslandWorker:
             raise
         finally:
             self._stop.set()
+            self._beat.set()
             if self._saving is not None:
                 self._saving.exception()  # let the last save finish (an error of its own is raised below)
             if self.store is not None:
@@ -740,6 +750,8 @@ class IslandWorker:
             self.contributed += 1
         restarted = not self.adopt(done.payload, done.ready)
         self.spent.adopt_s += time.perf_counter() - t1
+        if self.P == 1:
+            self._beat.set()  # back to training on the next round: the coordinator may evaluate the commit now
         if restarted:
             self._restart_from_global()
         else:

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from transport.chunking import (
     BufferPool,
     Reassembler,
-    SharedDigest,
     build_header,
     iter_chunk_data,
     iter_trailed_views,
@@ -256,17 +255,29 @@ def test_a_large_payload_is_hashed_on_a_helper_thread_as_it_lands():
     assert helpers() == before
 
 
-def test_streams_of_the_same_tensors_share_one_digest():
-    """The pulls of one commit hash its payload once (`SharedDigest`); a stream given up half-way does not stop it."""
+def test_the_pulls_of_one_payload_share_its_serialized_chunks():
+    """`SharedPull`: every stream with the payload's header gets the bytes a stream of its own would send, made once
+    (the same objects); one given up half-way leaves them to the others; another header makes its own."""
+    from transport import diloco_pb2 as pb
+    from transport.service import SharedPull, _pull_chunks
+    from transport.wire import parse_pull_chunk, serialize_chunk
+
     tensors = tensors_of([5000, 17, 3000])
-    shared = SharedDigest(tensors)
-    abandoned = iter_trailed_views(tensors, 1024, shared)
+    header = pb.PullHeader(run_id="r", round=3, payload=build_header(tensors, 1024))
+    alone = [serialize_chunk(c) for c in _pull_chunks(header, tensors, 1024)]
+    shared = SharedPull()
+
+    def stream(h: pb.PullHeader = header) -> list:
+        return list(shared.stream(h.SerializeToString(), lambda: _pull_chunks(h, tensors, 1024)))
+
+    abandoned = shared.stream(header.SerializeToString(), lambda: _pull_chunks(header, tensors, 1024))
     next(abandoned)
     abandoned.close()
-    first, second = (list(iter_trailed_views(tensors, 1024, shared)) for _ in range(2))
-    assert first == second and [d for _, d in first[:-1]] == [b""] * (len(first) - 1)
-    assert first[-1][1] == payload_digest(tensors) == shared.result()
-    assert [b"".join(p) for p, _ in first] == [data for _, data, _ in trailed(tensors, 1024)]
+    first, second = stream(), stream()
+    assert first == second == alone and all(a is b for a, b in zip(first, second, strict=True))
+    assert parse_pull_chunk(first[-1]).digest == payload_digest(tensors)
+    other = pb.PullHeader(run_id="r", round=4, payload=header.payload)
+    assert [serialize_chunk(c) for c in stream(other)][1:] == alone[1:]
 
 
 def test_buffer_pool_reuses_only_unreferenced_buffers():

@@ -237,16 +237,22 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
     assert coordinator.arriving == {}
 
 
-def test_a_commit_is_evaluated_once_its_islands_have_received_it(
+def test_a_commit_is_evaluated_once_its_islands_are_done_with_it(
     coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The evaluation yields to the commit's pulls (`Coordinator._yield_to_pulls`): it waits until every island that
-    contributed has been sent the commit (the transport calls `PullPayload.on_done`), or EVAL_YIELD_S. Both pulls
-    share one payload digest."""
+    """The evaluation yields to the commit's islands (`Coordinator._yield_to_pulls`): it waits until every island
+    that contributed has been sent the commit (the transport calls `PullPayload.on_done`) and, with plain rounds, says
+    by heartbeat that it trains on the next round; or EVAL_YIELD_S. Both pulls share one serialized stream."""
     import diloco.coordinator as coordinator_module
 
     def pull(island: str):
         return coordinator.pull(pb.PullRequest(run_id=coordinator.run_id, island=island, have_round=0))
+
+    def beat(island: str, round_: int) -> None:
+        coordinator.heartbeat(pb.HeartbeatRequest(run_id=coordinator.run_id, island=island, round=round_))
+
+    def evaluated() -> list[int]:
+        return [e["round"] for e in read_events(coordinator.rd.metrics_path, "round")]
 
     monkeypatch.setattr(coordinator_module, "EVAL_YIELD_S", 60.0)
     push(coordinator, "island-0", 1e-3)
@@ -254,14 +260,17 @@ def test_a_commit_is_evaluated_once_its_islands_have_received_it(
     assert coordinator.loop.round == 1
     assert not coordinator.settled(timeout_s=0.3), "evaluated before any island received the commit"
     first, second = pull("island-0"), pull("island-1")
-    assert first.kind == second.kind == "update" and first.shared_digest is second.shared_digest
-    assert first.shared_digest is not None and first.shared_digest.result() == payload_digest(first.tensors)
+    assert first.kind == second.kind == "update" and first.shared is not None and first.shared is second.shared
     first.on_done()  # type: ignore[misc]
+    beat("island-0", 1)
+    beat("island-1", 0)  # a heartbeat from before its adopt
     assert not coordinator.settled(timeout_s=0.3), "evaluated before island-1 received the commit"
-    assert read_events(coordinator.rd.metrics_path, "round") == []
     second.on_done()  # type: ignore[misc]
+    assert not coordinator.settled(timeout_s=0.3), "evaluated before island-1 trains on round 1"
+    assert evaluated() == []
+    beat("island-1", 1)
     assert coordinator.settled(timeout_s=30)
-    assert [e["round"] for e in read_events(coordinator.rd.metrics_path, "round")] == [0]
+    assert evaluated() == [0]
 
     # An island that never pulls holds the evaluation up for EVAL_YIELD_S at most.
     monkeypatch.setattr(coordinator_module, "EVAL_YIELD_S", 0.5)
@@ -269,4 +278,4 @@ def test_a_commit_is_evaluated_once_its_islands_have_received_it(
     push(coordinator, "island-1", 1e-3)
     assert coordinator.loop.round == 2
     assert coordinator.settled(timeout_s=30)
-    assert [e["round"] for e in read_events(coordinator.rd.metrics_path, "round")] == [0, 1]
+    assert evaluated() == [0, 1]

@@ -135,46 +135,15 @@ class _BackgroundDigest:
         self._cancelled.set()
 
 
-class SharedDigest:
-    """`payload_digest` of tensors that several streams send (the pulls of one commit): hashed once, by a helper
-    thread that the first stream to ask starts, and read by every stream at its last chunk.
-
-    Three islands pulling one 25.5 MB commit at once hashed it three times (14 ms each, on the coordinator's cores
-    while they also serve the pulls). No stream can stop the hashing: the others wait for it.
-    """
-
-    def __init__(self, tensors: Sequence[EncodedTensor]) -> None:
-        self._tensors = tensors
-        self._lock = threading.Lock()
-        self._background: _BackgroundDigest | None = None
-
-    def start(self) -> None:
-        """Begin hashing, unless a stream already began it."""
-        with self._lock:
-            if self._background is None:
-                self._background = _BackgroundDigest(self._tensors)
-
-    def result(self) -> bytes:
-        """The digest, once hashed."""
-        self.start()
-        assert self._background is not None
-        return self._background.result()
-
-
 def iter_trailed_views(
-    tensors: Sequence[EncodedTensor], chunk_bytes: int, shared: SharedDigest | None = None
+    tensors: Sequence[EncodedTensor], chunk_bytes: int
 ) -> Iterator[tuple[list[memoryview], bytes]]:
     """`iter_chunk_views` with each chunk's trailer: ``b""``, except the digest of the payload on the last.
 
-    The digest is computed while the chunks stream: by ``shared`` when given (the same tensors' digest, shared with
-    other streams), else for payloads of `BACKGROUND_MIN_BYTES` or more by a helper thread that starts with the
-    first chunk (so hashing overlaps gRPC's sending, which pulls the next chunk only once the previous write is
-    done), for small ones inline, chunk by chunk.
+    The digest is computed while the chunks stream: for payloads of `BACKGROUND_MIN_BYTES` or more by a
+    helper thread that starts with the first chunk (so hashing overlaps gRPC's sending, which pulls the next
+    chunk only once the previous write is done), for small ones inline, chunk by chunk.
     """
-    if shared is not None:
-        shared.start()
-        yield from _trailed(iter_chunk_views(tensors, chunk_bytes), shared.result)
-        return
     if sum(memoryview(t.payload).nbytes for t in tensors) >= BACKGROUND_MIN_BYTES:
         background = _BackgroundDigest(tensors)
         try:

@@ -21,8 +21,8 @@ import numpy as np
 from transport import diloco_pb2 as pb
 
 if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
-    from transport.chunking import SharedDigest
     from transport.codecs import EncodedTensor
+    from transport.service import SharedPull
 
 PullKindName = Literal["update", "full"]
 
@@ -48,9 +48,9 @@ class PullPayload:
     kind: PullKindName
     param_digest: bytes
     tensors: Sequence[EncodedTensor]
-    shared_digest: SharedDigest | None = None
-    """The tensors' payload digest, shared by every pull that sends these same tensors (one per commit), or None to
-    hash them for this stream alone."""
+    shared: SharedPull | None = None
+    """The serialized stream of these tensors, made once for every pull that sends them (one per commit;
+    `transport.service.SharedPull`), or None to make it for this pull alone."""
     on_done: Callable[[], None] | None = None
     """Called by the transport once the pull's stream is over: its last chunk handed to the wire, or the stream
     failed or was cancelled (never for a stream that did not start)."""
