@@ -279,6 +279,16 @@ def test_the_pulls_of_one_payload_share_its_serialized_chunks():
     other = pb.PullHeader(run_id="r", round=4, payload=header.payload)
     assert [serialize_chunk(c) for c in stream(other)][1:] == alone[1:]
 
+    def failing():
+        yield from list(_pull_chunks(header, tensors, 1024))[:2]
+        raise MemoryError("no room for the next chunk")
+
+    broken = SharedPull()
+    with pytest.raises(MemoryError):
+        list(broken.stream(header.SerializeToString(), failing))
+    after = list(broken.stream(header.SerializeToString(), lambda: _pull_chunks(header, tensors, 1024)))
+    assert [serialize_chunk(c) for c in after] == alone  # made on its own, whole
+
 
 def test_buffer_pool_reuses_only_unreferenced_buffers():
     import numpy as np

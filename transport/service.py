@@ -408,7 +408,8 @@ class SharedPull:
     its own chunks (BENCHMARKS.md, "A plain sync of the 6.38M model").
 
     A stream's header must be the one the chunks were made with (the same commit, the same service); another one is
-    made on its own. A stream that stops half-way leaves the chunks it made to the others.
+    made on its own. A stream that stops half-way leaves the chunks it made to the others. If making a chunk fails,
+    the streams replaying end short (their islands pull again) and every later stream makes its own.
     """
 
     def __init__(self) -> None:
@@ -416,13 +417,14 @@ class SharedPull:
         self._key: bytes | None = None
         self._source: Iterator[pb.PullChunk | bytes] | None = None
         self._made: list[bytes] = []
+        self._broken = False
 
     def stream(self, key: bytes, make: Callable[[], Iterator[pb.PullChunk | bytes]]) -> Iterator[pb.PullChunk | bytes]:
         """The chunks of the payload whose header serializes to ``key``; ``make`` makes them (once)."""
         with self._lock:
             if self._key is None:
                 self._key, self._source = key, make()
-            elif key != self._key:
+            elif key != self._key or self._broken:
                 return make()
         return self._replay()
 
@@ -431,7 +433,11 @@ class SharedPull:
         while True:
             with self._lock:
                 if i == len(self._made):
-                    chunk = None if self._source is None else next(self._source, None)
+                    try:
+                        chunk = None if self._source is None else next(self._source, None)
+                    except BaseException:
+                        self._source, self._broken = None, True
+                        raise
                     if chunk is None:
                         self._source = None
                         return
