@@ -168,6 +168,8 @@ class Coordinator:
         later ones, which run again). Called without the lock held."""
         self._settle_queue: queue.Queue[tuple[int, Settling, dict[str, bytes], dict[bytes, str]] | None] = queue.Queue()
         self._generation = 0
+        self._stopping = False
+        """Set by `close` and `flush`: commits are settled at once (`_hurry`)."""
         """Bumped by a rollback: commits queued before it were undone and are not settled."""
         self._unsettled = 0
         self.failure: DiskFullError | None = None
@@ -204,15 +206,23 @@ class Coordinator:
     def flush(self) -> None:
         """A graceful stop (SIGTERM): once every commit is settled, checkpoint the last committed round if its save
         was not due, so that a restart resumes exactly where this process stopped."""
+        self._hurry()
         self.settled()
         if self._unsaved is not None and self.world.store is not None:
             self.world.save(*self._unsaved)
             self._unsaved = None
 
     def close(self) -> None:
+        self._hurry()
         self.settled()
         self._settle_queue.put(None)
         self.world.close()
+
+    def _hurry(self) -> None:
+        """Stopping: settle every commit now, without waiting for its islands (`_yield_to_pulls`)."""
+        with self.cond:
+            self._stopping = True
+            self.cond.notify_all()
 
     def settled(self, timeout_s: float | None = None) -> bool:
         """Wait until every commit so far is evaluated, logged and checkpointed (or undone); False on timeout."""
@@ -647,10 +657,11 @@ class Coordinator:
 
     def _yield_to_pulls(self, pending: Settling) -> None:
         """Wait, at most EVAL_YIELD_S, until every island that contributed to the commit and still holds a lease is
-        done with it, unless a later commit is queued to be settled (the settle thread must not fall behind). Done:
-        it has been sent the commit and, with plain rounds, has said by heartbeat that it trains on the next round
-        (it beats at once after adopting: `IslandWorker._merge`). Streaming and asynchronous islands train while
-        they pull, so for them the pull is all.
+        done with it, unless a later commit is queued to be settled (the settle thread must not fall behind), the
+        commit is the run's last (its islands stop), or the coordinator is stopping. Done: it has been sent the
+        commit and, with plain rounds, has said by heartbeat that it trains on the next round (it beats at once after
+        adopting: `IslandWorker._merge`). Streaming and asynchronous islands train while they pull, so for them the
+        pull is all.
 
         The evaluation is the coordinator's lowest-priority work: nobody waits for it, while every contributor waits
         for its commit. Run at once, on a host whose cores the islands share, it took the CPU from the pulls it
@@ -666,8 +677,9 @@ class Coordinator:
             return sent and (not plain or self.working.get(name, -1) > commit.round)
 
         def all_done() -> bool:
-            live = [name for name in commit.islands if name in self.last_seen]
-            return all(done(name) for name in live) or not self._settle_queue.empty()
+            if self._stopping or self.world.done or not self._settle_queue.empty():
+                return True  # stopping, the run's last commit (its islands leave), or a later commit waits
+            return all(done(name) for name in commit.islands if name in self.last_seen)
 
         with self.cond:
             self.cond.wait_for(all_done, timeout=EVAL_YIELD_S)

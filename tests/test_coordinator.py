@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
+import diloco.coordinator as coordinator_module
 from diloco.config import load_config
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir, read_events
@@ -28,7 +29,9 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 
 @pytest.fixture
-def coordinator(tiny_config: Path, tmp_path: Path):
+def coordinator(tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # No island of these tests pulls or beats: each commit is evaluated at once, as `EVAL_YIELD_S` = 0 says.
+    monkeypatch.setattr(coordinator_module, "EVAL_YIELD_S", 0.0)
     # outer.aggregate=mean: these tests are about what the coordinator does when a round cannot be committed, which a
     # robust rule (the default, trimmed_mean) would prevent in the first place.
     cfg = load_config(tiny_config, ["quorum.min_islands=2", "train.checkpoint_every=0", "outer.aggregate=mean"])
@@ -199,7 +202,6 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
     import threading
     import time
 
-    import diloco.coordinator as coordinator_module
 
     def pull(island: str, after_push: bool):
         req = pb.PullRequest(run_id=coordinator.run_id, island=island, have_round=0, after_push=after_push)
@@ -243,7 +245,6 @@ def test_a_commit_is_evaluated_once_its_islands_are_done_with_it(
     """The evaluation yields to the commit's islands (`Coordinator._yield_to_pulls`): it waits until every island
     that contributed has been sent the commit (the transport calls `PullPayload.on_done`) and, with plain rounds, says
     by heartbeat that it trains on the next round; or EVAL_YIELD_S. Both pulls share one serialized stream."""
-    import diloco.coordinator as coordinator_module
 
     def pull(island: str):
         return coordinator.pull(pb.PullRequest(run_id=coordinator.run_id, island=island, have_round=0))
