@@ -64,9 +64,9 @@ coordinator before the answer is "push first": the push was on the wire first, s
 and once it is streaming in, `Coordinator.arriving` holds the pull anyway. A push that never lands (lost with a
 coordinator that restarted) costs its island this long, then a push again."""
 EVAL_YIELD_S = 2.0
-"""The longest a commit's evaluation waits for the islands that contributed to it to receive it (`_yield_to_pulls`):
-long enough for a pull of a large model over a slow link to be out of the way, short enough that an island that
-died before pulling delays the evaluation (and the checkpoint behind it) only a little."""
+"""The longest a commit's evaluation waits for the islands that contributed to it to be done with it
+(`_yield_to_islands`): long enough for a pull of a large model over a slow link to be out of the way, short enough
+that an island that died before pulling delays the evaluation (and the checkpoint behind it) only a little."""
 PUSH_MISSING = (PullKind.PUSH_FIRST, PullKind.RESYNC)
 """The answers a pull gets when the coordinator holds no push of the island's for the sync it asks about."""
 
@@ -134,10 +134,10 @@ class Coordinator:
         """Each of the last `kept` commits' update as its pulls send it, serialized (and hashed) once for them all."""
         self.served: dict[int, set[str]] = {}
         """The islands that have received each of the last `kept` commits (by sync position), as the transport tells
-        once a pull's stream is over (`_served`): what that commit's evaluation waits for (`_yield_to_pulls`)."""
+        once a pull's stream is over (`_served`): what that commit's evaluation waits for (`_yield_to_islands`)."""
         self.working: dict[str, int] = {}
         """The round each island last said (by heartbeat) it is training on: a plain commit is evaluated once its
-        islands have moved past it (`_yield_to_pulls`). Keyed by the run's island names only."""
+        islands have moved past it (`_yield_to_islands`). Keyed by the run's island names only."""
         self.digests: dict[int, str] = {self.loop.sync: self.world.params_digest}
         """The digest of θ at each of the last `kept` positions: what an asynchronous push's base is checked against."""
         self.rejections = RejectionLog()
@@ -168,9 +168,9 @@ class Coordinator:
         later ones, which run again). Called without the lock held."""
         self._settle_queue: queue.Queue[tuple[int, Settling, dict[str, bytes], dict[bytes, str]] | None] = queue.Queue()
         self._generation = 0
+        """Bumped by a rollback: commits queued before it were undone and are not settled."""
         self._stopping = False
         """Set by `close` and `flush`: commits are settled at once (`_hurry`)."""
-        """Bumped by a rollback: commits queued before it were undone and are not settled."""
         self._unsettled = 0
         self.failure: DiskFullError | None = None
         """Set when a checkpoint could not be written (no disk space): `serve` stops the run with it."""
@@ -219,7 +219,7 @@ class Coordinator:
         self.world.close()
 
     def _hurry(self) -> None:
-        """Stopping: settle every commit now, without waiting for its islands (`_yield_to_pulls`)."""
+        """Stopping: settle every commit now, without waiting for its islands (`_yield_to_islands`)."""
         with self.cond:
             self._stopping = True
             self.cond.notify_all()
@@ -636,7 +636,7 @@ class Coordinator:
             reopened: int | None = None
             try:
                 if generation == self._generation:
-                    self._yield_to_pulls(pending)
+                    self._yield_to_islands(pending)
                 eval_loss = self.world.evaluate_commit(pending) if generation == self._generation else math.nan
                 with self.cond:
                     meta = None
@@ -655,7 +655,7 @@ class Coordinator:
             if reopened is not None and self.on_rollback is not None:
                 self.on_rollback(reopened)
 
-    def _yield_to_pulls(self, pending: Settling) -> None:
+    def _yield_to_islands(self, pending: Settling) -> None:
         """Wait, at most EVAL_YIELD_S, until every island that contributed to the commit and still holds a lease is
         done with it, unless a later commit is queued to be settled (the settle thread must not fall behind), the
         commit is the run's last (its islands stop), or the coordinator is stopping. Done: it has been sent the

@@ -227,8 +227,9 @@ def test_large_payload_digest_is_hashed_in_the_background_and_matches():
 
 
 def test_a_large_payload_is_hashed_on_a_helper_thread_as_it_lands():
-    """From BACKGROUND_MIN_BYTES up the receiver hashes on a helper thread (`_FillHasher`): the same bytes come out,
-    a wrong trailer is still refused, and a stream given up half-way stops its helper at `close`."""
+    """From BACKGROUND_MIN_BYTES up the receiver hashes on a helper thread (`_HashingThread`): the same bytes come out,
+    a wrong trailer is still refused, a stream given up half-way stops its helper at `close`, and a buffer that
+    cannot be had is refused with its own reason before any helper starts."""
     import threading
 
     from transport.chunking import BACKGROUND_MIN_BYTES
@@ -253,6 +254,14 @@ def test_a_large_payload_is_hashed_on_a_helper_thread_as_it_lands():
             break
         threading.Event().wait(0.05)
     assert helpers() == before
+
+    class NoRoom(BufferPool):
+        def acquire(self, nbytes: int) -> bytearray:
+            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot allocate a {nbytes}-byte buffer now")
+
+    with pytest.raises(Rejected) as info:
+        Reassembler(header, 1 << 30, 1000, CODECS, pool=NoRoom())
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and helpers() == before
 
 
 def test_the_pulls_of_one_payload_share_its_serialized_chunks():

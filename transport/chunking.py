@@ -45,7 +45,8 @@ if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
 
 DIGEST_BYTES = 32
 BACKGROUND_MIN_BYTES = 8 << 20
-"""Payloads at least this big are hashed by a helper thread (sender) / into pooled buffers (receiver)."""
+"""Payloads at least this big are hashed by a helper thread (`_HashingThread`, both ends) and received into pooled
+buffers."""
 _HASH_STEP = 1 << 20
 LAZY_MIN_BYTES = 64 << 10
 """Receive buffers at least this big are anonymous memory maps: zero pages until written, unmapped when freed."""
@@ -106,33 +107,43 @@ def iter_chunk_views(tensors: Sequence[EncodedTensor], chunk_bytes: int) -> Iter
         yield pending
 
 
-class _BackgroundDigest:
-    """`payload_digest` computed by a helper thread while the chunks stream (hashlib releases the GIL)."""
+class _HashingThread:
+    """SHA-256 of the byte ranges handed to it, in order, computed by a helper thread: hashlib releases the GIL on
+    large buffers, so hashing overlaps gRPC moving the chunks.
 
-    def __init__(self, tensors: Sequence[EncodedTensor]) -> None:
-        self._views = [memoryview(t.payload).cast("B") for t in tensors]
-        self._cancelled = threading.Event()
-        self._digest = b""
+    A sender hands it the whole payload at once (`iter_trailed_views`; the digest travels on the last chunk). A
+    receiver hands it each range of its buffer once written (`Reassembler`): its own hash was on the receiving
+    thread, 14 ms of a 25.5 MB push's path through the coordinator and of a pull's through an island. A range handed
+    over is never written again. `cancel` stops it without hashing what is left (the stream was given up).
+    """
+
+    def __init__(self) -> None:
+        self._ranges: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._hasher = new_hasher()
+        self._cancelled = False
         self._thread = threading.Thread(target=self._run, name="diloco-digest", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        hasher = new_hasher()
-        for view in self._views:
-            for pos in range(0, view.nbytes, _HASH_STEP):
-                if self._cancelled.is_set():
-                    return
-                hasher.update(view[pos : pos + _HASH_STEP])
-        self._digest = hasher.digest()
+        while (view := self._ranges.get()) is not None:
+            if not self._cancelled:
+                self._hasher.update(view)
 
-    def result(self) -> bytes:
-        """Wait for the digest."""
+    def feed(self, view: memoryview) -> None:
+        """Hash ``view`` after everything handed over before it, in steps of `_HASH_STEP` (where `cancel` acts)."""
+        for pos in range(0, view.nbytes, _HASH_STEP):
+            self._ranges.put(view[pos : pos + _HASH_STEP])
+
+    def digest(self) -> bytes:
+        """The digest of everything handed over (waits for the helper to get there)."""
+        self._ranges.put(None)
         self._thread.join()
-        return self._digest
+        return self._hasher.digest()
 
     def cancel(self) -> None:
-        """Stop hashing early (the stream was abandoned)."""
-        self._cancelled.set()
+        """Stop, hashing nothing more."""
+        self._cancelled = True
+        self._ranges.put(None)
 
 
 def iter_trailed_views(
@@ -145,11 +156,13 @@ def iter_trailed_views(
     chunk only once the previous write is done), for small ones inline, chunk by chunk.
     """
     if sum(memoryview(t.payload).nbytes for t in tensors) >= BACKGROUND_MIN_BYTES:
-        background = _BackgroundDigest(tensors)
+        hashing = _HashingThread()
         try:
-            yield from _trailed(iter_chunk_views(tensors, chunk_bytes), background.result)
+            for t in tensors:
+                hashing.feed(memoryview(t.payload).cast("B"))
+            yield from _trailed(iter_chunk_views(tensors, chunk_bytes), hashing.digest)
         finally:
-            background.cancel()
+            hashing.cancel()
         return
     hasher = new_hasher()
     views = iter_chunk_views(tensors, chunk_bytes)
@@ -181,46 +194,6 @@ def iter_chunk_data(tensors: Sequence[EncodedTensor], chunk_bytes: int) -> Itera
         yield pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)
 
 
-class _FillHasher:
-    """Hashes a receive buffer in order on a helper thread, each range once the receiver says it is written.
-
-    The receiver's own hash was on its receiving thread: 14 ms of a 25.5 MB push's path through the coordinator,
-    and of a pull's through an island. hashlib releases the GIL on large buffers, so here it overlaps with gRPC
-    bringing the next chunks in. A range is never written again once handed over (the Reassembler writes each byte
-    once, in order), so the helper reads it while the receiver writes further on.
-    """
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._ends: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._hasher = new_hasher()
-        self._cancelled = False
-        self._thread = threading.Thread(target=self._run, name="diloco-digest", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        done = 0
-        while (end := self._ends.get()) is not None:
-            if not self._cancelled:
-                self._hasher.update(self._view[done:end])
-            done = end
-
-    def written(self, end: int) -> None:
-        """Bytes up to ``end`` are written and will not change."""
-        self._ends.put(end)
-
-    def digest(self) -> bytes:
-        """The digest of everything handed over (waits for the helper to get there)."""
-        self._ends.put(None)
-        self._thread.join()
-        return self._hasher.digest()
-
-    def cancel(self) -> None:
-        """Stop without hashing what is left (the stream failed)."""
-        self._cancelled = True
-        self._ends.put(None)
-
-
 class Reassembler:
     """Receive one chunked payload into a single preallocated buffer, checking everything on the way."""
 
@@ -243,6 +216,8 @@ class Reassembler:
         # The one payload-sized allocation of the receive path (reused across streams when the pool has a
         # free buffer); chunks are written straight into it. Bytes past `_offset` are never exposed.
         self._buf: bytearray | mmap.mmap | None = None
+        self._hashing: _HashingThread | None = None
+        """Large payloads are hashed by a helper thread as they land (started last, below); `close` stops it."""
         try:
             self._buf = self._pool.acquire(header.total_bytes)
         except BaseException:
@@ -252,11 +227,12 @@ class Reassembler:
         self._offset = 0
         self._next_index = 0
         self._hasher = new_hasher()
-        self._fill_hasher = _FillHasher(self._view) if header.total_bytes >= BACKGROUND_MIN_BYTES else None
         self._digest = b""
         ends = itertools.accumulate(m.nbytes for m in header.tensors)
         self._spans = [(m, end - m.nbytes, end) for m, end in zip(header.tensors, ends, strict=True)]
         self._next_tensor = 0
+        if header.total_bytes >= BACKGROUND_MIN_BYTES:
+            self._hashing = _HashingThread()
 
     @property
     def received_bytes(self) -> int:
@@ -302,8 +278,8 @@ class Reassembler:
                 f"chunk {index} overflows the declared total_bytes {self.header.total_bytes}",
             )
         self._view[self._offset : end] = data
-        if self._fill_hasher is not None:
-            self._fill_hasher.written(end)
+        if self._hashing is not None:
+            self._hashing.feed(self._view[self._offset : end])
         else:
             self._hasher.update(data)
         self._offset = end
@@ -328,8 +304,8 @@ class Reassembler:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"received {self._offset} bytes, header declared {self.header.total_bytes}",
             )
-        computed = self._fill_hasher.digest() if self._fill_hasher is not None else self._hasher.digest()
-        self._fill_hasher = None
+        computed = self._hashing.digest() if self._hashing is not None else self._hasher.digest()
+        self._hashing = None
         if computed != self._digest:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "payload digest mismatch")
         self._finished = True
@@ -341,9 +317,9 @@ class Reassembler:
         if self._budget is not None:
             self._budget.release(self.header.total_bytes)
             self._budget = None
-        if self._fill_hasher is not None:
-            self._fill_hasher.cancel()
-            self._fill_hasher = None
+        if self._hashing is not None:
+            self._hashing.cancel()
+            self._hashing = None
         if self._buf is not None and not self._finished:
             self._pool.forget(self._buf)
         self._buf = None
