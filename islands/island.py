@@ -132,7 +132,7 @@ class RoundPush:
 
 @dataclass(frozen=True)
 class TakenDelta:
-    """Δ of one sync taken on the device but not yet encoded (`Island.take_delta`): `encode` may run on another
+    """Δ of one sync taken (host arrays) but not yet encoded (`Island.take_delta`): `encode` may run on another
     thread, so a streaming island's training thread goes on with the next fragment's steps while the wire thread
     quantizes and compresses this one (docs/architecture.md, "Streaming DiLoCo")."""
 
@@ -144,7 +144,7 @@ class TakenDelta:
 
     def encode(self) -> RoundPush:
         """encode(Δ + e): the bytes to push, the Δ the coordinator will decode and the residual to keep."""
-        return RoundPush(self.run, compress_tree(jax.device_get(self.delta), self.residual, self.spec))
+        return RoundPush(self.run, compress_tree(self.delta, self.residual, self.spec))
 
 
 class Island:
@@ -303,20 +303,25 @@ class Island:
         for _ in range(n_steps):
             params, opt_state, metrics = self._step_fn(params, opt_state, self.next_batch())
             losses.append(metrics["loss"])
-        host_losses = np.asarray(jax.device_get(losses), dtype=np.float32)
+        # The finiteness of θ is queued behind the last step and read back with the losses: one wait on the device,
+        # not two (a second round trip was 4 % of a streaming island's cycle of two 50 ms steps).
+        host_losses, finite = jax.device_get((losses, _all_finite(params)))
         took = time.perf_counter() - t0
         lasts = max(self.slowdown * took, n_steps * self.device_step_s)
         if lasts > took:
             time.sleep(lasts - took)
-        return self.adopt(params, opt_state, host_losses, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        return self.adopt(params, opt_state, np.asarray(host_losses, np.float32), seconds, params_finite=bool(finite))
 
-    def adopt(self, params: PyTree, opt_state: PyTree, losses: np.ndarray, seconds: float) -> InnerRun:
+    def adopt(
+        self, params: PyTree, opt_state: PyTree, losses: np.ndarray, seconds: float, params_finite: bool | None = None
+    ) -> InnerRun:
         """Take what len(losses) inner steps from the current state produced (on batches drawn from this island's
         stream, whose cursor is past them) as the new state, once `check_finite` passed: `train`'s last part, also
-        the way back of islands/vectorized.py, which steps many islands at once."""
+        the way back of islands/vectorized.py, which steps many islands at once. `params_finite`: already read."""
         assert self.state is not None, "start() the island first"
         first_step, n_steps = self.state.step, len(losses)
-        self.check_finite(losses, params, first_step)
+        self.check_finite(losses, params, first_step, params_finite)
         self.state = replace(
             self.state,
             params=params,
@@ -327,7 +332,9 @@ class Island:
         tokens = n_steps * self.stream.batch_size * self.stream.seq_len
         return InnerRun(losses=losses, tokens=tokens, seconds=seconds, first_step=first_step)
 
-    def check_finite(self, losses: np.ndarray, params: PyTree, first_step: int) -> None:
+    def check_finite(
+        self, losses: np.ndarray, params: PyTree, first_step: int, params_finite: bool | None = None
+    ) -> None:
         """Raise DivergedError naming the first inner step whose loss is NaN/Inf, or the parameters if they are.
 
         Checked once per `train` call rather than per step, because reading a loss back every step would stall the
@@ -342,7 +349,7 @@ class Island:
                 f"island {self.name} diverged: loss is {losses[i]} at inner step {first_step + i + 1}{before}; "
                 f"{divergence_advice(self.inner)}"
             )
-        if not bool(_all_finite(params)):
+        if not (bool(_all_finite(params)) if params_finite is None else params_finite):
             last = f" (loss {losses[-1]:.4g})" if len(losses) else ""
             raise DivergedError(
                 f"island {self.name} diverged: its parameters hold NaN or Inf after inner step "
@@ -383,10 +390,15 @@ class Island:
         return self.take_delta(run, reference).encode()
 
     def take_delta(self, run: InnerRun, reference: dict[str, PyTree]) -> TakenDelta:
-        """`push` without its encoding: Δ is dispatched on the device now, before the next inner step replaces θ."""
+        """`push` without its encoding: Δ is formed now, before the next inner step replaces θ.
+
+        On the host: each leaf of θ_local is read back once and subtracted there, where the global copy and the
+        codec are. A subtraction on the device sent the reference over and Δ back (twice the bytes), and its dispatch,
+        one per leaf, took 3 % of a streaming island's training thread (py-spy, BENCHMARKS.md)."""
         assert self.state is not None
         local = flatten_named(self.state.params, to_numpy=False)
-        delta = pseudo_gradient(reference, {name: local[name] for name in reference})
+        delta = pseudo_gradient({name: np.asarray(reference[name]) for name in reference},
+                                {name: np.asarray(local[name]) for name in reference})  # fmt: skip
         residual = None if self.state.residual is None else {name: self.state.residual[name] for name in reference}
         return TakenDelta(run, delta, residual, self.uplink)
 
