@@ -1,7 +1,8 @@
 """`diloco bench colocation`: how fast islands that share a host step, against their fair share of its cores.
 
 One island process alone gives two lone inner-step times: on every core (`lone_step_s`) and pinned to k = max(1,
-cores // N) cores (`share_cores`; `lone_share_step_s`, t_k). Then N island processes train at once, in four ways:
+cores // N) cores (`share_cores`; `lone_share_step_s`, t_k, measured before and after the variants: `host_drift`).
+Then N island processes train at once, in five ways:
   default   as `launch` starts them (XLA's own thread pool in each: as many threads as the host has cores)
   1thread   XLA_FLAGS=--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1 in each
   pinned    each process pinned to its share of the cores (os.sched_setaffinity; round-robin when N > cores)
@@ -93,22 +94,34 @@ def run_colocation_bench(
     per_island = max(1, cores // islands)
     t0 = time.monotonic()
     lone = _run(config, overrides, 1, "default", warmup, steps)[0]
-    lone_share = _run(config, overrides, 1, "pinned", warmup, steps, per_island)[0]
-    fair = lone_share * max(1.0, islands * per_island / cores)
-    results: dict[str, Any] = {}
-    for variant in VARIANTS:
-        medians = _run(config, overrides, islands, variant, warmup, steps, per_island)
-        results[variant] = {
+    before = _run(config, overrides, 1, "pinned", warmup, steps, per_island)[0]
+    measured = {v: _run(config, overrides, islands, v, warmup, steps, per_island) for v in VARIANTS}
+    after = _run(config, overrides, 1, "pinned", warmup, steps, per_island)[0]
+    fair = fair_share_step_s((before, after), islands, per_island, cores)
+    results = {
+        variant: {
             "median_step_s": [round(m, 4) for m in medians],
             "median_over_fair": round(statistics.median(medians) / fair, 3),
             "worst_over_fair": round(max(medians) / fair, 3),
         }
+        for variant, medians in measured.items()
+    }
     return {
         "bench": "colocation", "cores": cores, "islands": islands, "steps": steps,
-        "lone_step_s": round(lone, 4), "share_cores": per_island, "lone_share_step_s": round(lone_share, 4),
+        "lone_step_s": round(lone, 4), "share_cores": per_island,
+        "lone_share_step_s": [round(before, 4), round(after, 4)], "host_drift": round(after / before, 3),
         "fair_share_step_s": round(fair, 4), "fair_from_all_cores_s": round(lone * max(1.0, islands / cores), 4),
         "variants": results, "wall_s": round(time.monotonic() - t0, 1),
     }  # fmt: skip
+
+
+def fair_share_step_s(lone_share_s: Sequence[float], islands: int, per_island: int, cores: int) -> float:
+    """The step time an island's fair share of the cores allows: its lone step on `per_island` cores, stretched by
+    how many islands each core serves (module docstring). The lone step is measured before and after the variants
+    and the mean taken, so that a host whose speed drifted during the run (this one is shared) moves the base by
+    half the drift, not all of it; `host_drift` reports it, and a run that drifted more than the differences it
+    measures says nothing about them."""
+    return statistics.mean(lone_share_s) * max(1.0, islands * per_island / cores)
 
 
 if __name__ == "__main__":
