@@ -76,3 +76,31 @@ def test_recovery_run_outlasts_a_restart_of_twice_the_bound(kill_after: int) -> 
 def test_full_theta_bytes_counts_the_model_without_its_data() -> None:
     cfg = load_config(REPO / "configs" / "local.toml", ["data.path=/nonexistent/corpus.txt"])
     assert fed_bench.full_theta_bytes(cfg) == 4 * 118_016  # the cost model's P in BENCHMARKS.md
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--factor", "0.5"], "--factor >= 1"),
+        (["--kill-after", "0"], "--kill-after must be >= 1"),
+        (["--victim", "atlantis"], "victim 'atlantis' is not in islands.names"),
+        (["quorum.min_islands=3"], "the run must go on without one island"),
+    ],
+)
+def test_failover_refuses_what_it_cannot_measure(
+    extra: list[str], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "failover", str(REPO / "configs" / "local.toml"), "--run-dir", str(tmp_path / "fo"), *extra]
+    _one_line_error(capsys, args, expected)
+    assert not (tmp_path / "fo").exists()  # refused before any process started
+
+
+@pytest.mark.bench
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_failover_run_closes_the_round_on_the_supervisors_leave(tiny_config: Path, tmp_path: Path) -> None:
+    out = fed_bench.run_failover_bench(tiny_config, ["train.inner_steps=100"], tmp_path / "fo")
+    assert out["victim"] == "island-1" and out["left_reason"] == "worker died (signal 9)", out
+    assert out["round_islands"] == ["island-0"] and out["round_reason"].startswith("all 1 live islands pushed"), out
+    # Noticed from the supervisor's Leave, far inside the lease and deadlines that would otherwise close the round.
+    assert out["detected_s"] <= out["survivors_stalled_s"] < fed_bench.FAILOVER_LEASE_S / 4, out

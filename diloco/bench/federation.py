@@ -19,13 +19,22 @@ with SIGKILL, the fault docs/architecture.md's fault model promises to survive (
   victim may already have pushed, and the first round committed without it) + the rounds that can close during a
   restart of up to RESTART_ROOM × the bound (floor(window / min_deadline_s) + 1) + RECOVERY_MARGIN_ROUNDS (the
   victim trains with the others again). A restart slower than that window fails the benchmark with one line.
+* `run_failover_bench` — how long the survivors stall when an island dies. The victim runs under its supervisor
+  (as `launch` starts islands) and `factor` times slower (islands.slowdown), so the others have pushed the open
+  round and wait for it when its worker is SIGKILLed. Leases and deadlines are set far longer than the figure
+  (FAILOVER_LEASE_S), so what closes the round is the failure being noticed (the supervisor's Leave), not a
+  timeout. Figures, wall seconds from the kill: `detected_s` (the coordinator's `island_left`) and
+  `survivors_stalled_s`, the last survivor's next `train_start` (the round closed, it pulled the commit and trains
+  again); the round's `islands` and `reason` show what closed it. The issue's bound is 5 s; the peer's 4.9 s.
 * `run_fault_bench` — convergence under faults (DiLoCo, arXiv 2311.08105, claims robustness to islands that
   drop out). Two runs of one config and seed: fault-free, and one where an island is SIGKILLed at round ≈ R/3
   and restarted at ≈ 2R/3 (it resumes its inner state and data cursor from its own checkpoint and pulls θ).
   Acceptance: final eval losses within 3% of each other.
 
 Run: ``diloco bench recovery configs/local.toml [--run-dir DIR] [--victim NAME] [--kill-after N] [key=value ...]``
-and ``diloco bench faults configs/faults.toml [--run-dir DIR] [--victim NAME] [key=value ...]``; each prints JSON.
+``diloco bench failover configs/local.toml [--run-dir DIR] [--victim NAME] [--kill-after N] [--factor F] [key=value
+...]`` and ``diloco bench faults configs/faults.toml [--run-dir DIR] [--victim NAME] [key=value ...]``; each prints
+JSON.
 A federation that fails (a process crashes, a wait times out) ends the benchmark with a BenchError naming the
 log directory, not a traceback.
 """
@@ -34,6 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -53,6 +64,12 @@ RESTART_ROOM = 2.0
 
 RECOVERY_MARGIN_ROUNDS = 2
 """Rounds after the victim's return, so that the result shows it training with the others again."""
+
+FAILOVER_LEASE_S = 120.0
+"""quorum.lease_s, min_deadline_s and max_deadline_s of the failover run: only a noticed failure can close the round
+the victim dies in before this, so a figure near it means the failure was not noticed."""
+FAILOVER_BOUND_S = 5.0
+"""The issue's bound on the survivors' stall (the peer, torchft with 3 replica groups here, measured 4.9 s)."""
 
 FAULT_TOLERANCE = 0.03
 """Largest accepted relative difference between the final eval losses with and without the fault."""
@@ -80,11 +97,12 @@ def _pick_victim(cfg: RunConfig, victim: str | None, by_link: bool) -> str:
     return names[-1]
 
 
-def _check_can_lose_one(cfg: RunConfig) -> None:
+def _check_can_lose_one(cfg: RunConfig, restarts: bool = True) -> None:
+    """The run goes on without one island (and, when it `restarts`, the island can resume from its checkpoint)."""
     if cfg.islands.count < 2 or cfg.quorum.min_islands > cfg.islands.count - 1:
         raise BenchError("the run must go on without one island: need islands.count >= 2 and "
                          f"quorum.min_islands <= islands.count - 1 (got {cfg.quorum.min_islands})")  # fmt: skip
-    if cfg.train.checkpoint_every != 1:
+    if restarts and cfg.train.checkpoint_every != 1:
         raise BenchError("train.checkpoint_every must be 1: the restarted island resumes from its own checkpoint")
 
 
@@ -243,6 +261,83 @@ def run_recovery_bench(
         "rounds": summary["rounds"],
         "final_eval_loss": summary["final_eval_loss"],
         "islands_lost": summary["islands_lost"],
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+# -- failover -----------------------------------------------------------------------------------------------------
+
+
+def run_failover_bench(
+    config_path: str | Path,
+    overrides: Sequence[str],
+    run_dir: Path,
+    victim: str | None = None,
+    kill_after: int = 2,
+    factor: float = 3.0,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """SIGKILL a supervised, slower island's worker while the others wait for it; time their stall (docstring)."""
+    if kill_after < 1 or factor < 1.0:
+        raise BenchError(f"--kill-after must be >= 1 and --factor >= 1 (got {kill_after}, {factor})")
+    cfg = load_config(config_path, overrides)
+    _check_can_lose_one(cfg, restarts=False)
+    victim = _pick_victim(cfg, victim, by_link=False)
+    survivors = [n for n in cfg.islands.island_names if n != victim]
+    run_overrides = [
+        *overrides, f"train.rounds={kill_after + 3}", f'islands.slowdown=["{victim}={factor:g}"]',
+        *(f"quorum.{key}={FAILOVER_LEASE_S}" for key in ("lease_s", "min_deadline_s", "max_deadline_s")),
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    with _federation(config_path, run_overrides, run_dir) as fed:
+        fed.start_coordinator()
+        fed.start_island(victim, supervised=True)
+        for name in survivors:
+            fed.start_island(name)
+        fed.wait_rounds(kill_after, timeout_s)
+        open_round = kill_after
+
+        def pushed(name: str) -> bool:
+            return any(e["round"] == open_round and e["island"] == name for e in fed.events("push"))
+
+        fed.wait_for(lambda: all(pushed(n) for n in survivors) or None, timeout_s,
+                     f"the survivors' pushes of round {open_round}", poll_s=0.01)  # fmt: skip
+        if pushed(victim):
+            raise BenchError(f"{victim} pushed round {open_round} before the others: raise --factor (got {factor:g})")
+        worker = int((fed.island_dir(victim) / "worker.pid").read_text())
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        seen: dict[str, float] = {}
+
+        def noticed() -> dict[str, float] | None:
+            now = time.monotonic()
+            if any(e["island"] == victim for e in fed.events("island_left")):
+                seen.setdefault("detected", now)
+            for name in survivors:
+                if any(e["round"] == open_round + 1 for e in fed.events("train_start", island=name)):
+                    seen.setdefault(name, now)
+            return seen if len(seen) == 1 + len(survivors) else None
+
+        fed.wait_for(noticed, FAILOVER_LEASE_S, "the survivors training again after the kill", poll_s=0.01)
+        closed = fed.wait_rounds(open_round + 1, timeout_s)[open_round]  # recorded after its evaluation
+        left = next(e for e in fed.events("island_left") if e["island"] == victim)
+    stalled = {name: round(seen[name] - killed, 3) for name in survivors}
+    return {
+        "bench": "failover",
+        "config": str(config_path),
+        "overrides": run_overrides,
+        "run_dir": str(run_dir),
+        "victim": victim,
+        "killed_in_round": open_round,
+        "detected_s": round(seen["detected"] - killed, 3),
+        "left_reason": left.get("reason"),
+        "round_islands": closed.get("islands"),
+        "round_reason": closed.get("reason"),
+        "survivors_stalled_s": max(stalled.values()),
+        "stalled_s_per_survivor": stalled,
+        "bound_s": FAILOVER_BOUND_S,
+        "pass": max(stalled.values()) <= FAILOVER_BOUND_S,
+        "lease_s": FAILOVER_LEASE_S,
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
