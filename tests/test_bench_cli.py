@@ -1,6 +1,8 @@
-"""`diloco bench`: a failed benchmark is one line and exit 2, and the recovery run is sized to outlast the restart.
+"""`diloco bench`: a failed benchmark is one line and exit 2, the recovery run is sized to outlast the restart, and
+the failover run refuses what it cannot measure.
 
-Nothing here runs a benchmark for real (BENCHMARKS.md does); the federation is replaced by a stand-in that fails.
+Nothing here runs a benchmark for real in README's test command (BENCHMARKS.md does); the federation is replaced by a
+stand-in that fails. One small failover run is marked `bench` (`pytest -m bench`).
 """
 
 from __future__ import annotations
