@@ -165,16 +165,14 @@ def iter_trailed_views(
             hashing.cancel()
         return
     hasher = new_hasher()
-    views = iter_chunk_views(tensors, chunk_bytes)
-    pending = next(views)  # always at least one chunk
-    for pieces in views:  # one chunk of lookahead tells which chunk is the last
-        for piece in pending:
-            hasher.update(piece)
-        yield pending, b""
-        pending = pieces
-    for piece in pending:
-        hasher.update(piece)
-    yield pending, hasher.digest()
+
+    def hashed(views: Iterator[list[memoryview]]) -> Iterator[list[memoryview]]:
+        for pieces in views:
+            for piece in pieces:
+                hasher.update(piece)
+            yield pieces
+
+    yield from _trailed(hashed(iter_chunk_views(tensors, chunk_bytes)), hasher.digest)
 
 
 def _trailed(
