@@ -551,6 +551,10 @@ def test_sigterm_stops_an_island_and_the_coordinator_cleanly(federation: Callabl
         fed.start_island(name)
 
     fed.wait_for(lambda: len(fed.rounds()) >= 2, WAIT_S, "two committed rounds")
+    # island-1 may join after island-0 committed rounds alone (min_islands=1): stop it only once it has a
+    # checkpoint to resume from (seen in CI without this wait: no `resumed` at its restart).
+    fed.wait_for(lambda: any((fed.island_dir("island-1") / "checkpoints").rglob("_CHECKPOINT_METADATA")), WAIT_S,
+                 "island-1's first checkpoint")  # fmt: skip
     fed.signal("island-1", signal.SIGTERM)
     assert fed.processes()["island-1"].wait(timeout=60) == 0
     left = fed.wait_for(lambda: [e for e in fed.events("island_left") if e["island"] == "island-1"], WAIT_S,
