@@ -126,6 +126,9 @@ class Coordinator:
         """Commits kept for pulls: one per fragment (streaming), or (async) the updates an island may have missed."""
         self.cond = threading.Condition()
         self.last_seen: dict[str, float] = {}
+        self.broken: dict[str, float] = {}
+        """Member -> when its presence call broke (transport/presence.py), until it is heard from again: after
+        `quorum.reconnect_grace_s` it is lost (diloco/membership.py)."""
         self.last_loss: dict[str, float] = {}
         self.commits: dict[int, Commit] = {}
         """The last `kept` commits by sync position (`OuterLoop.sync`; the round without streaming): what pulls
@@ -251,7 +254,7 @@ class Coordinator:
                 self.totals.islands_joined += 1
                 if self._membership_logged("island_joined", req.island):
                     self.rd.log("island_joined", round=self.loop.round, island=req.island, devices=req.devices)
-            self.last_seen[req.island] = now
+            self._heard_from(req.island, now)
             return pb.JoinReply(
                 run_id=self.run_id,
                 round=self.loop.round,
@@ -276,14 +279,37 @@ class Coordinator:
             if req.island not in self.last_seen and not self.done:
                 # Its lease expired (a stall, a partition): not an attack, so no `rejected` event; it joins again.
                 return pb.HeartbeatReply(round=self.loop.round, lease_s=self.cfg.quorum.lease_s, state=REJOIN)
-            self.last_seen[req.island] = self.clock()
+            self._heard_from(req.island, self.clock())
             if self.working.get(req.island) != req.round:
                 self.working[req.island] = int(req.round)
                 self.cond.notify_all()
             return pb.HeartbeatReply(round=self.loop.round, lease_s=self.cfg.quorum.lease_s, state=self._state_name())
 
+    def attend(self, req: pb.AttendRequest) -> pb.AttendReply:
+        """An island's presence call opened (transport/presence.py): heard from, as by a heartbeat."""
+        with self.cond:
+            member = req.island in self.last_seen
+            if member:
+                self._heard_from(req.island, self.clock())
+            return pb.AttendReply(member=member, state=self._state_name(),
+                                  reconnect_grace_s=self.cfg.quorum.reconnect_grace_s)  # fmt: skip
+
+    def absent(self, island: str) -> None:
+        """An island's presence call broke: it is lost after `quorum.reconnect_grace_s` unless heard from again (the
+        ticker's next `_tick_locked` after the grace drops it; diloco/membership.py)."""
+        with self.cond:
+            if island in self.last_seen and not self.done:
+                self.broken[island] = self.clock()
+
+    def _heard_from(self, island: str, now: float) -> None:
+        """A sign of life from a member (join, heartbeat, push, presence): renews its lease and forgives a broken
+        presence call (its process is there: a blipped link, or a call not yet replaced)."""
+        self.last_seen[island] = now
+        self.broken.pop(island, None)
+
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         with self.cond:
+            self.broken.pop(req.island, None)
             if self.last_seen.pop(req.island, None) is not None:
                 if self._membership_logged("island_left", req.island):
                     self.rd.log("island_left", round=self.loop.round, island=req.island, reason=req.reason)
@@ -359,7 +385,7 @@ class Coordinator:
                                    f"{self._sync_name(meta.round, meta.fragment)}")  # fmt: skip
                 queued[meta.island] = Early(meta.round, meta.fragment, delta, tokens, content)
             nbytes = sum(len(t.payload) for t in tensors)
-            self.last_seen[meta.island] = self.clock()
+            self._heard_from(meta.island, self.clock())
             self.totals.tokens += tokens
             self.totals.bytes_up += nbytes
             self.totals.compute_s += float(meta.compute_s)
@@ -574,12 +600,14 @@ class Coordinator:
             last_seen=dict(self.last_seen),
             pushed=frozenset(self.loop.pending),
             durations=self.world.durations,
+            broken=dict(self.broken),
         )
         decision = decide(now, view, self.cfg.quorum)
-        for name in sorted(decision.lost):
+        for name, why in sorted(decision.lost.items()):
             del self.last_seen[name]
+            self.broken.pop(name, None)
             self.totals.islands_lost += 1
-            self.rd.log("island_lost", round=self.loop.round, island=name, reason="lease expired")
+            self.rd.log("island_lost", round=self.loop.round, island=name, reason=why)
         if decision.action is Action.CLOSE and not self.asynchronous:  # an asynchronous push commits itself
             self._close_locked(now, decision.reason)
 

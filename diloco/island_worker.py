@@ -59,7 +59,7 @@ from outer_optimizer import apply_update
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
 from transport import diloco_pb2 as pb
 from transport.auth import TlsConfig
-from transport.client import IslandClient
+from transport.client import NOT_A_MEMBER, IslandClient, Presence
 from transport.codecs import PyTree, flatten_named, unflatten_named
 from transport.digest import tree_digest
 from transport.errors import TransportError, UserError
@@ -74,6 +74,10 @@ inner steps; a wait on an absent coordinator may never end."""
 LEAVE_WAIT_S = 5.0
 """How long a stopping island waits for its last push to land and for its Leave: a stop must be prompt even when
 the coordinator is stopping too."""
+PRESENCE_RETRY_S = (0.2, 2.0)
+"""The pause before the presence call is opened again after it ended, doubling from the first to the second while
+calls keep ending at once (a coordinator restarting, or not yet counting us a member). The first is well inside
+quorum.reconnect_grace_s, so a call broken by a blip is replaced before the coordinator counts the island lost."""
 
 
 class IslandError(UserError, ValueError):
@@ -266,6 +270,11 @@ class IslandWorker:
         self._beat = threading.Event()
         """Set to send a heartbeat now (`_heartbeats`): after a plain commit is adopted, and at the stop."""
         self._decode = decoder()
+        self._presence: Presence | None = None
+        """The open presence call (`_attend`); None once the island has left (`_end_presence`)."""
+        self._presence_lock = threading.Lock()
+        self._left = threading.Event()
+        """Set once the island has left (`_end_presence`): no presence call is opened again."""
 
     def request_stop(self, reason: str) -> None:
         """Leave the federation at the next sync point (between inner-step runs): no new push, the checkpoint
@@ -332,6 +341,32 @@ class IslandWorker:
                     self.state_name = reply.state
             except TransportError:
                 pass  # the coordinator is away; the main loop's retries handle it
+
+    def _attend(self) -> None:
+        """Hold this island's presence call from its join to its Leave (transport/presence.py): if the process or its
+        host dies, the coordinator sees the call break and counts the island lost within about a second, not a
+        lease. A call that ends while the island runs (the coordinator restarted, the link blipped, the island was
+        not yet a member: a heartbeat is sent at once, which joins again) is opened again after `PRESENCE_RETRY_S`."""
+        pause = PRESENCE_RETRY_S[0]
+        while True:
+            with self._presence_lock:
+                if self._left.is_set():
+                    return
+                self._presence = presence = self.client.attend(pb.AttendRequest(**self._meta()))
+            opened = time.monotonic()
+            if presence.wait() == NOT_A_MEMBER:
+                self._beat.set()  # a heartbeat now learns the same and joins again (`_heartbeats`)
+            held = time.monotonic() - opened
+            pause = PRESENCE_RETRY_S[0] if held > PRESENCE_RETRY_S[1] else min(2 * pause, PRESENCE_RETRY_S[1])
+            if self._left.wait(pause):
+                return
+
+    def _end_presence(self) -> None:
+        """After the Leave: end the presence call (the coordinator sees it break, which the Leave made moot)."""
+        with self._presence_lock:
+            self._left.set()
+            if self._presence is not None:
+                self._presence.close()
 
     def pull(self, have: int, full: bool = False, after_push: bool = False) -> PullPayload:
         """The commit of sync position `have` (its round, and fragment when streaming), or the full θ (-1, `full`).
@@ -588,6 +623,7 @@ class IslandWorker:
         """
         have = self.restore()
         reply = self.join(have)
+        threading.Thread(target=self._attend, name="presence", daemon=True).start()
         if reply.needs_full_params or self.global_params is None:
             self.position = -1
             self.resync(self.pull(-1, full=True))
@@ -604,6 +640,7 @@ class IslandWorker:
         except DivergedError as exc:
             # Say so before dying, so a coordinator does not wait for this island until its lease runs out.
             self._leave(f"diverged: {exc}"[:200])
+            self._end_presence()
             raise
         finally:
             self._stop.set()
@@ -619,6 +656,7 @@ class IslandWorker:
         else:  # the coordinator may be stopping too (launch stops every process at once): do not wait on it long
             self.rd.log("stopped", round=self.round, island=self.name, reason=self.stop_reason)
             in_background(partial(self._leave, f"stopped: {self.stop_reason}")).exception(timeout=LEAVE_WAIT_S)
+        self._end_presence()
         return self.contributed
 
     def _stop_syncs(self) -> None:

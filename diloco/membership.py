@@ -3,7 +3,9 @@ returns as another, `answer_pull(pull_view) -> PullAnswer`.
 
 The coordinator calls it whenever something happens (a push, a heartbeat, a tick) and does what it says. It
 holds no state and reads no clock, so every branch is table-tested. Rules:
-  * an island is live while its lease (renewed by heartbeats and pushes) has not expired;
+  * an island is live while its lease (renewed by heartbeats and pushes) has not expired, and its presence call
+    has not broken (process, host or link gone: transport/presence.py) more than `reconnect_grace_s` ago
+    without it being heard from since;
   * a round closes as soon as every live island has pushed, provided `min_islands` have;
   * otherwise it closes at the deadline once `min_islands` have pushed, dropping the late ones;
   * the deadline adapts to observed round times: median + k·MAD of recent rounds, clamped to
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -25,6 +27,9 @@ class QuorumConfig:
     """A round never closes with fewer pseudo-gradients than this."""
     lease_s: float = 15.0
     """An island that has not been heard from (heartbeat or push) for this long is considered lost."""
+    reconnect_grace_s: float = 1.0
+    """An island whose presence call broke is lost after this long unless it is heard from again: long enough for
+    an island whose connection blipped to call again, short beside the lease (docs/architecture.md, "Presence")."""
     deadline_k: float = 4.0
     """Deadline = median + k·MAD of recent round durations."""
     min_deadline_s: float = 5.0
@@ -37,7 +42,7 @@ class QuorumConfig:
     def __post_init__(self) -> None:
         if self.min_islands < 1:
             raise ValueError(f"quorum.min_islands must be >= 1 (got {self.min_islands})")
-        for key in ("lease_s", "min_deadline_s", "max_deadline_s"):
+        for key in ("lease_s", "reconnect_grace_s", "min_deadline_s", "max_deadline_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"quorum.{key} must be > 0 (got {getattr(self, key)})")
         if self.max_deadline_s < self.min_deadline_s:
@@ -67,6 +72,8 @@ class RoundView:
     """Islands whose pseudo-gradient for this round was accepted."""
     durations: Sequence[float] = ()
     """Durations of recently closed rounds, oldest first."""
+    broken: Mapping[str, float] = field(default_factory=dict)
+    """Member -> when its presence call broke, for those not heard from since."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,8 @@ class Decision:
     action: Action
     reason: str
     live: frozenset[str]
-    lost: frozenset[str]
-    """Members whose lease expired (the coordinator drops them and logs island_lost)."""
+    lost: Mapping[str, str]
+    """Members no longer live -> why (the coordinator drops them and logs island_lost with it)."""
     deadline_s: float
 
 
@@ -88,9 +95,20 @@ def adaptive_deadline(durations: Sequence[float], cfg: QuorumConfig) -> float:
     return min(cfg.max_deadline_s, max(cfg.min_deadline_s, median + cfg.deadline_k * mad))
 
 
+def why_lost(now: float, name: str, view: RoundView, cfg: QuorumConfig) -> str | None:
+    """Why member ``name`` is no longer live, or None while it is."""
+    if now - view.last_seen[name] > cfg.lease_s:
+        return "lease expired"
+    broke = view.broken.get(name)
+    if broke is not None and now - broke > cfg.reconnect_grace_s:
+        return f"its connection broke {now - broke:.1f}s ago and it did not call again (process, host or link gone)"
+    return None
+
+
 def decide(now: float, view: RoundView, cfg: QuorumConfig) -> Decision:
-    live = frozenset(n for n, seen in view.last_seen.items() if now - seen <= cfg.lease_s)
-    lost = frozenset(view.last_seen) - live
+    reasons = {name: why_lost(now, name, view, cfg) for name in view.last_seen}
+    lost = {name: why for name, why in reasons.items() if why is not None}
+    live = frozenset(reasons) - frozenset(lost)
     deadline = adaptive_deadline(view.durations, cfg)
     pushed = view.pushed
     waiting_for = sorted(live - pushed)

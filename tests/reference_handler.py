@@ -46,6 +46,9 @@ class ReferenceHandler:
         self.round = 0
         self.applied: list[tuple[str, int, int, int]] = []
         self.members: dict[str, int] = {}
+        self.absences: list[str] = []
+        """Islands whose presence call broke, in order (`absent`)."""
+        self.absent_event = threading.Event()
         self._lock = threading.Lock()
 
     def model_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -77,6 +80,15 @@ class ReferenceHandler:
         with self._lock:
             self.members.pop(req.island, None)
         return pb.LeaveReply(ok=True)
+
+    def attend(self, req: pb.AttendRequest) -> pb.AttendReply:
+        with self._lock:
+            return pb.AttendReply(member=req.island in self.members, state="training", reconnect_grace_s=1.0)
+
+    def absent(self, island: str) -> None:
+        with self._lock:
+            self.absences.append(island)
+            self.absent_event.set()
 
     def receiving(self, meta: pb.PushMeta) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

@@ -71,7 +71,8 @@ def test_recovery_run_outlasts_a_restart_of_twice_the_bound(kill_after: int) -> 
     assert restart_rounds * q.min_deadline_s > plan.restart_window_s == fed_bench.RESTART_ROOM * bound_s
     # The victim stays a member through its absence: two rounds of at most max_deadline_s, then the window.
     assert plan.lease_s >= 2 * q.max_deadline_s + plan.restart_window_s
-    assert plan.overrides() == [f"train.rounds={plan.rounds}", f"quorum.lease_s={plan.lease_s}"]
+    assert plan.overrides() == [f"train.rounds={plan.rounds}", f"quorum.lease_s={plan.lease_s}",
+                                f"quorum.reconnect_grace_s={plan.lease_s}"]  # fmt: skip
     assert load_config(REPO / "configs" / "local.toml", plan.overrides()).train.rounds == plan.rounds
 
 
@@ -87,6 +88,7 @@ def test_full_theta_bytes_counts_the_model_without_its_data() -> None:
         (["--kill-after", "0"], "--kill-after must be >= 1"),
         (["--victim", "atlantis"], "victim 'atlantis' is not in islands.names"),
         (["quorum.min_islands=3"], "the run must go on without one island"),
+        (["--how", "meteor"], "--how must be one of worker, host, freeze (got 'meteor')"),
     ],
 )
 def test_failover_refuses_what_it_cannot_measure(
@@ -102,7 +104,7 @@ def test_failover_refuses_what_it_cannot_measure(
 @pytest.mark.timeout(600)
 def test_failover_run_closes_the_round_on_the_supervisors_leave(tiny_config: Path, tmp_path: Path) -> None:
     out = fed_bench.run_failover_bench(tiny_config, ["train.inner_steps=100"], tmp_path / "fo")
-    assert out["victim"] == "island-1" and out["left_reason"] == "worker died (signal 9)", out
+    assert out["victim"] == "island-1" and out["detected_by"] == "island_left: worker died (signal 9)", out
     assert out["round_islands"] == ["island-0"] and out["round_reason"].startswith("all 1 live islands pushed"), out
     # Noticed from the supervisor's Leave, far inside the lease and deadlines that would otherwise close the round.
     assert out["detected_s"] <= out["survivors_stalled_s"] < fed_bench.FAILOVER_LEASE_S / 4, out

@@ -2,8 +2,9 @@
 
 Real processes: a coordinator, a survivor and a supervised victim (`diloco island` without --no-supervise). The
 victim's *worker* is SIGKILLed while it trains; its supervisor sees the death, sends a Leave with the island's own
-credentials, and restarts the worker. The lease is 120 s, so a round that closes in seconds closed because of that
-Leave, not the lease.
+credentials, and restarts the worker. The lease is 120 s, and so is the grace a broken presence call gets
+(transport/presence.py: the worker's death breaks it too; tests/test_presence.py and test_federation.py test that
+path), so a round that closes in seconds closed because of that Leave.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ ENV = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ
 
 @pytest.mark.timeout(600)
 def test_a_killed_worker_is_reported_by_its_supervisor_and_the_round_goes_on(tiny_config: Path, tmp_path: Path) -> None:
-    overrides = [f"train.inner_steps={H}", "train.rounds=3", "quorum.lease_s=120", "quorum.min_deadline_s=1",
+    overrides = [f"train.inner_steps={H}", "train.rounds=3", "quorum.lease_s=120", "quorum.reconnect_grace_s=120",
+                 "quorum.min_deadline_s=1",
                  "quorum.max_deadline_s=300", "network.pull_wait_s=2", "train.checkpoint_every=1"]  # fmt: skip
     with Federation(tiny_config, overrides, tmp_path / "run", cwd=REPO, env=ENV, jax_cache=JAX_CACHE) as fed:
         fed.start_coordinator()

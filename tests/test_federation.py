@@ -199,8 +199,9 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     rounds = 8
     # A long minimum deadline: once island-1 has rejoined, a round waits for its first push (it compiles first)
     # rather than closing without it until the run ends; while it is lost, rounds close on island-0 alone at once.
+    # A long lease: an island is lost here only because its presence call broke (transport/presence.py).
     fed = federation(f"train.rounds={rounds}", "quorum.min_islands=1", 'network.secrets=["s0", "s1"]',
-                     "quorum.min_deadline_s=15")  # fmt: skip
+                     "quorum.min_deadline_s=15", "quorum.lease_s=60")  # fmt: skip
     fed.start_coordinator()
     fed.start_island("island-0", args=["--secret", "s0"])
     fed.start_island("island-1", args=["--secret", "s1"])
@@ -213,19 +214,20 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
         WAIT_S,
         "island-1 training round 2 with a finished checkpoint",
     )
-    fed.kill("island-1")
+    fed.kill("island-1")  # its kernel closes its connections: the presence call breaks at once
     mark = len(fed.events())
-    fed.wait_for(lambda: lost_since(fed, mark, "island-1"), WAIT_S, "island-1's lease to expire")
+    fed.wait_for(lambda: lost_since(fed, mark, "island-1"), WAIT_S, "island-1 lost")
     alone = fed.wait_for(
         lambda: [c for c in fed.events()[mark:] if c["event"] == "round" and c["islands"] == ["island-0"]],
         WAIT_S,
         "a round closed by island-0 alone",
     )[0]
 
-    # Freeze island-0 (SIGSTOP: a hung island) until its lease expires too: nobody can push, θ cannot move.
+    # Freeze island-0 (SIGSTOP: a hung host; nothing is closed, nothing answers) until it is lost too: the
+    # coordinator's keepalive pings go unanswered and close its connection. Nobody can push, θ cannot move.
     fed.signal("island-0", signal.SIGSTOP)
     mark = len(fed.events())
-    fed.wait_for(lambda: lost_since(fed, mark, "island-0"), WAIT_S, "island-0's lease to expire")
+    fed.wait_for(lambda: lost_since(fed, mark, "island-0"), WAIT_S, "island-0 lost")
     before = coordinator_state(fed.address)
     n_rejected = len(fed.events(event="rejected"))
     codes = rogue_attacks(fed.address, "test")
@@ -261,6 +263,9 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     assert fed.events("joined", island="island-1")[-1]["round"] >= resumed["round"]
     summary = json.loads((fed.run_dir / "summary.json").read_text())
     assert summary["islands_lost"] >= 2 and summary["rejected"] >= 5, summary
+    # Both were noticed from their presence call, long before the 60 s lease: killed and frozen alike.
+    lost = {e["island"]: e["reason"] for e in fed.events("island_lost")}
+    assert all("its connection broke" in lost[name] for name in ("island-0", "island-1")), lost
 
 
 def lost_since(fed: Federation, mark: int, island: str) -> bool:
@@ -520,8 +525,11 @@ def test_asynchronous_federation_does_not_wait_for_a_slow_island(federation: Cal
         "outer.kind=delayed_nesterov", "outer.momentum_every=2", f"outer.staleness_exponent={exponent}",
     )  # fmt: skip
     fed.start_coordinator()
-    for name in ("island-0", "island-1"):
-        fed.start_island(name)
+    # The slow island first: the fast one alone finishes an asynchronous run in seconds, once before the slow one
+    # had even joined (its startup slowed by a loaded machine).
+    fed.start_island("island-1")
+    fed.wait_for(lambda: fed.events("joined", island="island-1"), WAIT_S, "island-1 to join")
+    fed.start_island("island-0")
     fed.wait_exit(WAIT_S)
 
     commits = check_run(fed, rounds, ["island-0", "island-1"])

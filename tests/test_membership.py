@@ -15,34 +15,52 @@ from diloco.membership import (
     decide,
 )
 
-CFG = QuorumConfig(min_islands=2, lease_s=10, deadline_k=3, min_deadline_s=5, max_deadline_s=100)
+CFG = QuorumConfig(min_islands=2, lease_s=10, reconnect_grace_s=1, deadline_k=3, min_deadline_s=5, max_deadline_s=100)
 SEEN = {"a": 95.0, "b": 95.0, "c": 95.0}
+SEEN_49 = {"a": 49.0, "b": 49.0, "c": 49.0}
+
+
+LEASE = "lease expired"
+BROKE = "its connection broke"
 
 
 @pytest.mark.parametrize(
-    ("now", "seen", "pushed", "durations", "action", "reason", "lost"),
+    ("now", "seen", "broken", "pushed", "durations", "action", "reason", "lost"),
     [
         # everyone live pushed: close at once
-        (100, SEEN, {"a", "b", "c"}, (), Action.CLOSE, "all 3 live islands pushed", set()),
+        (100, SEEN, {}, {"a", "b", "c"}, (), Action.CLOSE, "all 3 live islands pushed", {}),
         # below min_islands: wait however late it is
-        (1000, {"a": 999.0, "b": 999.0}, {"a"}, (), Action.WAIT, "1 of min_islands=2 pushed; waiting for b", set()),
+        (1000, {"a": 999.0, "b": 999.0}, {}, {"a"}, (), Action.WAIT, "1 of min_islands=2 pushed; waiting for b", {}),
         # c is silent past its lease: lost, and the round closes with the live ones
-        (100, {**SEEN, "c": 80.0}, {"a", "b"}, (), Action.CLOSE, "all 2 live islands pushed", {"c"}),
+        (100, {**SEEN, "c": 80.0}, {}, {"a", "b"}, (), Action.CLOSE, "all 2 live islands pushed", {"c": LEASE}),
         # c is live but slow; no history yet, so the deadline is max_deadline_s (100 s from opened_at = 0)
-        (50, SEEN | {"a": 49.0, "b": 49.0, "c": 49.0}, {"a", "b"}, (), Action.WAIT, "waiting for c", set()),
-        (100, SEEN, {"a", "b"}, (), Action.CLOSE, "deadline 100.0s passed with 2 of 3 live islands; late: c", set()),
+        (50, SEEN | {"a": 49.0, "b": 49.0, "c": 49.0}, {}, {"a", "b"}, (), Action.WAIT, "waiting for c", {}),
+        (100, SEEN, {}, {"a", "b"}, (), Action.CLOSE, "deadline 100.0s passed with 2 of 3 live islands; late: c", {}),
         # with history the deadline adapts: median 20, MAD 1 -> 23 s
-        (24, {"a": 24.0, "b": 24.0, "c": 24.0}, {"a", "b"}, (19, 20, 21, 20, 22), Action.CLOSE, "deadline 23.0s", set()),
-        (22, {"a": 22.0, "b": 22.0, "c": 22.0}, {"a", "b"}, (19, 20, 21, 20, 22), Action.WAIT, "deadline in 1.0s", set()),
+        (24, {"a": 24.0, "b": 24.0, "c": 24.0}, {}, {"a", "b"}, (19, 20, 21, 20, 22), Action.CLOSE, "deadline 23.0s", {}),
+        (22, {"a": 22.0, "b": 22.0, "c": 22.0}, {}, {"a", "b"}, (19, 20, 21, 20, 22), Action.WAIT, "deadline in 1.0s", {}),
         # a lost island that already pushed still counts toward the round
-        (100, {**SEEN, "a": 50.0}, {"a", "b", "c"}, (), Action.CLOSE, "all 2 live islands pushed (3 contributions)", {"a"}),
+        (100, {**SEEN, "a": 50.0}, {}, {"a", "b", "c"}, (), Action.CLOSE, "all 2 live islands pushed (3 contributions)",
+         {"a": LEASE}),
+        # c's presence call broke 0.5 s ago, inside the 1 s grace: still live (a blip may reconnect), so the round waits
+        (50, SEEN_49, {"c": 49.5}, {"a", "b"}, (), Action.WAIT, "waiting for c", {}),
+        # ... 2 s ago, past the grace and long before its lease (9 s left): lost, and the round closes without it
+        (50, SEEN_49, {"c": 48.0}, {"a", "b"}, (), Action.CLOSE, "all 2 live islands pushed", {"c": f"{BROKE} 2.0s ago"}),
+        # a broken call and an expired lease: the lease is named (it is the older fact)
+        (50, {**SEEN_49, "c": 30.0}, {"c": 35.0}, {"a", "b"}, (), Action.CLOSE, "all 2 live islands pushed", {"c": LEASE}),
+        # below min_islands once c is gone: wait for a, however long
+        (50, {"a": 49.0, "c": 45.0}, {"c": 40.0}, {"c"}, (), Action.WAIT, "1 of min_islands=2 pushed; waiting for a",
+         {"c": BROKE}),
     ],
 )
-def test_decide(now, seen, pushed, durations, action, reason, lost) -> None:
-    d = decide(now, RoundView(opened_at=0.0, last_seen=seen, pushed=frozenset(pushed), durations=durations), CFG)
+def test_decide(now, seen, broken, pushed, durations, action, reason, lost) -> None:
+    view = RoundView(opened_at=0.0, last_seen=seen, pushed=frozenset(pushed), durations=durations, broken=broken)
+    d = decide(now, view, CFG)
     assert d.action is action
     assert reason in d.reason
-    assert d.lost == frozenset(lost)
+    assert set(d.lost) == set(lost) and d.live == frozenset(seen) - set(lost)
+    for name, why in lost.items():
+        assert why in d.lost[name], (name, d.lost[name])
 
 
 def test_deadline_is_clamped_and_robust_to_one_outlier() -> None:

@@ -19,6 +19,7 @@ def test_stubs_import_as_package_and_are_versioned():
     assert diloco_pb2.DESCRIPTOR.package == "diloco.v1"
     service = diloco_pb2.DESCRIPTOR.services_by_name["Diloco"]
     assert sorted(m.name for m in service.methods) == [
+        "Attend",
         "Heartbeat",
         "Join",
         "Leave",

@@ -3,8 +3,9 @@
 The gRPC server is synchronous: a call holds one thread of the server's pool from the moment a worker picks it
 up until its handler returns, including every second it waits for the client's next message. A client that
 opens calls and sends nothing would otherwise hold every thread, and heartbeats queued behind them would miss
-their leases. So every call takes a *slot* before it reads a byte, in its lane: ``stream`` (push, pull) or
-``unary`` (join, heartbeat, leave, status). A lane has a cap in all and a cap per island, and the pool has one
+their leases. So every call takes a *slot* before it reads a byte, in its lane: ``stream`` (push, pull),
+``unary`` (join, heartbeat, leave, status) or ``presence`` (attend: held for an island's whole membership,
+transport/presence.py). A lane has a cap in all and a cap per island, and the pool has one
 thread per slot of every lane (`TransportConfig.server_threads`), so no lane can take another's threads: idle
 streams never starve a heartbeat, and one island cannot take the slots of the others.
 
@@ -26,6 +27,10 @@ from transport.errors import Rejected
 
 STREAM = "stream"
 UNARY = "unary"
+PRESENCE = "presence"
+PRESENCE_PER_ISLAND = 2
+"""An island's presence stream and the one that replaces it: the new one may arrive before the server has noticed
+that the old one's connection is gone (a keepalive timeout away)."""
 
 
 @dataclass(frozen=True)
@@ -37,11 +42,12 @@ class Lane:
     per_island: int
 
 
-def lanes_of(config: TransportConfig) -> tuple[Lane, Lane]:
-    """The two lanes a server has, sized by its config."""
+def lanes_of(config: TransportConfig) -> tuple[Lane, ...]:
+    """The lanes a server has, sized by its config."""
     return (
         Lane(STREAM, config.max_streams, config.max_streams_per_island),
         Lane(UNARY, config.max_unary_calls, config.max_unary_calls_per_island),
+        Lane(PRESENCE, config.max_presence_streams, min(PRESENCE_PER_ISLAND, config.max_presence_streams)),
     )
 
 

@@ -1,6 +1,6 @@
 """What an island talks to the coordinator through: the `IslandClient` protocol.
 
-An island (``diloco.island_worker``) only ever needs these seven calls, so it is written against this protocol
+An island (``diloco.island_worker``) only ever needs these eight calls, so it is written against this protocol
 and not against a concrete client. Two implementations ship, and both move the same chunks through the same
 service checks, shaper charges and retries (``transport.client_core``):
 
@@ -27,6 +27,21 @@ if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
 
 IN_PROCESS_TARGET = "in-process"
 """The ``target`` of a client that calls the service in the same process."""
+NOT_A_MEMBER = "the coordinator does not count this island a member (its lease expired, or it left): join first"
+"""Why a presence call ended at once (`Presence.wait`)."""
+
+
+class Presence(Protocol):
+    """An island's open presence call (`IslandClient.attend`, transport/presence.py)."""
+
+    def wait(self) -> str:
+        """Block until the call ends; why it ended (`NOT_A_MEMBER`, closed, or the call's status). Never raises."""
+        ...
+
+    def close(self) -> None:
+        """End the call (the island leaves; idempotent). The coordinator sees it end as a break, which a Leave
+        sent before makes moot."""
+        ...
 
 
 @runtime_checkable
@@ -53,6 +68,12 @@ class IslandClient(Protocol):
 
     def status(self) -> pb.StatusReply:
         """A snapshot of the coordinator (membership, round, losses, bytes)."""
+        ...
+
+    def attend(self, req: pb.AttendRequest) -> Presence:
+        """Open this island's presence call: held for as long as the island runs, so that the coordinator notices
+        at once when its process, host or link is gone. Opening never blocks and never raises; the call's fate is
+        `Presence.wait`'s."""
         ...
 
     def push(

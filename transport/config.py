@@ -72,6 +72,20 @@ class TransportConfig:
     """Unary calls one island (or, for unauthenticated Status, all anonymous callers together) may hold at once:
     its heartbeat and its main thread's call, with room to spare."""
 
+    max_presence_streams: int = 16
+    """Presence streams (Attend) the server holds at once, all islands together: one per island, and room for the
+    one that replaces it (`for_islands` makes it 2 per island). Each holds a server thread for the island's whole
+    membership, in a lane of its own (transport/admission.py, `PRESENCE_PER_ISLAND`)."""
+
+    keepalive_s: float = 1.0
+    """The server pings (HTTP/2 PING, answered by the peer's gRPC core, not by Python) a connection it has heard
+    nothing from for this long. Data arriving resets the clock, so a connection busy with a push is not pinged."""
+
+    keepalive_timeout_s: float = 3.0
+    """A ping unanswered for this long closes the connection, and with it the island's presence stream: a host or
+    link gone silent is noticed in about `keepalive_s` + this. The answer waits behind whatever the peer's link
+    has queued (a 1 MiB router buffer is 0.84 s at 10 Mbit/s, 4.2 s at 2 Mbit/s): raise it on slower links."""
+
     max_pending_calls: int = 256
     """Calls the server holds at once, running or waiting for a thread; beyond it gRPC itself refuses them with
     RESOURCE_EXHAUSTED, so a flood of calls cannot grow the server's memory without bound."""
@@ -112,8 +126,12 @@ class TransportConfig:
             ("max_unary_calls", self.max_unary_calls >= 1, "must be >= 1"),
             ("max_unary_calls_per_island", 1 <= self.max_unary_calls_per_island <= self.max_unary_calls,
              f"must be in 1..max_unary_calls ({self.max_unary_calls})"),
+            ("max_presence_streams", self.max_presence_streams >= 1, "must be >= 1"),
+            ("keepalive_s", self.keepalive_s > 0, "must be > 0"),
+            ("keepalive_timeout_s", self.keepalive_timeout_s > 0, "must be > 0"),
             ("max_pending_calls", self.max_pending_calls >= self.server_threads,
-             f"must be >= the server's threads (max_streams + max_unary_calls + {SPARE_THREADS})"),
+             f"must be >= the server's threads (max_streams + max_unary_calls + max_presence_streams + "
+             f"{SPARE_THREADS})"),
             ("first_message_timeout_s", self.first_message_timeout_s > 0, "must be > 0"),
             ("idle_timeout_s", self.idle_timeout_s > 0, "must be > 0"),
             ("max_buffered_mb", self.max_buffered_mb >= self.max_payload_mb,
@@ -125,8 +143,9 @@ class TransportConfig:
 
     @property
     def server_threads(self) -> int:
-        """Threads of the server's pool: one per stream and unary slot, and spares that answer refusals at once."""
-        return self.max_streams + self.max_unary_calls + SPARE_THREADS
+        """Threads of the server's pool: one per stream, unary and presence slot, and spares that answer refusals
+        at once."""
+        return self.max_streams + self.max_unary_calls + self.max_presence_streams + SPARE_THREADS
 
     @property
     def max_buffered_bytes(self) -> int:
@@ -142,10 +161,11 @@ class TransportConfig:
         per_island = max(self.max_streams_per_island, 2 * fragments + 2)
         streams = max(self.max_streams, 2 * fragments * n_islands, per_island)
         unary = max(self.max_unary_calls, 2 * n_islands)
+        presence = max(self.max_presence_streams, 2 * n_islands)
         # gRPC's own queue must hold every thread's call and as many waiting: it only guards memory.
-        pending = max(self.max_pending_calls, 2 * (streams + unary + 2))
+        pending = max(self.max_pending_calls, 2 * (streams + unary + presence + SPARE_THREADS))
         return replace(self, max_streams=streams, max_streams_per_island=per_island, max_unary_calls=unary,
-                       max_pending_calls=pending)  # fmt: skip
+                       max_presence_streams=presence, max_pending_calls=pending)  # fmt: skip
 
     @property
     def max_payload_bytes(self) -> int:
@@ -157,6 +177,20 @@ class TransportConfig:
         return [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """The server's options: `grpc_options` and keepalive. gRPC needs three keys for it: the ping interval, how
+        long a ping may go unanswered (both the keepalive and the ping timeout: without the latter a silent peer
+        was only noticed at the 1-minute default), and no cap on pings between data frames (an idle presence
+        stream sends none)."""
+        timeout_ms = round(self.keepalive_timeout_s * 1000)
+        return [
+            *self.grpc_options(),
+            ("grpc.keepalive_time_ms", round(self.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms),
+            ("grpc.http2.max_pings_without_data", 0),
         ]
 
     def stream_deadline_s(self, payload_bytes: int) -> float:

@@ -98,6 +98,24 @@ class HeartbeatReply(_message.Message):
     state: str
     def __init__(self, round: _Optional[int] = ..., lease_s: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
 
+class AttendRequest(_message.Message):
+    __slots__ = ("run_id", "island")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    island: str
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ...) -> None: ...
+
+class AttendReply(_message.Message):
+    __slots__ = ("member", "state", "reconnect_grace_s")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RECONNECT_GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    member: bool
+    state: str
+    reconnect_grace_s: float
+    def __init__(self, member: _Optional[bool] = ..., state: _Optional[str] = ..., reconnect_grace_s: _Optional[float] = ...) -> None: ...
+
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "island", "reason")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class DilocoStub:
                 request_serializer=diloco__pb2.StatusRequest.SerializeToString,
                 response_deserializer=diloco__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Attend = channel.unary_stream(
+                '/diloco.v1.Diloco/Attend',
+                request_serializer=diloco__pb2.AttendRequest.SerializeToString,
+                response_deserializer=diloco__pb2.AttendReply.FromString,
+                _registered_method=True)
 
 
 class DilocoServicer:
@@ -105,6 +110,12 @@ class DilocoServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attend(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DilocoServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_DilocoServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=diloco__pb2.StatusRequest.FromString,
                     response_serializer=diloco__pb2.StatusReply.SerializeToString,
+            ),
+            'Attend': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attend,
+                    request_deserializer=diloco__pb2.AttendRequest.FromString,
+                    response_serializer=diloco__pb2.AttendReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class Diloco:
             '/diloco.v1.Diloco/Status',
             diloco__pb2.StatusRequest.SerializeToString,
             diloco__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/diloco.v1.Diloco/Attend',
+            diloco__pb2.AttendRequest.SerializeToString,
+            diloco__pb2.AttendReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transport import diloco_pb2 as pb
 from transport import diloco_pb2_grpc as pb_grpc
 from transport.auth import TlsConfig
+from transport.client import NOT_A_MEMBER
 from transport.client_core import ClientOptions, RetryingClient, push_size, receive_pull
 from transport.config import TransportConfig
 from transport.errors import TransportError
@@ -91,6 +92,10 @@ class GrpcTransport(RetryingClient):
         """See ``IslandClient.status``."""
         return self._unary(self._stub.Status, pb.StatusRequest())
 
+    def attend(self, req: pb.AttendRequest) -> _GrpcPresence:
+        """See ``IslandClient.attend``: no deadline, the call lasts as long as the island runs."""
+        return _GrpcPresence(self._stub.Attend(req, metadata=self._metadata))
+
     def health(self, service: str = "") -> str:
         """The server's standard gRPC health status (``SERVING``, ``NOT_SERVING``, ...): one attempt, no retries,
         since the answer is about this moment. A call that fails raises `TransportError` with its code."""
@@ -150,3 +155,24 @@ class GrpcTransport(RetryingClient):
                 raise
 
         return self._retried(once, behind_push=req.after_push)
+
+
+class _GrpcPresence:
+    """A presence call over gRPC (`transport.client.Presence`)."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def wait(self) -> str:
+        """See ``Presence.wait``."""
+        try:
+            for reply in self._call:
+                if not reply.member:
+                    return NOT_A_MEMBER
+            return "the coordinator ended the call"
+        except grpc.RpcError as e:
+            return f"{e.code().name}: {e.details()}"
+
+    def close(self) -> None:
+        """See ``Presence.close``."""
+        self._call.cancel()

@@ -8,12 +8,17 @@ this order, before any of its messages is read:
    once; the pool has a thread for every slot, so idle streams never hold the threads heartbeats need;
 3. gets a `Watch` (transport/watchdog.py) that cancels it when its client stays quiet too long.
 
-All six methods are registered with a *streamed* request, the unary ones too: on the wire a unary call is a
+All seven methods are registered with a *streamed* request, the unary ones too: on the wire a unary call is a
 stream of one message, so clients see no difference, but a unary handler of gRPC's would only run once the
 request message has fully arrived, leaving a client that opens a call and never sends it in control of a
 thread. Here the handler runs first, and reads the one message under the first-message deadline. Request
 bytes are parsed by tolerant parsers (``transport.wire.tolerant``): bytes that do not parse become
 INVALID_ARGUMENT from the handler, counted like any other refusal, instead of gRPC's INTERNAL.
+
+Attend, an island's presence call (transport/presence.py), is held open after its one reply until its client goes
+(its connection closed, or unanswered keepalive pings closed it: `TransportConfig.server_options`), a newer call
+of the island replaces it, or the server stops; it takes a slot of its own lane, so presence never takes the
+threads of pushes, pulls or heartbeats.
 
 A `Rejected` from the service becomes ``context.abort(code, reason)`` so the island sees why; a call whose
 client went away (or that the watchdog cancelled) ends quietly.
@@ -29,6 +34,7 @@ caller's metadata claims, so whoever counts by it must bound it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -40,7 +46,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from transport import diloco_pb2 as pb
-from transport.admission import STREAM, UNARY, Admission, Slot, lanes_of
+from transport.admission import PRESENCE, STREAM, UNARY, Admission, Slot, lanes_of
 from transport.auth import TlsConfig
 from transport.config import TransportConfig
 from transport.errors import Rejected
@@ -63,7 +69,7 @@ class _CheckOnly(health.HealthServicer):
 
 
 class _Servicer:
-    """The six RPCs: admission, watch, read, answer; every outcome a status."""
+    """The seven RPCs: admission, watch, read, answer; every outcome a status."""
 
     def __init__(self, service: DilocoService | None, config: TransportConfig, on_call: CallObserver | None) -> None:
         self._service: DilocoService | None = service
@@ -170,6 +176,23 @@ class _Servicer:
             except Exception as e:
                 self._end(context, e)
 
+    def Attend(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[pb.AttendReply]:  # noqa: N802
+        with self._observed("Attend", context):
+            service = self._ready(context)
+            try:
+                md, slot, watch = self._open(context, PRESENCE, service.authenticate)
+                with slot, watch:
+                    request = service.first_message(md, watch.receive(requests, self._config), pb.AttendRequest)
+                    ended = threading.Event()
+                    if not context.add_callback(ended.set):  # False: the call has ended already
+                        ended.set()
+                    with service.attending(md, request, context.cancel) as reply:
+                        yield reply  # one small message: it fits the stream's flow-control window, never blocks
+                        if reply.member:
+                            ended.wait()  # the call ends: the island went, a newer call replaced it, or we stop
+            except Exception as e:
+                self._end(context, e)
+
 
 def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
     """The diloco.v1 method table: every request streamed (see the module docstring), parsed tolerantly; the
@@ -198,6 +221,11 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
                 servicer.PullGlobal,
                 request_deserializer=tolerant(pb.PullRequest.FromString, "PullRequest"),
                 response_serializer=serialize_chunk,
+            ),
+            "Attend": grpc.stream_stream_rpc_method_handler(
+                servicer.Attend,
+                request_deserializer=tolerant(pb.AttendRequest.FromString, "AttendRequest"),
+                response_serializer=_serialize_message,
             ),
         },
     )
@@ -241,6 +269,8 @@ class RunningServer:
     def stop(self, grace_s: float | None = 1.0) -> None:
         """Report NOT_SERVING, stop accepting calls, and wait up to ``grace_s`` for calls in flight."""
         self.health.enter_graceful_shutdown()
+        if self.servicer._service is not None:
+            self.servicer._service.presences.stop()  # the presence calls that end now are not islands gone
         self.server.stop(grace_s).wait()
         self.servicer.watchdog.close()
 
@@ -270,7 +300,7 @@ def start_server(
         raise ValueError("start_server without a service needs its transport config")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.server_threads, thread_name_prefix="diloco-grpc"),
-        options=config.grpc_options(),
+        options=config.server_options(),
         maximum_concurrent_rpcs=config.max_pending_calls,
     )
     servicer = _Servicer(service, config, on_call)

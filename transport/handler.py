@@ -71,6 +71,16 @@ class CoordinatorHandler(Protocol):
         """The island leaves cleanly."""
         ...
 
+    def attend(self, req: pb.AttendRequest) -> pb.AttendReply:
+        """The island opened its presence call (transport/presence.py): it is heard from, as by a heartbeat. A reply
+        with ``member`` false (not a member now: join first) ends the call at once."""
+        ...
+
+    def absent(self, island: str) -> None:
+        """The island's presence call broke: its process, host or link is gone, unless it is heard from again soon
+        (a newer call, a heartbeat). Called on a server thread; an island that is no member is ignored."""
+        ...
+
     def current_round(self, fragment: int) -> int:
         """The round a push for ``fragment`` must be for (the service rejects stale/future ones)."""
         ...

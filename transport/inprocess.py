@@ -10,14 +10,16 @@ framing are skipped.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Unpack
 
 from transport import diloco_pb2 as pb
-from transport.client import IN_PROCESS_TARGET
+from transport.client import IN_PROCESS_TARGET, NOT_A_MEMBER
 from transport.client_core import ClientOptions, RetryingClient, receive_pull
+from transport.errors import Rejected
 from transport.handler import PullPayload
-from transport.service import DilocoService
+from transport.service import DilocoService, Metadata
 from transport.wire import parse_push_chunk
 
 if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
@@ -50,6 +52,11 @@ class InProcessTransport(RetryingClient):
         """See ``IslandClient.status``."""
         return self._retried(lambda: self.service.status(self._metadata))
 
+    def attend(self, req: pb.AttendRequest) -> _InProcessPresence:
+        """See ``IslandClient.attend``: the same registration with the service; the call ends when it is closed
+        or a newer one of the island replaces it."""
+        return _InProcessPresence(self.service, self._metadata, req)
+
     def push(
         self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], on_sent: Callable[[], None] | None = None
     ) -> pb.PushReply:
@@ -68,3 +75,28 @@ class InProcessTransport(RetryingClient):
             lambda: receive_pull(self.service.pull(self._metadata, req), self.config, self.shaper),
             behind_push=req.after_push,
         )
+
+
+class _InProcessPresence:
+    """A presence call to a service in this process (`transport.client.Presence`): open while `wait` runs."""
+
+    def __init__(self, service: DilocoService, metadata: Metadata, req: pb.AttendRequest) -> None:
+        self._service = service
+        self._metadata = metadata
+        self._req = req
+        self._closed = threading.Event()
+
+    def wait(self) -> str:
+        """See ``Presence.wait``."""
+        try:
+            with self._service.attending(self._metadata, self._req, self._closed.set) as reply:
+                if not reply.member:
+                    return NOT_A_MEMBER
+                self._closed.wait()
+        except Rejected as e:
+            return f"{e.code.name}: {e.reason}"
+        return "closed"
+
+    def close(self) -> None:
+        """See ``Presence.close``."""
+        self._closed.set()

@@ -16,7 +16,9 @@ Both the gRPC servicer and the in-process transport run every message through th
   pushes in flight (``max_buffered_mb``); digest, decode and finiteness run once the bytes are in; a push
   that fails gives its buffer back at once. From those first checks until the handler has answered, the push is
   `CoordinatorHandler.receiving`: its island's pull for that sync, sent as soon as the push was on the wire, waits
-  for it.
+  for it;
+* an island's Attend call is held open (`attending`) and its break reported to `CoordinatorHandler.absent`
+  (transport/presence.py).
 
 Every answer goes through `answering`: a refusal is a `Rejected` (code + reason) whose reason is made
 `printable` (bounded, control characters escaped: it may carry an attacker's strings) and is reported once
@@ -44,6 +46,7 @@ from transport.chunking import ByteBudget, Reassembler, build_header, check_head
 from transport.config import TransportConfig
 from transport.errors import Rejected
 from transport.handler import KIND_TO_PB, CoordinatorHandler, RejectionSink
+from transport.presence import Presences
 from transport.tensors import decoder, known_codecs
 from transport.validate import (
     ModelSpec,
@@ -137,6 +140,7 @@ class DilocoService:
         self.islands = frozenset(islands) if islands is not None else None
         self.uplink_codec = uplink_codec
         self.budget = ByteBudget(self.config.max_buffered_bytes)
+        self.presences = Presences(self._absent)
         self._codecs = known_codecs()
         self._decode = decoder()
         self._accepted: OrderedDict[tuple[str, int, int], tuple[bytes, pb.PushReply]] = OrderedDict()
@@ -236,6 +240,30 @@ class DilocoService:
             self._identify(metadata, req.run_id, req.island)
             check_leave(req)
             return self.handler.leave(req)
+
+    @contextmanager
+    def attending(
+        self, metadata: Metadata, req: pb.AttendRequest, cancel: Callable[[], None]
+    ) -> Iterator[pb.AttendReply]:
+        """An island's presence call: the handler's reply, and (for a member) the call registered as the island's
+        presence for the ``with`` block, which the caller holds for as long as the call is open. ``cancel`` ends the
+        call when a newer one of the island replaces it (transport/presence.py)."""
+        with self.answering(metadata):
+            self._identify(metadata, req.run_id, req.island)
+            reply = self.handler.attend(req)
+        if not reply.member:
+            yield reply
+            return
+        with self.presences.hold(req.island, cancel):
+            yield reply
+
+    def _absent(self, island: str) -> None:
+        """An island's presence call broke (`Presences`): tell the handler; an error of its own is logged, not raised
+        into the gRPC thread that saw the call end."""
+        try:
+            self.handler.absent(island)
+        except Exception as exc:
+            self._log_unexpected(exc)
 
     def status(self, metadata: Metadata) -> pb.StatusReply:
         """Status snapshot (read-only; credentials required only if configured)."""

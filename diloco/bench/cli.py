@@ -22,7 +22,7 @@ HELP = {
     "codec": "pseudo-gradient codecs: ratio, GB/s, error",
     "transport": "gRPC goodput on loopback, unshaped and shaped; receiver peak memory",
     "recovery": "time for a SIGKILLed island to rejoin vs params/bandwidth + 10 s",
-    "failover": "how long the survivors stall when a supervised island's worker is SIGKILLed (bound 5 s)",
+    "failover": "how long the survivors stall when an island's worker or host is SIGKILLed or frozen (bound 5 s)",
     "faults": "final eval loss with an island killed at R/3, back at 2R/3, vs fault-free",
     "byzantine": "final eval loss with one Byzantine island of 4, per aggregation rule and attack, vs fault-free",
     "fuzz": "hostile messages of every RPC against a real coordinator: statuses, RSS, liveness, a round after",
@@ -94,6 +94,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     fo.add_argument("--victim", default=None, help="island to kill (default: the last name)")
     fo.add_argument("--kill-after", type=int, default=2, help="committed rounds before the victim is killed")
     fo.add_argument("--factor", type=float, default=3.0, help="how much slower the victim steps (it pushes last)")
+    fo.add_argument("--how", default="worker", help="worker: SIGKILL its worker (the supervisor lives); host: SIGKILL "
+                    "supervisor and worker; freeze: SIGSTOP both (nothing answers)")  # fmt: skip
     _add_byzantine(parsers["byzantine"])
     st = parsers["streaming"]
     _with_config(st)
@@ -214,7 +216,9 @@ def _recovery(args: argparse.Namespace) -> Result:
 def _failover(args: argparse.Namespace) -> Result:
     from diloco.bench.federation import run_failover_bench
 
-    return run_failover_bench(args.config, args.overrides, _run_dir(args), args.victim, args.kill_after, args.factor)
+    return run_failover_bench(
+        args.config, args.overrides, _run_dir(args), args.victim, args.kill_after, args.factor, args.how
+    )
 
 
 def _faults(args: argparse.Namespace) -> Result:

@@ -14,27 +14,32 @@ with SIGKILL, the fault docs/architecture.md's fault model promises to survive (
 
   The run is sized to what it measures (`plan_recovery`), so that the survivors cannot finish it while the
   victim restarts, however fast this machine trains: the victim stays a member while it is down (quorum.lease_s
-  is raised to outlast its absence), so every round without it closes at the deadline, never sooner than
-  quorum.min_deadline_s; and train.rounds is set to kill_after + 2 (the round open at the kill, to which the
-  victim may already have pushed, and the first round committed without it) + the rounds that can close during a
-  restart of up to RESTART_ROOM × the bound (floor(window / min_deadline_s) + 1) + RECOVERY_MARGIN_ROUNDS (the
-  victim trains with the others again). A restart slower than that window fails the benchmark with one line.
+  and reconnect_grace_s are raised to outlast its absence: its broken presence call is forgiven), so every round
+  without it closes at the deadline, never sooner than quorum.min_deadline_s; and train.rounds is set to
+  kill_after + 2 (the round open at the kill, to which the victim may already have pushed, and the first round
+  committed without it) + the rounds that can close during a restart of up to RESTART_ROOM × the bound
+  (floor(window / min_deadline_s) + 1) + RECOVERY_MARGIN_ROUNDS (the victim trains with the others again). A
+  restart slower than that window fails the benchmark with one line.
 * `run_failover_bench` — how long the survivors stall when an island dies. The victim runs under its supervisor
   (as `launch` starts islands) and `factor` times slower (islands.slowdown), so the others have pushed the open
-  round and wait for it when its worker is SIGKILLed. Leases and deadlines are set far longer than the figure
-  (FAILOVER_LEASE_S), so what closes the round is the failure being noticed (the supervisor's Leave), not a
-  timeout. Figures, wall seconds from the kill: `detected_s` (the coordinator's `island_left`) and
-  `survivors_stalled_s`, the last survivor's next `train_start` (the round closed, it pulled the commit and trains
-  again); the round's `islands` and `reason` show what closed it. The issue's bound is 5 s; the peer's 4.9 s.
+  round and wait for it when it dies, `how` (`FAILURES`): its worker SIGKILLed (the supervisor lives and sends a
+  Leave), its host lost (supervisor and worker SIGKILLed: their kernel closes the connections, and the presence
+  call breaks) or its host frozen (both SIGSTOPped: nothing answers, nothing is closed; the coordinator's keepalive
+  pings go unanswered, transport.keepalive_s and keepalive_timeout_s). Leases and deadlines are set far longer
+  than the figure (FAILOVER_LEASE_S), so what closes the round is the failure being noticed, not a timeout.
+  Figures, wall seconds from the failure: `detected_s` (the coordinator's `island_left` or `island_lost`, whose
+  reason is `detected_by`) and `survivors_stalled_s`, the last survivor's next `train_start` (the round closed, it
+  pulled the commit and trains again); the round's `islands` and `reason` show what closed it. The issue's bound
+  is 5 s; the peer's 4.9 s.
 * `run_fault_bench` — convergence under faults (DiLoCo, arXiv 2311.08105, claims robustness to islands that
   drop out). Two runs of one config and seed: fault-free, and one where an island is SIGKILLed at round ≈ R/3
   and restarted at ≈ 2R/3 (it resumes its inner state and data cursor from its own checkpoint and pulls θ).
   Acceptance: final eval losses within 3% of each other.
 
 Run: ``diloco bench recovery configs/local.toml [--run-dir DIR] [--victim NAME] [--kill-after N] [key=value ...]``
-``diloco bench failover configs/local.toml [--run-dir DIR] [--victim NAME] [--kill-after N] [--factor F] [key=value
-...]`` and ``diloco bench faults configs/faults.toml [--run-dir DIR] [--victim NAME] [key=value ...]``; each prints
-JSON.
+``diloco bench failover configs/local.toml [--run-dir DIR] [--victim NAME] [--kill-after N] [--factor F] [--how
+worker|host|freeze] [key=value ...]`` and ``diloco bench faults configs/faults.toml [--run-dir DIR] [--victim
+NAME] [key=value ...]``; each prints JSON.
 A federation that fails (a process crashes, a wait times out) ends the benchmark with a BenchError naming the
 log directory, not a traceback.
 """
@@ -68,6 +73,12 @@ RECOVERY_MARGIN_ROUNDS = 2
 FAILOVER_LEASE_S = 120.0
 """quorum.lease_s, min_deadline_s and max_deadline_s of the failover run: only a noticed failure can close the round
 the victim dies in before this, so a figure near it means the failure was not noticed."""
+FAILURES = {
+    "worker": "its worker SIGKILLed (the supervisor lives)",
+    "host": "supervisor and worker SIGKILLed (a host lost)",
+    "freeze": "supervisor and worker SIGSTOPped (a host or link gone silent)",
+}
+"""How the failover bench's victim dies (`run_failover_bench`'s ``how``)."""
 FAILOVER_BOUND_S = 5.0
 """The issue's bound on the survivors' stall (the peer, torchft with 3 replica groups here, measured 4.9 s)."""
 
@@ -152,12 +163,13 @@ class RecoveryPlan:
     rounds: int
     """train.rounds of the run."""
     lease_s: float
-    """quorum.lease_s of the run: longer than the victim's absence, so it is never dropped."""
+    """quorum.lease_s and reconnect_grace_s of the run: longer than the victim's absence, so it is never dropped."""
     restart_window_s: float
     """The longest restart the run has room to measure."""
 
     def overrides(self) -> list[str]:
-        return [f"train.rounds={self.rounds}", f"quorum.lease_s={self.lease_s}"]
+        return [f"train.rounds={self.rounds}", f"quorum.lease_s={self.lease_s}",
+                f"quorum.reconnect_grace_s={self.lease_s}"]  # fmt: skip
 
 
 def plan_recovery(cfg: RunConfig, kill_after: int, bound_s: float) -> RecoveryPlan:
@@ -275,11 +287,15 @@ def run_failover_bench(
     victim: str | None = None,
     kill_after: int = 2,
     factor: float = 3.0,
+    how: str = "worker",
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
-    """SIGKILL a supervised, slower island's worker while the others wait for it; time their stall (docstring)."""
+    """Kill or freeze a supervised, slower island (`FAILURES`) while the others wait for it; time their stall
+    (docstring)."""
     if kill_after < 1 or factor < 1.0:
         raise BenchError(f"--kill-after must be >= 1 and --factor >= 1 (got {kill_after}, {factor})")
+    if how not in FAILURES:
+        raise BenchError(f"--how must be one of {', '.join(FAILURES)} (got {how!r})")
     cfg = load_config(config_path, overrides)
     _check_can_lose_one(cfg, restarts=False)
     victim = _pick_victim(cfg, victim, by_link=False)
@@ -304,14 +320,20 @@ def run_failover_bench(
                      f"the survivors' pushes of round {open_round}", poll_s=0.01)  # fmt: skip
         if pushed(victim):
             raise BenchError(f"{victim} pushed round {open_round} before the others: raise --factor (got {factor:g})")
-        worker = int((fed.island_dir(victim) / "worker.pid").read_text())
-        os.kill(worker, signal.SIGKILL)
+        if how == "worker":
+            os.kill(int((fed.island_dir(victim) / "worker.pid").read_text()), signal.SIGKILL)
+        else:  # the supervisor leads the victim's process group (a session of its own), its worker is in it
+            os.killpg(fed.islands[victim].pid, signal.SIGKILL if how == "host" else signal.SIGSTOP)
+            fed.killed.add(victim)
         killed = time.monotonic()
         seen: dict[str, float] = {}
 
+        def gone() -> list[dict[str, Any]]:
+            return [e for e in fed.events() if e["event"] in ("island_left", "island_lost") and e["island"] == victim]
+
         def noticed() -> dict[str, float] | None:
             now = time.monotonic()
-            if any(e["island"] == victim for e in fed.events("island_left")):
+            if gone():
                 seen.setdefault("detected", now)
             for name in survivors:
                 if any(e["round"] == open_round + 1 for e in fed.events("train_start", island=name)):
@@ -320,7 +342,9 @@ def run_failover_bench(
 
         fed.wait_for(noticed, FAILOVER_LEASE_S, "the survivors training again after the kill", poll_s=0.01)
         closed = fed.wait_rounds(open_round + 1, timeout_s)[open_round]  # recorded after its evaluation
-        left = next(e for e in fed.events("island_left") if e["island"] == victim)
+        left = gone()[0]
+        if how == "freeze":  # a stopped process would sit out the federation's SIGTERM grace at the end
+            os.killpg(fed.islands[victim].pid, signal.SIGKILL)
     stalled = {name: round(seen[name] - killed, 3) for name in survivors}
     return {
         "bench": "failover",
@@ -328,9 +352,10 @@ def run_failover_bench(
         "overrides": run_overrides,
         "run_dir": str(run_dir),
         "victim": victim,
+        "how": FAILURES[how],
         "killed_in_round": open_round,
         "detected_s": round(seen["detected"] - killed, 3),
-        "left_reason": left.get("reason"),
+        "detected_by": f"{left['event']}: {left.get('reason')}",
         "round_islands": closed.get("islands"),
         "round_reason": closed.get("reason"),
         "survivors_stalled_s": max(stalled.values()),

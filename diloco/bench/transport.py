@@ -55,6 +55,12 @@ class _SinkHandler:
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         return pb.LeaveReply(ok=True)
 
+    def attend(self, req: pb.AttendRequest) -> pb.AttendReply:
+        return pb.AttendReply(member=False)  # the bench measures pushes and pulls; nobody attends
+
+    def absent(self, island: str) -> None:
+        pass
+
     def receiving(self, meta: pb.PushMeta) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 

@@ -1,0 +1,264 @@
+"""Presence (transport/presence.py): an island's Attend call breaks when its process or host is gone, and the
+coordinator hears of it at once, not a lease later.
+
+The rules of `Presences` as a table; then a real server and real island processes: one SIGKILLed (its kernel closes
+the connection), one SIGSTOPped (it answers nothing, as a host that froze or a link that went silent: only the
+server's keepalive pings notice). Waits are bounded by generous limits, never measured.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from tests.reference_handler import ReferenceHandler
+from transport import diloco_pb2 as pb
+from transport.admission import PRESENCE
+from transport.client import NOT_A_MEMBER
+from transport.config import TransportConfig
+from transport.grpc_client import GrpcTransport
+from transport.grpc_server import RunningServer, start_server
+from transport.inprocess import InProcessTransport
+from transport.presence import Presences
+from transport.service import DilocoService
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = "presence"
+ISLANDS = ("i0", "i1")
+# Pings after 0.3 s of silence, a connection closed 0.6 s after an unanswered one: a frozen peer is noticed in about
+# a second here (the defaults, 1 s and 3 s, are sized for WAN links).
+CONFIG = TransportConfig(keepalive_s=0.3, keepalive_timeout_s=0.6, max_attempts=1)
+WAIT_S = 30.0
+
+
+# -- the rules --------------------------------------------------------------------------------------------------
+
+
+def _play(steps: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """Run `Presences` through ``steps`` (("hold", island): a new call; ("end", island): that island's oldest
+    open call ends; ("stop", ""): the server stops); return the breaks reported and the calls cancelled."""
+    breaks: list[str] = []
+    cancelled: list[str] = []
+    presences = Presences(breaks.append)
+    open_calls: dict[str, list] = {}
+    for n, (what, island) in enumerate(steps):
+        if what == "hold":
+            call = presences.hold(island, lambda tag=f"{island}#{n}": cancelled.append(tag))
+            call.__enter__()
+            open_calls.setdefault(island, []).append(call)
+        elif what == "end":
+            open_calls[island].pop(0).__exit__(None, None, None)
+        else:
+            presences.stop()
+    return breaks, cancelled
+
+
+@pytest.mark.parametrize(
+    ("steps", "breaks", "cancelled"),
+    [
+        # the island's call ends while it is its current one: a break, reported once
+        ([("hold", "a"), ("end", "a")], ["a"], []),
+        # two islands: each break is its own
+        ([("hold", "a"), ("hold", "b"), ("end", "b"), ("end", "a")], ["b", "a"], []),
+        # a newer call replaces the older, which is cancelled; the older one's end is no break (the island came back)
+        ([("hold", "a"), ("hold", "a"), ("end", "a")], [], ["a#0"]),
+        # ... and the newer one's end is
+        ([("hold", "a"), ("hold", "a"), ("end", "a"), ("end", "a")], ["a"], ["a#0"]),
+        # the server stops: every call ends, none is a break
+        ([("hold", "a"), ("hold", "b"), ("stop", ""), ("end", "a"), ("end", "b")], [], []),
+    ],
+)
+def test_presences(steps: list[tuple[str, str]], breaks: list[str], cancelled: list[str]) -> None:
+    assert _play(steps) == (breaks, cancelled)
+
+
+# -- a real server, real island processes ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[RunningServer, ReferenceHandler, DilocoService]]:
+    handler = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
+    service = DilocoService(handler, RUN, handler.model_spec(), config=CONFIG, islands=ISLANDS)
+    running = start_server(service)
+    yield running, handler, service
+    running.stop(grace_s=0)
+
+
+def _until(what: str, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {WAIT_S:g} s"
+        time.sleep(0.02)
+
+
+ISLAND_PROCESS = textwrap.dedent(
+    """
+    import sys
+    from transport import diloco_pb2 as pb
+    from transport.config import TransportConfig
+    from transport.grpc_client import GrpcTransport
+
+    client = GrpcTransport(sys.argv[1], sys.argv[2], config=TransportConfig(max_attempts=1))
+    client.join(pb.JoinRequest(run_id=sys.argv[3], island=sys.argv[2]))
+    print(client.attend(pb.AttendRequest(run_id=sys.argv[3], island=sys.argv[2])).wait(), flush=True)
+    """
+)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_an_island_process_gone_or_frozen_breaks_its_presence(server, how: signal.Signals) -> None:
+    running, handler, service = server
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    island = subprocess.Popen([sys.executable, "-c", ISLAND_PROCESS, running.address, "i1", RUN], env=env)
+    try:
+        _until("presence call from i1", lambda: "i1" in service.presences.attending())
+        assert handler.absences == []  # held: no break while the island lives (pings are answered)
+        time.sleep(3 * (CONFIG.keepalive_s + CONFIG.keepalive_timeout_s))
+        assert handler.absences == [], "a live island's presence broke"
+        island.send_signal(how)
+        _until("break of i1's presence", lambda: handler.absences == ["i1"])
+        assert "i1" not in service.presences.attending()
+    finally:
+        island.kill()
+        island.wait(timeout=WAIT_S)
+
+
+def test_a_replaced_call_is_no_break_and_a_closed_one_is(server) -> None:
+    running, handler, service = server
+    client = GrpcTransport(running.address, "i0", config=CONFIG)
+    try:
+        client.join(pb.JoinRequest(run_id=RUN, island="i0"))
+        first = client.attend(pb.AttendRequest(run_id=RUN, island="i0"))
+        ended: list[str] = []
+        waiter = threading.Thread(target=lambda: ended.append(first.wait()))
+        waiter.start()
+        _until("i0's first call", lambda: "i0" in service.presences.attending())
+        second = client.attend(pb.AttendRequest(run_id=RUN, island="i0"))
+        waiter.join(WAIT_S)
+        assert ended and ended[0].startswith("CANCELLED"), ended  # replaced: the server ended the older call
+        assert handler.absences == []
+        second_ended: list[str] = []
+        closer = threading.Thread(target=lambda: second_ended.append(second.wait()))
+        closer.start()
+        _until("i0's second call", lambda: "i0" in service.presences.attending())
+        second.close()
+        closer.join(WAIT_S)
+        _until("break of i0's presence", lambda: handler.absences == ["i0"])
+    finally:
+        client.close()
+
+
+def test_a_non_member_is_told_to_join_and_an_unknown_island_is_refused(server) -> None:
+    running, handler, service = server
+    client = GrpcTransport(running.address, "i0", config=CONFIG)
+    stranger = GrpcTransport(running.address, "mallory", config=CONFIG)
+    try:
+        assert client.attend(pb.AttendRequest(run_id=RUN, island="i0")).wait() == NOT_A_MEMBER
+        why = stranger.attend(pb.AttendRequest(run_id=RUN, island="mallory")).wait()
+        assert why.startswith(grpc.StatusCode.PERMISSION_DENIED.name) and "not an island of this run" in why, why
+        forged = client.attend(pb.AttendRequest(run_id=RUN, island="i1")).wait()  # i0's call naming i1
+        assert forged.startswith(grpc.StatusCode.PERMISSION_DENIED.name), forged
+        assert handler.absences == [] and service.presences.attending() == frozenset()
+    finally:
+        client.close()
+        stranger.close()
+
+
+def test_calls_ending_as_the_server_stops_are_no_break() -> None:
+    handler = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
+    service = DilocoService(handler, RUN, handler.model_spec(), config=CONFIG, islands=ISLANDS)
+    running = start_server(service)
+    client = GrpcTransport(running.address, "i0", config=CONFIG)
+    try:
+        client.join(pb.JoinRequest(run_id=RUN, island="i0"))
+        presence = client.attend(pb.AttendRequest(run_id=RUN, island="i0"))
+        ended: list[str] = []
+        waiter = threading.Thread(target=lambda: ended.append(presence.wait()))
+        waiter.start()
+        _until("i0's call", lambda: "i0" in service.presences.attending())
+        running.stop(grace_s=0)
+        waiter.join(WAIT_S)
+        assert ended and handler.absences == []
+    finally:
+        client.close()
+
+
+def test_a_flood_of_calls_holds_one_slot_and_breaks_nothing(server) -> None:
+    running, handler, service = server
+    client = GrpcTransport(running.address, "i0", config=CONFIG)
+    try:
+        client.join(pb.JoinRequest(run_id=RUN, island="i0"))
+        calls = [client.attend(pb.AttendRequest(run_id=RUN, island="i0")) for _ in range(20)]
+        ended: list[str] = []
+        waiters = [threading.Thread(target=lambda c=c: ended.append(c.wait())) for c in calls]
+        for w in waiters:
+            w.start()
+        # Each call replaced the one before (or was refused at the island's cap): one is left, holding one slot.
+        _until("all but one call ended", lambda: len(ended) == len(calls) - 1)
+        assert all(why.startswith(("CANCELLED", "UNAVAILABLE")) for why in ended), ended
+        _until("one presence slot", lambda: running.admission.in_use(PRESENCE) == 1)
+        assert service.presences.attending() == {"i0"} and handler.absences == []
+        for c in calls:
+            c.close()
+        for w in waiters:
+            w.join(WAIT_S)
+        _until("the last call's break", lambda: handler.absences == ["i0"])
+        _until("no presence slot", lambda: running.admission.in_use(PRESENCE) == 0)
+    finally:
+        client.close()
+
+
+def test_a_call_that_sends_nothing_or_garbage_is_ended() -> None:
+    config = TransportConfig(first_message_timeout_s=0.5, max_attempts=1)
+    handler = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
+    service = DilocoService(handler, RUN, handler.model_spec(), config=config, islands=ISLANDS)
+    running = start_server(service)
+    channel = grpc.insecure_channel(running.address)
+    method = channel.stream_stream("/diloco.v1.Diloco/Attend", request_serializer=lambda b: b)
+    md = (("x-diloco-island", "i0"),)
+    release = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        release.wait()
+        yield from ()
+
+    try:
+        for requests, code in ((nothing(), grpc.StatusCode.CANCELLED),  # the watchdog's first-message deadline
+                               (iter([b"\x0a\xff\xff\xff\xff\x0f"]), grpc.StatusCode.INVALID_ARGUMENT)):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as info:
+                list(method(requests, metadata=md, timeout=WAIT_S))
+            assert info.value.code() == code
+        _until("the slots back", lambda: running.admission.in_use(PRESENCE) == 0)
+        assert handler.absences == [] and service.presences.attending() == frozenset()
+    finally:
+        release.set()
+        channel.close()
+        running.stop(grace_s=0)
+
+
+def test_in_process_presence_is_the_same_registration() -> None:
+    handler = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
+    service = DilocoService(handler, RUN, handler.model_spec(), config=CONFIG, islands=ISLANDS)
+    client = InProcessTransport(service, "i0")
+    assert client.attend(pb.AttendRequest(run_id=RUN, island="i0")).wait() == NOT_A_MEMBER
+    client.join(pb.JoinRequest(run_id=RUN, island="i0"))
+    presence = client.attend(pb.AttendRequest(run_id=RUN, island="i0"))
+    ended: list[str] = []
+    waiter = threading.Thread(target=lambda: ended.append(presence.wait()))
+    waiter.start()
+    _until("i0's call", lambda: "i0" in service.presences.attending())
+    presence.close()
+    waiter.join(WAIT_S)
+    assert ended == ["closed"] and handler.absences == ["i0"]
