@@ -271,7 +271,7 @@ class IslandWorker:
         """Set to send a heartbeat now (`_heartbeats`): after a plain commit is adopted, and at the stop."""
         self._decode = decoder()
         self._presence: Presence | None = None
-        """The open presence call (`_attend`); None once the island has left (`_end_presence`)."""
+        """The newest presence call (`_attend`), closed by `_end_presence`."""
         self._presence_lock = threading.Lock()
         self._left = threading.Event()
         """Set once the island has left (`_end_presence`): no presence call is opened again."""

@@ -128,7 +128,8 @@ class CoordinatorMetrics:
         self.alive = Gauge("diloco_islands_alive", "Islands holding a lease", registry=r)
         self.joined = Counter("diloco_islands_joined_total", "Islands that joined (rejoins after a loss count)",
                               registry=r)  # fmt: skip
-        self.lost = Counter("diloco_islands_lost_total", "Islands dropped without a Leave (presence call broken, or lease expired)", registry=r)
+        self.lost = Counter("diloco_islands_lost_total", "Islands dropped without a Leave (presence call broken, "
+                            "or lease expired)", registry=r)  # fmt: skip
         self.pushes = Counter("diloco_pushes_total", "Push RPCs by island and outcome (accepted or the gRPC code)",
                               ["island", "outcome"], registry=r)  # fmt: skip
         self.pulls = Counter("diloco_pulls_total", "Pulls answered by island and kind (update, full, wait, ...)",

@@ -89,6 +89,7 @@ def test_full_theta_bytes_counts_the_model_without_its_data() -> None:
         (["--victim", "atlantis"], "victim 'atlantis' is not in islands.names"),
         (["quorum.min_islands=3"], "the run must go on without one island"),
         (["--how", "meteor"], "--how must be one of worker, host, freeze (got 'meteor')"),
+        (["--how", "freeze"], "--how freeze needs transport.keepalive_s > 0"),
     ],
 )
 def test_failover_refuses_what_it_cannot_measure(

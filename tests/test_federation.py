@@ -199,9 +199,10 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     rounds = 8
     # A long minimum deadline: once island-1 has rejoined, a round waits for its first push (it compiles first)
     # rather than closing without it until the run ends; while it is lost, rounds close on island-0 alone at once.
-    # A long lease: an island is lost here only because its presence call broke (transport/presence.py).
+    # A long lease: an island is lost here only because its presence call broke (transport/presence.py), at its
+    # death or, with the coordinator's keepalive pings on, when it froze.
     fed = federation(f"train.rounds={rounds}", "quorum.min_islands=1", 'network.secrets=["s0", "s1"]',
-                     "quorum.min_deadline_s=15", "quorum.lease_s=60")  # fmt: skip
+                     "quorum.min_deadline_s=15", "quorum.lease_s=60", "transport.keepalive_s=1")  # fmt: skip
     fed.start_coordinator()
     fed.start_island("island-0", args=["--secret", "s0"])
     fed.start_island("island-1", args=["--secret", "s1"])

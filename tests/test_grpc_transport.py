@@ -370,6 +370,7 @@ def test_config_validation_names_the_key():
         ({"max_payload_mb": 100, "max_buffered_mb": 99}, "max_buffered_mb"),
         ({"idle_timeout_s": 0}, "idle_timeout_s"),
         ({"keepalive_timeout_s": 0}, "keepalive_timeout_s"),
+        ({"keepalive_s": -1}, "keepalive_s"),
         ({"max_presence_streams": 0}, "max_presence_streams"),
         ({"max_streams": 300}, "max_pending_calls"),  # fewer pending calls than threads: a slot never usable
     ):
@@ -378,6 +379,7 @@ def test_config_validation_names_the_key():
     assert TransportConfig().server_threads == 16 + 16 + 16 + 2  # streams, unary calls, presence calls, spares
     options = dict(TransportConfig(keepalive_s=1.5, keepalive_timeout_s=2.5).server_options())
     assert options["grpc.keepalive_time_ms"] == 1500 and options["grpc.http2.ping_timeout_ms"] == 2500
+    assert TransportConfig().server_options() == TransportConfig().grpc_options()  # keepalive is off by default
 
 
 @pytest.mark.parametrize(

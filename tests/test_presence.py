@@ -24,7 +24,7 @@ import pytest
 from tests.reference_handler import ReferenceHandler
 from transport import diloco_pb2 as pb
 from transport.admission import PRESENCE
-from transport.client import NOT_A_MEMBER
+from transport.client import NOT_A_MEMBER, IslandClient, Presence
 from transport.config import TransportConfig
 from transport.grpc_client import GrpcTransport
 from transport.grpc_server import RunningServer, start_server
@@ -47,7 +47,8 @@ WAIT_S = 30.0
 
 def _play(steps: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
     """Run `Presences` through ``steps`` (("hold", island): a new call; ("end", island): that island's oldest
-    open call ends; ("stop", ""): the server stops); return the breaks reported and the calls cancelled."""
+    open call ends; ("withdraw", island): it is withdrawn; ("stop", ""): the server stops); return the breaks
+    reported and the calls cancelled."""
     breaks: list[str] = []
     cancelled: list[str] = []
     presences = Presences(breaks.append)
@@ -59,6 +60,8 @@ def _play(steps: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
             open_calls.setdefault(island, []).append(call)
         elif what == "end":
             open_calls[island].pop(0).__exit__(None, None, None)
+        elif what == "withdraw":
+            open_calls[island].pop(0).withdraw()
         else:
             presences.stop()
     return breaks, cancelled
@@ -75,6 +78,8 @@ def _play(steps: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
         ([("hold", "a"), ("hold", "a"), ("end", "a")], [], ["a#0"]),
         # ... and the newer one's end is
         ([("hold", "a"), ("hold", "a"), ("end", "a"), ("end", "a")], ["a"], ["a#0"]),
+        # a call withdrawn (its island is no member) ends without a break, yet it replaced the older one
+        ([("hold", "a"), ("hold", "a"), ("end", "a"), ("withdraw", "a")], [], ["a#0"]),
         # the server stops: every call ends, none is a break
         ([("hold", "a"), ("hold", "b"), ("stop", ""), ("end", "a"), ("end", "b")], [], []),
     ],
@@ -86,13 +91,27 @@ def test_presences(steps: list[tuple[str, str]], breaks: list[str], cancelled: l
 # -- a real server, real island processes ------------------------------------------------------------------------
 
 
+def _service(config: TransportConfig = CONFIG) -> tuple[ReferenceHandler, DilocoService]:
+    handler = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
+    return handler, DilocoService(handler, RUN, handler.model_spec(), config=config, islands=ISLANDS)
+
+
 @pytest.fixture
 def server() -> Iterator[tuple[RunningServer, ReferenceHandler, DilocoService]]:
-    handler = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
-    service = DilocoService(handler, RUN, handler.model_spec(), config=CONFIG, islands=ISLANDS)
+    handler, service = _service()
     running = start_server(service)
     yield running, handler, service
     running.stop(grace_s=0)
+
+
+def _open(client: IslandClient, service: DilocoService, island: str = "i0") -> tuple[Presence, threading.Thread, list]:
+    """A presence call of ``island``, waited on by a thread that appends why it ended; returned once it is held."""
+    presence = client.attend(pb.AttendRequest(run_id=RUN, island=island))
+    ended: list[str] = []
+    waiter = threading.Thread(target=lambda: ended.append(presence.wait()))
+    waiter.start()
+    _until(f"{island}'s call", lambda: island in service.presences.attending())
+    return presence, waiter, ended
 
 
 def _until(what: str, check: Callable[[], bool]) -> None:
@@ -140,21 +159,13 @@ def test_a_replaced_call_is_no_break_and_a_closed_one_is(server) -> None:
     client = GrpcTransport(running.address, "i0", config=CONFIG)
     try:
         client.join(pb.JoinRequest(run_id=RUN, island="i0"))
-        first = client.attend(pb.AttendRequest(run_id=RUN, island="i0"))
-        ended: list[str] = []
-        waiter = threading.Thread(target=lambda: ended.append(first.wait()))
-        waiter.start()
-        _until("i0's first call", lambda: "i0" in service.presences.attending())
-        second = client.attend(pb.AttendRequest(run_id=RUN, island="i0"))
-        waiter.join(WAIT_S)
-        assert ended and ended[0].startswith("CANCELLED"), ended  # replaced: the server ended the older call
-        assert handler.absences == []
-        second_ended: list[str] = []
-        closer = threading.Thread(target=lambda: second_ended.append(second.wait()))
-        closer.start()
+        _, first, first_ended = _open(client, service)
+        second, _, _ = _open(client, service)
+        first.join(WAIT_S)
+        assert first_ended and first_ended[0].startswith("CANCELLED"), first_ended  # the server ended the older call
         _until("i0's second call", lambda: "i0" in service.presences.attending())
+        assert handler.absences == []
         second.close()
-        closer.join(WAIT_S)
         _until("break of i0's presence", lambda: handler.absences == ["i0"])
     finally:
         client.close()
@@ -177,17 +188,12 @@ def test_a_non_member_is_told_to_join_and_an_unknown_island_is_refused(server) -
 
 
 def test_calls_ending_as_the_server_stops_are_no_break() -> None:
-    handler = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
-    service = DilocoService(handler, RUN, handler.model_spec(), config=CONFIG, islands=ISLANDS)
+    handler, service = _service()
     running = start_server(service)
     client = GrpcTransport(running.address, "i0", config=CONFIG)
     try:
         client.join(pb.JoinRequest(run_id=RUN, island="i0"))
-        presence = client.attend(pb.AttendRequest(run_id=RUN, island="i0"))
-        ended: list[str] = []
-        waiter = threading.Thread(target=lambda: ended.append(presence.wait()))
-        waiter.start()
-        _until("i0's call", lambda: "i0" in service.presences.attending())
+        _, waiter, ended = _open(client, service)
         running.stop(grace_s=0)
         waiter.join(WAIT_S)
         assert ended and handler.absences == []
@@ -221,9 +227,7 @@ def test_a_flood_of_calls_holds_one_slot_and_breaks_nothing(server) -> None:
 
 
 def test_a_call_that_sends_nothing_or_garbage_is_ended() -> None:
-    config = TransportConfig(first_message_timeout_s=0.5, max_attempts=1)
-    handler = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
-    service = DilocoService(handler, RUN, handler.model_spec(), config=config, islands=ISLANDS)
+    handler, service = _service(TransportConfig(first_message_timeout_s=0.5, max_attempts=1))
     running = start_server(service)
     channel = grpc.insecure_channel(running.address)
     method = channel.stream_stream("/diloco.v1.Diloco/Attend", request_serializer=lambda b: b)
@@ -249,16 +253,11 @@ def test_a_call_that_sends_nothing_or_garbage_is_ended() -> None:
 
 
 def test_in_process_presence_is_the_same_registration() -> None:
-    handler = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
-    service = DilocoService(handler, RUN, handler.model_spec(), config=CONFIG, islands=ISLANDS)
+    handler, service = _service()
     client = InProcessTransport(service, "i0")
     assert client.attend(pb.AttendRequest(run_id=RUN, island="i0")).wait() == NOT_A_MEMBER
     client.join(pb.JoinRequest(run_id=RUN, island="i0"))
-    presence = client.attend(pb.AttendRequest(run_id=RUN, island="i0"))
-    ended: list[str] = []
-    waiter = threading.Thread(target=lambda: ended.append(presence.wait()))
-    waiter.start()
-    _until("i0's call", lambda: "i0" in service.presences.attending())
+    presence, waiter, ended = _open(client, service)
     presence.close()
     waiter.join(WAIT_S)
     assert ended == ["closed"] and handler.absences == ["i0"]

@@ -77,14 +77,19 @@ class TransportConfig:
     one that replaces it (`for_islands` makes it 2 per island). Each holds a server thread for the island's whole
     membership, in a lane of its own (transport/admission.py, `PRESENCE_PER_ISLAND`)."""
 
-    keepalive_s: float = 1.0
-    """The server pings (HTTP/2 PING, answered by the peer's gRPC core, not by Python) a connection it has heard
-    nothing from for this long. Data arriving resets the clock, so a connection busy with a push is not pinged."""
+    keepalive_s: float = 0.0
+    """0: off. Otherwise the server pings (HTTP/2 PING, answered by the peer's gRPC core, not by Python) every
+    connection it has heard nothing from for this long, and closes one whose ping goes unanswered for
+    `keepalive_timeout_s`: an island whose host froze or lost power, or whose link went silent, then breaks its
+    presence call in about the sum of the two, instead of waiting out its lease. Off by default because the ping
+    waits behind everything queued toward the island (the server's socket buffer of a pull in flight, the
+    bottleneck's buffer): on a slow link that is seconds (1 MiB is 8.4 s at 1 Mbit/s), and a live island's
+    connection would be closed mid-transfer (measured: BENCHMARKS.md, "Presence"). Safe where every island's link
+    is fast (1 s and 3 s were safe at 5 Mbit/s)."""
 
     keepalive_timeout_s: float = 3.0
-    """A ping unanswered for this long closes the connection, and with it the island's presence stream: a host or
-    link gone silent is noticed in about `keepalive_s` + this. The answer waits behind whatever the peer's link
-    has queued (a 1 MiB router buffer is 0.84 s at 10 Mbit/s, 4.2 s at 2 Mbit/s): raise it on slower links."""
+    """How long a keepalive ping may go unanswered before the connection is closed (`keepalive_s`); it must exceed
+    the longest queueing delay toward any island."""
 
     max_pending_calls: int = 256
     """Calls the server holds at once, running or waiting for a thread; beyond it gRPC itself refuses them with
@@ -127,7 +132,7 @@ class TransportConfig:
             ("max_unary_calls_per_island", 1 <= self.max_unary_calls_per_island <= self.max_unary_calls,
              f"must be in 1..max_unary_calls ({self.max_unary_calls})"),
             ("max_presence_streams", self.max_presence_streams >= 1, "must be >= 1"),
-            ("keepalive_s", self.keepalive_s > 0, "must be > 0"),
+            ("keepalive_s", self.keepalive_s >= 0, "must be >= 0 (0: off)"),
             ("keepalive_timeout_s", self.keepalive_timeout_s > 0, "must be > 0"),
             ("max_pending_calls", self.max_pending_calls >= self.server_threads,
              f"must be >= the server's threads (max_streams + max_unary_calls + max_presence_streams + "
@@ -180,10 +185,12 @@ class TransportConfig:
         ]
 
     def server_options(self) -> list[tuple[str, int]]:
-        """The server's options: `grpc_options` and keepalive. gRPC needs three keys for it: the ping interval, how
-        long a ping may go unanswered (both the keepalive and the ping timeout: without the latter a silent peer
-        was only noticed at the 1-minute default), and no cap on pings between data frames (an idle presence
-        stream sends none)."""
+        """The server's options: `grpc_options`, and keepalive when it is on. gRPC needs four keys for it: the ping
+        interval, how long a ping may go unanswered (both the keepalive and the ping timeout: without the latter a
+        silent peer was only noticed at the 1-minute default), and no cap on pings between data frames (an idle
+        presence stream sends none)."""
+        if not self.keepalive_s:
+            return self.grpc_options()
         timeout_ms = round(self.keepalive_timeout_s * 1000)
         return [
             *self.grpc_options(),

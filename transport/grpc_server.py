@@ -16,9 +16,9 @@ bytes are parsed by tolerant parsers (``transport.wire.tolerant``): bytes that d
 INVALID_ARGUMENT from the handler, counted like any other refusal, instead of gRPC's INTERNAL.
 
 Attend, an island's presence call (transport/presence.py), is held open after its one reply until its client goes
-(its connection closed, or unanswered keepalive pings closed it: `TransportConfig.server_options`), a newer call
-of the island replaces it, or the server stops; it takes a slot of its own lane, so presence never takes the
-threads of pushes, pulls or heartbeats.
+(its connection closed, or unanswered keepalive pings, when on, closed it: `TransportConfig.server_options`), a
+newer call of the island replaces it, or the server stops; it takes a slot of its own lane, so presence never takes
+the threads of pushes, pulls or heartbeats.
 
 A `Rejected` from the service becomes ``context.abort(code, reason)`` so the island sees why; a call whose
 client went away (or that the watchdog cancelled) ends quietly.

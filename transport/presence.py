@@ -2,17 +2,18 @@
 
 A joined island holds one Attend call open for as long as it runs (transport/diloco.proto). Nothing travels on it
 after the first reply; what carries information is that it *ends*. An island's process that dies has its
-connection closed by its kernel at once, and a host or link gone silent stops answering the server's keepalive
-pings (`TransportConfig.keepalive_s`, `keepalive_timeout_s`), which closes the connection a few seconds later.
-Either way gRPC ends the call, and the coordinator hears of it here long before the island's lease would expire
-(docs/architecture.md, "Presence").
+connection closed by its kernel at once; a host or link gone silent, when the server's keepalive pings are on
+(`TransportConfig.keepalive_s`; off by default, see there), stops answering them, which closes the connection a
+few seconds later. Either way gRPC ends the call, and the coordinator hears of it here long before the island's
+lease would expire (docs/architecture.md, "Presence").
 
 The rules, for `Presences`:
 
 * a newer call of an island replaces the older one, which is cancelled: its end is not a break, since the island
   is plainly there (a link that blipped reconnects with a new call, possibly before the server noticed the old
   connection was gone);
-* a call that ends while it is still its island's current one is a break, reported once to ``on_break(island)``;
+* a call that ends while it is still its island's current one is a break, reported once to ``on_break(island)``,
+  unless it is withdrawn (the coordinator does not count the island a member: nothing to break);
 * once the server is stopping, no end is a break (every call ends then, for reasons of the server's own).
 
 An island that ends its call on purpose has left first (a Leave), so its break finds no member to drop.
@@ -55,12 +56,12 @@ class Presences:
         with self._lock:
             self._stopping = True
 
-    def _ended(self, attendance: Attendance) -> None:
+    def _ended(self, attendance: Attendance, broke: bool) -> None:
         with self._lock:
             if self._current.get(attendance.island) is not attendance:
                 return  # replaced by a newer call of the island
             del self._current[attendance.island]
-            broke = not self._stopping
+            broke = broke and not self._stopping
         if broke:
             self._on_break(attendance.island)
 
@@ -76,7 +77,11 @@ class Attendance:
     def __enter__(self) -> Attendance:
         return self
 
+    def withdraw(self) -> None:
+        """The call is not the island's presence after all (the island is no member): it ends without a break."""
+        self._presences._ended(self, broke=False)
+
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._presences._ended(self)
+        self._presences._ended(self, broke=True)

@@ -247,14 +247,25 @@ class DilocoService:
     ) -> Iterator[pb.AttendReply]:
         """An island's presence call: the handler's reply, and (for a member) the call registered as the island's
         presence for the ``with`` block, which the caller holds for as long as the call is open. ``cancel`` ends the
-        call when a newer one of the island replaces it (transport/presence.py)."""
+        call when a newer one of the island replaces it (transport/presence.py).
+
+        The call replaces the island's older one *before* the handler hears of it: an older call that ends meanwhile
+        is then no break, and one that broke just before is forgiven by the handler's `attend`. The other order
+        let an old connection's end, noticed as the island's new call arrived, count a present island as gone."""
         with self.answering(metadata):
             self._identify(metadata, req.run_id, req.island)
-            reply = self.handler.attend(req)
+        attendance = self.presences.hold(req.island, cancel)
+        try:
+            with self.answering(metadata):
+                reply = self.handler.attend(req)
+        except BaseException:
+            attendance.withdraw()
+            raise
         if not reply.member:
+            attendance.withdraw()
             yield reply
             return
-        with self.presences.hold(req.island, cancel):
+        with attendance:
             yield reply
 
     def _absent(self, island: str) -> None:

@@ -25,7 +25,7 @@ with SIGKILL, the fault docs/architecture.md's fault model promises to survive (
   round and wait for it when it dies, `how` (`FAILURES`): its worker SIGKILLed (the supervisor lives and sends a
   Leave), its host lost (supervisor and worker SIGKILLed: their kernel closes the connections, and the presence
   call breaks) or its host frozen (both SIGSTOPped: nothing answers, nothing is closed; the coordinator's keepalive
-  pings go unanswered, transport.keepalive_s and keepalive_timeout_s). Leases and deadlines are set far longer
+  pings go unanswered: transport.keepalive_s, off by default, must be on). Leases and deadlines are set far longer
   than the figure (FAILOVER_LEASE_S), so what closes the round is the failure being noticed, not a timeout.
   Figures, wall seconds from the failure: `detected_s` (the coordinator's `island_left` or `island_lost`, whose
   reason is `detected_by`) and `survivors_stalled_s`, the last survivor's next `train_start` (the round closed, it
@@ -297,6 +297,9 @@ def run_failover_bench(
     if how not in FAILURES:
         raise BenchError(f"--how must be one of {', '.join(FAILURES)} (got {how!r})")
     cfg = load_config(config_path, overrides)
+    if how == "freeze" and not cfg.transport.keepalive_s:
+        raise BenchError("--how freeze needs transport.keepalive_s > 0: only the coordinator's keepalive pings "
+                         "notice a frozen host before its lease (off by default; e.g. transport.keepalive_s=1)")
     _check_can_lose_one(cfg, restarts=False)
     victim = _pick_victim(cfg, victim, by_link=False)
     survivors = [n for n in cfg.islands.island_names if n != victim]
