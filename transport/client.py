@@ -72,8 +72,8 @@ class IslandClient(Protocol):
 
     def attend(self, req: pb.AttendRequest) -> Presence:
         """Open this island's presence call: held for as long as the island runs, so that the coordinator notices
-        at once when its process, host or link is gone. Opening never blocks and never raises; the call's fate is
-        `Presence.wait`'s."""
+        at once when its process dies (and, with the server's keepalive on, when its host or link goes silent).
+        Opening never blocks and never raises; the call's fate is `Presence.wait`'s."""
         ...
 
     def push(
