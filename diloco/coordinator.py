@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from diloco import RELEASE
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
 from diloco.global_run import GlobalRun, Settling, diverged_reason
 from diloco.membership import REJOIN, Action, PullKind, PullView, RoundView, answer_pull, decide
@@ -246,6 +247,10 @@ class Coordinator:
                 grpc.StatusCode.NOT_FOUND,
                 f"island '{req.island}' is not in this run's config (islands.names: {', '.join(self.names)})",
             )
+        if req.release != RELEASE:
+            theirs = f"diloco {clip(req.release, 40)}" if req.release else "an older diloco (its join names no release)"
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {req.island} runs {theirs}, the coordinator "
+                           f"diloco {RELEASE}: run one release everywhere (θ is bit-identical only within one)")
         if bytes(req.config_digest) != self.digest:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, self._config_mismatch(req))
         with self.cond:

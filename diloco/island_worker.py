@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco import RELEASE
 from diloco.async_sim import async_order, planned_steps
 from diloco.checkpoint import CheckpointStore, save_state
 from diloco.config import RunConfig, config_digest, require_federated, to_dict
@@ -309,6 +310,7 @@ class IslandWorker:
             **self._meta(),
             config_digest=bytes.fromhex(config_digest(self.cfg)),
             config_json=json.dumps(to_dict(self.cfg), sort_keys=True),
+            release=RELEASE,
             last_round=have_round,
             devices=len(self.island.mesh.devices.flat),
         )

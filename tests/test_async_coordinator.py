@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import diloco.coordinator as coordinator_module
+from diloco import RELEASE
 from diloco.config import load_config
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir, read_events
@@ -64,7 +65,7 @@ def test_each_push_is_one_update_weighted_by_its_staleness(coordinator: Coordina
     theta0, digest0 = _theta(coordinator), coordinator.world.params_digest
     for name in ("island-0", "island-1", "island-2"):
         coordinator.join(pb.JoinRequest(run_id=coordinator.run_id, island=name,
-                                        config_digest=coordinator.digest, last_round=-1))  # fmt: skip
+                                        config_digest=coordinator.digest, last_round=-1, release=RELEASE))  # fmt: skip
     # island-0 pushes from θ_0 while θ_0 is current: τ = 0, w = 1, θ_1 = θ_0 - 1·0.5.
     assert push(coordinator, "island-0", 0, digest0, 0.5).round == 0
     assert coordinator.loop.round == 1

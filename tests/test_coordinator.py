@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import diloco.coordinator as coordinator_module
+from diloco import RELEASE
 from diloco.config import load_config
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir, read_events
@@ -52,10 +53,11 @@ def push(coord: Coordinator, island: str, fill: float, **meta_fields) -> pb.Push
     return coord.push(pb.PushMeta(**fields), tensors, named, payload_digest(tensors))
 
 
-def refused(call, code: grpc.StatusCode, words: str) -> None:
+def refused(call, code: grpc.StatusCode, words: str) -> str:
     with pytest.raises(Rejected) as info:
         call()
     assert info.value.code == code and words in info.value.reason, info.value
+    return info.value.reason
 
 
 def test_a_push_must_belong_to_the_run_and_to_theta_r(coordinator: Coordinator) -> None:
@@ -109,8 +111,25 @@ def test_a_round_left_empty_stays_open_and_a_dropped_contribution_may_not_come_b
     "config_json", ["0", "null", "[[1]]", "[" * 100_000 + "]" * 100_000, "{not json", '{"a": [1, {"b": {}}]}', ""]
 )
 def test_a_join_with_any_config_json_is_refused_with_a_reason(coordinator: Coordinator, config_json: str) -> None:
-    req = pb.JoinRequest(run_id=coordinator.run_id, island="island-0", config_digest=b"x" * 16, config_json=config_json)
+    req = pb.JoinRequest(run_id=coordinator.run_id, island="island-0", config_digest=b"x" * 16, config_json=config_json,
+                         release=RELEASE)  # fmt: skip
     refused(lambda: coordinator.join(req), grpc.StatusCode.FAILED_PRECONDITION, "config differs")
+
+
+@pytest.mark.parametrize(
+    ("release", "named"),
+    [
+        ("0.0.9", "island island-0 runs diloco 0.0.9, the coordinator diloco "),
+        ("", "island island-0 runs an older diloco (its join names no release), the coordinator diloco "),
+        ("9" * 200, "island island-0 runs diloco 99999"),  # clipped: the reason stays one bounded line
+    ],
+)
+def test_a_join_from_another_release_is_refused_naming_both(coordinator: Coordinator, release: str, named: str) -> None:
+    req = pb.JoinRequest(run_id=coordinator.run_id, island="island-0", config_digest=coordinator.digest,
+                         release=release)  # fmt: skip
+    reason = refused(lambda: coordinator.join(req), grpc.StatusCode.FAILED_PRECONDITION, named)
+    assert RELEASE in reason and "run one release everywhere" in reason and len(reason) < 250, reason
+    assert "island-0" not in coordinator.last_seen  # not a member
 
 
 def test_a_flood_of_refusals_writes_a_bounded_log(coordinator: Coordinator) -> None:
@@ -177,7 +196,7 @@ def test_an_insiders_join_leave_loop_is_counted_not_logged_line_by_line(coordina
 
     now = [1000.0]
     coordinator.clock = lambda: now[0]
-    join = pb.JoinRequest(run_id=coordinator.run_id, island="island-0", config_digest=coordinator.digest)
+    join = pb.JoinRequest(run_id=coordinator.run_id, island="island-0", config_digest=coordinator.digest, release=RELEASE)
     leave = pb.LeaveRequest(run_id=coordinator.run_id, island="island-0", reason="x" * 100)
     for _ in range(200):
         coordinator.join(join)

@@ -343,11 +343,26 @@ def test_unknown_island_names_are_refused_before_anything_is_read(secrets):
             with pytest.raises(TransportError) as info:
                 call()
             assert info.value.code == want
-        assert s.handler.applied == [] and s.handler.members == {} and len(s.rejections) == 5
+        assert evil.attend(pb.AttendRequest(run_id=RUN, island="evil")).wait().startswith(want.name)
+        assert s.handler.applied == [] and s.handler.members == {} and len(s.rejections) == 6
+        assert s.service.presences.attending() == frozenset()
         if secrets is None:  # without secrets, a known name may not act as another either
             with pytest.raises(TransportError) as info:
                 s.client("i1").push(meta("i0"), delta())
             assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_join_bigger_than_a_config_and_a_release_name_is_invalid_argument():
+    with serving(TransportConfig()) as s:
+        client = s.client("i0")
+        for req, words in (
+            (pb.JoinRequest(run_id=RUN, island="i0", config_json="x" * ((1 << 20) + 1)), "config_json is 1048577"),
+            (pb.JoinRequest(run_id=RUN, island="i0", release="9" * 201), "release is 201 characters, at most 200"),
+        ):
+            with pytest.raises(TransportError) as info:
+                client.join(req)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.reason, info.value
+        assert s.handler.members == {} and len(s.reasons(grpc.StatusCode.INVALID_ARGUMENT)) == 2
 
 
 def test_undecodable_bytes_are_invalid_argument_and_counted():

@@ -45,20 +45,22 @@ class PayloadHeader(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., chunk_count: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "island", "config_digest", "last_round", "devices", "config_json")
+    __slots__ = ("run_id", "island", "config_digest", "last_round", "devices", "config_json", "release")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island: str
     config_digest: bytes
     last_round: int
     devices: int
     config_json: str
-    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., config_digest: _Optional[bytes] = ..., last_round: _Optional[int] = ..., devices: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
+    release: str
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., config_digest: _Optional[bytes] = ..., last_round: _Optional[int] = ..., devices: _Optional[int] = ..., config_json: _Optional[str] = ..., release: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("run_id", "round", "lease_s", "needs_full_params", "state", "detail")

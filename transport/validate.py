@@ -127,11 +127,15 @@ def check_push_meta(
 
 
 def check_join(req: pb.JoinRequest) -> None:
-    """A join's texts are no bigger than a real config."""
+    """A join's texts are no bigger than a real config and a release name."""
     if len(req.config_json) > MAX_CONFIG_JSON:
         raise Rejected(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"config_json is {len(req.config_json)} characters; a run config is at most {MAX_CONFIG_JSON}",
+        )
+    if len(req.release) > MAX_TEXT:
+        raise Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT, f"release is {len(req.release)} characters, at most {MAX_TEXT}"
         )
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from diloco import RELEASE
 from diloco.bench.errors import BenchError
 from diloco.bench.federation import _federation
 from diloco.bench.load import load_config_text, proc_memory_kib
@@ -144,7 +145,7 @@ class Forge:
         req = pb.JoinRequest(run_id=self.or_text(self.cfg.run.name), island=self.or_text(name),
                              config_digest=self.pick([self.digest, b"", self.rng.bytes(32)]), config_json=config_json,
                              last_round=self.pick([-1, -(2**63), 2**63 - 1, self.round]),
-                             devices=self.uint(32))  # fmt: skip
+                             devices=self.uint(32), release=self.pick([RELEASE, "", self.text()]))  # fmt: skip
         return self._unary("Join", req, f"join config_json[{len(config_json)}]", md)
 
     def _heartbeat(self) -> Shot:

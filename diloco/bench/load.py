@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from diloco import RELEASE
 from diloco.bench.errors import BenchError
 from diloco.bench.federation import _federation
 from diloco.config import RunConfig, config_digest, load_config
@@ -203,7 +204,8 @@ def light_island(address: str, cfg: RunConfig, name: str, secret: str, delta: Sh
     tokens = cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len
     try:
         with GrpcTransport(address, name, secret, config=cfg.transport) as client:
-            join = pb.JoinRequest(**meta, config_digest=bytes.fromhex(config_digest(cfg)), last_round=-1, devices=1)
+            join = pb.JoinRequest(**meta, config_digest=bytes.fromhex(config_digest(cfg)), last_round=-1, devices=1,
+                                  release=RELEASE)  # fmt: skip
             _retry_forever(lambda: client.join(join), "join", CLIENT_GIVE_UP_S)
             full = _retry_forever(
                 lambda: client.pull(pb.PullRequest(**meta, have_round=-1, full=True)), "pull", CLIENT_GIVE_UP_S
