@@ -349,7 +349,11 @@ def test_coordinator_restarts_behind_its_islands(federation: Callable[..., Feder
     (θ_2) while its islands already hold θ_3. They must not wait for a round the coordinator will never close:
     their push is refused ("in the future"), they resync with the full θ_2 and the run completes."""
     rounds = 6
-    fed = federation(f"train.rounds={rounds}", "quorum.min_islands=2", "train.checkpoint_every=2")
+    # Steps of at least 0.25 s: a second from the islands' adopting θ_3 to their pushes of round 3, for the kill to
+    # land in. With free-running tiny steps that window was about 0.1 s, and once the coordinator committed round 3
+    # before the kill (seen in a full suite run).
+    fed = federation(f"train.rounds={rounds}", "quorum.min_islands=2", "train.checkpoint_every=2",
+                     "islands.device_step_s=0.25")  # fmt: skip
     fed.start_coordinator()
     fed.start_island("island-0")
     fed.start_island("island-1")
