@@ -406,15 +406,17 @@ def _finished_checkpoints(fed: Federation, island: str) -> list[str]:
 def test_chaos_random_kills(federation: Callable[..., Federation], seed: int, n_kills: int, fragments: int) -> None:
     """3 islands, min 2 per round, 18 rounds; `n_kills` islands SIGKILLed at seeded random times in the first half
     and restarted after seeded random delays. Depending on how the kills fall, a round closes without the dead
-    island once its lease expires or at the adaptive deadline, waits below quorum when two are dead, or the island
-    is back in time. Each kill costs a restart and rounds held to a lease or deadline: README's test command runs
+    island once it is lost (4 s: its lease, and the grace of its broken presence call) or at the adaptive deadline,
+    waits below quorum when two are dead, or the island is back in time. The grace is raised from its 1 s default
+    so that the survivors cannot finish the run before a restarted island (seconds to start) is back, as the kill
+    plan assumes; how fast a death is noticed is tests/test_presence.py's and the failover bench's. Each kill costs a restart and rounds held to a lease or deadline: README's test command runs
     3 kills with Streaming DiLoCo (2 fragments, τ = 1: every kill falls with a fragment in flight), `pytest -m
     bench` the 5-kill soak of plain rounds."""
     rounds = 18
     names = ["island-0", "island-1", "island-2"]
     fed = federation(
         f"train.rounds={rounds}", "islands.count=3", "quorum.min_islands=2", "quorum.lease_s=4",
-        "quorum.max_deadline_s=4", "train.inner_steps=2", f"stream.fragments={fragments}",
+        "quorum.reconnect_grace_s=4", "quorum.max_deadline_s=4", "train.inner_steps=2", f"stream.fragments={fragments}",
         f"stream.overlap_steps={fragments - 1}",
     )  # fmt: skip
     rng = random.Random(seed)
