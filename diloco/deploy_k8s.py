@@ -556,7 +556,8 @@ def island_objects(cfg: RunConfig, island: str, n: Names, options: K8sOptions) -
         "podFailurePolicy": {"rules": [
             {"action": "FailJob", "onExitCodes": {"containerName": ISLAND_CONTAINER, "operator": "In",
                                                   "values": [USER_ERROR_EXIT]}},
-            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            # the API of Kubernetes 1.34 and older requires status (1.35 makes it optional)
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         ]},
         "template": pod,
     }  # fmt: skip

@@ -154,6 +154,7 @@ def test_two_region_islands(tmp_path: Path) -> None:
         assert spec["template"]["spec"]["restartPolicy"] == "Never"
         rules = spec["podFailurePolicy"]["rules"]
         assert {"action": "FailJob", "onExitCodes": {"containerName": "island", "operator": "In", "values": [2]}} in rules
+        assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
         (container,) = pod_spec(job)["containers"]
         args = build_parser().parse_args(container["args"])
         assert (args.command, args.name, args.config) == ("island", island, k8s.CONFIG_PATH)
