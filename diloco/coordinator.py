@@ -1,17 +1,24 @@
-"""The global coordinator: the only owner of `GlobalState`, membership, and the open round.
+"""The global coordinator: a facade over its parts, the only owner of `GlobalState`, membership and the open sync.
 
 It implements `transport.handler.CoordinatorHandler`, so the same object serves islands over gRPC (`diloco
-coordinator`, `diloco launch`) or in-process. Every decision about closing a round or dropping an island comes from
-the pure `membership.decide`; this class only applies it:
+coordinator`, `diloco launch`) or in-process. It holds one lock (a condition variable) and wires parts that each
+have one job and their own state:
 
-  push   -> a validated pseudo-gradient joins the open round (the transport already checked credentials, run id,
-            round, names, shapes, dtypes, finiteness and digest; nothing unchecked reaches θ)
+  `Roster` (diloco/roster.py)               who is a member and what each last said; `membership.decide` (pure)
+                                            says when a round closes and who is lost
+  `PushAdmission` (diloco/push_admission.py) whether a push joins a sync: its round, its base θ, duplicates,
+                                            dropped contributions, early (streaming) pushes; a `RoundRule` for
+                                            plain and streaming rounds or asynchronous updates
+  `GlobalRun` (diloco/global_run.py)        the outer step shared with simulate: token-weighted (or robust)
+                                            aggregate, outer optimizer, θ += û with û = decode(encode(u + e))
+  `CommitWindow` (diloco/commit_window.py)  the last commits, the streams their pulls share, who received them
+  `Settler` (diloco/settler.py)             evaluation, the round event and the checkpoint, off the islands' path
+
+  push   -> admitted (the transport checked bytes, names, shapes, finiteness, digest; nothing unchecked reaches θ)
   tick   -> leases expire, the adaptive deadline passes, or everyone has pushed: the round closes
-  close  -> `GlobalRun.close_round` (the same as simulate's): token-weighted mean, outer step, θ += û with
-            û = decode(encode(u + e)), evaluate, checkpoint (finished before any island can see θ_{r+1}); then
-            wake the waiting pulls
-  pull   -> what the pure `membership.answer_pull` says: the committed û of the last round (island one round
-            behind), the full θ (new, restarted, lagging), wait for the open round, or push first
+  close  -> commit; θ_{r+1} is served at once and the settler follows
+  pull   -> what the pure `membership.answer_pull` says: the committed û of the last sync, the full θ, wait, or
+            push first
 
 A coordinator killed at any moment restarts from its last checkpoint: the round in flight is lost, islands that
 pushed into it push again after resyncing, and nothing half-applied ever existed.
@@ -20,42 +27,38 @@ pushed into it push again after resyncing, and nothing half-applied ever existed
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import math
-import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
 
 from diloco import RELEASE
+from diloco.commit_window import CommitWindow
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
 from diloco.global_run import GlobalRun, Settling, diverged_reason
-from diloco.membership import REJOIN, Action, PullKind, PullView, RoundView, answer_pull, decide
+from diloco.membership import REJOIN, Action, PullKind, PullView, answer_pull, decide
 from diloco.metrics import CoordinatorMetrics
+from diloco.push_admission import Admitted, AsyncUpdates, PushAdmission, RoundRule, SyncRounds
 from diloco.rejections import RejectionLog, clip
-from diloco.rounds import Commit, OuterLoop, RoundError
-from diloco.rundir import DiskFullError, RunDir
+from diloco.roster import Roster
+from diloco.rounds import Commit, OuterLoop
+from diloco.rundir import RunDir
+from diloco.settler import Job, Settler
 from diloco.setup import Setup
 from diloco.summary import Totals
 from islands.island import DivergedError
-from outer_optimizer import discount, staleness_weight
 from transport import diloco_pb2 as pb
 from transport.codecs import CodecError, CodecSpec, EncodedTensor, encode_tree, flatten_named
 from transport.errors import Rejected
 from transport.handler import PullPayload
-from transport.service import SharedPull
 from transport.validate import ModelSpec
 
 FP32 = CodecSpec(kind="fp32")
-MAX_DROPPED = 256
-"""Digests of dropped contributions remembered per round (16 bytes each), beyond which the oldest is forgotten."""
 MEMBERSHIP_BURST = 10
 """`island_joined` (or `island_left`) events of one island written a minute: a supervised island that restarts
 several times a minute still has each one logged; an insider's Join/Leave loop is counted, not logged."""
@@ -64,40 +67,12 @@ PUSH_LANDING_S = 2.0
 coordinator before the answer is "push first": the push was on the wire first, so it lands about when the pull does,
 and once it is streaming in, `Coordinator.arriving` holds the pull anyway. A push that never lands (lost with a
 coordinator that restarted) costs its island this long, then a push again."""
-EVAL_YIELD_S = 2.0
-"""The longest a commit's evaluation waits for the islands that contributed to it to be done with it
-(`_yield_to_islands`): long enough for a pull of a large model over a slow link to be out of the way, short enough
-that an island that died before pulling delays the evaluation (and the checkpoint behind it) only a little."""
 PUSH_MISSING = (PullKind.PUSH_FIRST, PullKind.RESYNC)
 """The answers a pull gets when the coordinator holds no push of the island's for the sync it asks about."""
 
 
-@dataclass(frozen=True)
-class Early:
-    """A validated push for a later sync than the open one (streaming), held until that sync opens."""
-
-    round: int
-    fragment: int
-    delta: dict[str, np.ndarray]
-    tokens: int
-    content: bytes
-    """Its `contribution_digest`."""
-
-
-def contribution_digest(island: str, tensors: Sequence[EncodedTensor], payload_digest: bytes) -> bytes:
-    """Who sent which bytes: what identifies a contribution once dropped. SHA-256 (cut to 16 bytes) of the island,
-    each tensor's name and size, and the payload digest the transport verified as the bytes arrived (SHA-256 of the
-    concatenated payloads, `transport.chunking.payload_digest`): it runs under the coordinator's lock on every
-    push, so it hashes a few hundred bytes, not the payload again (25 MB and 14 ms for 6.38M fp32 parameters)."""
-    h = hashlib.sha256(island.encode())
-    for t in tensors:
-        h.update(f"\0{t.name}\0{t.nbytes}".encode())
-    h.update(payload_digest)
-    return h.digest()[:16]
-
-
 class Coordinator:
-    """Owns θ, the outer optimizer state, membership and the round. Thread-safe (one condition variable)."""
+    """Wires the coordinator's parts under one condition variable and answers the transport's calls."""
 
     def __init__(
         self, cfg: RunConfig, rd: RunDir, setup: Setup, clock: Callable[[], float] = time.monotonic,
@@ -123,65 +98,26 @@ class Coordinator:
         self.asynchronous = cfg.train.mode == "async"
         """Async Local-SGD (docs/architecture.md, "Asynchronous rounds"): every push is one update, committed at
         once with its Δ weighted by its staleness; nobody waits for a quorum."""
-        self.kept = cfg.outer.max_staleness + 1 if self.asynchronous else fragments.count
-        """Commits kept for pulls: one per fragment (streaming), or (async) the updates an island may have missed."""
+        rule: RoundRule = (
+            AsyncUpdates(cfg.outer.max_staleness, cfg.outer.staleness_exponent) if self.asynchronous else SyncRounds()
+        )
         self.cond = threading.Condition()
-        self.last_seen: dict[str, float] = {}
-        self.broken: dict[str, float] = {}
-        """Member -> when its presence call broke (transport/presence.py), until it is heard from again: after
-        `quorum.reconnect_grace_s` it is lost (diloco/membership.py)."""
-        self.last_loss: dict[str, float] = {}
-        self.commits: dict[int, Commit] = {}
-        """The last `kept` commits by sync position (`OuterLoop.sync`; the round without streaming): what pulls
-        answer with."""
-        self.streams: dict[int, SharedPull] = {}
-        """Each of the last `kept` commits' update as its pulls send it, serialized (and hashed) once for them all."""
-        self.served: dict[int, set[str]] = {}
-        """The islands that have received each of the last `kept` commits (by sync position), as the transport tells
-        once a pull's stream is over (`_served`): what that commit's evaluation waits for (`_yield_to_islands`)."""
-        self.working: dict[str, int] = {}
-        """The round each island last said (by heartbeat) it is training on: a plain commit is evaluated once its
-        islands have moved past it (`_yield_to_islands`). Keyed by the run's island names only."""
-        self.digests: dict[int, str] = {self.loop.sync: self.world.params_digest}
-        """The digest of θ at each of the last `kept` positions: what an asynchronous push's base is checked against."""
+        self.roster = Roster(self.names)
+        self.admission = PushAdmission(
+            rule, max_tokens=cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len,
+            remembered=cfg.transport.idempotency_cache,
+        )  # fmt: skip
+        kept = cfg.outer.max_staleness + 1 if self.asynchronous else fragments.count
+        self.window = CommitWindow(kept, self.loop.sync, self.world.params_digest)
         self.rejections = RejectionLog()
         self.memberships = RejectionLog(burst=MEMBERSHIP_BURST)
         """`island_joined` / `island_left` events written per island and kind a minute (`_membership_logged`)."""
-        self.dropped: dict[bytes, str] = {}
-        """Contributions to the open round dropped at commit (content digest -> why): the same bytes are refused if
-        pushed again (an island re-pushing after a lost reply), a retrained Δ from the same island is not. Keyed by
-        content, not by name: a name is barred by nothing but its credentials, so a dropped forgery under a real
-        island's name must not lock that island out of the round (found by `diloco bench fuzz`). At most
-        `MAX_DROPPED` entries; cleared at every commit."""
-        # An island trains at most H steps of batch_size sequences of seq_len tokens per round: a larger claimed
-        # weight is a lie (it would give that island the whole mean), so it is capped to this.
-        self.max_tokens = cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len
-        self.pending_digest: dict[str, bytes] = {}
-        """The content digest of each pending contribution (island names are bounded to `names`)."""
-        self.early: dict[int, dict[str, Early]] = {}
-        """Streaming: pushes for the P - 1 syncs after the open one, by position then island, each joining its sync
-        when it opens. A fast island sends its next fragment while a slower one still holds up the open sync, so
-        several syncs are on the wire at once; bounded by islands x (P - 1) fragments."""
         self.arriving: Counter[tuple[str, int]] = Counter()
         """Pushes streaming in, by island and sync position (`receiving`): a pull for a position whose push is still
         arriving waits for it rather than being told to push first (diloco/membership.py, `PullView.arriving`).
         Bounded by the push streams the server runs at once."""
         self.opened_at = clock()
-        self.on_rollback: Callable[[int], None] | None = None
-        """Told the first round a rollback reopened (serve.py: the service forgets the pushes it accepted for it and
-        later ones, which run again). Called without the lock held."""
-        self._settle_queue: queue.Queue[tuple[int, Settling, dict[str, bytes], dict[bytes, str]] | None] = queue.Queue()
-        self._generation = 0
-        """Bumped by a rollback: commits queued before it were undone and are not settled."""
-        self._stopping = False
-        """Set by `close` and `flush`: commits are settled at once (`_hurry`)."""
-        self._unsettled = 0
-        self.failure: DiskFullError | None = None
-        """Set when a checkpoint could not be written (no disk space): `serve` stops the run with it."""
-        self._unsaved: tuple[Settling, dict] | None = None
-        """The last kept commit that closed a round, with its checkpoint metadata, while its save was not due
-        (train.checkpoint_every > 1): what `flush` saves on a graceful stop."""
-        threading.Thread(target=self._settle_forever, name="settle", daemon=True).start()
+        self.settler = Settler(self.cond, self.world, self._keep_locked, self._islands_done)
         self.metrics.follow(self)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -192,7 +128,7 @@ class Coordinator:
 
     @property
     def last_commit(self) -> Commit | None:
-        return self.commits[max(self.commits)] if self.commits else None
+        return self.window.last
 
     @property
     def totals(self) -> Totals:
@@ -205,41 +141,30 @@ class Coordinator:
     @property
     def done(self) -> bool:
         """Every planned round is committed and settled (evaluated, logged, checkpointed)."""
-        return self.world.done and self._unsettled == 0
+        return self.world.done and self.settler.unsettled == 0
+
+    @property
+    def failure(self) -> Exception | None:
+        """Why the run cannot go on durably (a checkpoint that could not be written), or None."""
+        return self.settler.failure
 
     def flush(self) -> None:
-        """A graceful stop (SIGTERM): once every commit is settled, checkpoint the last committed round if its save
-        was not due, so that a restart resumes exactly where this process stopped."""
-        self._hurry()
-        self.settled()
-        if self._unsaved is not None and self.world.store is not None:
-            self.world.save(*self._unsaved)
-            self._unsaved = None
-
-    def close(self) -> None:
-        self._hurry()
-        self.settled()
-        self._settle_queue.put(None)
-        self.world.close()
-
-    def _hurry(self) -> None:
-        """Stopping: settle every commit now, without waiting for its islands (`_yield_to_islands`)."""
-        with self.cond:
-            self._stopping = True
-            self.cond.notify_all()
+        """A graceful stop (SIGTERM): every commit settled and the last committed round checkpointed."""
+        self.settler.flush()
 
     def settled(self, timeout_s: float | None = None) -> bool:
-        """Wait until every commit so far is evaluated, logged and checkpointed (or undone); False on timeout."""
-        with self.cond:
-            return self.cond.wait_for(lambda: self._unsettled == 0, timeout=timeout_s)
+        return self.settler.settled(timeout_s)
 
-    # -- CoordinatorHandler ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.settler.close()
+        self.world.close()
+
+    # -- membership --------------------------------------------------------------------------------------------
 
     def _state_name(self) -> str:
         if self.done:
             return "done"
-        live = len(self.last_seen)
-        return "training" if live >= self.cfg.quorum.min_islands else "waiting_quorum"
+        return "training" if len(self.roster) >= self.cfg.quorum.min_islands else "waiting_quorum"
 
     def join(self, req: pb.JoinRequest) -> pb.JoinReply:
         if req.island not in self.names:
@@ -254,12 +179,10 @@ class Coordinator:
         if bytes(req.config_digest) != self.digest:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, self._config_mismatch(req))
         with self.cond:
-            now = self.clock()
-            if req.island not in self.last_seen:
+            if self.roster.join(req.island, self.clock()):
                 self.totals.islands_joined += 1
                 if self._membership_logged("island_joined", req.island):
                     self.rd.log("island_joined", round=self.loop.round, island=req.island, devices=req.devices)
-            self._heard_from(req.island, now)
             return pb.JoinReply(
                 run_id=self.run_id,
                 round=self.loop.round,
@@ -281,21 +204,19 @@ class Coordinator:
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         with self.cond:
-            if req.island not in self.last_seen and not self.done:
+            if req.island not in self.roster and not self.done:
                 # Its lease expired (a stall, a partition): not an attack, so no `rejected` event; it joins again.
                 return pb.HeartbeatReply(round=self.loop.round, lease_s=self.cfg.quorum.lease_s, state=REJOIN)
-            self._heard_from(req.island, self.clock())
-            if self.working.get(req.island) != req.round:
-                self.working[req.island] = int(req.round)
+            if self.roster.beat(req.island, int(req.round), self.clock()):
                 self.cond.notify_all()
             return pb.HeartbeatReply(round=self.loop.round, lease_s=self.cfg.quorum.lease_s, state=self._state_name())
 
     def attend(self, req: pb.AttendRequest) -> pb.AttendReply:
         """An island's presence call opened (transport/presence.py): heard from, as by a heartbeat."""
         with self.cond:
-            member = req.island in self.last_seen
+            member = req.island in self.roster
             if member:
-                self._heard_from(req.island, self.clock())
+                self.roster.heard_from(req.island, self.clock())
             return pb.AttendReply(member=member, state=self._state_name(),
                                   reconnect_grace_s=self.cfg.quorum.reconnect_grace_s)  # fmt: skip
 
@@ -303,23 +224,32 @@ class Coordinator:
         """An island's presence call broke: it is lost after `quorum.reconnect_grace_s` unless heard from again (the
         ticker's next `_tick_locked` after the grace drops it; diloco/membership.py)."""
         with self.cond:
-            if island in self.last_seen and not self.done:
-                self.broken[island] = self.clock()
-
-    def _heard_from(self, island: str, now: float) -> None:
-        """A sign of life from a member (join, heartbeat, push, presence): renews its lease and forgives a broken
-        presence call (its process is there: a blipped link, or a call not yet replaced)."""
-        self.last_seen[island] = now
-        self.broken.pop(island, None)
+            if not self.done:
+                self.roster.broke(island, self.clock())
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         with self.cond:
-            self.broken.pop(req.island, None)
-            if self.last_seen.pop(req.island, None) is not None:
-                if self._membership_logged("island_left", req.island):
-                    self.rd.log("island_left", round=self.loop.round, island=req.island, reason=req.reason)
+            if self.roster.leave(req.island) and self._membership_logged("island_left", req.island):
+                self.rd.log("island_left", round=self.loop.round, island=req.island, reason=req.reason)
             self._tick_locked()
         return pb.LeaveReply(ok=True)
+
+    def _membership_logged(self, event: str, island: str) -> bool:
+        """Whether this `island_joined` or `island_left` event is written: at most MEMBERSHIP_BURST per island and
+        kind a minute, the rest counted in `membership_suppressed`. An insider with one island's secret can send
+        Join and Leave in turn, each one accepted: without the cap every pair would be two lines of metrics.jsonl.
+        The island is one of the run's (checked before), so the counts are bounded."""
+        admitted = self.memberships.admit(self.clock(), island, "", kind=f"{event} {island}")
+        self._log_counts("membership_suppressed", admitted.suppressed)
+        return admitted.event is not None
+
+    # -- pushes ------------------------------------------------------------------------------------------------
+
+    def admissible(self, meta: pb.PushMeta) -> None:
+        """A push's first chunk passed the transport's checks: refuse it now, before its payload is buffered, unless
+        its round is one the admission takes (or it retries an accepted push)."""
+        with self.cond:
+            self.admission.admissible(meta, self.loop)
 
     @contextlib.contextmanager
     def receiving(self, meta: pb.PushMeta) -> Iterator[None]:
@@ -337,121 +267,65 @@ class Coordinator:
                     del self.arriving[key]
                 self.cond.notify_all()  # a pull held for it decides again: the push landed, or it failed
 
-    def current_round(self, fragment: int) -> int:
-        """The one round a push of `fragment` may be for: the open round, or (streaming) the next one for a fragment
-        whose sync in this round is already committed (`early`)."""
-        return self.loop.round + (1 if fragment < self.loop.fragment else 0)
-
     def push(
         self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray], payload_digest: bytes
     ) -> pb.PushReply:
-        """A pseudo-gradient the transport validated; checked against the round before it joins it.
-
-        Nothing is queued or logged as accepted before every check passed: the island is one of the run's, the round
-        is open, Δ was taken from θ_r itself (`base_digest`), its token weight is possible. A weight above what H
-        steps of the configured batch hold is capped (see `max_tokens`).
-        """
+        """A pseudo-gradient the transport validated: a retry is answered as before; anything else joins its sync
+        only once every check passed (`PushAdmission`), and is logged and counted only then."""
         with self.cond:
             self._refuse_if_diverged()
             if meta.island not in self.names:
                 who = clip(meta.island, 60)
                 raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {who!r} is not in this run")
+            replayed = self.admission.replay(meta, payload_digest)
+            if replayed is not None:
+                return replayed
             if self.world.done or meta.round >= self.cfg.train.rounds:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
-            staleness, weight = 0, 1.0
+            admitted = self.admission.place(meta, tensors, arrays, payload_digest, self.loop, self._base_digest)
+            self.admission.enter(admitted, self.loop)
+            self._count_push(meta, admitted.tokens, admitted.placement.position, admitted.placement.staleness,
+                             sum(len(t.payload) for t in tensors))  # fmt: skip
             if self.asynchronous:
-                staleness = self._check_async_base(meta)
-                position = self.loop.sync
+                reply = self._commit_update(meta, admitted)
             else:
-                position = self._check_sync_base(meta)
-            content = contribution_digest(meta.island, tensors, payload_digest)
-            if content in self.dropped:
-                raise Rejected(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"island {meta.island}'s pseudo-gradient for round {meta.round} was dropped: "
-                    f"{self.dropped[content]}",
-                )
-            tokens = min(int(meta.tokens), self.max_tokens)
-            delta = {name: np.array(arrays[name], np.float32) for name in sorted(arrays)}
-            if self.asynchronous:
-                weight = staleness_weight(staleness, self.cfg.outer.staleness_exponent)
-                self.loop.submit(meta.island, position, discount(delta, weight), tokens)
-                self.pending_digest[meta.island] = content
-            elif position == self.loop.sync:
-                try:
-                    self.loop.submit(meta.island, meta.round, delta, tokens, fragment=meta.fragment)
-                except RoundError as exc:
-                    raise Rejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
-                self.pending_digest[meta.island] = content
-            else:
-                queued = self.early.setdefault(position, {})
-                if meta.island in queued:
-                    raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"island {meta.island} already contributed to "
-                                   f"{self._sync_name(meta.round, meta.fragment)}")  # fmt: skip
-                queued[meta.island] = Early(meta.round, meta.fragment, delta, tokens, content)
-            nbytes = sum(len(t.payload) for t in tensors)
-            self._heard_from(meta.island, self.clock())
-            self.totals.tokens += tokens
-            self.totals.bytes_up += nbytes
-            self.totals.compute_s += float(meta.compute_s)
-            self.totals.island_wall_s += float(meta.wall_s)
-            self.last_loss[meta.island] = float(meta.loss)
-            where = {"base": meta.round, "staleness": staleness} if self.asynchronous else {}
-            self.rd.log(
-                "push", round=position // self.loop.fragments.count, **where,
-                **({"fragment": meta.fragment} if self.loop.fragments.count > 1 else {}),
-                island=meta.island, tokens=tokens, bytes_up=nbytes, loss=float(meta.loss),
-                compute_s=round(float(meta.compute_s), 4), wall_s=round(float(meta.wall_s), 4),
-                **({"tokens_claimed": int(meta.tokens)} if tokens != meta.tokens else {}),
-            )  # fmt: skip
-            if not self.asynchronous:
                 self._tick_locked()
-                return pb.PushReply(accepted=True, round=self.loop.round, detail="accepted")
-            annotations = {"island": meta.island, "staleness": staleness, "weight": round(weight, 6)}
-            self._close_locked(self.clock(), None, annotations)
-            if self.loop.sync == position:  # the update could not be committed (`_close_locked` says why)
-                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {meta.island}'s pseudo-gradient "
-                               f"was dropped: {self.dropped.get(content, 'not committed')}")  # fmt: skip
-            return pb.PushReply(accepted=True, round=position, detail=f"applied as update {position}")
+                reply = pb.PushReply(accepted=True, round=self.loop.round, detail="accepted")
+            return self.admission.remember(admitted.key, payload_digest, reply)
 
-    def _check_sync_base(self, meta: pb.PushMeta) -> int:
-        """A round's push: for the open sync (or, streaming, one of the P - 1 after it), taken from θ_s's fragment.
-        Returns its sync position."""
-        position = meta.round * self.loop.fragments.count + meta.fragment
-        if not self.loop.sync <= position < self.loop.sync + self.loop.fragments.count:  # it may have closed
-            raise Rejected(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"pseudo-gradient for {self._sync_name(meta.round, meta.fragment)} but "
-                f"{self._sync_name(self.loop.round, self.loop.fragment)} is open",
-            )
-        if bytes(meta.base_digest) != bytes.fromhex(self.world.fragment_digests[meta.fragment]):
-            raise Rejected(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"island {meta.island}'s pseudo-gradient was not taken from θ_{self.loop.round}"
-                f"{self._of_fragment(meta.fragment)} (base_digest "
-                f"{bytes(meta.base_digest).hex()[:16] or 'missing'}); pull the full parameters",
-            )
-        return position
+    def _base_digest(self, meta: pb.PushMeta) -> str | None:
+        """The digest a push's base must have: the open θ's fragment, or (asynchronous) θ at the update it names."""
+        if self.asynchronous:
+            return self.window.digests.get(meta.round)
+        return self.world.fragment_digests[meta.fragment]
 
-    def _check_async_base(self, meta: pb.PushMeta) -> int:
-        """An asynchronous push names the update b whose θ_b its Δ was taken from (`round`): b may be up to
-        outer.max_staleness updates old, and base_digest must be θ_b's. Returns its staleness τ = u - b."""
-        u, bound = self.loop.round, self.cfg.outer.max_staleness
-        if meta.round > u:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {meta.island}'s pseudo-gradient is from "
-                           f"θ_{meta.round}, ahead of the coordinator's θ_{u}; pull the full parameters")  # fmt: skip
-        if u - meta.round > bound:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {meta.island}'s pseudo-gradient is "
-                           f"{u - meta.round} updates stale, over outer.max_staleness = {bound}; pull the full "
-                           "parameters")  # fmt: skip
-        known = self.digests.get(meta.round)  # None: not since this coordinator (re)started
-        if known is None or bytes(meta.base_digest) != bytes.fromhex(known):
-            raise Rejected(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"island {meta.island}'s pseudo-gradient was not taken from θ_{meta.round} (base_digest "
-                f"{bytes(meta.base_digest).hex()[:16] or 'missing'}); pull the full parameters",
-            )
-        return u - meta.round
+    def _count_push(self, meta: pb.PushMeta, tokens: int, position: int, staleness: int, nbytes: int) -> None:
+        self.roster.pushed(meta.island, float(meta.loss), self.clock())
+        self.totals.tokens += tokens
+        self.totals.bytes_up += nbytes
+        self.totals.compute_s += float(meta.compute_s)
+        self.totals.island_wall_s += float(meta.wall_s)
+        where = {"base": meta.round, "staleness": staleness} if self.asynchronous else {}
+        self.rd.log(
+            "push", round=position // self.loop.fragments.count, **where,
+            **({"fragment": meta.fragment} if self.loop.fragments.count > 1 else {}),
+            island=meta.island, tokens=tokens, bytes_up=nbytes, loss=float(meta.loss),
+            compute_s=round(float(meta.compute_s), 4), wall_s=round(float(meta.wall_s), 4),
+            **({"tokens_claimed": int(meta.tokens)} if tokens != meta.tokens else {}),
+        )  # fmt: skip
+
+    def _commit_update(self, meta: pb.PushMeta, admitted: Admitted) -> pb.PushReply:
+        """Asynchronous: the push is one update, committed now; refused when it could not be (`_close_locked`)."""
+        placement = admitted.placement
+        annotations = {"island": meta.island, "staleness": placement.staleness, "weight": round(placement.weight, 6)}
+        self._close_locked(self.clock(), None, annotations)
+        if self.loop.sync == placement.position:
+            why = self.admission.dropped.get(admitted.content, "not committed")
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"island {meta.island}'s pseudo-gradient was dropped: {why}")  # fmt: skip
+        return pb.PushReply(accepted=True, round=placement.position, detail=f"applied as update {placement.position}")
+
+    # -- pulls -------------------------------------------------------------------------------------------------
 
     def pull(self, req: pb.PullRequest) -> PullPayload:
         with self.cond:
@@ -468,43 +342,131 @@ class Coordinator:
                 self.metrics.pulled(req.island, answer.kind.value, 0)
             if answer.kind is PullKind.WAIT:  # ABORTED is retryable: the island asks again, keeping its lease
                 raise Rejected(grpc.StatusCode.ABORTED, f"{answer.reason}; retry")
-            if answer.kind in (PullKind.PUSH_FIRST, PullKind.RESYNC):
+            if answer.kind in PUSH_MISSING:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {req.island}: {answer.reason}")
-            P = self.loop.fragments.count
-            if answer.kind is PullKind.UPDATE:  # the commit of the island's position: it moves one sync on
-                commit = self.commits[self._position(req)]
-                tensors: Sequence[EncodedTensor] = commit.encoded
-                reaches, digest = self._position(req) + 1, commit.fragment_digest
-                shared = self.streams.get(self._position(req))
-            else:
-                tensors = encode_tree(flatten_named(self.loop.params), FP32)
-                reaches, digest, shared = self.loop.sync, self.world.params_digest, None
-            island = req.island
-            nbytes = sum(len(t.payload) for t in tensors)
-            self.totals.bytes_down += nbytes
-            self.metrics.pulled(req.island, answer.kind.value, nbytes)
-            round_, fragment = divmod(reaches, P)
-            return PullPayload(
-                round=round_, fragment=fragment, kind=answer.kind.value, param_digest=bytes.fromhex(digest),
-                tensors=tensors, shared=shared, on_done=lambda: self._served(island, reaches - 1),
-            )  # fmt: skip
+            return self._payload(req, answer.kind)
+
+    def _payload(self, req: pb.PullRequest, kind: PullKind) -> PullPayload:
+        """What a pull answered UPDATE or FULL carries: the commit of the island's position (it moves one sync on),
+        or the whole θ in fp32."""
+        if kind is PullKind.UPDATE:
+            position = _position(req, self.loop.fragments.count)
+            commit = self.window.commits[position]
+            tensors: Sequence[EncodedTensor] = commit.encoded
+            reaches, digest, shared = position + 1, commit.fragment_digest, self.window.streams.get(position)
+        else:
+            tensors = encode_tree(flatten_named(self.loop.params), FP32)
+            reaches, digest, shared = self.loop.sync, self.world.params_digest, None
+        island = req.island
+        nbytes = sum(len(t.payload) for t in tensors)
+        self.totals.bytes_down += nbytes
+        self.metrics.pulled(req.island, kind.value, nbytes)
+        round_, fragment = divmod(reaches, self.loop.fragments.count)
+        return PullPayload(
+            round=round_, fragment=fragment, kind=kind.value, param_digest=bytes.fromhex(digest),
+            tensors=tensors, shared=shared, on_done=lambda: self._served(island, reaches - 1),
+        )  # fmt: skip
 
     def _served(self, island: str, position: int) -> None:
         """A pull that carried the commit of sync ``position`` (or a later θ) to ``island`` is over."""
         with self.cond:
-            if position in self.commits:  # the last `kept` only: `served` is bounded like `commits`
-                self.served.setdefault(position, set()).add(island)
+            if self.window.served_to(island, position):
                 self.cond.notify_all()
 
-    def _position(self, req: pb.PullRequest) -> int:
-        """The sync position a pull says the island holds (-1: none); (round, fragment) on the wire."""
-        return -1 if req.have_round < 0 else req.have_round * self.loop.fragments.count + req.fragment
+    def _pull_view(self, req: pb.PullRequest) -> PullView:
+        have = _position(req, self.loop.fragments.count)
+        pushed = self.admission.pending if have == self.loop.sync else self.admission.early.get(have, {})
+        return PullView(
+            have_round=have, full=req.full, round=self.loop.sync, done=self.world.done,
+            pushed=req.island in pushed, arriving=(req.island, have) in self.arriving,
+            last_commit_round=self.window.last_position, kept=self.window.kept,
+        )  # fmt: skip
 
-    def _sync_name(self, round_: int, fragment: int) -> str:
-        return f"round {round_}{self._of_fragment(fragment)}"
+    # -- rounds ------------------------------------------------------------------------------------------------
 
-    def _of_fragment(self, fragment: int) -> str:
-        return f" fragment {fragment}" if self.loop.fragments.count > 1 else ""
+    def tick(self) -> None:
+        with self.cond:
+            now = self.clock()
+            self._log_counts("rejected_suppressed", self.rejections.flush(now))
+            self._log_counts("membership_suppressed", self.memberships.flush(now))
+            self._tick_locked()
+
+    def _tick_locked(self) -> None:
+        if self.world.done:
+            return
+        now = self.clock()
+        decision = decide(now, self.roster.round_view(self.opened_at, self.loop.pending, self.world.durations),
+                          self.cfg.quorum)  # fmt: skip
+        self.roster.lose(decision.lost)
+        for name, why in sorted(decision.lost.items()):
+            self.totals.islands_lost += 1
+            self.rd.log("island_lost", round=self.loop.round, island=name, reason=why)
+        if decision.action is Action.CLOSE and not self.asynchronous:  # an asynchronous push commits itself
+            self._close_locked(now, decision.reason)
+
+    def _close_locked(self, now: float, reason: str | None, annotations: dict[str, Any] | None = None) -> None:
+        """Commit the open sync. If its contributions cannot be committed (their update overflows float32 and the
+        downlink codec refuses it), drop the largest one, say so, and try again: an island's input may cost that
+        island its round, never the coordinator its life. A sync left with no contribution stays open."""
+        while self.loop.pending and self.world.diverged is None:
+            sync, restore = self.loop.sync, self.admission.snapshot()
+            try:
+                pending = self.world.commit(losses=self.roster.losses(self.loop.pending),
+                                            seconds=now - self.opened_at, reason=reason, annotations=annotations)
+            except (CodecError, ArithmeticError) as exc:  # commit is all or nothing: θ and the round are unchanged
+                self._drop_largest(str(exc))
+                continue
+            # θ_{s+1} is served from here on; the settler evaluates and checkpoints it.
+            self.window.add(sync, pending.commit)
+            self.settler.enqueue(pending, restore)
+            self.opened_at = now
+            for island, why in self.admission.opened(self.loop):
+                self.rd.log("contribution_dropped", round=self.loop.round, fragment=self.loop.fragment,
+                            island=island, reason=clip(why))  # fmt: skip
+            if self.loop.pending:
+                self._tick_locked()
+            self.cond.notify_all()
+            return
+
+    def _drop_largest(self, why: str) -> None:
+        culprit = self.loop.largest_contribution()
+        self.loop.withdraw(culprit)
+        self.admission.drop(culprit, why)
+        self.rd.log("contribution_dropped", round=self.loop.round, island=culprit, reason=clip(why))
+
+    def _islands_done(self, pending: Settling) -> bool:
+        """Every island that contributed to the commit and still holds a lease is done with it: it has been sent the
+        commit and, with plain rounds, has said by heartbeat that it trains on the next round (it beats at once after
+        adopting θ). Streaming and asynchronous islands train while they pull, so for them the pull is all."""
+        commit = pending.commit
+        position = commit.round * self.loop.fragments.count + commit.fragment
+        plain = self.loop.fragments.count == 1 and not self.asynchronous
+        return all(
+            self.window.was_served(name, position) and (not plain or self.roster.moved_past(name, commit.round))
+            for name in commit.islands if name in self.roster
+        )  # fmt: skip
+
+    def _keep_locked(self, job: Job, eval_loss: float) -> dict | None:
+        """Keep a commit (returns the checkpoint metadata, if due) or, when its model diverged, undo it and every
+        later commit and go on without its largest contribution."""
+        try:
+            return self.world.record(job.pending, eval_loss)
+        except DivergedError as exc:
+            # θ, the outer state and the open sync are as before the commit (GlobalRun.record); so are its pushes.
+            self.settler.undone()
+            reopened = self.loop.sync
+            self.window.undo_from(reopened)
+            self.admission.undo_to(job.restore, reopened, self.loop.fragments.count)
+            self.opened_at = self.clock()
+            self.cond.notify_all()
+            if self._islands_diverged():
+                # The run itself diverged: every later call is refused with the reason (`_refuse_if_diverged`) and
+                # `serve` exits with it.
+                return None
+            self.world.diverged = None  # not the run's divergence: go on without this contribution
+            self._drop_largest(f"diverged with a healthy island loss (lower outer.lr if all are dropped so): {exc}")
+            self._tick_locked()
+            return None
 
     def _islands_diverged(self) -> bool:
         """After a commit diverged: did the islands' own losses explode too (the run diverged), or is it one Δ?
@@ -518,45 +480,27 @@ class Coordinator:
         rather than an exit.
         """
         initial = self.totals.initial_eval_loss
-        voters = set(self.loop.pending) | set(self.last_seen)
-        losses = [self.last_loss[n] for n in sorted(voters) if n in self.last_loss]
+        losses = self.roster.losses(sorted(set(self.loop.pending) | set(self.roster.live)))
         return bool(losses) and all(diverged_reason(x, initial, self.world.divergence_factor) for x in losses)
 
     def _refuse_if_diverged(self) -> None:
         if self.world.diverged is not None:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, str(self.world.diverged))
 
-    def _pull_view(self, req: pb.PullRequest) -> PullView:
-        have = self._position(req)
-        return PullView(
-            have_round=have, full=req.full, round=self.loop.sync, done=self.world.done,
-            pushed=req.island in (self.loop.pending if have == self.loop.sync else self.early.get(have, {})),
-            arriving=(req.island, have) in self.arriving,
-            last_commit_round=max(self.commits, default=None),
-            kept=self.kept,
-        )  # fmt: skip
+    # -- reporting ---------------------------------------------------------------------------------------------
 
     def status(self) -> pb.StatusReply:
         with self.cond:
             now = self.clock()
             islands = [
                 pb.IslandStatus(
-                    name=name,
-                    round=self.loop.round,
-                    last_seen_s=now - self.last_seen[name] if name in self.last_seen else -1.0,
-                    state=("pushed" if name in self.loop.pending else "training")
-                    if name in self.last_seen
-                    else "absent",
+                    name=name, round=self.loop.round, last_seen_s=self.roster.seen_ago(name, now),
+                    state=("pushed" if name in self.loop.pending else "training") if name in self.roster else "absent",
                 )
                 for name in self.names
-            ]
-            return pb.StatusReply(
-                run_id=self.run_id,
-                round=self.loop.round,
-                state=self._state_name(),
-                islands=islands,
-                detail_json=json.dumps(self.live_status()),
-            )
+            ]  # fmt: skip
+            return pb.StatusReply(run_id=self.run_id, round=self.loop.round, state=self._state_name(),
+                                  islands=islands, detail_json=json.dumps(self.live_status()))  # fmt: skip
 
     def on_rejected(self, island: str, reason: str) -> None:
         """Count every refusal; log a truncated sample of them (diloco/rejections.py), never one line per attack."""
@@ -566,195 +510,13 @@ class Coordinator:
         with self.cond:
             self.totals.rejected += 1
             admitted = self.rejections.admit(self.clock(), island, reason)
-            self._log_suppressed(admitted.suppressed)
+            self._log_counts("rejected_suppressed", admitted.suppressed)
             if admitted.event is not None:
                 self.rd.log("rejected", round=self.loop.round, **admitted.event)
 
-    def _log_suppressed(self, counts: dict[str, int]) -> None:
+    def _log_counts(self, event: str, counts: dict[str, int]) -> None:
         if counts:
-            self.rd.log("rejected_suppressed", round=self.loop.round, counts=counts)
-
-    def _log_membership_suppressed(self, counts: dict[str, int]) -> None:
-        if counts:
-            self.rd.log("membership_suppressed", round=self.loop.round, counts=counts)
-
-    def _membership_logged(self, event: str, island: str) -> bool:
-        """Whether this `island_joined` or `island_left` event is written: at most MEMBERSHIP_BURST per island and
-        kind a minute, the rest counted in `membership_suppressed`. An insider with one island's secret can send
-        Join and Leave in turn, each one accepted: without the cap every pair would be two lines of metrics.jsonl
-        (seen in `diloco bench fuzz`). The island is one of the run's (checked before), so the counts are bounded."""
-        admitted = self.memberships.admit(self.clock(), island, "", kind=f"{event} {island}")
-        self._log_membership_suppressed(admitted.suppressed)
-        return admitted.event is not None
-
-    # -- rounds ------------------------------------------------------------------------------------------------
-
-    def tick(self) -> None:
-        with self.cond:
-            now = self.clock()
-            self._log_suppressed(self.rejections.flush(now))
-            self._log_membership_suppressed(self.memberships.flush(now))
-            self._tick_locked()
-
-    def _tick_locked(self) -> None:
-        if self.world.done:
-            return
-        now = self.clock()
-        view = RoundView(
-            opened_at=self.opened_at,
-            last_seen=dict(self.last_seen),
-            pushed=frozenset(self.loop.pending),
-            durations=self.world.durations,
-            broken=dict(self.broken),
-        )
-        decision = decide(now, view, self.cfg.quorum)
-        for name, why in sorted(decision.lost.items()):
-            del self.last_seen[name]
-            self.broken.pop(name, None)
-            self.totals.islands_lost += 1
-            self.rd.log("island_lost", round=self.loop.round, island=name, reason=why)
-        if decision.action is Action.CLOSE and not self.asynchronous:  # an asynchronous push commits itself
-            self._close_locked(now, decision.reason)
-
-    def _close_locked(self, now: float, reason: str | None, annotations: dict[str, Any] | None = None) -> None:
-        """Commit the round. If its contributions cannot be committed (their update overflows float32 and the
-        downlink codec refuses it, or the model it makes diverges while the islands report healthy losses), drop the
-        largest one, say so, and try again: an island's input may cost that island its round, never the coordinator
-        its life. A round left with no contribution stays open."""
-        while self.loop.pending and self.world.diverged is None:
-            losses = [self.last_loss[n] for n in self.loop.pending if n in self.last_loss]
-            sync = self.loop.sync
-            try:
-                pending = self.world.commit(
-                    losses=losses, seconds=now - self.opened_at, reason=reason, annotations=annotations
-                )
-            except (CodecError, ArithmeticError) as exc:  # commit is all or nothing: θ and the round are unchanged
-                self._drop_largest(str(exc))
-                continue
-            # θ_{s+1} is served from here on; its evaluation and checkpoint follow on the settle thread, off the
-            # islands' path (docs/architecture.md, "Commits off the critical path").
-            self.commits[sync] = pending.commit
-            self.streams[sync] = SharedPull()
-            for kept in (self.commits, self.streams, self.served):
-                kept.pop(sync - self.kept, None)
-            self.digests[sync + 1] = pending.commit.digest
-            self.digests.pop(sync + 1 - self.kept, None)
-            self._settle_queue.put((self._generation, pending, dict(self.pending_digest), dict(self.dropped)))
-            self._unsettled += 1
-            self.dropped.clear()
-            self.pending_digest.clear()
-            self.opened_at = now
-            self._admit_early()
-            self.cond.notify_all()
-            return
-
-    def _admit_early(self) -> None:
-        """The pushes that arrived early for the sync that just opened join it, then it may close at once."""
-        for island, e in sorted(self.early.pop(self.loop.sync, {}).items()):
-            try:
-                self.loop.submit(island, e.round, e.delta, e.tokens, fragment=e.fragment)
-            except RoundError as exc:  # checked at its push already; never let it stop a commit
-                self.rd.log("contribution_dropped", round=e.round, fragment=e.fragment, island=island,
-                            reason=clip(str(exc)))  # fmt: skip
-                continue
-            self.pending_digest[island] = e.content
-        if self.loop.pending:
-            self._tick_locked()
-
-    def _settle_forever(self) -> None:
-        """The settle thread: evaluate each commit (without the lock), keep it or undo it (with the lock), save its
-        checkpoint when due (without the lock), in commit order."""
-        while (job := self._settle_queue.get()) is not None:
-            generation, pending, digests, dropped = job
-            reopened: int | None = None
-            try:
-                if generation == self._generation:
-                    self._yield_to_islands(pending)
-                eval_loss = self.world.evaluate_commit(pending) if generation == self._generation else math.nan
-                with self.cond:
-                    meta = None
-                    if generation == self._generation:
-                        meta, reopened = self._record_locked(pending, digests, dropped, eval_loss)
-                        if reopened is None and pending.round_closed:  # kept: saved now, or by `flush` at a stop
-                            self._unsaved = None if meta is not None else (pending, self.world.checkpoint_meta())
-                if meta is not None:
-                    self.world.save(pending, meta)
-            except DiskFullError as exc:  # the run cannot go on durably: `serve` stops with this one line
-                self.failure = exc
-            finally:
-                with self.cond:
-                    self._unsettled -= 1
-                    self.cond.notify_all()
-            if reopened is not None and self.on_rollback is not None:
-                self.on_rollback(reopened)
-
-    def _yield_to_islands(self, pending: Settling) -> None:
-        """Wait, at most EVAL_YIELD_S, until every island that contributed to the commit and still holds a lease is
-        done with it, unless a later commit is queued to be settled (the settle thread must not fall behind), the
-        commit is the run's last (its islands stop), or the coordinator is stopping. Done: it has been sent the
-        commit and, with plain rounds, has said by heartbeat that it trains on the next round (it beats at once after
-        adopting: `IslandWorker._merge`). Streaming and asynchronous islands train while they pull, so for them the
-        pull is all.
-
-        The evaluation is the coordinator's lowest-priority work: nobody waits for it, while every contributor waits
-        for its commit. Run at once, on a host whose cores the islands share, it took the CPU from the pulls it
-        overlapped (the 6.38M-parameter sync of 3 islands on 2 cores: one evaluation took 0.15 s instead of 0.06 s
-        and the critical path grew by 0.07 s), and run once the pulls were sent, from the islands' adopt of θ
-        (0.055 s instead of 0.03 s; docs/architecture.md, "Commits off the critical path")."""
-        commit = pending.commit
-        position = commit.round * self.loop.fragments.count + commit.fragment
-        plain = self.loop.fragments.count == 1 and not self.asynchronous
-
-        def done(name: str) -> bool:
-            sent = name in self.served.get(position, ())
-            return sent and (not plain or self.working.get(name, -1) > commit.round)
-
-        def all_done() -> bool:
-            if self._stopping or self.world.done or not self._settle_queue.empty():
-                return True  # stopping, the run's last commit (its islands leave), or a later commit waits
-            return all(done(name) for name in commit.islands if name in self.last_seen)
-
-        with self.cond:
-            self.cond.wait_for(all_done, timeout=EVAL_YIELD_S)
-
-    def _record_locked(
-        self, pending: Settling, digests: dict[str, bytes], dropped: dict[bytes, str], eval_loss: float
-    ) -> tuple[dict | None, int | None]:
-        """Keep a commit (returns the checkpoint metadata, if due) or, when its model diverged, undo it and every
-        later commit and go on without its largest contribution (returns the reopened round)."""
-        try:
-            return self.world.record(pending, eval_loss), None
-        except DivergedError as exc:
-            # θ, the outer state and the open sync are as before the commit (GlobalRun.record); so are its pushes.
-            self._generation += 1
-            self._unsaved = None  # an older round's state: its own save (if due) happened when it was kept
-            reopened = self.loop.sync
-            self.commits = {s: c for s, c in self.commits.items() if s < reopened}
-            self.streams = {s: t for s, t in self.streams.items() if s < reopened}
-            self.served = {s: n for s, n in self.served.items() if s < reopened}
-            self.digests = {s: d for s, d in self.digests.items() if s <= reopened}
-            self.pending_digest, self.dropped = digests, dropped
-            self.early.clear()  # taken from fragments of undone commits: those islands resync
-            self.opened_at = self.clock()
-            self.cond.notify_all()
-            if self._islands_diverged():
-                # The run itself diverged: every later call is refused with the reason (`_refuse_if_diverged`) and
-                # `serve` exits with it.
-                return None, self.loop.round
-            self.world.diverged = None  # not the run's divergence: go on without this contribution
-            self._drop_largest(f"diverged with a healthy island loss (lower outer.lr if all are dropped so): {exc}")
-            self._tick_locked()
-            return None, self.loop.round
-
-    def _drop_largest(self, why: str) -> None:
-        culprit = self.loop.largest_contribution()
-        self.loop.withdraw(culprit)
-        if len(self.dropped) >= MAX_DROPPED:
-            del self.dropped[next(iter(self.dropped))]
-        self.dropped[self.pending_digest.pop(culprit)] = clip(why)
-        self.rd.log("contribution_dropped", round=self.loop.round, island=culprit, reason=clip(why))
-
-    # -- reporting ---------------------------------------------------------------------------------------------
+            self.rd.log(event, round=self.loop.round, counts=counts)
 
     def summary(self) -> dict[str, Any]:
         """summary.json's contents (diloco/summary.py), the same keys as `simulate` writes."""
@@ -763,7 +525,12 @@ class Coordinator:
     def live_status(self) -> dict[str, Any]:
         """The summary so far plus who is alive and their last losses: `diloco status` and `launch`'s display."""
         return {
-            **self.summary(), "islands_alive": sorted(self.last_seen), "last_losses": dict(self.last_loss),
+            **self.summary(), "islands_alive": self.roster.live, "last_losses": dict(self.roster.last_loss),
             "island_bytes": {n: dict(t) for n, t in self.metrics.tally.items() if n in self.names},
             "rejected_by_code": dict(self.metrics.reasons),
         }  # fmt: skip
+
+
+def _position(req: pb.PullRequest, fragments: int) -> int:
+    """The sync position a pull says the island holds (-1: none); (round, fragment) on the wire."""
+    return -1 if req.have_round < 0 else req.have_round * fragments + req.fragment

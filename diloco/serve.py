@@ -102,10 +102,8 @@ def serve(
     service = DilocoService(
         coordinator, cfg.run.name, coordinator.model_spec, authenticator=Authenticator(secrets),
         config=transport, on_rejected=coordinator.on_rejected,
-        max_staleness=cfg.outer.max_staleness if coordinator.asynchronous else 0,
         status_requires_auth=secrets is not None, islands=cfg.islands.island_names, uplink_codec=cfg.codec.uplink,
     )  # fmt: skip
-    coordinator.on_rollback = service.forget_from
     server.attach(service)  # health: SERVING
     # Written whole or not at all (a rename): whoever polls for the file never reads it half-written, empty.
     partial = run_dir / "coordinator.addr.tmp"
@@ -142,7 +140,7 @@ def serve(
             if coordinator.done:
                 done_at = done_at or now
                 # Islands collect the last update and leave; do not wait for ever on one that died.
-                if not coordinator.last_seen or now - done_at > linger_s:
+                if not coordinator.roster or now - done_at > linger_s:
                     break
             stop.wait(0.1)
     finally:

@@ -14,9 +14,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from diloco.push_admission import AcceptedPushes
 from transport import diloco_pb2 as pb
 from transport.codecs import EncodedTensor
 from transport.handler import PullPayload
+from transport.validate import check_round
 
 
 def params_digest(params: Mapping[str, np.ndarray]) -> bytes:
@@ -49,6 +51,8 @@ class ReferenceHandler:
         self.absences: list[str] = []
         """Islands whose presence call broke, in order (`absent`)."""
         self.absent_event = threading.Event()
+        self.accepted = AcceptedPushes(capacity=4096)
+        """Accepted pushes, answered again to their retries (the coordinator's own `AcceptedPushes`)."""
         self._lock = threading.Lock()
 
     def model_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -93,17 +97,25 @@ class ReferenceHandler:
     def receiving(self, meta: pb.PushMeta) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def current_round(self, fragment: int) -> int:
-        return self.round
+    def admissible(self, meta: pb.PushMeta) -> None:
+        with self._lock:
+            if (meta.island, meta.round, meta.fragment) not in self.accepted:
+                check_round(meta.round, self.round)
 
     def push(
         self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray], payload_digest: bytes
     ) -> pb.PushReply:
+        key = (meta.island, meta.round, meta.fragment)
         with self._lock:
+            replayed = self.accepted.replay(key, payload_digest)
+            if replayed is not None:
+                return replayed
+            check_round(meta.round, self.round)  # the round may have moved on while the bytes streamed in
             for name, delta in arrays.items():
                 self.params[name] -= self.lr * delta.astype(np.float32)
             self.applied.append((meta.island, meta.round, meta.fragment, meta.tokens))
-            return pb.PushReply(accepted=True, round=self.round, detail="applied")
+            return self.accepted.remember(key, payload_digest, pb.PushReply(accepted=True, round=self.round,
+                                                                              detail="applied"))
 
     def pull(self, req: pb.PullRequest) -> PullPayload:
         with self._lock:

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-import diloco.coordinator as coordinator_module
+import diloco.settler as settler_module
 from diloco import RELEASE
 from diloco.config import load_config
 from diloco.coordinator import Coordinator
@@ -29,7 +29,7 @@ from transport.errors import Rejected
 @pytest.fixture
 def coordinator(tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # No island of these tests pulls or beats: each commit is evaluated at once, as `EVAL_YIELD_S` = 0 says.
-    monkeypatch.setattr(coordinator_module, "EVAL_YIELD_S", 0.0)
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
     cfg = load_config(tiny_config, [
         "train.mode=async", "train.rounds=6", "train.checkpoint_every=0", "outer.kind=sgd", "outer.lr=1.0",
         "outer.momentum=0.0", "outer.staleness_exponent=1.0", "outer.max_staleness=2", "codec.uplink=fp32",

@@ -15,16 +15,20 @@ import numpy as np
 import pytest
 
 import diloco.coordinator as coordinator_module
+import diloco.settler as settler_module
 from diloco import RELEASE
 from diloco.config import load_config
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir, read_events
 from diloco.setup import build_setup
+from tests.wire_helpers import push_chunks
 from transport import diloco_pb2 as pb
+from transport.auth import call_metadata
 from transport.chunking import payload_digest
 from transport.codecs import CodecSpec, encode_tree, flatten_named
 from transport.digest import tree_digest
 from transport.errors import Rejected
+from transport.service import DilocoService
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -32,7 +36,7 @@ F32_MAX = float(np.finfo(np.float32).max)
 @pytest.fixture
 def coordinator(tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # No island of these tests pulls or beats: each commit is evaluated at once, as `EVAL_YIELD_S` = 0 says.
-    monkeypatch.setattr(coordinator_module, "EVAL_YIELD_S", 0.0)
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
     # outer.aggregate=mean: these tests are about what the coordinator does when a round cannot be committed, which a
     # robust rule (the default, trimmed_mean) would prevent in the first place.
     cfg = load_config(tiny_config, ["quorum.min_islands=2", "train.checkpoint_every=0", "outer.aggregate=mean"])
@@ -104,7 +108,7 @@ def test_a_round_left_empty_stays_open_and_a_dropped_contribution_may_not_come_b
     # The same name with other bytes (a retrained Δ, or the real island after a forgery under its name) is heard.
     assert push(coordinator, "island-1", 1e-3).accepted
     assert push(coordinator, "island-0", 1e-3).accepted
-    assert coordinator.loop.round == 1 and coordinator.dropped == {}
+    assert coordinator.loop.round == 1 and coordinator.admission.dropped == {}
 
 
 @pytest.mark.parametrize(
@@ -129,7 +133,7 @@ def test_a_join_from_another_release_is_refused_naming_both(coordinator: Coordin
                          release=release)  # fmt: skip
     reason = refused(lambda: coordinator.join(req), grpc.StatusCode.FAILED_PRECONDITION, named)
     assert RELEASE in reason and "run one release everywhere" in reason and len(reason) < 250, reason
-    assert "island-0" not in coordinator.last_seen  # not a member
+    assert "island-0" not in coordinator.roster  # not a member
 
 
 def test_a_flood_of_refusals_writes_a_bounded_log(coordinator: Coordinator) -> None:
@@ -274,7 +278,7 @@ def test_a_commit_is_evaluated_once_its_islands_are_done_with_it(
     def evaluated() -> list[int]:
         return [e["round"] for e in read_events(coordinator.rd.metrics_path, "round")]
 
-    monkeypatch.setattr(coordinator_module, "EVAL_YIELD_S", 60.0)
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 60.0)
     push(coordinator, "island-0", 1e-3)
     push(coordinator, "island-1", 1e-3)  # closes round 0
     assert coordinator.loop.round == 1
@@ -293,9 +297,35 @@ def test_a_commit_is_evaluated_once_its_islands_are_done_with_it(
     assert evaluated() == [0]
 
     # An island that never pulls holds the evaluation up for EVAL_YIELD_S at most.
-    monkeypatch.setattr(coordinator_module, "EVAL_YIELD_S", 0.5)
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.5)
     push(coordinator, "island-0", 1e-3)
     push(coordinator, "island-1", 1e-3)
     assert coordinator.loop.round == 2
     assert coordinator.settled(timeout_s=30)
     assert evaluated() == [0, 1]
+
+
+def test_a_push_dropped_at_commit_leaves_its_island_free_to_push_a_new_delta(coordinator: Coordinator) -> None:
+    """Through the service as a real push arrives: a push accepted, then dropped at commit (its update cannot be
+    encoded), is refused when its bytes come again, and a new Δ of that island for the same round is heard and
+    counted. Duplicates and drops are decided in one place (diloco/push_admission.py), so no cached "accepted"
+    outlives the drop and locks the island out of the round."""
+    service = DilocoService(coordinator, coordinator.run_id, coordinator.model_spec, islands=coordinator.names)
+
+    def push_through(island: str, fill: float) -> pb.PushReply:
+        named = {k: np.full(np.shape(v), fill, np.float32) for k, v in flatten_named(coordinator.loop.params).items()}
+        meta = pb.PushMeta(run_id=coordinator.run_id, island=island, round=coordinator.loop.round, tokens=128,
+                           loss=1.0, base_digest=bytes.fromhex(coordinator.world.params_digest))  # fmt: skip
+        chunks = push_chunks(meta, encode_tree(named, CodecSpec(kind="fp32")), 1 << 16)
+        return service.push(call_metadata(island, None), chunks)
+
+    assert push_through("island-1", F32_MAX).accepted
+    with coordinator.cond:
+        coordinator._close_locked(coordinator.clock(), "forced")  # the Nesterov step overflows: island-1 is dropped
+    assert coordinator.loop.round == 0 and coordinator.loop.pending == ()
+    refused(lambda: push_through("island-1", F32_MAX), grpc.StatusCode.FAILED_PRECONDITION, "was dropped")
+    assert push_through("island-1", 1e-3).accepted, "the island is locked out of its round"
+    closing = push_through("island-0", 1e-3)
+    assert closing.accepted and coordinator.loop.round == 1 and coordinator.last_commit is not None
+    assert coordinator.last_commit.islands == ("island-0", "island-1")
+    assert push_through("island-0", 1e-3) == closing  # a retry after the round closed gets its original reply

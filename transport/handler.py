@@ -81,8 +81,10 @@ class CoordinatorHandler(Protocol):
         (a newer call, a heartbeat). Called on a server thread; an island that is no member is ignored."""
         ...
 
-    def current_round(self, fragment: int) -> int:
-        """The round a push for ``fragment`` must be for (the service rejects stale/future ones)."""
+    def admissible(self, meta: pb.PushMeta) -> None:
+        """A push's first chunk passed the wire's checks: refuse it (`Rejected`) now, before its payload is buffered,
+        when its round is not one the handler takes. A retry of a push the handler accepted must pass, so that
+        `push` can answer it as before, however far the rounds moved on."""
         ...
 
     def receiving(self, meta: pb.PushMeta) -> AbstractContextManager[None]:
@@ -97,6 +99,10 @@ class CoordinatorHandler(Protocol):
     ) -> pb.PushReply:
         """A validated pseudo-gradient: encoded tensors, their decoded, finite arrays, and the SHA-256 of the
         concatenated payloads (`transport.chunking.payload_digest`), checked against the bytes as they arrived.
+
+        The handler owns idempotency: a push is keyed by (island, round, fragment); a retried duplicate (same
+        payload digest) of an accepted push gets the same reply and changes nothing, another payload under an
+        accepted key is ALREADY_EXISTS (diloco/push_admission.py).
 
         The arrays are read-only (fp32 ones are zero-copy views of the receive buffer): copy before
         modifying in place. Both stay valid after the call; keep only what you need.

@@ -6,17 +6,14 @@ Both the gRPC servicer and the in-process transport run every message through th
 * the caller is known from the call metadata alone, before any message is read (`authenticate`): with
   secrets, the island they belong to; without, the island it names, which must be one of the run's
   (``islands``) either way, so invented names can neither act nor make the coordinator remember them;
-* a push is keyed by (island, round, fragment); the server remembers the digest and reply of each accepted
-  push, so a retried duplicate (same digest) gets the same reply without reaching the handler again, and a
-  different payload for an already-accepted key is refused with ALREADY_EXISTS. The digest is the stream's
-  trailer (last chunk), so a duplicate is recognised once the whole stream is in; a key already accepted
-  skips the round check, so a retry after the round closed still gets its original reply;
-* checks that need only the first chunk (run id, island, push metadata, round, tensor specs, declared sizes)
-  run before any payload byte is buffered, and the declared total is reserved from a budget shared by all
-  pushes in flight (``max_buffered_mb``); digest, decode and finiteness run once the bytes are in; a push
-  that fails gives its buffer back at once. From those first checks until the handler has answered, the push is
-  `CoordinatorHandler.receiving`: its island's pull for that sync, sent as soon as the push was on the wire, waits
-  for it;
+* checks that need only the first chunk (run id, island, push metadata, tensor specs, declared sizes, and the
+  handler's `admissible`: the round, or a retry of a push it accepted) run before any payload byte is buffered,
+  and the declared total is reserved from a budget shared by all pushes in flight (``max_buffered_mb``);
+  digest, decode and finiteness run once the bytes are in; a push that fails gives its buffer back at once. From
+  those first checks until the handler has answered, the push is `CoordinatorHandler.receiving`: its island's
+  pull for that sync, sent as soon as the push was on the wire, waits for it;
+* idempotency is the handler's: a retried duplicate of an accepted push is answered by it as before
+  (`CoordinatorHandler.push`);
 * an island's Attend call is held open (`attending`) and its break reported to `CoordinatorHandler.absent`
   (transport/presence.py).
 
@@ -32,10 +29,9 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -53,7 +49,6 @@ from transport.validate import (
     check_join,
     check_leave,
     check_push_meta,
-    check_round,
     check_run_and_island,
     check_tensor_metas,
     decode_one,
@@ -61,9 +56,6 @@ from transport.validate import (
     spec_for,
 )
 from transport.wire import PULL_DATA_FIELD, Undecodable, encode_data_chunk, serialize_chunk
-
-if TYPE_CHECKING:  # transport.codecs imports JAX; the service only needs its type
-    from transport.codecs import EncodedTensor
 
 Metadata = Iterable[tuple[str, str | bytes]] | None
 T = TypeVar("T")
@@ -122,7 +114,6 @@ class DilocoService:
         authenticator: Authenticator | None = None,
         config: TransportConfig | None = None,
         on_rejected: RejectionSink | None = None,
-        max_staleness: int = 0,
         status_requires_auth: bool = False,
         islands: Collection[str] | None = None,
         uplink_codec: str | None = None,
@@ -135,7 +126,6 @@ class DilocoService:
         self.auth = authenticator or Authenticator(None)
         self.config = config or TransportConfig()
         self.on_rejected = on_rejected
-        self.max_staleness = max_staleness
         self.status_requires_auth = status_requires_auth
         self.islands = frozenset(islands) if islands is not None else None
         self.uplink_codec = uplink_codec
@@ -143,9 +133,6 @@ class DilocoService:
         self.presences = Presences(self._absent)
         self._codecs = known_codecs()
         self._decode = decoder()
-        self._accepted: OrderedDict[tuple[str, int, int], tuple[bytes, pb.PushReply]] = OrderedDict()
-        # Serialises the dedup check and the handler call, so concurrent duplicates are applied once.
-        self._commit_lock = threading.Lock()
         self._logged_places: set[tuple[str, str, int]] = set()
         self._log_lock = threading.Lock()
 
@@ -282,30 +269,12 @@ class DilocoService:
             self.status_caller(metadata)
             return self.handler.status()
 
-    def forget_from(self, round_: int) -> None:
-        """Forget the accepted pushes of round `round_` and later: the coordinator rolled its rounds back (a commit
-        that diverged, undone with every later one), so those rounds run again and new pushes for them are new."""
-        with self._commit_lock:
-            for key in [k for k in self._accepted if k[1] >= round_]:
-                del self._accepted[key]
-
     # -- push -----------------------------------------------------------------------------------------
 
     def push(self, metadata: Metadata, chunks: Iterable[pb.PushChunk | Undecodable]) -> pb.PushReply:
         """Receive one chunked pseudo-gradient, validate it completely, then hand it to the coordinator."""
         with self.answering(metadata):
             return self._push(metadata, from_client(chunks))
-
-    def _cached(self, key: tuple[str, int, int], digest: bytes) -> pb.PushReply | None:
-        hit = self._accepted.get(key)
-        if hit is None:
-            return None
-        if hit[0] != digest:
-            raise Rejected(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"island {key[0]!r} already pushed a different payload for round {key[1]} fragment {key[2]}",
-            )
-        return hit[1]
 
     def _push(self, metadata: Metadata, chunks: Iterator[Any]) -> pb.PushReply:
         caller = self.authenticate(metadata)  # before the first chunk is read
@@ -317,13 +286,7 @@ class DilocoService:
         meta, header = first.meta, first.header
         check_run_and_island(meta.run_id, meta.island, self.run_id, caller)
         check_push_meta(meta, header.tensors, self.model_spec, self.uplink_codec)
-        key = (meta.island, meta.round, meta.fragment)
-        with self._commit_lock:
-            seen = key in self._accepted
-        if not seen:
-            # A retry of an accepted push may come after its round closed; it is answered from the cache
-            # once its digest (the trailer) has arrived, so only a new key is held to the current round here.
-            check_round(meta.round, self.handler.current_round(meta.fragment), self.max_staleness)
+        self.handler.admissible(meta)
         check_header(header, self.config.max_payload_bytes, self.config.max_tensors, self._codecs)
         if self.model_spec is not None:
             check_tensor_metas(header.tensors, spec_for(self.model_spec, meta.fragment))
@@ -336,31 +299,7 @@ class DilocoService:
                 tensors, arrays = self._receive(buf, first, chunks)
             finally:
                 buf.close()  # the budget back; a failed stream's buffer is given up at once
-            return self._commit(key, meta, buf.digest, tensors, arrays)
-
-    def _commit(
-        self,
-        key: tuple[str, int, int],
-        meta: pb.PushMeta,
-        digest: bytes,
-        tensors: list[EncodedTensor],
-        arrays: dict[str, np.ndarray],
-    ) -> pb.PushReply:
-        """A whole, checked push: the cached reply of a duplicate, else the handler's (remembered when accepted)."""
-        with self._commit_lock:
-            cached = self._cached(key, digest)
-            if cached is not None:
-                # A retried duplicate of an accepted push: same answer, handler not called again.
-                return cached
-            # The round may have closed while the bytes streamed in.
-            check_round(meta.round, self.handler.current_round(meta.fragment), self.max_staleness)
-            reply = self.handler.push(meta, tensors, arrays, digest)
-            if reply.accepted:
-                reply = pb.PushReply(accepted=True, round=reply.round, detail=reply.detail, digest=digest)
-                self._accepted[key] = (digest, reply)
-                while len(self._accepted) > self.config.idempotency_cache:
-                    self._accepted.popitem(last=False)
-            return reply
+            return self.handler.push(meta, tensors, arrays, buf.digest)
 
     def _receive(self, buf: Reassembler, first: Any, chunks: Iterator[Any]) -> tuple[list, dict[str, np.ndarray]]:
         """Write every chunk into ``buf``, decoding each tensor as soon as its bytes are in (overlapping decode

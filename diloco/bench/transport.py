@@ -64,8 +64,8 @@ class _SinkHandler:
     def receiving(self, meta: pb.PushMeta) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def current_round(self, fragment: int) -> int:
-        return 0
+    def admissible(self, meta: pb.PushMeta) -> None:
+        pass
 
     def push(
         self, meta: pb.PushMeta, tensors: Sequence[EncodedTensor], arrays: dict[str, np.ndarray], payload_digest: bytes
