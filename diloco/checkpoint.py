@@ -81,7 +81,7 @@ class CheckpointStore:
         A step saved before is replaced: orbax would silently keep the old one, and an owner saves a step again
         only when it went back (an island resynced behind a restarted coordinator, a resumed run), so the old one
         holds a state that no longer exists. The old step leaves by one rename (orbax's delete is a recursive
-        removal: a kill in the middle of it left a step with its arrays and no metadata, seen in CI), so a kill at
+        removal: a kill in the middle of it leaves a step with its arrays and no metadata), so a kill at
         any point leaves either the old step whole or none of it, and the older steps."""
         if step in self._manager.all_steps():
             self.wait()

@@ -304,7 +304,7 @@ class Island:
             params, opt_state, metrics = self._step_fn(params, opt_state, self.next_batch())
             losses.append(metrics["loss"])
         # The finiteness of θ is queued behind the last step and read back with the losses: one wait on the device,
-        # not two (a second round trip was 4 % of a streaming island's cycle of two 50 ms steps).
+        # not two. A second round trip would cost every call, and a streaming island calls every few short steps.
         host_losses, finite = jax.device_get((losses, _all_finite(params)))
         took = time.perf_counter() - t0
         lasts = max(self.slowdown * took, n_steps * self.device_step_s)
@@ -393,8 +393,8 @@ class Island:
         """`push` without its encoding: Δ is formed now, before the next inner step replaces θ.
 
         On the host: each leaf of θ_local is read back once and subtracted there, where the global copy and the
-        codec are. A subtraction on the device sent the reference over and Δ back (twice the bytes), and its dispatch,
-        one per leaf, took 3 % of a streaming island's training thread (py-spy, BENCHMARKS.md)."""
+        codec are. A subtraction on the device would send the reference over and Δ back (twice the bytes) and pay a
+        dispatch per leaf, which costs the training thread more than the host's subtraction does."""
         assert self.state is not None
         local = flatten_named(self.state.params, to_numpy=False)
         delta = pseudo_gradient({name: np.asarray(reference[name]) for name in reference},

@@ -55,9 +55,8 @@ class Aggregated:
     masks: tuple[tuple[jax.Array, ...], ...] | None = None
     """trimmed_mean and median: per leaf, per word of up to 32 islands, an unsigned integer array shaped like the
     leaf whose bit i says island 32·w + i's value was among those averaged there. Counting them is left to `kept`
-    because on CPU XLA's integer sums cost 5-10x the aggregate itself (65 ms against 6 ms for 10M values of 3
-    islands): a commit makes the masks on the islands' path, and the coordinator counts them after (its settle
-    thread reads `kept`)."""
+    because on CPU XLA's integer sums over them cost more than the aggregate itself: a commit makes the masks on
+    the islands' path, and the coordinator counts them after (its settle thread reads `kept`)."""
     islands: int = field(default=0, metadata={"static": True})
     """n, how many pseudo-gradients were aggregated (the masks' bit count)."""
 
@@ -218,9 +217,9 @@ def _middle_mean(values: tuple[jax.Array, ...], t: int) -> tuple[jax.Array, tupl
     order.
 
     Ranks by comparing every pair once (n(n-1)/2 elementwise compares, fused by jit) rather than sorting: with a
-    handful of islands that is one pass over memory, where XLA's CPU sort along the island axis took seconds per
-    4M values. Island i ranks above island j < i where x_j <= x_i, and above j > i where x_j < x_i, i.e. where
-    not x_i <= x_j: one compare serves both.
+    handful of islands that is one pass over memory, where XLA's CPU sort along the island axis is far slower.
+    Island i ranks above island j < i where x_j <= x_i, and above j > i where x_j < x_i, i.e. where not x_i <= x_j:
+    one compare serves both.
     """
     n = len(values)
     share = 1.0 / (n - 2 * t)
@@ -259,8 +258,8 @@ def _middle_means(
     by_leaf: tuple[tuple[jax.Array, ...], ...], t: int
 ) -> tuple[list[jax.Array], list[tuple[jax.Array, ...]]]:
     """`_middle_mean` of every leaf (by_leaf[j]: the islands' values of leaf j) as one program: one dispatch per
-    commit instead of one per leaf (a model has ~100 leaves; each dispatch and host-to-device copy on its own cost
-    the coordinator's commit 55 ms of a 6.4M-parameter model's 170 ms)."""
+    commit instead of one per leaf (a model has ~100 leaves, and a dispatch and host-to-device copy for each would
+    be a large share of the coordinator's commit)."""
     pairs = [_middle_mean(tuple(jnp.asarray(x, jnp.float32) for x in values), t) for values in by_leaf]
     return [value for value, _ in pairs], [words for _, words in pairs]
 

@@ -65,15 +65,15 @@ class OuterConfig:
     "mean" (token-weighted, DiLoCo's own rule: one island can move θ anywhere), "norm_clip" (each Δ_i scaled to at
     most norm_bound × the round's median island norm, then the token-weighted mean), "trimmed_mean" (coordinate-wise,
     drop `trim` values at each end and average the rest), "median" (coordinate-wise median).
-    Default "trimmed_mean": in `diloco bench byzantine` (tiny model, one Byzantine island of 4, 6×20 and 12×25
-    steps; 1 of 3 on configs/local.toml) it was the one rule that kept the final eval loss within 1% of fault-free
-    under every attack (×1000, sign flip, noise, float32 max), where mean was thrown off or diverged and norm_clip
-    gave up 2.7%; with every island honest it cost 0.3–0.85% of eval loss against the mean. With 1 or 2 islands it
-    is exactly the (unweighted) mean of their Δs, with 3 or 4 the coordinate-wise median."""
+    Default "trimmed_mean": it drops the extreme values of every coordinate, so one Byzantine island cannot drag
+    the Δ whatever it sends (scaled, sign-flipped, noise, float32 max), where the mean follows any one island and
+    norm_clip still lets a bounded push through; with every island honest it gives up a little eval loss against the
+    mean (BENCHMARKS.md, "Robust aggregation"). With 1 or 2 islands it is exactly the (unweighted) mean of their Δs,
+    with 3 or 4 the coordinate-wise median."""
     norm_bound: float = 2.0
     """aggregate = "norm_clip": the largest island norm kept, as a multiple (>= 1) of the round's lower median island
-    norm. At 2 no honest island was ever clipped in `diloco bench byzantine`, and a round in which none is clipped
-    is bit-identical to "mean"."""
+    norm. 2 leaves room for honest islands, whose norms are alike, to go unclipped, and a round in which none is
+    clipped is bit-identical to "mean"."""
     trim: float = 0.25
     """aggregate = "trimmed_mean": values dropped at each end of every coordinate, as a whole count (1, 2, ...) or as
     a fraction in [0, 0.5) of the round's islands, rounded up (0.25 drops 1 of 3 or 4 islands, 2 of 5 to 8): the
@@ -164,7 +164,7 @@ def apply_update(params: optax.Params, update: optax.Updates) -> optax.Params:
     """θ + û, the one float add every replica performs identically: IEEE float32 addition of host arrays (numpy).
 
     On the host because that is where every replica keeps its copy of the global θ (the coordinator's commit, an
-    island's adopt) and the add is one pass over memory: 2.7 ms for 6.38M parameters in numpy, against 6-19 ms for
-    a jitted add that first moves 200 host arrays into XLA's buffers and the results back out. Every replica runs
+    island's adopt) and the add is one pass over memory, which numpy makes directly where a jitted add would first
+    move every host array into XLA's buffers and the results back out. Every replica runs
     this same function, so the sums agree bit for bit (docs/architecture.md, "The round")."""
     return jax.tree.map(lambda p, u: np.add(np.asarray(p), np.asarray(u)), params, update)

@@ -55,9 +55,9 @@ LAZY_MIN_BYTES = 64 << 10
 def new_hasher() -> hashlib._Hash:
     """The payload digest: stdlib SHA-256 (32 bytes).
 
-    Integrity, not identity, is what this digest is for, and SHA-256 runs on the CPU's SHA extensions: measured
-    2.6x faster than blake2b here (0.44 vs 0.17 GB/s on a loaded core), which is most of a stream's CPU cost.
-    Parameter digests (transport.digest) use it too (docs/architecture.md, "Digests").
+    Integrity, not identity, is what this digest is for, and SHA-256 runs on the CPU's SHA extensions, which makes
+    it faster than blake2b; hashing is most of a stream's CPU cost. Parameter digests (transport.digest) are
+    XXH3-128 instead: they prove bit-identity, not what a sender streamed (docs/architecture.md, "Digests").
     """
     return hashlib.sha256()
 
@@ -112,8 +112,8 @@ class _HashingThread:
     large buffers, so hashing overlaps gRPC moving the chunks.
 
     A sender hands it the whole payload at once (`iter_trailed_views`; the digest travels on the last chunk). A
-    receiver hands it each range of its buffer once written (`Reassembler`): its own hash was on the receiving
-    thread, 14 ms of a 25.5 MB push's path through the coordinator and of a pull's through an island. A range handed
+    receiver hands it each range of its buffer once written (`Reassembler`), so hashing is off its receiving thread,
+    which is on the path of a push through the coordinator and of a pull through an island. A range handed
     over is never written again. `cancel` stops it without hashing what is left (the stream was given up).
     """
 
@@ -341,7 +341,7 @@ class BufferPool:
     """Reuse of large reassembly buffers from one stream to the next.
 
     A fresh payload-sized buffer (an anonymous map, `_fresh`) costs a page fault per 4 KiB page on first
-    touch, which on a VM costs as much as hashing the payload (0.15-0.7 s per 256 MiB measured here). A
+    touch, which on a VM costs as much as hashing the payload. A
     coordinator receives same-sized pushes round after round, so the pool keeps the last ``keep`` buffers of
     `BACKGROUND_MIN_BYTES` or more and hands one out again once nothing refers to it any more: no payload
     view, no array and no tensor of an earlier stream can see it being reused. The cost is up to ``keep``

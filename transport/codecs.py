@@ -296,8 +296,8 @@ def _quantize(x: jax.Array, block_size: int, qmax: int) -> tuple[jax.Array, jax.
         x = jnp.pad(x, (0, nb * block_size - n))
     xb = x.reshape(nb, block_size)
     # absmax as max(max, -min): the same value as max(abs) (NaN and +-Inf propagate, so non-finite input
-    # shows up as a non-finite scale), but XLA:CPU lowers max(abs) over a reshaped vector to a fusion that
-    # measured 5-8x slower here.
+    # shows up as a non-finite scale), but XLA:CPU lowers max(abs) over a reshaped vector to a much slower
+    # fusion.
     scale = jnp.maximum(jnp.max(xb, axis=1), -jnp.min(xb, axis=1)) / qmax
     # Multiply by the reciprocal (cheaper than dividing every element); the extra rounding is inside the
     # documented 2^-20 * absmax term, and clip guards codes that round one step past qmax.
@@ -405,8 +405,8 @@ def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
     shape = tuple(int(d) for d in np.shape(x))
     if spec.kind == "fp32":
         # The layout is the host float32 array itself; only finiteness needs checking, and numpy checks a host array
-        # in one pass with no dispatch (a 6.38M-parameter tree of ~100 leaves: 1.5 ms, against 23 ms through one
-        # jitted check per leaf). A device array comes to the host here, as its payload had to anyway.
+        # in one pass with no dispatch (a jitted check would cost a dispatch per leaf, ~100 for a model). A device
+        # array comes to the host here, as its payload had to anyway.
         raw = np.ascontiguousarray(np.asarray(x, np.float32)).reshape(-1)
         if not np.isfinite(raw).all():
             raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
@@ -431,9 +431,9 @@ def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
 def _encoded(name: str, spec: CodecSpec, dtype: str, shape: tuple[int, ...], raw: Any) -> EncodedTensor:
     """The tensor whose payload is ``raw``'s bytes (zstd-compressed when the spec says so)."""
     data = np.asarray(raw).data  # host buffer, zero-copy on CPU
-    # Without zstd the payload is a read-only view of that buffer, not a copy of it (6.38M fp32 parameters: 25.5 MB
-    # and 10-30 ms a copy here, on every commit's and every push's path). For fp32 of a host array the buffer is
-    # the input's own: nothing in this project changes an encoded array in place.
+    # Without zstd the payload is a read-only view of that buffer, not a copy of it: a copy of all of θ would be on
+    # every commit's and every push's path. For fp32 of a host array the buffer is the input's own: nothing in this
+    # project changes an encoded array in place.
     payload = _zstd_compress(data, spec.zstd_level) if spec.zstd_level else data.cast("B").toreadonly()
     return EncodedTensor(
         name=name,
@@ -473,7 +473,7 @@ def _check_meta(enc: EncodedTensor, max_dense_nbytes: int) -> None:
 
 
 # Byte -> (low code, high code) for int4: one table lookup unpacks and sign-extends both nibbles. The pair is
-# read as one int16 (little-endian: low code first), which makes the gather ~6x faster than a (256, 2) table.
+# read as one int16 (little-endian: low code first): one gather of 2 bytes per byte, faster than a (256, 2) table.
 _INT4_LUT = np.array([[((b & 15) ^ 8) - 8, ((b >> 4) ^ 8) - 8] for b in range(256)], dtype=np.int8)
 _INT4_LUT16 = _INT4_LUT.view(np.int16).reshape(256)
 

@@ -162,9 +162,8 @@ def forward(
         # Save nothing inside a block: the backward pass keeps only each block's input (and its float32 params,
         # live anyway) and recomputes the rest, weight casts included: about one more forward pass per step.
         # dots_with_no_batch_dims_saveable would recompute only attention and elementwise ops but keep the four
-        # projections' outputs, ~9 x d_model values per token per block against d_model here (3x the saved
-        # activations at d_model 256, context 256). The knob is there for when activations do not fit, so it
-        # takes the smallest footprint.
+        # projections' outputs, ~9 x d_model values per token per block against d_model here. The knob is there
+        # for when activations do not fit, so it takes the smallest footprint.
         apply_block = jax.checkpoint(apply_block, policy=jax.checkpoint_policies.nothing_saveable)
     x = embed(params["embed"], tokens).astype(cfg.compute_dtype)
     aux = []
