@@ -84,8 +84,8 @@ class TransportConfig:
     presence call in about the sum of the two, instead of waiting out its lease. Off by default because the ping
     waits behind everything queued toward the island (the server's socket buffer of a pull in flight, the
     bottleneck's buffer): on a slow link that is seconds (1 MiB is 8.4 s at 1 Mbit/s), and a live island's
-    connection would be closed mid-transfer (measured: BENCHMARKS.md, "Presence"). Safe where every island's link
-    is fast (1 s and 3 s were safe at 5 Mbit/s)."""
+    connection would be closed mid-transfer (BENCHMARKS.md, "Failover and presence"). Safe where every island's
+    link is fast enough that nothing queues toward it for longer than `keepalive_timeout_s`."""
 
     keepalive_timeout_s: float = 3.0
     """How long a keepalive ping may go unanswered before the connection is closed (`keepalive_s`); it must exceed

@@ -382,8 +382,8 @@ class SharedPull:
     commit carry the same bytes (`PullPayload.shared`). Each chunk is made (its pieces joined, the digest trailer
     computed) by the first stream that reaches it and kept for the others, so a commit's update is joined and hashed
     once however many islands pull it; the price is a serialized copy of it while the coordinator keeps the commit.
-    Three islands pulling a 25.5 MB commit at once on 2 shared cores: 20-25 % less time than when every pull made
-    its own chunks (BENCHMARKS.md, "A plain sync of the 6.38M model").
+    When islands pull one commit at once on shared cores, the joining and hashing each pull would repeat is done
+    once (BENCHMARKS.md, "Sync critical path").
 
     A stream's header must be the one the chunks were made with (the same commit, the same service); another one is
     made on its own. A stream that stops half-way leaves the chunks it made to the others. If making a chunk fails,

@@ -35,8 +35,7 @@ losses, tokens, virtual end times and wall seconds.
 
 Run: ``diloco bench heterogeneous [CONFIG] [--rounds 8] [--islands 3] [--factor 2] [--target 1.02] [--run-dir DIR]
 [key=value ...]`` (CONFIG defaults to configs/convergence.toml). At the default the three runs train about 6,400
-full-speed step equivalents, some 8 minutes on 2 idle CPU cores (13 minutes measured with another job's tests on
-the same cores, BENCHMARKS.md); --rounds scales it.
+full-speed step equivalents, minutes on 2 CPU cores (BENCHMARKS.md); --rounds scales it.
 """
 
 from __future__ import annotations

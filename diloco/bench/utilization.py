@@ -114,10 +114,10 @@ def shared_link_round_model(
     turns on one rate. The round opens with the commit: the islands' pulls (`pull_bytes` each) leave one after the
     other, the slowest island's first (with equal compute any order is the same); each island trains from the end
     of its own pull, and its push (`push_bytes`) takes the queue once its steps are done and the queue is free. The
-    round closes when the last push has landed, and the commit (`close_s`) follows. Measured on the 5 Mbit/s link
-    (BENCHMARKS.md, "Device-bound islands"), the pushes of a round landed one transfer time apart, as here; a model
-    that shares the rate among all of a round's transfers at once put every island's start after the last pull and
-    was 0.3 s a round too slow. Loopback's RTT is ~0, so there is no latency term."""
+    round closes when the last push has landed, and the commit (`close_s`) follows. On a kernel-shaped link the
+    pushes of a round land one transfer time apart, as here; a model that shares the rate among all of a round's
+    transfers at once puts every island's start after the last pull, which the runs do not show
+    (benchmarks/log/utilization.md). Loopback's RTT is ~0, so there is no latency term."""
     rate = goodput_mbit * 1e6 / 8  # bytes per second
     link_free, ready = 0.0, []
     for name in sorted(compute_s, key=lambda n: -compute_s[n]):
