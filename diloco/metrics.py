@@ -170,7 +170,7 @@ class CoordinatorMetrics:
     def follow(self, coordinator: Coordinator) -> None:
         """Read the present from `coordinator` at scrape time (no lock: single reads of ints and dicts)."""
         self.round.set_function(lambda: coordinator.loop.round)
-        self.open_round_age.set_function(lambda: max(0.0, coordinator.clock() - coordinator.opened_at))
+        self.open_round_age.set_function(lambda: max(0.0, coordinator.clock() - coordinator.committer.opened_at))
         self.alive.set_function(lambda: len(coordinator.roster))
 
     # -- fed by metrics.jsonl events (RunDir.observers) --------------------------------------------------------

@@ -15,7 +15,9 @@ So metrics.jsonl grows by at most (kinds × burst + kinds) short lines per windo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_REASON_CHARS = 200
 """Longest reason (and island name) written to metrics.jsonl."""
@@ -70,3 +72,43 @@ class RejectionLog:
             return Admitted(None, ended)
         self._written[kind] = self._written.get(kind, 0) + 1
         return Admitted({"island": clip(island), "kind": kind, "reason": clip(reason)}, ended)
+
+
+MEMBERSHIP_BURST = 10
+"""`island_joined` (or `island_left`) events of one island written a minute: a supervised island that restarts
+several times a minute still has each one logged; an insider's Join/Leave loop is counted, not logged."""
+
+
+class ThrottledEvents:
+    """The coordinator's events a caller can multiply at will, each kind written at most a burst a minute: refusals
+    (`rejected`, then `rejected_suppressed`) and membership changes (`island_joined` / `island_left`, then
+    `membership_suppressed`). An insider with one island's secret can send Join and Leave in turn, each accepted:
+    without the cap every pair would be two lines of metrics.jsonl. The islands are the run's (checked before), so
+    the counts are bounded."""
+
+    def __init__(self, log: Callable[..., None]) -> None:
+        """``log(event, **fields)``: the run directory's event log."""
+        self.log = log
+        self.rejections = RejectionLog()
+        self.memberships = RejectionLog(burst=MEMBERSHIP_BURST)
+
+    def refused(self, now: float, round_: int, island: str, reason: str) -> None:
+        admitted = self.rejections.admit(now, island, reason)
+        self._suppressed("rejected_suppressed", round_, admitted.suppressed)
+        if admitted.event is not None:
+            self.log("rejected", round=round_, **admitted.event)
+
+    def membership(self, now: float, event: str, round_: int, island: str, **fields: Any) -> None:
+        admitted = self.memberships.admit(now, island, "", kind=f"{event} {island}")
+        self._suppressed("membership_suppressed", round_, admitted.suppressed)
+        if admitted.event is not None:
+            self.log(event, round=round_, island=island, **fields)
+
+    def flush(self, now: float, round_: int) -> None:
+        """Write the counts of windows that ended (the coordinator's ticker calls it)."""
+        self._suppressed("rejected_suppressed", round_, self.rejections.flush(now))
+        self._suppressed("membership_suppressed", round_, self.memberships.flush(now))
+
+    def _suppressed(self, event: str, round_: int, counts: dict[str, int]) -> None:
+        if counts:
+            self.log(event, round=round_, counts=counts)

@@ -127,8 +127,9 @@ def serve(
             coordinator.tick()
             if coordinator.world.diverged is not None:  # a commit blew up (undone): stop rather than serve on
                 raise coordinator.world.diverged
-            if coordinator.failure is not None:  # a checkpoint could not be written: stop, the last one is intact
-                raise coordinator.failure
+            failure = coordinator.committer.settler.failure
+            if failure is not None:  # a checkpoint could not be written: stop, the last one is intact
+                raise failure
             now = time.monotonic()
             if progress and now - last_line > 5:
                 last_line = now
@@ -152,7 +153,7 @@ def serve(
             # The open round is abandoned (its pushes come again after a restart); the last committed one is kept.
             coordinator.flush()
             rd.log("stopped", round=coordinator.loop.round, reason=stopped_by[0])
-        summary = coordinator.summary()
+        summary = coordinator.world.summary()
         if coordinator.done:
             rd.write_summary(summary)
         coordinator.close()

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-import diloco.coordinator as coordinator_module
+import diloco.pull_answers as pull_answers_module
 import diloco.settler as settler_module
 from diloco import RELEASE
 from diloco.config import load_config
@@ -81,7 +81,7 @@ def test_a_claimed_token_weight_is_capped_to_what_h_steps_hold(coordinator: Coor
     cfg = coordinator.cfg
     cap = cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len
     push(coordinator, "island-0", 1e-3, tokens=2**64 - 1)
-    assert coordinator.totals.tokens == cap
+    assert coordinator.world.totals.tokens == cap
     assert coordinator.loop._pending["island-0"].tokens == cap
 
 
@@ -91,7 +91,7 @@ def test_an_uncommittable_contribution_is_dropped_and_the_round_closes(coordinat
     push(coordinator, "island-1", F32_MAX)
     push(coordinator, "island-0", 1e-3, tokens=1)  # the second push closes the round (both live islands pushed)
     assert coordinator.loop.round == 1, "the round did not close"
-    commit = coordinator.last_commit
+    commit = coordinator.window.last
     assert commit is not None and commit.islands == ("island-0",)
     assert all(np.isfinite(x).all() for x in flatten_named(coordinator.loop.params).values())
     assert coordinator.world.params_digest == tree_digest(coordinator.loop.params)
@@ -102,7 +102,7 @@ def test_an_uncommittable_contribution_is_dropped_and_the_round_closes(coordinat
 def test_a_round_left_empty_stays_open_and_a_dropped_contribution_may_not_come_back(coordinator: Coordinator) -> None:
     push(coordinator, "island-1", F32_MAX)
     with coordinator.cond:
-        coordinator._close_locked(coordinator.clock(), "forced")
+        coordinator.committer.close(coordinator.clock(), "forced")
     assert coordinator.loop.round == 0 and coordinator.loop.pending == ()
     refused(lambda: push(coordinator, "island-1", F32_MAX), grpc.StatusCode.FAILED_PRECONDITION, "was dropped")
     # The same name with other bytes (a retrained Δ, or the real island after a forgery under its name) is heard.
@@ -143,8 +143,8 @@ def test_a_flood_of_refusals_writes_a_bounded_log(coordinator: Coordinator) -> N
     coordinator.rd._metrics.flush()
     grown = coordinator.rd.metrics_path.stat().st_size - size_before
     rejected = read_events(coordinator.rd.metrics_path, "rejected")
-    assert coordinator.totals.rejected == 20_000
-    assert len(rejected) == coordinator.rejections.burst
+    assert coordinator.world.totals.rejected == 20_000
+    assert len(rejected) == coordinator.events.rejections.burst
     assert grown < 10_000, grown
     assert json.dumps(rejected).count("y") < 1_000
 
@@ -154,7 +154,7 @@ def test_a_lone_island_that_wrecks_the_model_loses_its_round_not_the_run(coordin
     for fill in (1e30, 2e30):  # finite, healthy loss reported, absurd Δ: alone in the round, again and again
         push(coordinator, "island-1", fill, loss=1.0)
         with coordinator.cond:
-            coordinator._close_locked(coordinator.clock(), "forced")
+            coordinator.committer.close(coordinator.clock(), "forced")
         assert coordinator.settled(60)  # the commit is served at once, evaluated (and here undone) just after
         assert coordinator.world.diverged is None and coordinator.world.params_digest == before
         assert coordinator.loop.round == 0 and coordinator.loop.pending == ()
@@ -164,9 +164,9 @@ def test_a_lone_island_that_wrecks_the_model_loses_its_round_not_the_run(coordin
     assert all("healthy island loss" in e["reason"] and "outer.lr" in e["reason"] for e in dropped)
     assert push(coordinator, "island-0", 1e-3).accepted
     with coordinator.cond:
-        coordinator._close_locked(coordinator.clock(), "forced")
+        coordinator.committer.close(coordinator.clock(), "forced")
     assert coordinator.settled(60)
-    assert coordinator.loop.round == 1 and coordinator.last_commit.islands == ("island-0",)
+    assert coordinator.loop.round == 1 and coordinator.window.last.islands == ("island-0",)
 
 
 def test_islands_whose_own_loss_exploded_stop_the_run(coordinator: Coordinator) -> None:
@@ -188,7 +188,7 @@ def test_one_island_claiming_an_exploded_loss_cannot_stop_the_run(coordinator: C
     dropped = read_events(coordinator.rd.metrics_path, "contribution_dropped")
     assert [e["island"] for e in dropped] == ["island-1" if insider_fill else "island-0"], dropped
     with coordinator.cond:
-        coordinator._close_locked(coordinator.clock(), "forced")
+        coordinator.committer.close(coordinator.clock(), "forced")
     assert coordinator.settled(60)
     assert coordinator.world.diverged is None and coordinator.loop.round == 1
 
@@ -196,7 +196,7 @@ def test_one_island_claiming_an_exploded_loss_cannot_stop_the_run(coordinator: C
 def test_an_insiders_join_leave_loop_is_counted_not_logged_line_by_line(coordinator: Coordinator) -> None:
     """One island's secret lets an insider send Join and Leave in turn, each accepted: 200 pairs write at most
     MEMBERSHIP_BURST events of each kind in a minute, and the rest are counted once the minute is over."""
-    from diloco.coordinator import MEMBERSHIP_BURST
+    from diloco.rejections import MEMBERSHIP_BURST
 
     now = [1000.0]
     coordinator.clock = lambda: now[0]
@@ -205,7 +205,7 @@ def test_an_insiders_join_leave_loop_is_counted_not_logged_line_by_line(coordina
     for _ in range(200):
         coordinator.join(join)
         coordinator.leave(leave)
-    assert coordinator.totals.islands_joined == 200  # every join still counts
+    assert coordinator.world.totals.islands_joined == 200  # every join still counts
     path = coordinator.rd.metrics_path
     assert len(read_events(path, "island_joined")) == len(read_events(path, "island_left")) == MEMBERSHIP_BURST
     now[0] += 61.0
@@ -231,7 +231,7 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
         return coordinator.pull(req)
 
     refused(lambda: pull("island-0", False), grpc.StatusCode.FAILED_PRECONDITION, "push it first")
-    monkeypatch.setattr(coordinator_module, "PUSH_LANDING_S", 0.05)
+    monkeypatch.setattr(pull_answers_module, "PUSH_LANDING_S", 0.05)
     refused(lambda: pull("island-0", True), grpc.StatusCode.FAILED_PRECONDITION, "push it first")  # it never lands
 
     got: dict[str, object] = {}
@@ -241,13 +241,13 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
         thread.start()
         return thread
 
-    monkeypatch.setattr(coordinator_module, "PUSH_LANDING_S", 30.0)
+    monkeypatch.setattr(pull_answers_module, "PUSH_LANDING_S", 30.0)
     first = pull_in_background("island-0")  # asks before its push lands
     time.sleep(0.1)
     push(coordinator, "island-0", 1e-3)
     first.join(timeout=0.2)
     assert first.is_alive(), "the push landed, the round is still open: the pull waits for the commit"
-    monkeypatch.setattr(coordinator_module, "PUSH_LANDING_S", 0.0)
+    monkeypatch.setattr(pull_answers_module, "PUSH_LANDING_S", 0.0)
     with coordinator.receiving(pb.PushMeta(run_id=coordinator.run_id, island="island-1", round=0)):
         second = pull_in_background("island-1")  # no landing time: held because island-1's push is streaming in
         second.join(timeout=0.2)
@@ -259,7 +259,7 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
     for name in ("island-0", "island-1"):
         payload = got[name]
         assert payload.kind == "update" and payload.round == 1, payload  # type: ignore[attr-defined]
-    assert coordinator.arriving == {}
+    assert coordinator.pulls.arriving == {}
 
 
 def test_a_commit_is_evaluated_once_its_islands_are_done_with_it(
@@ -321,11 +321,11 @@ def test_a_push_dropped_at_commit_leaves_its_island_free_to_push_a_new_delta(coo
 
     assert push_through("island-1", F32_MAX).accepted
     with coordinator.cond:
-        coordinator._close_locked(coordinator.clock(), "forced")  # the Nesterov step overflows: island-1 is dropped
+        coordinator.committer.close(coordinator.clock(), "forced")  # the Nesterov step overflows: island-1 is dropped
     assert coordinator.loop.round == 0 and coordinator.loop.pending == ()
     refused(lambda: push_through("island-1", F32_MAX), grpc.StatusCode.FAILED_PRECONDITION, "was dropped")
     assert push_through("island-1", 1e-3).accepted, "the island is locked out of its round"
     closing = push_through("island-0", 1e-3)
-    assert closing.accepted and coordinator.loop.round == 1 and coordinator.last_commit is not None
-    assert coordinator.last_commit.islands == ("island-0", "island-1")
+    assert closing.accepted and coordinator.loop.round == 1 and coordinator.window.last is not None
+    assert coordinator.window.last.islands == ("island-0", "island-1")
     assert push_through("island-0", 1e-3) == closing  # a retry after the round closed gets its original reply
