@@ -146,7 +146,8 @@ class Coordinator:
         with self.cond:
             if self.roster.join(req.island, self.clock()):
                 self.world.totals.islands_joined += 1
-                self.events.membership(self.clock(), "island_joined", self.loop.round, req.island, devices=req.devices)
+                if self.events.membership_logged(self.clock(), "island_joined", self.loop.round, req.island):
+                    self.rd.log("island_joined", round=self.loop.round, island=req.island, devices=req.devices)
             return pb.JoinReply(
                 run_id=self.run_id,
                 round=self.loop.round,
@@ -183,8 +184,9 @@ class Coordinator:
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         with self.cond:
-            if self.roster.leave(req.island):
-                self.events.membership(self.clock(), "island_left", self.loop.round, req.island, reason=req.reason)
+            left = self.roster.leave(req.island)
+            if left and self.events.membership_logged(self.clock(), "island_left", self.loop.round, req.island):
+                self.rd.log("island_left", round=self.loop.round, island=req.island, reason=req.reason)
             self.committer.tick()
         return pb.LeaveReply(ok=True)
 

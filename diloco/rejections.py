@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 MAX_REASON_CHARS = 200
 """Longest reason (and island name) written to metrics.jsonl."""
@@ -94,21 +93,25 @@ class ThrottledEvents:
 
     def refused(self, now: float, round_: int, island: str, reason: str) -> None:
         admitted = self.rejections.admit(now, island, reason)
-        self._suppressed("rejected_suppressed", round_, admitted.suppressed)
+        self._rejections_suppressed(round_, admitted.suppressed)
         if admitted.event is not None:
             self.log("rejected", round=round_, **admitted.event)
 
-    def membership(self, now: float, event: str, round_: int, island: str, **fields: Any) -> None:
+    def membership_logged(self, now: float, event: str, round_: int, island: str) -> bool:
+        """Whether this `island_joined` or `island_left` event of ``island`` is written (the caller writes it)."""
         admitted = self.memberships.admit(now, island, "", kind=f"{event} {island}")
-        self._suppressed("membership_suppressed", round_, admitted.suppressed)
-        if admitted.event is not None:
-            self.log(event, round=round_, island=island, **fields)
+        self._memberships_suppressed(round_, admitted.suppressed)
+        return admitted.event is not None
 
     def flush(self, now: float, round_: int) -> None:
         """Write the counts of windows that ended (the coordinator's ticker calls it)."""
-        self._suppressed("rejected_suppressed", round_, self.rejections.flush(now))
-        self._suppressed("membership_suppressed", round_, self.memberships.flush(now))
+        self._rejections_suppressed(round_, self.rejections.flush(now))
+        self._memberships_suppressed(round_, self.memberships.flush(now))
 
-    def _suppressed(self, event: str, round_: int, counts: dict[str, int]) -> None:
+    def _rejections_suppressed(self, round_: int, counts: dict[str, int]) -> None:
         if counts:
-            self.log(event, round=round_, counts=counts)
+            self.log("rejected_suppressed", round=round_, counts=counts)
+
+    def _memberships_suppressed(self, round_: int, counts: dict[str, int]) -> None:
+        if counts:
+            self.log("membership_suppressed", round=round_, counts=counts)
