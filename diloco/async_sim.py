@@ -55,7 +55,7 @@ from diloco.progress import Progress
 from diloco.rundir import RunDir
 from diloco.setup import Setup, make_island
 from outer_optimizer import discount, staleness_weight
-from transport.codecs import flatten_named
+from pytrees.naming import flatten_named
 
 
 @dataclass(frozen=True)

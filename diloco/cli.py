@@ -2,7 +2,7 @@
 deploy k8s.
 
 Every command takes `--run-dir DIR` (where one applies) and trailing `key=value` config overrides. A user
-mistake (config, data, model path, run directory, a refused island ...) is a `transport.errors.UserError`: it ends
+mistake (config, data, model path, run directory, a refused island ...) is a `floor.errors.UserError`: it ends
 with one line on stderr and exit code 2, never a traceback. Each command imports what it needs when it runs, so
 `diloco --help` and `diloco status` start without importing JAX.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from diloco.logs import configure as configure_logging
-from transport.errors import UserError
+from floor.errors import UserError
 
 if TYPE_CHECKING:
     from diloco.config import RunConfig

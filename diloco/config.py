@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from diloco.membership import QuorumConfig
+from floor.codec import CodecError, CodecSpec
+from floor.errors import UserError
 from islands.backend import BACKENDS
 from islands.data import DataConfig
 from islands.inner import InnerConfig
@@ -30,9 +32,7 @@ from islands.models import ModelConfig
 from outer_optimizer import OuterConfig
 from outer_optimizer.fragments import LAYOUTS, check_schedule
 from transport.auth import REDACTED_SECRET, is_secret_reference, redact_secret
-from transport.codecs import CodecError, CodecSpec
 from transport.config import TransportConfig
-from transport.errors import UserError
 
 
 class ConfigError(UserError, ValueError):

@@ -44,10 +44,12 @@ from diloco.rounds import Commit, OuterLoop, RoundError
 from diloco.rundir import DiskFullError, RunDir
 from diloco.setup import Setup
 from diloco.summary import Totals
+from floor.codec import CodecError, CodecSpec, EncodedTensor
 from islands.island import DivergedError
 from outer_optimizer import discount, staleness_weight
+from pytrees.encode import encode_named
+from pytrees.naming import flatten_named
 from transport import diloco_pb2 as pb
-from transport.codecs import CodecError, CodecSpec, EncodedTensor, encode_tree, flatten_named
 from transport.errors import Rejected
 from transport.handler import PullPayload
 from transport.service import SharedPull
@@ -477,7 +479,7 @@ class Coordinator:
                 reaches, digest = self._position(req) + 1, commit.fragment_digest
                 shared = self.streams.get(self._position(req))
             else:
-                tensors = encode_tree(flatten_named(self.loop.params), FP32)
+                tensors = encode_named(flatten_named(self.loop.params), FP32)
                 reaches, digest, shared = self.loop.sync, self.world.params_digest, None
             island = req.island
             nbytes = sum(len(t.payload) for t in tensors)

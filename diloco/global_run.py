@@ -38,7 +38,7 @@ from diloco.setup import Evaluator, Setup
 from diloco.summary import Totals, summary
 from diloco.warm_start import initial_params
 from islands.island import DivergedError, divergence_advice
-from transport.digest import tree_digest
+from pytrees.digest import tree_digest
 
 DIVERGENCE_FACTOR = 2.0
 """A committed model whose eval loss is above this many times the initial model's has diverged. The initial model

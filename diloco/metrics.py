@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from transport.errors import UserError
+from floor.errors import UserError
 
 if TYPE_CHECKING:
     from diloco.config import RunConfig

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transport.errors import UserError
+from floor.errors import UserError
 
 if TYPE_CHECKING:
     from diloco.config import RunConfig

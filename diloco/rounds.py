@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from islands.compress import Residual, compress_tree, zero_residual
+from floor.codec import CodecSpec, EncodedTensor
 from outer_optimizer import Aggregated, Rule, apply_update, make_outer_step, mean
 from outer_optimizer.fragments import Fragments
-from transport.codecs import CodecSpec, EncodedTensor, PyTree, flatten_named, unflatten_named
-from transport.digest import tree_digest
+from pytrees.digest import tree_digest
+from pytrees.feedback import Residual, compress_tree, zero_residual
+from pytrees.naming import PyTree, flatten_named, unflatten_named
 
 
 @jax.tree_util.register_dataclass

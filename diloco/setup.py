@@ -21,7 +21,7 @@ from islands.memory import Footprint, OutOfMemoryError, device_room, eval_advice
 from islands.mesh import build_mesh, replicated
 from islands.models import Model, build_model, param_count
 from outer_optimizer.fragments import FragmentError, Fragments
-from transport.codecs import PyTree, flatten_named
+from pytrees.naming import PyTree, flatten_named
 
 
 @dataclass(frozen=True)

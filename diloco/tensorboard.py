@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diloco.plot import commit_position, steps_per_commit
-from transport.errors import UserError
+from floor.errors import UserError
 
 if TYPE_CHECKING:
     from diloco.config import RunConfig

@@ -35,14 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from islands.compress import Compressed, Residual, compress_tree, zero_residual
+from floor.codec import CodecSpec
+from floor.errors import UserError
 from islands.inner import InnerConfig, make_train_step, place_tree
 from islands.memory import Footprint, OutOfMemoryError, device_room, step_advice, verdict
 from islands.mesh import accumulation_steps, batch_sharding, build_mesh, param_sharding
 from islands.models import Model
 from outer_optimizer import pseudo_gradient
-from transport.codecs import CodecSpec, PyTree, flatten_named, unflatten_named
-from transport.errors import UserError
+from pytrees.feedback import Compressed, Residual, compress_tree, zero_residual
+from pytrees.naming import PyTree, flatten_named, unflatten_named
 
 
 class DivergedError(UserError):

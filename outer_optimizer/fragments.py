@@ -1,6 +1,6 @@
 """Streaming DiLoCo's fragments and schedule (arXiv 2501.18512): which parameters sync together, and when.
 
-The model's leaves (named as `transport.codecs.flatten_named` names them: ``blocks/3/attn/wo``) are split into P
+The model's leaves (named as `pytrees.naming.flatten_named` names them: ``blocks/3/attn/wo``) are split into P
 fragments. Each fragment syncs every H inner steps, but at its own offset, so that one fragment is on the wire
 at a time and the bytes of a sync fall about P times:
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
-from transport.codecs import EncodedTensor
 from transport.handler import PullPayload
 
 

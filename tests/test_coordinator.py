@@ -20,10 +20,12 @@ from diloco.config import load_config
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir, read_events
 from diloco.setup import build_setup
+from floor.codec import CodecSpec
+from pytrees.digest import tree_digest
+from pytrees.encode import encode_named
+from pytrees.naming import flatten_named
 from transport import diloco_pb2 as pb
 from transport.chunking import payload_digest
-from transport.codecs import CodecSpec, encode_tree, flatten_named
-from transport.digest import tree_digest
 from transport.errors import Rejected
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -45,7 +47,7 @@ def coordinator(tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 def push(coord: Coordinator, island: str, fill: float, **meta_fields) -> pb.PushReply:
     named = {k: np.full(np.shape(v), fill, np.float32) for k, v in flatten_named(coord.loop.params).items()}
-    tensors = encode_tree(named, CodecSpec(kind="fp32"))
+    tensors = encode_named(named, CodecSpec(kind="fp32"))
     fields = {
         "run_id": coord.run_id, "island": island, "round": coord.loop.round, "tokens": 128, "loss": 1.0,
         "base_digest": bytes.fromhex(coord.world.params_digest), **meta_fields,

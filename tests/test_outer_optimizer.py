@@ -8,8 +8,8 @@ import optax
 import pytest
 
 from diloco.rounds import OuterLoop, RoundError
+from floor.codec import CodecSpec
 from outer_optimizer import OuterConfig, apply_update, make_outer_step, pseudo_gradient, weighted_mean
-from transport.codecs import CodecSpec
 
 FP32 = CodecSpec(kind="fp32")
 

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from diloco.rounds import OuterLoop
+from floor.codec import CodecSpec
 from outer_optimizer import RULES, OuterConfig, make_rule, median, norm_clip, trim_count, trimmed_mean, weighted_mean
 from outer_optimizer.aggregate import global_norms, lower_median
+from pytrees.digest import tree_digest
 from tests.conftest import child_env
-from transport.codecs import CodecSpec
-from transport.digest import tree_digest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,7 +21,7 @@ import numpy as np
 from transport import diloco_pb2 as pb
 
 if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
-    from transport.codecs import EncodedTensor
+    from floor.codec import EncodedTensor
     from transport.service import SharedPull
 
 PullKindName = Literal["update", "full"]

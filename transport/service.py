@@ -35,11 +35,12 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.auth import ISLAND_KEY, Authenticator
 from transport.chunking import ByteBudget, Reassembler, build_header, check_header, iter_trailed_views
@@ -61,9 +62,6 @@ from transport.validate import (
     spec_for,
 )
 from transport.wire import PULL_DATA_FIELD, Undecodable, encode_data_chunk, serialize_chunk
-
-if TYPE_CHECKING:  # transport.codecs imports JAX; the service only needs its type
-    from transport.codecs import EncodedTensor
 
 Metadata = Iterable[tuple[str, str | bytes]] | None
 T = TypeVar("T")

@@ -38,10 +38,11 @@ from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, from_dict, to_dict
 from diloco.rounds import OuterLoop
 from diloco.setup import Evaluator, Setup, build_setup, make_island
+from floor.codec import CodecError
+from floor.errors import UserError
 from islands.island import Island
 from outer_optimizer import OuterConfig
-from transport.codecs import CodecError, PyTree
-from transport.errors import UserError
+from pytrees.naming import PyTree
 
 F32_MAX = float(np.finfo(np.float32).max)
 SCALE = 1000.0

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from transport.errors import UserError
+from floor.errors import UserError
 
 Params = Any
 """A pytree (nested dicts/lists) of float32 jax arrays."""
