@@ -46,7 +46,7 @@ from diloco.setup import Setup
 from diloco.summary import Totals
 from floor.codec import CodecError, CodecSpec, EncodedTensor
 from islands.island import DivergedError
-from outer_optimizer import discount, staleness_weight
+from outer_optimizer.asynchronous import discount, staleness_weight
 from pytrees.encode import encode_named
 from pytrees.naming import flatten_named
 from transport import diloco_pb2 as pb

@@ -56,8 +56,8 @@ from diloco.warm_start import initial_inner_state
 from floor.errors import UserError
 from islands.backend import initialize_backend
 from islands.island import DivergedError, InnerRun, Island, RoundPush
-from outer_optimizer import apply_update
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
+from outer_optimizer.optimizers import apply_update
 from pytrees.digest import tree_digest
 from pytrees.naming import PyTree, flatten_named, unflatten_named
 from transport import diloco_pb2 as pb

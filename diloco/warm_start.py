@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from diloco.config import ConfigError, RunConfig, diff_keys, from_dict, to_dict
 from diloco.rundir import RunDir
 from islands.island import Island
-from islands.models import ModelConfig
+from islands.models.config import ModelConfig
 from pytrees.digest import tree_digest
 from pytrees.naming import PyTree, flatten_named
 

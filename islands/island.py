@@ -37,11 +37,12 @@ import optax
 
 from floor.codec import CodecSpec
 from floor.errors import UserError
-from islands.inner import InnerConfig, make_train_step, place_tree
+from islands.config import InnerConfig
+from islands.inner import make_train_step, place_tree
 from islands.memory import Footprint, OutOfMemoryError, device_room, step_advice, verdict
 from islands.mesh import accumulation_steps, batch_sharding, build_mesh, param_sharding
-from islands.models import Model
-from outer_optimizer import pseudo_gradient
+from islands.models.base import Model
+from outer_optimizer.aggregate import pseudo_gradient
 from pytrees.feedback import Compressed, Residual, compress_tree, zero_residual
 from pytrees.naming import PyTree, flatten_named, unflatten_named
 

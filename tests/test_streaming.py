@@ -29,7 +29,7 @@ from diloco.setup import build_setup
 from diloco.simulate import Lockstep, run_simulation
 from floor.codec import CodecSpec
 from islands.island import Island
-from outer_optimizer import mean
+from outer_optimizer.aggregate import mean
 from outer_optimizer.fragments import Fragments
 from pytrees.naming import flatten_named
 from tests.conftest import cut_after_round
