@@ -231,11 +231,6 @@ class Reassembler:
             self._hashing = _HashingThread()
 
     @property
-    def received_bytes(self) -> int:
-        """Payload bytes written so far."""
-        return self._offset
-
-    @property
     def received_chunks(self) -> int:
         """Chunks written so far."""
         return self._next_index

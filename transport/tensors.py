@@ -9,7 +9,7 @@ only asks for Status (`diloco status`, `launch`'s display) starts without it (do
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
@@ -84,7 +84,3 @@ def decoder() -> Callable[[EncodedTensor], np.ndarray]:
 
     return decode
 
-
-def metas_of(tensors: Sequence[EncodedTensor]) -> list[pb.TensorMeta]:
-    """``to_meta`` of each tensor, in order."""
-    return [to_meta(t) for t in tensors]
