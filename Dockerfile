@@ -16,8 +16,10 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 COPY pyproject.toml README.md constraints.txt /src/
 COPY diloco /src/diloco
+COPY floor /src/floor
 COPY islands /src/islands
 COPY outer_optimizer /src/outer_optimizer
+COPY pytrees /src/pytrees
 COPY transport /src/transport
 RUN pip install -c /src/constraints.txt "/src${EXTRAS:+[$EXTRAS]}" ${JAX_EXTRA:+"jax[$JAX_EXTRA]"} \
     && rm -rf /src

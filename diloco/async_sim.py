@@ -54,8 +54,8 @@ from diloco.local_islands import finish, save_islands, start_islands
 from diloco.progress import Progress
 from diloco.rundir import RunDir
 from diloco.setup import Setup, make_island
-from outer_optimizer import discount, staleness_weight
-from transport.codecs import flatten_named
+from outer_optimizer.asynchronous import discount, staleness_weight
+from pytrees.naming import flatten_named
 
 
 @dataclass(frozen=True)

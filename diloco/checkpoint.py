@@ -27,7 +27,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from diloco.rundir import DiskFullError
-from transport.codecs import PyTree
+from pytrees.naming import PyTree
 
 State = TypeVar("State")
 _HOST = "state_host_fields"

@@ -2,7 +2,7 @@
 deploy k8s.
 
 Every command takes `--run-dir DIR` (where one applies) and trailing `key=value` config overrides. A user
-mistake (config, data, model path, run directory, a refused island ...) is a `transport.errors.UserError`: it ends
+mistake (config, data, model path, run directory, a refused island ...) is a `floor.errors.UserError`: it ends
 with one line on stderr and exit code 2, never a traceback. Each command imports what it needs when it runs, so
 `diloco --help` and `diloco status` start without importing JAX.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from diloco.logs import configure as configure_logging
-from transport.errors import UserError
+from floor.errors import UserError
 
 if TYPE_CHECKING:
     from diloco.config import RunConfig
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--tokenizer", type=Path, metavar="FILE", help="use this Hugging Face tokenizer.json")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    from diloco.bench import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
+    from diloco.bench.cli import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
     from diloco.deploy_k8s import add_deploy_parser  # argparse only: nothing rendered, no YAML imported
 
     add_bench_parser(sub)
@@ -188,7 +188,7 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from diloco.bench import run_bench
+    from diloco.bench.cli import run_bench
 
     print(json.dumps(run_bench(args), indent=2))
     return 0

@@ -26,9 +26,9 @@ from diloco.rejections import clip
 from diloco.roster import Roster
 from diloco.rundir import RunDir
 from diloco.settler import Job, Settler
+from floor.codec import CodecError
 from islands.island import DivergedError
 from transport import diloco_pb2 as pb
-from transport.codecs import CodecError
 from transport.errors import Rejected
 
 

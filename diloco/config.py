@@ -1,11 +1,12 @@
 """Run configuration: frozen nested dataclasses loaded from TOML, with dotted `key=value` overrides.
 
 Each section is a frozen dataclass with a docstring under every field and a `__post_init__` that validates its
-own values and names the offending key. The sections that belong to a package live there (`ModelConfig` and
-`DataConfig` in islands, `InnerConfig` in islands.inner, `OuterConfig` in outer_optimizer) so that the
-dependency direction of docs/architecture.md ("Package boundaries") holds; this module only assembles them and
-does the generic work: reading TOML, applying overrides, type checking, suggesting the closest key for a typo,
-writing the resolved config back.
+own values and names the offending key. The sections that belong to a package live there (`ModelConfig` in
+islands.models.config, `DataConfig` in islands.data, `InnerConfig` in islands.config, `OuterConfig` in
+outer_optimizer.config) so that the dependency direction of docs/architecture.md ("Package boundaries") holds;
+this module only assembles them and does the generic work: reading TOML, applying overrides, type checking,
+suggesting the closest key for a typo, writing the resolved config back. No section imports JAX, so neither does
+loading a config (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from diloco.membership import QuorumConfig
+from floor.codec import CodecError, CodecSpec
+from floor.errors import UserError
 from islands.backend import BACKENDS
+from islands.config import InnerConfig
 from islands.data import DataConfig
-from islands.inner import InnerConfig
-from islands.models import ModelConfig
-from outer_optimizer import OuterConfig
+from islands.models.config import ModelConfig
+from outer_optimizer.config import OuterConfig
 from outer_optimizer.fragments import LAYOUTS, check_schedule
 from transport.auth import REDACTED_SECRET, is_secret_reference, redact_secret
-from transport.codecs import CodecError, CodecSpec
 from transport.config import TransportConfig
-from transport.errors import UserError
 
 
 class ConfigError(UserError, ValueError):

@@ -53,8 +53,9 @@ from diloco.roster import Roster
 from diloco.rounds import OuterLoop
 from diloco.rundir import RunDir
 from diloco.setup import Setup
+from floor.codec import EncodedTensor
+from pytrees.naming import flatten_named
 from transport import diloco_pb2 as pb
-from transport.codecs import EncodedTensor, flatten_named
 from transport.errors import Rejected
 from transport.handler import PullPayload
 from transport.validate import ModelSpec

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transport.errors import UserError
+from floor.errors import UserError
 
 if TYPE_CHECKING:
     from diloco.config import RunConfig
@@ -87,7 +87,7 @@ ISLAND_POD_RESTARTS = 3
 PATHWAYS_MAX_RESTARTS = 3
 """maxRestarts of a Pathways island's PathwaysJob (its JobSet restarts the head and the workers together)."""
 USER_ERROR_EXIT = 2
-"""diloco's exit code for a user error (transport.errors.UserError): fail the Job rather than retry it."""
+"""diloco's exit code for a user error (floor.errors.UserError): fail the Job rather than retry it."""
 ISLAND_CONTAINER = "island"
 
 ACCELERATORS = ("cpu", "nvidia-gpu", "tpu", "pathways")

@@ -38,7 +38,8 @@ from diloco.setup import Evaluator, Setup
 from diloco.summary import Totals, summary
 from diloco.warm_start import initial_params
 from islands.island import DivergedError, divergence_advice
-from transport.digest import tree_digest
+from outer_optimizer.optimizers import aggregator, build_optimizer
+from pytrees.digest import tree_digest
 
 DIVERGENCE_FACTOR = 2.0
 """A committed model whose eval loss is above this many times the initial model's has diverged. The initial model
@@ -85,7 +86,7 @@ class GlobalRun:
         self.rd = rd
         outer = cfg.outer
         self.loop = OuterLoop.fresh(
-            setup.init_params, outer.build(), cfg.codec.spec("downlink"), outer.aggregator(), setup.fragments
+            setup.init_params, build_optimizer(outer), cfg.codec.spec("downlink"), aggregator(outer), setup.fragments
         )
         self.evaluate = Evaluator(setup.model, setup.eval_stack)
         self.param_count = setup.n_params

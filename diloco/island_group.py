@@ -55,9 +55,9 @@ from diloco.rundir import RunDirLock
 from diloco.setup import build_setup, make_island
 from diloco.supervisor import Member
 from diloco.tls import is_loopback, split_host
+from floor.errors import UserError
 from islands.island import InnerRun, Island, IslandState, RoundPush
-from transport.codecs import PyTree, flatten_named, unflatten_named
-from transport.errors import UserError
+from pytrees.naming import PyTree, flatten_named, unflatten_named
 
 log = logging.getLogger("diloco.island_group")
 

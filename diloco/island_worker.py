@@ -53,17 +53,17 @@ from diloco.rounds import fragment_digest, fragment_digests
 from diloco.rundir import RunDir
 from diloco.setup import build_setup, make_island
 from diloco.warm_start import initial_inner_state
+from floor.errors import UserError
 from islands.backend import initialize_backend
-from islands.compress import decoded_tree
 from islands.island import DivergedError, InnerRun, Island, RoundPush
-from outer_optimizer import apply_update
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
+from outer_optimizer.optimizers import apply_update
+from pytrees.digest import tree_digest
+from pytrees.naming import PyTree, flatten_named, unflatten_named
 from transport import diloco_pb2 as pb
 from transport.auth import TlsConfig
 from transport.client import NOT_A_MEMBER, IslandClient, Presence
-from transport.codecs import PyTree, flatten_named, unflatten_named
-from transport.digest import tree_digest
-from transport.errors import TransportError, UserError
+from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport
 from transport.handler import PullPayload
 from transport.shaper import LinkShaper, load_link_profiles, profile_for
@@ -395,7 +395,7 @@ class IslandWorker:
             self.rd.log("digest_mismatch", round=payload.round, island=self.name, **self._fragment_field(
                 payload.fragment))  # fmt: skip
             payload = self.pull(-1, full=True)
-        new = jax.tree.map(np.asarray, decoded_tree(self._arrays_from(payload), self.like))
+        new = jax.tree.map(np.asarray, unflatten_named(self._arrays_from(payload), self.like))
         digest = tree_digest(new)
         if digest != payload.param_digest.hex():
             raise IslandError(f"full parameters of round {payload.round} fail their digest check")

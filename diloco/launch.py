@@ -42,8 +42,8 @@ from diloco.procs import Federation, FederationError
 from diloco.progress import format_eta
 from diloco.rundir import LAUNCH_LOCK_FILE, RunDirLock, check_free
 from diloco.tls import make_local_pki
+from floor.errors import UserError
 from transport.auth import TlsConfig, resolve_secret
-from transport.errors import UserError
 
 SECRET_VAR = "DILOCO_SECRET_{}"
 """The environment variable that carries island i's secret to the coordinator and to island i alone."""

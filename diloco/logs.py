@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from transport.errors import UserError
+from floor.errors import UserError
 
 FORMATS = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error")

@@ -23,16 +23,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from transport.errors import UserError
-
-if TYPE_CHECKING:
-    from diloco.config import RunConfig
-    from diloco.coordinator import Coordinator
+from diloco.config import RunConfig
+from floor.errors import UserError
 
 UNKNOWN = "unknown"
 """The label of every island name that is not in the run's config: what a rogue client's inventions count under."""
@@ -53,6 +50,16 @@ class Run(Protocol):
     losses: Any
     tokens: int
     seconds: float
+
+
+class Present(Protocol):
+    """What `CoordinatorMetrics.follow` reads of the coordinator (diloco.coordinator.Coordinator) at scrape time."""
+
+    loop: Any
+    """Its outer loop (diloco.rounds.OuterLoop): `loop.round` is the round in progress."""
+    clock: Callable[[], float]
+    opened_at: float
+    last_seen: Mapping[str, float]
 
 
 class MetricsError(UserError, OSError):
@@ -167,7 +174,7 @@ class CoordinatorMetrics:
         """The `island` label of `name`: itself when it is one of the run's islands, else "unknown"."""
         return bounded(name, self.names, UNKNOWN)
 
-    def follow(self, coordinator: Coordinator) -> None:
+    def follow(self, coordinator: Present) -> None:
         """Read the present from `coordinator` at scrape time (no lock: single reads of ints and dicts)."""
         self.round.set_function(lambda: coordinator.loop.round)
         self.open_round_age.set_function(lambda: max(0.0, coordinator.clock() - coordinator.committer.opened_at))

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transport.errors import UserError
+from diloco.positions import commit_position, steps_per_commit
+from floor.errors import UserError
 
 if TYPE_CHECKING:
     from diloco.config import RunConfig
@@ -87,7 +88,7 @@ class Curve:
 
 def read_curve(run_dir: Path, label: str | None = None) -> Curve:
     """The curve of one run directory, labelled `label` or the directory's name; PlotError when it has none."""
-    from diloco.rundir import read_events  # with the config loader, which imports JAX: not at `diloco --help`
+    from diloco.rundir import read_events  # with the config loader: read when a curve is, not at `diloco --help`
 
     metrics = _checked_metrics(run_dir)
     cfg = _run_config(run_dir)
@@ -160,19 +161,6 @@ def _commit_points(events: list[dict[str, Any]], cfg: RunConfig) -> list[Point]:
             bytes=int(e.get("bytes_up", 0)) + int(e.get("bytes_down", 0)), wall=float(e.get("t", 0.0)), eval_loss=loss,
         )  # fmt: skip
     return [by_position[s] for s in sorted(by_position)]
-
-
-def steps_per_commit(cfg: RunConfig) -> float:
-    """Inner steps per island from one commit to the next: H / P, or in async mode H / islands.count (module
-    docstring). Shared with diloco/tensorboard.py, so that a curve has the same x in a PNG and in TensorBoard."""
-    return cfg.train.inner_steps / (cfg.islands.count if cfg.train.mode == "async" else cfg.stream.fragments)
-
-
-def commit_position(event: str, fields: Mapping[str, Any], fragments: int) -> int:
-    """The sync position s = round·P + fragment of a `round`, `sync` or `push` event; a `round` event without a
-    `fragment` is its round's last commit, any other event without one has fragment 0 (P = 1 logs none)."""
-    last_fragment = fragments - 1 if event == "round" else 0
-    return int(fields["round"]) * fragments + int(fields.get("fragment", last_fragment))
 
 
 def _number(value: object) -> float | None:

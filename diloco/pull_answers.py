@@ -22,8 +22,10 @@ from diloco.global_run import GlobalRun
 from diloco.membership import PullKind, PullView, answer_pull
 from diloco.metrics import CoordinatorMetrics
 from diloco.push_admission import PushAdmission
+from floor.codec import CodecSpec, EncodedTensor
+from pytrees.encode import encode_named
+from pytrees.naming import flatten_named
 from transport import diloco_pb2 as pb
-from transport.codecs import CodecSpec, EncodedTensor, encode_tree, flatten_named
 from transport.errors import Rejected
 from transport.handler import PullPayload
 
@@ -102,7 +104,7 @@ class PullAnswers:
             tensors: Sequence[EncodedTensor] = commit.encoded
             reaches, digest, shared = position + 1, commit.fragment_digest, self.window.streams.get(position)
         else:
-            tensors = encode_tree(flatten_named(loop.params), FP32)
+            tensors = encode_named(flatten_named(loop.params), FP32)
             reaches, digest, shared = loop.sync, self.world.params_digest, None
         island = req.island
         nbytes = sum(len(t.payload) for t in tensors)

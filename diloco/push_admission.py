@@ -35,9 +35,9 @@ import numpy as np
 
 from diloco.rejections import clip
 from diloco.rounds import OuterLoop, RoundError
-from outer_optimizer import discount, staleness_weight
+from floor.codec import EncodedTensor
+from outer_optimizer.asynchronous import discount, staleness_weight
 from transport import diloco_pb2 as pb
-from transport.codecs import EncodedTensor
 from transport.errors import Rejected
 from transport.validate import check_round
 

@@ -27,11 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from islands.compress import Residual, compress_tree, zero_residual
-from outer_optimizer import Aggregated, Rule, apply_update, make_outer_step, mean
+from floor.codec import CodecSpec, EncodedTensor
+from outer_optimizer.aggregate import Aggregated, Rule, mean
 from outer_optimizer.fragments import Fragments
-from transport.codecs import CodecSpec, EncodedTensor, PyTree, flatten_named, unflatten_named
-from transport.digest import tree_digest
+from outer_optimizer.optimizers import apply_update, make_outer_step
+from pytrees.digest import tree_digest
+from pytrees.feedback import Residual, compress_tree, zero_residual
+from pytrees.naming import PyTree, flatten_named, unflatten_named
 
 
 @jax.tree_util.register_dataclass
@@ -124,7 +126,7 @@ class OuterLoop:
         self.state = state
         self.downlink = downlink
         self.aggregate = aggregate
-        """How the round's pseudo-gradients become one (`OuterConfig.aggregator()`; default DiLoCo's weighted mean)."""
+        """How the round's pseudo-gradients become one (`optimizers.aggregator`; default DiLoCo's weighted mean)."""
         self.fragments = fragments or Fragments.whole(list(flatten_named(state.params)))
         self._outer_update = make_outer_step(tx)
         self._pending: dict[str, Contribution] = {}

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from diloco.config import RunConfig, diff_keys, dump_toml, from_dict, to_dict
 from diloco.tensorboard import open_tensorboard
-from transport.errors import UserError
+from floor.errors import UserError
 
 log = logging.getLogger("diloco.rundir")
 

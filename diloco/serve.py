@@ -24,8 +24,8 @@ from diloco.rundir import RunDir
 from diloco.setup import build_setup
 from diloco.tls import check_exposure, server_tls
 from diloco.warm_start import check_fresh
+from floor.errors import UserError
 from transport.auth import Authenticator, resolve_secret
-from transport.errors import UserError
 from transport.grpc_server import start_server
 from transport.service import DilocoService
 

@@ -19,9 +19,10 @@ from islands.inner import make_eval_fn, make_inner_optimizer
 from islands.island import Batches, Island
 from islands.memory import Footprint, OutOfMemoryError, device_room, eval_advice, verdict
 from islands.mesh import build_mesh, replicated
-from islands.models import Model, build_model, param_count
+from islands.models.base import Model, param_count
+from islands.models.registry import build_model
 from outer_optimizer.fragments import FragmentError, Fragments
-from transport.codecs import PyTree, flatten_named
+from pytrees.naming import PyTree, flatten_named
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from islands.island import InnerRun, Island, RoundPush
 from islands.mesh import accumulation_steps, build_mesh
 from islands.vectorized import IslandStack
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
-from transport.digest import tree_digest
+from pytrees.digest import tree_digest
 
 
 class UnionStream:

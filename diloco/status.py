@@ -20,10 +20,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from floor.errors import UserError
 from transport import diloco_pb2 as pb
 from transport.auth import TlsConfig
 from transport.config import TransportConfig
-from transport.errors import TransportError, UserError
+from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport
 
 SERVING = "SERVING"

@@ -14,7 +14,7 @@ loss), an island process its own inner loss (`diloco launch` puts those in RUN/i
     push           island/NAME/{compute_s, wall_s}  the inner steps per island of the commit it joins
 
 x is one unit everywhere, inner steps per island, so the global and the island curves share an axis: commit
-s = round·P + fragment lands at (s + 1)·H/P (`diloco.plot.steps_per_commit`, as `diloco plot --x steps` draws it);
+s = round·P + fragment lands at (s + 1)·H/P (`diloco.positions.steps_per_commit`, as `diloco plot --x steps` draws it);
 in train.mode "async" update u counts as (u + 1)·H/islands.count, rounded to a whole step. NAME is one of the
 config's islands.names (or "sync", the data-parallel baseline's one model): a name an event carries that the
 config does not know is skipped, never turned into a tag.
@@ -33,13 +33,11 @@ import math
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from diloco.plot import commit_position, steps_per_commit
-from transport.errors import UserError
-
-if TYPE_CHECKING:
-    from diloco.config import RunConfig
+from diloco.config import RunConfig
+from diloco.positions import commit_position, steps_per_commit
+from floor.errors import UserError
 
 INSTALL_HINT = "run.tensorboard = true needs tensorboardX, which is not installed: pip install 'diloco[tensorboard]'"
 GLOBAL_FIELDS = ("eval_loss", "loss", "tokens", "bytes_up", "bytes_down", "seconds")

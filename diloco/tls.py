@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from floor.errors import UserError
 from transport.auth import TlsConfig
-from transport.errors import UserError
 
 log = logging.getLogger("diloco.tls")
 

@@ -31,9 +31,9 @@ import orbax.checkpoint as ocp
 from diloco.config import ConfigError, RunConfig, diff_keys, from_dict, to_dict
 from diloco.rundir import RunDir
 from islands.island import Island
-from islands.models import ModelConfig
-from transport.codecs import PyTree, flatten_named
-from transport.digest import tree_digest
+from islands.models.config import ModelConfig
+from pytrees.digest import tree_digest
+from pytrees.naming import PyTree, flatten_named
 
 log = logging.getLogger("diloco.warm_start")
 

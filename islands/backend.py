@@ -27,7 +27,7 @@ import importlib.util
 import os
 from collections.abc import Mapping
 
-from transport.errors import UserError
+from floor.errors import UserError
 
 BACKENDS = ("local", "pathways")
 """The values of islands.backend."""

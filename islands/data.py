@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from floor.errors import UserError
 from islands import prepared
-from transport.errors import UserError
 
 KINDS: tuple[str, ...] = ("text", "tokens", "synthetic")
 TOKEN_DTYPES: tuple[str, ...] = ("uint16", "uint32")

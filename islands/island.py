@@ -35,14 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from islands.compress import Compressed, Residual, compress_tree, zero_residual
-from islands.inner import InnerConfig, make_train_step, place_tree
+from floor.codec import CodecSpec
+from floor.errors import UserError
+from islands.config import InnerConfig
+from islands.inner import make_train_step, place_tree
 from islands.memory import Footprint, OutOfMemoryError, device_room, step_advice, verdict
 from islands.mesh import accumulation_steps, batch_sharding, build_mesh, param_sharding
-from islands.models import Model
-from outer_optimizer import pseudo_gradient
-from transport.codecs import CodecSpec, PyTree, flatten_named, unflatten_named
-from transport.errors import UserError
+from islands.models.base import Model
+from outer_optimizer.aggregate import pseudo_gradient
+from pytrees.feedback import Compressed, Residual, compress_tree, zero_residual
+from pytrees.naming import PyTree, flatten_named, unflatten_named
 
 
 class DivergedError(UserError):

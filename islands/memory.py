@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transport.errors import UserError
+from floor.errors import UserError
 
 GB = 10**9
 

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transport.errors import UserError
+from floor.errors import UserError
 
 AXIS = "data"
 

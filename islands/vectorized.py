@@ -47,7 +47,7 @@ from islands.inner import LossFn, inner_update
 from islands.island import InnerRun, Island
 from islands.memory import Footprint, OutOfMemoryError, device_room, verdict
 from islands.mesh import replicated
-from transport.codecs import PyTree
+from pytrees.naming import PyTree
 
 CHUNK_BYTES = 64 << 20
 """At most this many bytes of batches go to the device in one program call (a run of n steps is split in chunks)."""

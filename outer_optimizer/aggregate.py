@@ -42,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from outer_optimizer.config import RULES, valid_norm_bound, valid_trim
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -162,11 +164,6 @@ def clip_scales(norms: jax.Array, bound: float) -> jax.Array:
     return jnp.where(jnp.isfinite(norms), scaled, 0.0).astype(jnp.float32)
 
 
-def valid_norm_bound(bound: float) -> bool:
-    """A finite bound >= 1: below 1 even the median island would be shrunk (that is outer.lr's job)."""
-    return math.isfinite(bound) and bound >= 1
-
-
 def _scaled(x: jax.Array, scale: jax.Array) -> jax.Array:
     """x · scale, and exactly 0 where scale is 0 (so inf · 0 never makes a NaN)."""
     x = jnp.asarray(x, jnp.float32)
@@ -188,11 +185,6 @@ def norm_clip(deltas: Sequence[optax.Updates], weights: Sequence[float], bound: 
 
 
 # -- trimmed_mean and median --------------------------------------------------------------------------------------
-
-
-def valid_trim(trim: float) -> bool:
-    """A fraction in [0, 0.5) or a whole count >= 1 (a fraction of 0.5 or more would trim every value)."""
-    return 0 <= trim < 0.5 or (math.isfinite(trim) and trim >= 1 and trim == int(trim))
 
 
 def trim_count(trim: float, n: int) -> int:
@@ -281,10 +273,6 @@ def median(deltas: Sequence[optax.Updates], weights: Sequence[float]) -> Aggrega
     the most trimming, so it holds while fewer than half the islands are Byzantine (Yin et al. 2018)."""
     _check("median", deltas, weights)
     return _order_statistic("median", deltas, (len(deltas) - 1) // 2)
-
-
-RULES = ("mean", "norm_clip", "trimmed_mean", "median")
-"""The values of outer.aggregate."""
 
 
 def make_rule(kind: str, norm_bound: float, trim: float) -> Rule:

@@ -17,12 +17,13 @@ in `outer_optimizer/optimizers.py`'s `OuterConfig`, which validates them with th
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from outer_optimizer.config import valid_staleness_exponent
 
 
 def staleness_weight(staleness: int, exponent: float) -> float:
@@ -37,11 +38,6 @@ def staleness_weight(staleness: int, exponent: float) -> float:
     if not valid_staleness_exponent(exponent):
         raise ValueError(f"staleness exponent must be a finite number >= 0 (got {exponent})")
     return float((1.0 + staleness) ** -exponent)
-
-
-def valid_staleness_exponent(exponent: float) -> bool:
-    """A finite a >= 0 (a negative one would weigh stale Δs more than fresh ones)."""
-    return math.isfinite(exponent) and exponent >= 0
 
 
 def discount(delta: optax.Updates, weight: float) -> optax.Updates:

@@ -1,6 +1,6 @@
 """Streaming DiLoCo's fragments and schedule (arXiv 2501.18512): which parameters sync together, and when.
 
-The model's leaves (named as `transport.codecs.flatten_named` names them: ``blocks/3/attn/wo``) are split into P
+The model's leaves (named as `pytrees.naming.flatten_named` names them: ``blocks/3/attn/wo``) are split into P
 fragments. Each fragment syncs every H inner steps, but at its own offset, so that one fragment is on the wire
 at a time and the bytes of a sync fall about P times:
 
@@ -84,12 +84,6 @@ class Fragments:
         """Fragment p's entries of a name-keyed mapping (parameters, a Δ, a residual), in name order."""
         return {name: named[name] for name in self.names[p]}
 
-    def index_of(self, leaf: str) -> int:
-        for p, names in enumerate(self.names):
-            if leaf in names:
-                return p
-        raise KeyError(leaf)
-
 
 def check_schedule(inner_steps: int, fragments: int, overlap_steps: int) -> str | None:
     """Why (H, P, τ) cannot be scheduled, or None."""
@@ -107,11 +101,6 @@ def syncing_fragment(step: int, inner_steps: int, fragments: int) -> int | None:
     if step <= 0 or step % stride:
         return None
     return (step // stride - 1) % fragments
-
-
-def sync_step(round: int, fragment: int, inner_steps: int, fragments: int) -> int:
-    """The inner step after which fragment `fragment` of outer round `round` syncs (its (round+1)-th sync)."""
-    return round * inner_steps + (fragment + 1) * (inner_steps // fragments)
 
 
 def merging_fragment(step: int, inner_steps: int, fragments: int, overlap_steps: int) -> int | None:

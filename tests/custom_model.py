@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
-from islands.models import ModelConfig
+from islands.models.config import ModelConfig
 
 
 def build(cfg: ModelConfig) -> SimpleNamespace:

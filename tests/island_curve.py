@@ -12,10 +12,12 @@ import sys
 import jax
 import numpy as np
 
+from islands.config import InnerConfig
 from islands.data import BatchStream, synthetic_tokens
-from islands.inner import InnerConfig, make_inner_optimizer
+from islands.inner import make_inner_optimizer
 from islands.island import Island
-from islands.models import ModelConfig, build_model
+from islands.models.config import ModelConfig
+from islands.models.registry import build_model
 
 
 def curve(devices: int, microbatch: int, shard: bool) -> dict:

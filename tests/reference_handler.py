@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from diloco.push_admission import AcceptedPushes
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
-from transport.codecs import EncodedTensor
 from transport.handler import PullPayload
 from transport.validate import check_round
 

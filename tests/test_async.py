@@ -22,7 +22,8 @@ from diloco.config import ConfigError, load_config
 from diloco.rundir import read_events
 from diloco.simulate import run_simulation
 from diloco.summary import SUMMARY_KEYS
-from outer_optimizer import apply_update, delayed_nesterov, discount, make_outer_step, staleness_weight
+from outer_optimizer.asynchronous import delayed_nesterov, discount, staleness_weight
+from outer_optimizer.optimizers import apply_update, make_outer_step
 from tests.conftest import write_corpus
 
 # -- the staleness weight ----------------------------------------------------------------------------------------

@@ -19,10 +19,12 @@ from diloco.config import load_config
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir, read_events
 from diloco.setup import build_setup
+from floor.codec import CodecSpec, decode
+from pytrees.digest import tree_digest
+from pytrees.encode import encode_named
+from pytrees.naming import flatten_named
 from transport import diloco_pb2 as pb
 from transport.chunking import payload_digest
-from transport.codecs import CodecSpec, decode, encode_tree, flatten_named
-from transport.digest import tree_digest
 from transport.errors import Rejected
 
 
@@ -51,7 +53,7 @@ def push(coord: Coordinator, island: str, base: int, digest: str, fill: float) -
     named = {k: np.full(np.shape(v), fill, np.float32) for k, v in _theta(coord).items()}
     meta = pb.PushMeta(run_id=coord.run_id, island=island, round=base, tokens=128, loss=1.0,
                        base_digest=bytes.fromhex(digest))  # fmt: skip
-    tensors = encode_tree(named, CodecSpec(kind="fp32"))
+    tensors = encode_named(named, CodecSpec(kind="fp32"))
     return coord.push(meta, tensors, named, payload_digest(tensors))
 
 

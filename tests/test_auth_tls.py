@@ -184,7 +184,7 @@ def test_literal_secrets_are_redacted_and_the_placeholder_never_authenticates():
 
 
 def test_tls_config_errors_are_user_errors(tmp_path):
-    from transport.errors import UserError
+    from floor.errors import UserError
 
     with pytest.raises(UserError, match="tls.cert_file: file not found"):
         TlsConfig(cert_file=str(tmp_path / "a.crt"), key_file=str(tmp_path / "a.key"))

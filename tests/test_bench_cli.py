@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco.bench import BenchError
 from diloco.bench import federation as fed_bench
+from diloco.bench.errors import BenchError
 from diloco.cli import main
 from diloco.config import load_config
 from diloco.procs import FederationError

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from diloco.bench import BenchError
+from diloco.bench.errors import BenchError
 from diloco.bench.load import run_load_bench
 from diloco.bench.soak import TAIL_ROUNDS, DigestWatch, SoakPlan, run_soak_bench
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from floor.codec import EncodedTensor
 from transport.chunking import (
     BufferPool,
     Reassembler,
@@ -15,7 +16,6 @@ from transport.chunking import (
     iter_trailed_views,
     payload_digest,
 )
-from transport.codecs import EncodedTensor
 from transport.errors import Rejected
 
 CODECS = frozenset({"fp32"})

@@ -1,4 +1,5 @@
-"""Tests for transport.codecs: round-trip error bounds, determinism, refusal of bad input and bad bytes."""
+"""Tests for the codecs (floor.codec, pytrees.encode, pytrees.naming, pytrees.feedback): round-trip error bounds,
+determinism, refusal of bad input and bad bytes."""
 
 from __future__ import annotations
 
@@ -14,22 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from transport.codecs import (
-    KINDS,
-    QMAX,
-    CodecError,
-    CodecSpec,
-    EncodedTensor,
-    compress_tree_with_feedback,
-    compress_with_feedback,
-    decode,
-    decode_tree,
-    encode,
-    encode_tree,
-    flatten_named,
-    raw_payload_nbytes,
-    unflatten_named,
-)
+from floor.codec import KINDS, QMAX, CodecError, CodecSpec, EncodedTensor, decode, decode_named, raw_payload_nbytes
+from pytrees.encode import encode, encode_named
+from pytrees.feedback import compress_named, compress_with_feedback
+from pytrees.naming import flatten_named, unflatten_named
 
 # A small fixed set of sizes and block sizes keeps the number of distinct jit compilations (one per flat
 # size and block size) low, while covering empty, 1-element, odd, and not-a-multiple-of-the-block sizes.
@@ -348,17 +337,17 @@ def test_named_tree_mismatches_refused():
         flatten_named({"a/b": np.ones(1), "a": {"b": np.ones(1)}})
 
 
-def test_encode_tree_decode_tree():
+def test_encode_named_decode_named():
     named = flatten_named(_tree())
     spec = CodecSpec(kind="int4", block_size=4, zstd_level=1)
-    encoded = encode_tree(named, spec)
+    encoded = encode_named(named, spec)
     assert [e.name for e in encoded] == sorted(named)
-    decoded = decode_tree(encoded)
+    decoded = decode_named(encoded)
     assert list(decoded) == sorted(named)
     for name, x in named.items():
         assert_within_bound(x, decoded[name], spec)
     with pytest.raises(CodecError, match="appears twice"):
-        decode_tree(encoded + encoded[:1])
+        decode_named(encoded + encoded[:1])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -394,11 +383,11 @@ def test_error_feedback_bounds_drift():
 def test_tree_feedback_and_residual_shape_check():
     named = {"a": np.full(10, 0.3, np.float32), "b": np.linspace(-1, 1, 7, dtype=np.float32)}
     spec = CodecSpec(kind="int4", block_size=2)
-    enc, dec, res = compress_tree_with_feedback(named, None, spec)
+    enc, dec, res = compress_named(named, None, spec)
     assert [e.name for e in enc] == ["a", "b"]
     for k in named:
         assert np.array_equal(named[k] - dec[k], res[k])
-    enc2, dec2, res2 = compress_tree_with_feedback(named, res, spec)
+    enc2, dec2, res2 = compress_named(named, res, spec)
     assert np.array_equal(res2["a"], named["a"] + res["a"] - dec2["a"])
     with pytest.raises(CodecError, match="residual shape"):
         compress_with_feedback(named["a"], np.zeros(3, np.float32), spec, name="a")

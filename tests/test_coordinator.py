@@ -21,12 +21,14 @@ from diloco.config import load_config
 from diloco.coordinator import Coordinator
 from diloco.rundir import RunDir, read_events
 from diloco.setup import build_setup
+from floor.codec import CodecSpec
+from pytrees.digest import tree_digest
+from pytrees.encode import encode_named
+from pytrees.naming import flatten_named
 from tests.wire_helpers import push_chunks
 from transport import diloco_pb2 as pb
 from transport.auth import call_metadata
 from transport.chunking import payload_digest
-from transport.codecs import CodecSpec, encode_tree, flatten_named
-from transport.digest import tree_digest
 from transport.errors import Rejected
 from transport.service import DilocoService
 
@@ -49,7 +51,7 @@ def coordinator(tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 def push(coord: Coordinator, island: str, fill: float, **meta_fields) -> pb.PushReply:
     named = {k: np.full(np.shape(v), fill, np.float32) for k, v in flatten_named(coord.loop.params).items()}
-    tensors = encode_tree(named, CodecSpec(kind="fp32"))
+    tensors = encode_named(named, CodecSpec(kind="fp32"))
     fields = {
         "run_id": coord.run_id, "island": island, "round": coord.loop.round, "tokens": 128, "loss": 1.0,
         "base_digest": bytes.fromhex(coord.world.params_digest), **meta_fields,
@@ -316,7 +318,7 @@ def test_a_push_dropped_at_commit_leaves_its_island_free_to_push_a_new_delta(coo
         named = {k: np.full(np.shape(v), fill, np.float32) for k, v in flatten_named(coordinator.loop.params).items()}
         meta = pb.PushMeta(run_id=coordinator.run_id, island=island, round=coordinator.loop.round, tokens=128,
                            loss=1.0, base_digest=bytes.fromhex(coordinator.world.params_digest))  # fmt: skip
-        chunks = push_chunks(meta, encode_tree(named, CodecSpec(kind="fp32")), 1 << 16)
+        chunks = push_chunks(meta, encode_named(named, CodecSpec(kind="fp32")), 1 << 16)
         return service.push(call_metadata(island, None), chunks)
 
     assert push_through("island-1", F32_MAX).accepted

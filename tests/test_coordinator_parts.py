@@ -12,10 +12,11 @@ from diloco.commit_window import CommitWindow
 from diloco.push_admission import AsyncUpdates, PushAdmission, SyncRounds, contribution_digest
 from diloco.roster import Roster
 from diloco.rounds import OuterLoop, fragment_digests
+from floor.codec import CodecSpec
 from outer_optimizer.fragments import Fragments
+from pytrees.digest import tree_digest
+from pytrees.encode import encode_named
 from transport import diloco_pb2 as pb
-from transport.codecs import CodecSpec, encode_tree
-from transport.digest import tree_digest
 from transport.errors import Rejected
 
 PARAMS = {"a": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}
@@ -40,7 +41,7 @@ def admit(adm: PushAdmission, loop: OuterLoop, island: str, fill: float, fragmen
     """One push through `place` and `enter`, as the coordinator makes it; returns its payload digest."""
     names = loop.fragments.names[fragment]
     arrays = {n: np.full(PARAMS[n].shape, fill, np.float32) for n in names}
-    tensors = encode_tree(arrays, CodecSpec(kind="fp32"))
+    tensors = encode_named(arrays, CodecSpec(kind="fp32"))
     digest = bytes([int(fill * 10) % 256]) * 32
     digests = fragment_digests(loop.fragments, loop.params, tree_digest(loop.params))
     m = meta(island, round_, fragment, tokens, digests[fragment])
@@ -135,7 +136,7 @@ def test_an_asynchronous_push_is_weighted_by_its_staleness_and_refused_beyond_th
     adm = admission(AsyncUpdates(max_staleness=1, exponent=1.0))
     digests = {0: "aa" * 16, 1: "bb" * 16, 2: "cc" * 16}
     arrays = {n: np.ones(PARAMS[n].shape, np.float32) for n in PARAMS}
-    tensors = encode_tree(arrays, CodecSpec(kind="fp32"))
+    tensors = encode_named(arrays, CodecSpec(kind="fp32"))
 
     def place(round_: int, base: str):
         return adm.place(meta("i0", round_, base=base), tensors, arrays, b"d" * 32, loop, lambda m: digests.get(m.round))
@@ -154,7 +155,7 @@ def test_an_asynchronous_push_is_weighted_by_its_staleness_and_refused_beyond_th
 
 
 def test_the_contribution_digest_names_island_tensors_and_payload() -> None:
-    tensors = encode_tree({"a": np.ones(4, np.float32)}, CodecSpec(kind="fp32"))
+    tensors = encode_named({"a": np.ones(4, np.float32)}, CodecSpec(kind="fp32"))
     base = contribution_digest("i0", tensors, b"p" * 32)
     assert len(base) == 16
     assert base != contribution_digest("i1", tensors, b"p" * 32)

@@ -384,7 +384,7 @@ def test_dockerfile_matches_the_manifests() -> None:
     assert re.fullmatch(r"python:3\.(1[1-9])-slim", base), base
     copied = [src for ln in lines if ln.startswith("COPY ") for src in ln.split()[1:-1]]
     assert copied and all((REPO / src).exists() for src in copied), copied
-    for package in ("diloco", "islands", "outer_optimizer", "transport", "pyproject.toml", "constraints.txt"):
+    for package in ("diloco", "floor", "islands", "outer_optimizer", "pytrees", "transport", "pyproject.toml", "constraints.txt"):
         assert package in copied
     install = next(ln for ln in lines if "pip install" in ln)
     assert "-c /src/constraints.txt" in install

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transport.digest import DIGEST_BYTES, tree_digest
+from pytrees.digest import DIGEST_BYTES, tree_digest
 
 pytestmark = pytest.mark.timeout(60)
 

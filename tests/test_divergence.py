@@ -21,8 +21,8 @@ from diloco.global_run import GlobalRun, diverged_reason
 from diloco.rundir import RunDir, read_events
 from diloco.setup import Setup, build_setup, make_island
 from islands.island import DivergedError
+from pytrees.digest import tree_digest
 from tests.conftest import TINY_TOML, run_cli
-from transport.digest import tree_digest
 
 SYNTHETIC_TOML = TINY_TOML.replace('kind = "text"\npath = "{corpus}"', 'kind = "synthetic"')
 assert 'kind = "synthetic"' in SYNTHETIC_TOML

@@ -144,8 +144,9 @@ def rogue_attacks(addr: str, run_id: str) -> list[str]:
 
     The rogue holds island-0's secret (a leaked credential) but not island-1's.
     """
+    from floor.codec import CodecSpec
+    from pytrees.encode import encode_named
     from transport import diloco_pb2 as pb
-    from transport.codecs import CodecSpec, encode_tree
     from transport.config import TransportConfig
     from transport.errors import TransportError
     from transport.grpc_client import GrpcTransport
@@ -167,7 +168,7 @@ def rogue_attacks(addr: str, run_id: str) -> list[str]:
         decode = decoder()
         named = {t.name: np.array(decode(t), np.float32) for t in full.tensors}
         # In the run's uplink codec (int8): a push in another codec is refused for that alone (INVALID_ARGUMENT).
-        good = encode_tree({k: np.full_like(v, 1e-3) for k, v in named.items()}, CodecSpec(kind="int8"))
+        good = encode_named({k: np.full_like(v, 1e-3) for k, v in named.items()}, CodecSpec(kind="int8"))
         current = full.round
 
         def meta(island: str = "island-0", round_: int = current) -> pb.PushMeta:
@@ -175,7 +176,7 @@ def rogue_attacks(addr: str, run_id: str) -> list[str]:
 
         refused(lambda: rogue.push(meta(island="island-1"), good))  # impersonation
         first = next(iter(named))
-        misshapen = encode_tree({**named, first: np.zeros(named[first].size + 1, np.float32)}, CodecSpec("fp32"))
+        misshapen = encode_named({**named, first: np.zeros(named[first].size + 1, np.float32)}, CodecSpec("fp32"))
         refused(lambda: rogue.push(meta(), misshapen))
         # An int8 payload starts with its float32 block scales: a NaN scale (the decoder refuses non-finite scales).
         nan_scale = np.array([np.nan], np.float32).tobytes()

@@ -23,7 +23,9 @@ import pytest
 from diloco.config import ConfigError, load_config
 from islands.inner import make_train_step, place_tree
 from islands.mesh import accumulation_steps, build_mesh
-from islands.models import ModelConfig, ModelError, build_model, param_count
+from islands.models.base import param_count
+from islands.models.config import ModelConfig, ModelError
+from islands.models.registry import build_model
 from tests.conftest import REPO, child_env
 from tests.gpt2_curve import CONFIG, curve
 

@@ -10,12 +10,13 @@ import grpc
 import numpy as np
 import pytest
 
+from floor.codec import CodecSpec, decode
+from pytrees.encode import encode
 from tests.reference_handler import ReferenceHandler, fp32_tensor, params_digest
 from tests.wire_helpers import push_chunks
 from transport import diloco_pb2 as pb
 from transport import diloco_pb2_grpc as pb_grpc
 from transport.auth import Authenticator, call_metadata
-from transport.codecs import CodecSpec, decode, encode
 from transport.config import TransportConfig, TransportConfigError
 from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport

@@ -24,12 +24,12 @@ import grpc
 import numpy as np
 import pytest
 
+from floor.codec import EncodedTensor, raw_payload_nbytes
 from tests.reference_handler import ReferenceHandler, fp32_tensor
 from tests.wire_helpers import push_chunks
 from transport import chunking
 from transport import diloco_pb2 as pb
 from transport.auth import Authenticator, call_metadata
-from transport.codecs import EncodedTensor, raw_payload_nbytes
 from transport.config import TransportConfig
 from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport

@@ -26,7 +26,7 @@ from islands.memory import (
     step_advice,
     verdict,
 )
-from islands.models import build_model
+from islands.models.registry import build_model
 from tests.conftest import REPO
 
 MB = 10**6

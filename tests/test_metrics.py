@@ -33,13 +33,15 @@ from diloco.metrics import CODES, METHODS, PULL_KINDS, UNKNOWN, IslandMetrics, m
 from diloco.procs import Federation
 from diloco.rundir import RunDir
 from diloco.status import show_status
+from floor.codec import CodecSpec
+from pytrees.encode import encode_named
+from pytrees.naming import flatten_named
 from tests.conftest import JAX_CACHE, REPO, child_env
 from tests.reference_handler import ReferenceHandler
 from tests.test_federation import ENV, FAST, WAIT_S
 from tests.wire_helpers import push_chunks
 from transport import diloco_pb2 as pb
 from transport.auth import call_metadata
-from transport.codecs import CodecSpec, encode_tree, flatten_named
 from transport.config import TransportConfig
 from transport.grpc_client import GrpcTransport
 from transport.grpc_server import RunningServer, start_server
@@ -183,7 +185,7 @@ def test_a_thousand_invented_island_names_leave_the_labels_bounded(tiny_config: 
                                     request_serializer=pb.PushChunk.SerializeToString,
                                     response_deserializer=pb.PushReply.FromString)  # fmt: skip
         zeros = {k: np.zeros(np.shape(v), np.float32) for k, v in flatten_named(coord.loop.params).items()}
-        tensors = encode_tree(zeros, CodecSpec(kind="fp32"))
+        tensors = encode_named(zeros, CodecSpec(kind="fp32"))
         for i in range(500):
             name = f"rogue-{i}-" + "x" * (i % 50)
             req = pb.JoinRequest(run_id=cfg.run.name, island=name, config_digest=coord.digest, devices=1)

@@ -13,7 +13,10 @@ import numpy as np
 import optax
 import pytest
 
-from islands.models import MODELS, Model, ModelConfig, ModelError, build_model, moe, param_count, transformer
+from islands.models import moe, transformer
+from islands.models.base import Model, param_count
+from islands.models.config import ModelConfig, ModelError
+from islands.models.registry import MODELS, build_model
 
 TINY = ModelConfig(
     vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, n_experts=4, top_k=2
@@ -53,7 +56,7 @@ def train(model: Model, batch: jax.Array, steps: int, lr: float = 1e-2) -> tuple
 
 
 def test_registry_covers_every_kind():
-    from islands.models import KINDS
+    from islands.models.config import KINDS
 
     assert set(MODELS) == set(KINDS)
 

@@ -8,14 +8,16 @@ import optax
 import pytest
 
 from diloco.rounds import OuterLoop, RoundError
-from outer_optimizer import OuterConfig, apply_update, make_outer_step, pseudo_gradient, weighted_mean
-from transport.codecs import CodecSpec
+from floor.codec import CodecSpec
+from outer_optimizer.aggregate import pseudo_gradient, weighted_mean
+from outer_optimizer.config import KINDS, OuterConfig
+from outer_optimizer.optimizers import OUTER_OPTIMIZERS, apply_update, build_optimizer, make_outer_step
 
 FP32 = CodecSpec(kind="fp32")
 
 
 def _steps(cfg: OuterConfig, grads: list[np.ndarray], theta0: np.ndarray) -> list[np.ndarray]:
-    tx = cfg.build()
+    tx = build_optimizer(cfg)
     step = make_outer_step(tx)
     params = {"w": jnp.asarray(theta0)}
     state = tx.init(params)
@@ -25,6 +27,10 @@ def _steps(cfg: OuterConfig, grads: list[np.ndarray], theta0: np.ndarray) -> lis
         params = apply_update(params, update)
         out.append(np.asarray(params["w"]))
     return out
+
+
+def test_every_kind_the_config_accepts_has_a_builder() -> None:
+    assert list(OUTER_OPTIMIZERS) == list(KINDS)
 
 
 def test_nesterov_matches_hand_computation() -> None:
@@ -77,7 +83,7 @@ def test_weighted_mean_weights_by_tokens_in_given_order() -> None:
 
 def test_outer_loop_commits_in_name_order_and_guards_rounds() -> None:
     params = {"w": jnp.array([1.0, 1.0])}
-    tx = OuterConfig(kind="sgd", lr=1.0, momentum=0.0).build()
+    tx = build_optimizer(OuterConfig(kind="sgd", lr=1.0, momentum=0.0))
     loop_a, loop_b = OuterLoop.fresh(params, tx, FP32), OuterLoop.fresh(params, tx, FP32)
     deltas = {
         "z": {"w": jnp.array([0.1, 0.3])},
@@ -114,7 +120,7 @@ def test_outer_config_validation(kwargs: dict, message: str) -> None:
 
 
 def test_optax_chain_composes() -> None:
-    tx = optax.chain(optax.clip(0.1), OuterConfig().build())
+    tx = optax.chain(optax.clip(0.1), build_optimizer(OuterConfig()))
     state = tx.init({"w": jnp.zeros(2)})
     updates, _ = tx.update({"w": jnp.array([5.0, -5.0])}, state, {"w": jnp.zeros(2)})
     assert np.all(np.abs(np.asarray(updates["w"])) <= 0.7 * 0.1 * (1 + 0.9) + 1e-6)

@@ -17,11 +17,21 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from diloco.rounds import OuterLoop
-from outer_optimizer import RULES, OuterConfig, make_rule, median, norm_clip, trim_count, trimmed_mean, weighted_mean
-from outer_optimizer.aggregate import global_norms, lower_median
+from floor.codec import CodecSpec
+from outer_optimizer.aggregate import (
+    global_norms,
+    lower_median,
+    make_rule,
+    median,
+    norm_clip,
+    trim_count,
+    trimmed_mean,
+    weighted_mean,
+)
+from outer_optimizer.config import RULES, OuterConfig
+from outer_optimizer.optimizers import aggregator, build_optimizer
+from pytrees.digest import tree_digest
 from tests.conftest import child_env
-from transport.codecs import CodecSpec
-from transport.digest import tree_digest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -272,7 +282,7 @@ def test_norm_clip_bounds_the_byzantine_island(
 def test_a_robust_commit_stays_finite_when_one_island_sends_float32_max(rule: str, poison: float) -> None:
     cfg = OuterConfig(aggregate=rule)  # nesterov, lr 0.7, momentum 0.9: the outer step that overflowed
     params = {"w": jnp.zeros(6, jnp.float32)}
-    loop = OuterLoop.fresh(params, cfg.build(), CodecSpec(kind="fp32"), cfg.aggregator())
+    loop = OuterLoop.fresh(params, build_optimizer(cfg), CodecSpec(kind="fp32"), aggregator(cfg))
     honest = _honest_round(2, 3)
     for name, delta in zip(["a", "b", "c"], honest, strict=True):
         loop.submit(name, 0, {"w": delta["b"][:6]}, tokens=10)
@@ -285,7 +295,7 @@ def test_a_robust_commit_stays_finite_when_one_island_sends_float32_max(rule: st
 
 def test_mean_commit_records_every_island_kept() -> None:
     params = {"w": jnp.zeros(2, jnp.float32)}
-    loop = OuterLoop.fresh(params, OuterConfig().build(), CodecSpec(kind="fp32"))
+    loop = OuterLoop.fresh(params, build_optimizer(OuterConfig()), CodecSpec(kind="fp32"))
     loop.submit("b", 0, {"w": np.ones(2, np.float32)}, tokens=1)
     loop.submit("a", 0, {"w": np.ones(2, np.float32)}, tokens=1)
     commit = loop.commit()

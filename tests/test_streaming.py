@@ -27,11 +27,12 @@ from diloco.rounds import OuterLoop
 from diloco.rundir import read_events
 from diloco.setup import build_setup
 from diloco.simulate import Lockstep, run_simulation
+from floor.codec import CodecSpec
 from islands.island import Island
-from outer_optimizer import mean
+from outer_optimizer.aggregate import mean
 from outer_optimizer.fragments import Fragments
+from pytrees.naming import flatten_named
 from tests.conftest import cut_after_round
-from transport.codecs import CodecSpec, flatten_named
 
 FP32 = CodecSpec(kind="fp32")
 

@@ -25,8 +25,8 @@ from diloco.warm_start import newest_step
 from islands.data import BatchStream
 from islands.island import DivergedError, Island
 from islands.vectorized import IslandStack
+from pytrees.naming import PyTree
 from tests.conftest import cut_after_round
-from transport.codecs import PyTree
 
 RTOL, ATOL = 1e-4, 1e-5
 """How close the vectorized path must stay to the sequential one (measured: well below, see `test_..._agree`)."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.chunking import build_header, iter_trailed_views
-from transport.codecs import EncodedTensor
 
 
 def push_chunks(meta: pb.PushMeta, tensors: Sequence[EncodedTensor], chunk_bytes: int) -> Iterator[pb.PushChunk]:

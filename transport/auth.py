@@ -21,7 +21,8 @@ from pathlib import Path
 
 import grpc
 
-from transport.errors import Rejected, UserError
+from floor.errors import UserError
+from transport.errors import Rejected
 
 ISLAND_KEY = "x-diloco-island"
 SECRET_KEY = "x-diloco-secret"

@@ -11,7 +11,7 @@ gRPC's own work).
 
 Receiver: `Reassembler` checks the declared header against limits and against itself *before* allocating:
 oversize -> RESOURCE_EXHAUSTED; each tensor's declared size must be what its shape and codec make
-(``transport.codecs.raw_payload_nbytes``; with zstd, at most zstd's worst case for that size), so a header
+(``floor.codec.raw_payload_nbytes``; with zstd, at most zstd's worst case for that size), so a header
 cannot claim a large buffer for a small tensor. The declared total is reserved from the server's `ByteBudget`
 (all streams in flight together; UNAVAILABLE, "retry later", beyond it). Then it maps exactly one buffer of that
 size, writes each chunk into it in order (duplicate, reordered, overflowing or missing chunks ->
@@ -32,16 +32,14 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 
+from floor import codec
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.errors import Rejected
 from transport.tensors import from_meta, to_meta
-
-if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
-    from transport.codecs import EncodedTensor
 
 DIGEST_BYTES = 32
 BACKGROUND_MIN_BYTES = 8 << 20
@@ -56,7 +54,7 @@ def new_hasher() -> hashlib._Hash:
     """The payload digest: stdlib SHA-256 (32 bytes).
 
     Integrity, not identity, is what this digest is for, and SHA-256 runs on the CPU's SHA extensions, which makes
-    it faster than blake2b; hashing is most of a stream's CPU cost. Parameter digests (transport.digest) are
+    it faster than blake2b; hashing is most of a stream's CPU cost. Parameter digests (pytrees.digest) are
     XXH3-128 instead: they prove bit-identity, not what a sender streamed (docs/architecture.md, "Digests").
     """
     return hashlib.sha256()
@@ -231,11 +229,6 @@ class Reassembler:
         self._next_tensor = 0
         if header.total_bytes >= BACKGROUND_MIN_BYTES:
             self._hashing = _HashingThread()
-
-    @property
-    def received_bytes(self) -> int:
-        """Payload bytes written so far."""
-        return self._offset
 
     @property
     def received_chunks(self) -> int:
@@ -479,18 +472,15 @@ def check_declared_size(meta: pb.TensorMeta) -> None:
     """A tensor's declared ``nbytes`` is what its shape and codec make: exactly, or without zstd's worst case.
 
     Checked from the header alone, before any buffer exists, so that a tiny tensor cannot book a huge buffer.
-    ``transport.codecs`` (and JAX with it) is imported here, not with the module, like ``transport.tensors``.
     """
-    from transport import codecs
-
     name = meta.name
-    if len(meta.shape) > codecs.MAX_NDIM:
-        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: more than {codecs.MAX_NDIM} dimensions")
-    if meta.codec in codecs.QMAX and not (0 < meta.block_size <= codecs.MAX_BLOCK_SIZE and meta.block_size % 2 == 0):
+    if len(meta.shape) > codec.MAX_NDIM:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: more than {codec.MAX_NDIM} dimensions")
+    if meta.codec in codec.QMAX and not (0 < meta.block_size <= codec.MAX_BLOCK_SIZE and meta.block_size % 2 == 0):
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: invalid block size {meta.block_size}")
-    if not 0 <= meta.zstd_level <= codecs.MAX_ZSTD_LEVEL:
+    if not 0 <= meta.zstd_level <= codec.MAX_ZSTD_LEVEL:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: invalid zstd level {meta.zstd_level}")
-    raw = codecs.raw_payload_nbytes(meta.codec, math.prod(meta.shape), meta.block_size)
+    raw = codec.raw_payload_nbytes(meta.codec, math.prod(meta.shape), meta.block_size)
     if meta.zstd_level == 0 and meta.nbytes != raw:
         raise Rejected(
             grpc.StatusCode.INVALID_ARGUMENT,

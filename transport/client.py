@@ -17,13 +17,11 @@ failure type to handle. Every call is idempotent on the coordinator, which is wh
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.handler import PullPayload
-
-if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
-    from transport.codecs import EncodedTensor
 
 IN_PROCESS_TARGET = "in-process"
 """The ``target`` of a client that calls the service in the same process."""

@@ -25,11 +25,12 @@ attempt-plus-retries wrapper; each subclass adds its constructor and its six cal
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol, Self, TypedDict, TypeVar
+from typing import Protocol, Self, TypedDict, TypeVar
 
 import grpc
 import tenacity
 
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.auth import call_metadata
 from transport.chunking import Reassembler, build_header, check_header, iter_trailed_views
@@ -39,9 +40,6 @@ from transport.handler import PB_TO_KIND, PullPayload
 from transport.shaper import Direction, LinkDown
 from transport.tensors import known_codecs, payload_nbytes
 from transport.wire import PUSH_DATA_FIELD, encode_data_chunk, parse_pull_chunk
-
-if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
-    from transport.codecs import EncodedTensor
 
 T = TypeVar("T")
 

@@ -1,9 +1,4 @@
-"""Errors: the root of every user-facing error, and the errors of the wire layer.
-
-``UserError`` is the one base class of "the user got something wrong" (a config key, a data file, an island
-name, a coordinator that refuses the config): the CLI catches exactly this type and prints its message as one
-line with exit code 2, never a traceback. It lives here, in the package at the bottom of the import graph, so
-that every package can subclass it without a hub module that imports them all (docs/architecture.md).
+"""The errors of the wire layer.
 
 ``Rejected`` is raised on the receiving side (by the transport's own checks or by the coordinator's handler)
 and becomes a gRPC status with a reason; ``TransportError`` is what a client raises once an RPC has failed for
@@ -14,16 +9,14 @@ from __future__ import annotations
 
 import grpc
 
+from floor.errors import UserError
+
 #: Status codes worth retrying: the peer may be back, or the link may recover (LinkDown maps to UNAVAILABLE).
 #: CANCELLED too: a client only ever sees it when the server's watchdog cut a stream that stalled (a client's own
 #: cancels come out as LinkDown), and the same call over a recovered link may well succeed.
 RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
 )
-
-
-class UserError(Exception):
-    """A mistake the user can fix; its message is one line that names the config key, file, island or tensor."""
 
 
 class Rejected(Exception):

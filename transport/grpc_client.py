@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, Unpack
+from typing import Any, TypeVar, Unpack
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport import diloco_pb2_grpc as pb_grpc
 from transport.auth import TlsConfig
@@ -27,9 +28,6 @@ from transport.errors import TransportError
 from transport.handler import PullPayload
 from transport.shaper import LinkDown
 from transport.wire import parse_pull_chunk, serialize_chunk
-
-if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
-    from transport.codecs import EncodedTensor
 
 T = TypeVar("T")
 

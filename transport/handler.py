@@ -11,18 +11,15 @@ service; it never reaches the client and never stops the server.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
-
-if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
-    from transport.codecs import EncodedTensor
-    from transport.service import SharedPull
 
 PullKindName = Literal["update", "full"]
 
@@ -30,6 +27,15 @@ RejectionSink = Callable[[str, str], None]
 """``on_rejected(island, "CODE: reason")``: called once per refused call. Both strings came over the wire in part,
 so the service bounds them (island 64, reason about 200 characters) and escapes control characters; a flood of
 hostile calls calls it once each, so a sink that writes them somewhere should rate-limit itself."""
+
+class SharedStream(Protocol):
+    """The serialized chunks of one pull payload, made once for every pull that sends them
+    (`transport.service.SharedPull`)."""
+
+    def stream(self, key: bytes, make: Callable[[], Iterator[pb.PullChunk | bytes]]) -> Iterator[pb.PullChunk | bytes]:
+        """The chunks of the payload whose header serializes to ``key``; ``make`` makes them (once)."""
+        ...
+
 
 KIND_TO_PB: dict[str, int] = {"update": pb.PULL_KIND_UPDATE, "full": pb.PULL_KIND_FULL}
 PB_TO_KIND: dict[int, PullKindName] = {pb.PULL_KIND_UPDATE: "update", pb.PULL_KIND_FULL: "full"}
@@ -48,7 +54,7 @@ class PullPayload:
     kind: PullKindName
     param_digest: bytes
     tensors: Sequence[EncodedTensor]
-    shared: SharedPull | None = None
+    shared: SharedStream | None = None
     """The serialized stream of these tensors, made once for every pull that sends them (one per commit;
     `transport.service.SharedPull`), or None to make it for this pull alone."""
     on_done: Callable[[], None] | None = None

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Unpack
+from typing import Unpack
 
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.client import IN_PROCESS_TARGET, NOT_A_MEMBER
 from transport.client_core import ClientOptions, RetryingClient, receive_pull
@@ -21,9 +22,6 @@ from transport.errors import Rejected
 from transport.handler import PullPayload
 from transport.service import DilocoService, Metadata
 from transport.wire import parse_push_chunk
-
-if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
-    from transport.codecs import EncodedTensor
 
 
 class InProcessTransport(RetryingClient):

@@ -39,7 +39,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from transport.errors import UserError
+from floor.errors import UserError
 
 Direction = Literal["up", "down"]
 DIRECTIONS: tuple[str, str] = ("up", "down")

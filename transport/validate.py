@@ -19,16 +19,13 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.errors import Rejected
-
-if TYPE_CHECKING:  # transport.codecs imports JAX; the wire only needs its type
-    from transport.codecs import EncodedTensor
 
 TensorSpec = tuple[tuple[int, ...], str]
 """Expected (shape, decoded dtype) of one tensor."""

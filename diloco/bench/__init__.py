@@ -8,10 +8,3 @@ transport, fuzz, byzantine, load, soak); cli.py owns the `bench` subcommands and
 calls `add_bench_parser` and `run_bench`. Nothing here imports JAX until a benchmark runs (`diloco --help` stays fast).
 Committed results live under benchmarks/ at the repository root; BENCHMARKS.md gives the commands and figures.
 """
-
-from __future__ import annotations
-
-from diloco.bench.cli import add_bench_parser, run_bench
-from diloco.bench.errors import BenchError
-
-__all__ = ["BenchError", "add_bench_parser", "run_bench"]

@@ -38,10 +38,12 @@ from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, from_dict, to_dict
 from diloco.rounds import OuterLoop
 from diloco.setup import Evaluator, Setup, build_setup, make_island
+from floor.codec import CodecError
+from floor.errors import UserError
 from islands.island import Island
-from outer_optimizer import OuterConfig
-from transport.codecs import CodecError, PyTree
-from transport.errors import UserError
+from outer_optimizer.config import OuterConfig
+from outer_optimizer.optimizers import aggregator, build_optimizer
+from pytrees.naming import PyTree
 
 F32_MAX = float(np.finfo(np.float32).max)
 SCALE = 1000.0
@@ -121,7 +123,7 @@ def _run(
     attack: str | None,
 ) -> Outcome:
     """One DiLoCo run in the order of diloco/simulate.py's `_run_diloco`, the last island Byzantine."""
-    loop = OuterLoop.fresh(setup.init_params, outer.build(), cfg.codec.spec("downlink"), outer.aggregator())
+    loop = OuterLoop.fresh(setup.init_params, build_optimizer(outer), cfg.codec.spec("downlink"), aggregator(outer))
     for island in islands:
         island.start(loop.params)
     rng = np.random.default_rng(cfg.run.seed)

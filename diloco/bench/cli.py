@@ -255,7 +255,7 @@ def _fuzz_decoders(args: argparse.Namespace) -> Result:
 def _byzantine(args: argparse.Namespace) -> Result:
     from diloco.bench.byzantine import ATTACKS, parse_names, run_byzantine_bench
     from diloco.config import load_config
-    from outer_optimizer import RULES
+    from outer_optimizer.config import RULES
 
     attacks = parse_names(args.attacks, list(ATTACKS), "--attacks")
     rules = parse_names(args.rules, RULES, "--rules")

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco.bench.errors import BenchError
-from transport.codecs import KINDS, QMAX, CodecSpec, decode, encode
+from floor.codec import KINDS, QMAX, CodecSpec, decode
+from pytrees.encode import encode
 
 _COLS = 4096
 _ERR_BLOCK = 256

@@ -5,7 +5,7 @@ A module of its own, free of heavy imports (no JAX), so that every benchmark mod
 
 from __future__ import annotations
 
-from transport.errors import UserError
+from floor.errors import UserError
 
 
 class BenchError(UserError, ValueError):

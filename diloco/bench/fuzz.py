@@ -48,10 +48,10 @@ from diloco.bench.federation import _federation
 from diloco.bench.load import load_config_text, proc_memory_kib
 from diloco.config import RunConfig, config_digest, load_config
 from diloco.procs import Federation, FederationError, log_lines
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.auth import call_metadata
 from transport.client_core import push_wire_chunks
-from transport.codecs import EncodedTensor
 from transport.config import TransportConfig
 from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport

@@ -3,7 +3,7 @@
 `diloco bench fuzz` throws whole messages at a coordinator process; this one goes underneath, at the functions that
 turn an island's bytes into values, with libFuzzer steering the inputs toward code not yet covered. Targets:
 
-  codec      `transport.codecs.decode` of a tensor whose codec, dtype, shape, block size, zstd level and payload
+  codec      `floor.codec.decode` of a tensor whose codec, dtype, shape, block size, zstd level and payload
              all come from the input
   header     `PayloadHeader` parsed from the input, then `chunking.check_header` and a `Reassembler` built on it
   chunk      `wire.parse_push_chunk` (the zero-copy fast path and the protobuf fallback)
@@ -32,9 +32,9 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from diloco.bench.errors import BenchError
+from floor.codec import DTYPES, KINDS, CodecError, EncodedTensor, decode
 from transport import diloco_pb2 as pb
 from transport.chunking import Reassembler, check_header
-from transport.codecs import DTYPES, KINDS, CodecError, EncodedTensor, decode
 from transport.errors import Rejected
 from transport.tensors import known_codecs
 from transport.validate import check_push_meta

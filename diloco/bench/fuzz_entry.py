@@ -2,9 +2,9 @@
 
     python -m diloco.bench.fuzz_entry TARGET [libFuzzer flags: -runs=N -max_total_time=S ...]
 
-A module of its own because atheris must instrument the transport modules as they are first imported, and
+A module of its own because atheris must instrument the decoding modules as they are first imported, and
 fuzz_decoders imports them at its top: here they are imported inside `atheris.instrument_imports` first (only
-`transport`: instrumenting JAX and numpy as well would take minutes and tell nothing about our code).
+`transport` and `floor`: instrumenting JAX and numpy as well would take minutes and tell nothing about our code).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
         sys.exit("usage: python -m diloco.bench.fuzz_entry TARGET [libFuzzer flags]")
     target = sys.argv.pop(1)
-    with atheris.instrument_imports(include=["transport"]):
+    with atheris.instrument_imports(include=["transport", "floor"]):
+        import floor.codec  # noqa: F401
         import transport.chunking
-        import transport.codecs
         import transport.tensors
         import transport.validate
         import transport.wire  # noqa: F401

@@ -52,8 +52,8 @@ from diloco.config import RunConfig, config_digest, load_config
 from diloco.island_worker import _retry_forever
 from diloco.membership import REJOIN
 from diloco.procs import Federation
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
-from transport.codecs import EncodedTensor
 from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport
 from transport.handler import PullPayload

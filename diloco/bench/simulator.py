@@ -40,7 +40,7 @@ from diloco.rundir import read_events
 from diloco.setup import build_setup
 from diloco.simulate import run_simulation
 from diloco.warm_start import newest_step, read_item
-from transport.codecs import flatten_named
+from pytrees.naming import flatten_named
 
 PATHS = ("sequential", "vectorized")
 

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from diloco.bench.errors import BenchError
+from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
-from transport.codecs import EncodedTensor
 from transport.config import TransportConfig
 from transport.grpc_client import GrpcTransport
 from transport.handler import PullPayload

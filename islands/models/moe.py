@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from islands.models import transformer
-from islands.models.base import Metrics, Model, ModelConfig, Params
+from islands.models.base import Metrics, Model, Params
+from islands.models.config import ModelConfig
 
 
 def init_experts(key: jax.Array, cfg: ModelConfig) -> Params:

@@ -27,7 +27,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from islands.models.base import Metrics, Model, ModelConfig, ModelError, Params
+from islands.models.base import Metrics, Model, Params
+from islands.models.config import ModelConfig, ModelError
 
 FFInit = Callable[[jax.Array, ModelConfig], Params]
 """(key, cfg) -> the feed-forward params of one block."""

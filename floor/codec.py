@@ -3,7 +3,10 @@
 DiLoCo (arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512) send one pseudo-gradient per island per
 round over a slow WAN link; Streaming DiLoCo shows that 4-bit values lose almost nothing when the sender
 keeps *error feedback* (the residual of what quantization dropped is added to the next message, as in
-1-bit SGD / EF-SGD). This module turns one named float tensor into real bytes and back.
+1-bit SGD / EF-SGD). This module is the wire format of one encoded tensor: the codec spec, the byte layout, the
+tensor with its metadata, and the decoder. It imports neither JAX nor gRPC, so every package may import it
+(docs/architecture.md, "Package boundaries"); the jitted encoders are in `pytrees/encode.py`, error feedback in
+`pytrees/feedback.py`.
 
 Codecs (``CodecSpec.kind``)
 ---------------------------
@@ -40,10 +43,10 @@ reference for compression ratios and for the decode size limit ``max_dense_nbyte
 before zstd: ``raw_payload_nbytes(kind, n, block_size)``, ``EncodedTensor.raw_nbytes``, what a received
 payload must decode to) and *payload* (the bytes actually carried, after zstd: ``EncodedTensor.nbytes``).
 
-Quantization runs as one jitted JAX function per codec (numpy inputs run on the host CPU without a copy when
-they are 64-byte aligned; JAX arrays run on their own device, so a GPU island moves only the compressed bytes
-to the host). Decoding is plain numpy, so the same bytes give the same array bit for bit on every host: the
-coordinator commits ``decode(encode(u))`` and every island applies the identical array.
+Quantization runs as one jitted JAX function per codec (`pytrees/encode.py`: numpy inputs run on the host CPU
+without a copy when they are 64-byte aligned; JAX arrays run on their own device, so a GPU island moves only the
+compressed bytes to the host). Decoding is plain numpy (here), so the same bytes give the same array bit for bit on
+every host: the coordinator commits ``decode(encode(u))`` and every island applies the identical array.
 
 Decoding never trusts the sender: payload length is checked against shape, codec and block size; zstd
 frames must claim and produce exactly the expected size (no decompression bombs); scales must be finite and
@@ -53,39 +56,14 @@ non-negative; the decoded array must be finite. Any failure raises :class:`Codec
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import sys
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import zstandard
-
-__all__ = [
-    "DTYPES",
-    "KINDS",
-    "QMAX",
-    "CodecError",
-    "CodecSpec",
-    "EncodedTensor",
-    "compress_tree_with_feedback",
-    "compress_with_feedback",
-    "decode",
-    "decode_tree",
-    "encode",
-    "encode_tree",
-    "flatten_named",
-    "raw_payload_nbytes",
-    "unflatten_named",
-]
-
-# The encoder writes native-endian bit patterns (lax.bitcast_convert_type); the wire format is little-endian.
-if sys.byteorder != "little":  # pragma: no cover - every platform JAX supports is little-endian
-    raise ImportError("transport.codecs requires a little-endian host")
 
 KINDS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
 """Codec names, in order of decreasing size."""
@@ -95,7 +73,7 @@ QMAX: dict[str, int] = {"int8": 127, "int4": 7}
 
 DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
-    "bfloat16": np.dtype(jnp.bfloat16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),
 }
 """Tensor dtypes accepted; all are encoded from float32 and decoded back to the recorded dtype."""
@@ -106,12 +84,6 @@ MAX_NDIM = 32
 DEFAULT_MAX_DENSE_NBYTES = 1 << 34
 """Default cap (16 GiB) on a decoded tensor's float32 (dense) size, so forged metadata cannot make us allocate."""
 
-PyTree = Any
-"""A JAX pytree (nested dicts, lists, tuples, registered dataclasses) of arrays: parameters, optimizer states,
-pseudo-gradients. The project's one alias for it (outer_optimizer, which imports nothing of ours, uses optax's
-`Params`/`Updates`)."""
-
-_ALIGN = 64  # XLA:CPU aliases host buffers (no copy) only when they are 64-byte aligned
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -162,7 +134,7 @@ class EncodedTensor:
     """One tensor as bytes plus the small explicit metadata that travels beside it."""
 
     name: str
-    """Stable leaf name, e.g. ``blocks/0/attn/wq`` (see :func:`flatten_named`)."""
+    """Stable leaf name, e.g. ``blocks/0/attn/wq`` (``pytrees.naming.flatten_named``'s)."""
     codec: str
     """Codec kind (one of :data:`KINDS`)."""
     dtype: str
@@ -215,143 +187,8 @@ def raw_payload_nbytes(kind: str, numel: int, block_size: int) -> int:
     raise CodecError(f"unknown codec {kind!r}")
 
 
-# --------------------------------------------------------------------------------------------------------
-# Named flattening of pytrees
-
-
-def _key_name(k: Any) -> str:
-    if isinstance(k, jax.tree_util.DictKey):
-        return str(k.key)
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return str(k.idx)
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return k.name
-    if isinstance(k, jax.tree_util.FlattenedIndexKey):
-        return str(k.key)
-    return str(k)
-
-
-def _named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    out = [("/".join(_key_name(k) for k in path) or "value", leaf) for path, leaf in paths]
-    seen: set[str] = set()
-    for name, _ in out:
-        if name in seen:
-            raise CodecError(f"two leaves of the tree share the name {name!r}")
-        seen.add(name)
-    return out, treedef
-
-
-def flatten_named(tree: Any, *, to_numpy: bool = True) -> dict[str, Any]:
-    """Leaves of ``tree`` keyed by their path (``blocks/0/attn/wq``), in sorted name order.
-
-    Dict keys, sequence indices and dataclass attribute names are joined with ``/``; a bare array is named
-    ``value``. With ``to_numpy=False`` the leaves stay JAX arrays (so :func:`encode` quantizes them on their
-    own device).
-    """
-    leaves, _ = _named_leaves(tree)
-    conv = np.asarray if to_numpy else (lambda a: a)
-    return {name: conv(leaf) for name, leaf in sorted(leaves, key=lambda kv: kv[0])}
-
-
-def unflatten_named(named: Mapping[str, Any], like_tree: Any) -> Any:
-    """Rebuild a tree shaped like ``like_tree`` from ``named``; names and shapes must match exactly."""
-    leaves, treedef = _named_leaves(like_tree)
-    want = {n for n, _ in leaves}
-    missing, extra = sorted(want - named.keys()), sorted(named.keys() - want)
-    if missing or extra:
-        raise CodecError(f"tensor names do not match the tree: missing {missing[:5]}, unexpected {extra[:5]}")
-    out = []
-    for name, like in leaves:
-        arr = named[name]
-        like_shape = tuple(np.shape(like))
-        if tuple(np.shape(arr)) != like_shape:
-            raise CodecError(f"tensor {name!r} has shape {tuple(np.shape(arr))}, expected {like_shape}")
-        out.append(arr)
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Jitted encoders: flat float32 vector -> uint8 payload (before zstd) [+ finiteness flags]
-
-
-@jax.jit
-def _all_finite(x: jax.Array) -> jax.Array:
-    return jnp.all(jnp.isfinite(x))
-
-
-@jax.jit
-def _enc_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    y = x.astype(jnp.bfloat16)
-    # NaN/Inf in x stay NaN/Inf in y, so one reduction over y catches non-finite input and overflow alike.
-    return jax.lax.bitcast_convert_type(y, jnp.uint16), jnp.all(jnp.isfinite(y))
-
-
-@functools.partial(jax.jit, static_argnames=("block_size", "qmax"))
-def _quantize(x: jax.Array, block_size: int, qmax: int) -> tuple[jax.Array, jax.Array]:
-    """Blockwise absmax quantization of a flat vector; returns (codes padded to whole blocks, scales)."""
-    n = x.shape[0]
-    nb = -(-n // block_size)
-    if nb * block_size != n:
-        x = jnp.pad(x, (0, nb * block_size - n))
-    xb = x.reshape(nb, block_size)
-    # absmax as max(max, -min): the same value as max(abs) (NaN and +-Inf propagate, so non-finite input
-    # shows up as a non-finite scale), but XLA:CPU lowers max(abs) over a reshaped vector to a much slower
-    # fusion.
-    scale = jnp.maximum(jnp.max(xb, axis=1), -jnp.min(xb, axis=1)) / qmax
-    # Multiply by the reciprocal (cheaper than dividing every element); the extra rounding is inside the
-    # documented 2^-20 * absmax term, and clip guards codes that round one step past qmax.
-    inv = jnp.where(scale > 0, 1.0 / scale, 0.0)
-    q = jnp.clip(jnp.round(xb * inv[:, None]), -qmax, qmax).astype(jnp.int8)
-    return q.reshape(-1), scale
-
-
-@functools.partial(jax.jit, static_argnames=("block_size",))
-def _enc_int8(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
-    q, scale = _quantize(x, block_size, QMAX["int8"])
-    codes = jax.lax.bitcast_convert_type(q[: x.shape[0]], jnp.uint8)
-    sbytes = jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(-1)
-    return jnp.concatenate([sbytes, codes]), scale
-
-
-@functools.partial(jax.jit, static_argnames=("block_size",))
-def _enc_int4(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
-    q, scale = _quantize(x, block_size, QMAX["int4"])  # padded length is even: block_size is even
-    u = jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(-1, 2) & jnp.uint8(0x0F)
-    packed = (u[:, 0] | (u[:, 1] << 4))[: (x.shape[0] + 1) // 2]
-    sbytes = jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(-1)
-    return jnp.concatenate([sbytes, packed]), scale
-
-
-def _aligned_f32(x: np.ndarray) -> np.ndarray:
-    """C-contiguous, 64-byte aligned float32 view or copy of ``x`` (so XLA:CPU can alias it)."""
-    if x.dtype == np.float32 and x.flags.c_contiguous and x.ctypes.data % _ALIGN == 0:
-        return x
-    buf = np.empty(x.size * 4 + _ALIGN, np.uint8)
-    off = (-buf.ctypes.data) % _ALIGN
-    out = buf[off : off + x.size * 4].view(np.float32).reshape(x.shape)
-    np.copyto(out, x, casting="same_kind")
-    return out
-
-
-@functools.cache
-def _host_device() -> jax.Device:
-    # This process's own: in a multi-process JAX program (a multi-host island) jax.devices()[0] is process 0's.
-    try:
-        return jax.local_devices(backend="cpu")[0]
-    except RuntimeError:  # a platform list without "cpu" (e.g. JAX_PLATFORMS=proxy): use the default device
-        return jax.local_devices()[0]
-
-
-def _to_device_flat(x: Any) -> jax.Array:
-    if isinstance(x, jax.Array):
-        return x.reshape(-1).astype(jnp.float32)
-    xa = _aligned_f32(np.asarray(x)).reshape(-1)
-    # Host arrays are quantized on the host CPU, aliasing the numpy buffer (no copy).
-    return jax.device_put(xa, _host_device(), may_alias=True)
-
-
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
+    """The key of :data:`DTYPES` for ``dtype``; refuses any other dtype."""
     dt = np.dtype(dtype)
     for name, d in DTYPES.items():
         if d == dt:
@@ -393,43 +230,8 @@ def _zstd_decompress(name: str, data: bytes, expected: int) -> bytes:
     return out
 
 
-# --------------------------------------------------------------------------------------------------------
-# Public per-tensor API
-
-
-def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
-    """Encode one float tensor (numpy or JAX array) into bytes; refuses NaN/Inf with a :class:`CodecError`."""
-    if not isinstance(x, jax.Array | np.ndarray):
-        x = np.asarray(x)
-    dtype = _dtype_name(x.dtype)
-    shape = tuple(int(d) for d in np.shape(x))
-    if spec.kind == "fp32":
-        # The layout is the host float32 array itself; only finiteness needs checking, and numpy checks a host array
-        # in one pass with no dispatch (a jitted check would cost a dispatch per leaf, ~100 for a model). A device
-        # array comes to the host here, as its payload had to anyway.
-        raw = np.ascontiguousarray(np.asarray(x, np.float32)).reshape(-1)
-        if not np.isfinite(raw).all():
-            raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
-        return _encoded(name, spec, dtype, shape, raw)
-    flat = _to_device_flat(x)
-    if spec.kind == "bf16":
-        raw, ok = _enc_bf16(flat)
-        if not bool(ok) and not bool(_all_finite(flat)):
-            raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
-        if not bool(ok):
-            raise CodecError(f"tensor {name!r} has values too large for bfloat16 (|x| > 3.39e38)")
-    else:
-        enc = _enc_int8 if spec.kind == "int8" else _enc_int4
-        raw, scale = enc(flat, block_size=spec.block_size)
-        # A NaN or Inf anywhere makes its block's absmax, hence its scale, non-finite: checking the
-        # small scale vector replaces a pass over the whole tensor.
-        if not np.isfinite(np.asarray(scale)).all():
-            raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
-    return _encoded(name, spec, dtype, shape, raw)
-
-
-def _encoded(name: str, spec: CodecSpec, dtype: str, shape: tuple[int, ...], raw: Any) -> EncodedTensor:
-    """The tensor whose payload is ``raw``'s bytes (zstd-compressed when the spec says so)."""
+def from_raw(name: str, spec: CodecSpec, dtype: str, shape: tuple[int, ...], raw: Any) -> EncodedTensor:
+    """The tensor whose payload is ``raw``'s bytes, the layout above (zstd-compressed when the spec says so)."""
     data = np.asarray(raw).data  # host buffer, zero-copy on CPU
     # Without zstd the payload is a read-only view of that buffer, not a copy of it: a copy of all of θ would be on
     # every commit's and every push's path. For fp32 of a host array the buffer is the input's own: nothing in this
@@ -538,16 +340,7 @@ def decode(enc: EncodedTensor, *, max_dense_nbytes: int = DEFAULT_MAX_DENSE_NBYT
     return out
 
 
-# --------------------------------------------------------------------------------------------------------
-# Trees and error feedback
-
-
-def encode_tree(named: Mapping[str, Any], spec: CodecSpec) -> list[EncodedTensor]:
-    """Encode every tensor of a named tree (see :func:`flatten_named`), in sorted name order."""
-    return [encode(name, named[name], spec) for name in sorted(named)]
-
-
-def decode_tree(
+def decode_named(
     encoded: Iterable[EncodedTensor], *, max_dense_nbytes: int = DEFAULT_MAX_DENSE_NBYTES
 ) -> dict[str, np.ndarray]:
     """Decode a list of tensors into a name -> array dict (sorted by name); duplicate names are refused."""
@@ -557,37 +350,3 @@ def decode_tree(
             raise CodecError(f"tensor {enc.name!r} appears twice")
         out[enc.name] = decode(enc, max_dense_nbytes=max_dense_nbytes)
     return dict(sorted(out.items()))
-
-
-def compress_with_feedback(
-    x: Any, residual: np.ndarray | None, spec: CodecSpec, *, name: str = "tensor"
-) -> tuple[EncodedTensor, np.ndarray, np.ndarray]:
-    """Error-feedback compression (EF-SGD): send ``encode(x + e)`` and keep what it lost.
-
-    Returns ``(encoded, decoded, new_residual)`` with ``decoded = decode(encoded)`` (exactly what the
-    receiver will get) and ``new_residual = (x + e) - decoded`` in float32. ``residual=None`` means zeros.
-    Summed over rounds, the decoded messages equal the summed inputs minus the current residual, so the
-    drift stays bounded by one quantization error instead of growing with the number of rounds. Pure: on
-    a :class:`CodecError` the caller's residual is unchanged.
-    """
-    target = np.asarray(x, dtype=np.float32)
-    if residual is not None:
-        if np.shape(residual) != target.shape:
-            raise CodecError(f"tensor {name!r}: residual shape {np.shape(residual)} does not match {target.shape}")
-        target = target + np.asarray(residual, dtype=np.float32)
-    encoded = encode(name, target, spec)
-    decoded = decode(encoded)
-    return encoded, decoded, target - decoded.astype(np.float32)
-
-
-def compress_tree_with_feedback(
-    named: Mapping[str, Any], residuals: Mapping[str, np.ndarray] | None, spec: CodecSpec
-) -> tuple[list[EncodedTensor], dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """:func:`compress_with_feedback` over a named tree; returns (encoded list, decoded, new residuals)."""
-    encoded, decoded, new_res = [], {}, {}
-    for name in sorted(named):
-        res = None if residuals is None else residuals.get(name)
-        enc, dec, r = compress_with_feedback(named[name], res, spec, name=name)
-        encoded.append(enc)
-        decoded[name], new_res[name] = dec, r
-    return encoded, decoded, new_res

@@ -1,4 +1,4 @@
-"""Compressing a pytree for the wire with error feedback, shared by the uplink and the downlink.
+"""Error feedback: compressing a tensor, a named dict or a pytree for the wire, shared by the uplink and the downlink.
 
 An island sends its pseudo-gradient Δ and the coordinator sends its outer update u through the same function:
 flatten to named leaves, `encode(x + e)`, keep `e' = (x + e) - decode(encode(x + e))` (error feedback, so what
@@ -8,22 +8,52 @@ reconstruct. Both sides then compute with the decoded values, which is what keep
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from transport.codecs import (
-    CodecSpec,
-    EncodedTensor,
-    PyTree,
-    compress_tree_with_feedback,
-    encode_tree,
-    flatten_named,
-    unflatten_named,
-)
+from floor.codec import CodecError, CodecSpec, EncodedTensor, decode
+from pytrees.encode import encode, encode_named
+from pytrees.naming import PyTree, flatten_named, unflatten_named
 
 Residual = dict[str, np.ndarray] | None
 """Error-feedback state: leaf name -> float32 array, or None for a lossless codec (nothing is ever dropped)."""
+
+
+def compress_with_feedback(
+    x: Any, residual: np.ndarray | None, spec: CodecSpec, *, name: str = "tensor"
+) -> tuple[EncodedTensor, np.ndarray, np.ndarray]:
+    """Error-feedback compression (EF-SGD): send ``encode(x + e)`` and keep what it lost.
+
+    Returns ``(encoded, decoded, new_residual)`` with ``decoded = decode(encoded)`` (exactly what the
+    receiver will get) and ``new_residual = (x + e) - decoded`` in float32. ``residual=None`` means zeros.
+    Summed over rounds, the decoded messages equal the summed inputs minus the current residual, so the
+    drift stays bounded by one quantization error instead of growing with the number of rounds. Pure: on
+    a :class:`CodecError` the caller's residual is unchanged.
+    """
+    target = np.asarray(x, dtype=np.float32)
+    if residual is not None:
+        if np.shape(residual) != target.shape:
+            raise CodecError(f"tensor {name!r}: residual shape {np.shape(residual)} does not match {target.shape}")
+        target = target + np.asarray(residual, dtype=np.float32)
+    encoded = encode(name, target, spec)
+    decoded = decode(encoded)
+    return encoded, decoded, target - decoded.astype(np.float32)
+
+
+def compress_named(
+    named: Mapping[str, Any], residuals: Mapping[str, np.ndarray] | None, spec: CodecSpec
+) -> tuple[list[EncodedTensor], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """:func:`compress_with_feedback` over a named tree; returns (encoded list, decoded, new residuals)."""
+    encoded, decoded, new_res = [], {}, {}
+    for name in sorted(named):
+        res = None if residuals is None else residuals.get(name)
+        enc, dec, r = compress_with_feedback(named[name], res, spec, name=name)
+        encoded.append(enc)
+        decoded[name], new_res[name] = dec, r
+    return encoded, decoded, new_res
 
 
 @dataclass(frozen=True)
@@ -61,11 +91,7 @@ def compress_tree(tree: PyTree, residual: Residual, spec: CodecSpec) -> Compress
         # fp32 (zstd or not) carries every bit: decode(encode(x)) is x itself, so x is what the receiver will hold.
         # Handing x back skips a decode and a residual pass over every leaf, on the path of every commit and push.
         decoded = {name: np.asarray(x, np.float32) for name, x in named.items()}
-        return Compressed(encode_tree(decoded, spec), unflatten_named(decoded, tree), None)
-    encoded, decoded, new_residual = compress_tree_with_feedback(named, residual, spec)
+        return Compressed(encode_named(decoded, spec), unflatten_named(decoded, tree), None)
+    encoded, decoded, new_residual = compress_named(named, residual, spec)
     return Compressed(encoded, unflatten_named(decoded, tree), new_residual)
 
-
-def decoded_tree(arrays: dict[str, np.ndarray], like: PyTree) -> PyTree:
-    """Named arrays (as the transport delivers them) back into the model's tree structure."""
-    return unflatten_named(arrays, like)

@@ -1,0 +1,72 @@
+"""Leaf names of a JAX pytree: ``blocks/0/attn/wq``, the names tensors travel and are checked under.
+
+Every process names the leaves of the same tree the same way, in sorted name order, so a named dict is the form in
+which pseudo-gradients, updates and θ are encoded, sent, fragmented (`outer_optimizer/fragments.py`) and rebuilt.
+The walk is JAX's (`jax.tree_util`), which knows every registered pytree node, a user model's too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from floor.codec import CodecError
+
+PyTree = Any
+"""A JAX pytree (nested dicts, lists, tuples, registered dataclasses) of arrays: parameters, optimizer states,
+pseudo-gradients. The project's one alias for it (outer_optimizer uses optax's `Params`/`Updates`)."""
+
+
+def _key_name(k: Any) -> str:
+    if isinstance(k, jax.tree_util.DictKey):
+        return str(k.key)
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return k.name
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return str(k.key)
+    return str(k)
+
+
+def _named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    out = [("/".join(_key_name(k) for k in path) or "value", leaf) for path, leaf in paths]
+    seen: set[str] = set()
+    for name, _ in out:
+        if name in seen:
+            raise CodecError(f"two leaves of the tree share the name {name!r}")
+        seen.add(name)
+    return out, treedef
+
+
+def flatten_named(tree: Any, *, to_numpy: bool = True) -> dict[str, Any]:
+    """Leaves of ``tree`` keyed by their path (``blocks/0/attn/wq``), in sorted name order.
+
+    Dict keys, sequence indices and dataclass attribute names are joined with ``/``; a bare array is named
+    ``value``. With ``to_numpy=False`` the leaves stay JAX arrays (so :func:`encode` quantizes them on their
+    own device).
+    """
+    leaves, _ = _named_leaves(tree)
+    conv = np.asarray if to_numpy else (lambda a: a)
+    return {name: conv(leaf) for name, leaf in sorted(leaves, key=lambda kv: kv[0])}
+
+
+def unflatten_named(named: Mapping[str, Any], like_tree: Any) -> Any:
+    """Rebuild a tree shaped like ``like_tree`` from ``named``; names and shapes must match exactly."""
+    leaves, treedef = _named_leaves(like_tree)
+    want = {n for n, _ in leaves}
+    missing, extra = sorted(want - named.keys()), sorted(named.keys() - want)
+    if missing or extra:
+        raise CodecError(f"tensor names do not match the tree: missing {missing[:5]}, unexpected {extra[:5]}")
+    out = []
+    for name, like in leaves:
+        arr = named[name]
+        like_shape = tuple(np.shape(like))
+        if tuple(np.shape(arr)) != like_shape:
+            raise CodecError(f"tensor {name!r} has shape {tuple(np.shape(arr))}, expected {like_shape}")
+        out.append(arr)
+    return jax.tree_util.tree_unflatten(treedef, out)
