@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from diloco import RELEASE
+from diloco import RELEASE, faults
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
 from diloco.global_run import GlobalRun, Settling, diverged_reason
 from diloco.membership import REJOIN, Action, PullKind, PullView, RoundView, answer_pull, decide
@@ -624,6 +624,7 @@ class Coordinator:
         while self.loop.pending and self.world.diverged is None:
             losses = [self.last_loss[n] for n in self.loop.pending if n in self.last_loss]
             sync = self.loop.sync
+            faults.at(faults.COORDINATOR, "before_commit", self.loop.round)
             try:
                 pending = self.world.commit(
                     losses=losses, seconds=now - self.opened_at, reason=reason, annotations=annotations
@@ -666,6 +667,7 @@ class Coordinator:
         checkpoint when due (without the lock), in commit order."""
         while (job := self._settle_queue.get()) is not None:
             generation, pending, digests, dropped = job
+            faults.at(faults.COORDINATOR, "after_commit", pending.commit.round)
             reopened: int | None = None
             try:
                 if generation == self._generation:
