@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from diloco import faults
 from diloco.logs import configure as configure_logging
 from floor.errors import UserError
 
@@ -382,8 +383,9 @@ def _main(argv: Sequence[str] | None) -> int:
     args.argv = list(argv) if argv is not None else None
     try:
         configure_logging(args.log_format, args.log_level)
+        faults.armed()  # a malformed DILOCO_PAUSE_AT stops every command here, with one line
         return COMMANDS[args.command](args)
-    except UserError as exc:
+    except (UserError, faults.FaultSpecError) as exc:
         log.error("%s", exc)
         return 2
     except KeyboardInterrupt:

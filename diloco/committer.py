@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from diloco import faults
 from diloco.commit_window import CommitWindow
 from diloco.config import RunConfig
 from diloco.global_run import GlobalRun, Settling, diverged_reason
@@ -92,6 +93,7 @@ class Committer:
         from here on; the settler evaluates and checkpoints it. A sync left with no contribution stays open."""
         while self.loop.pending and self.world.diverged is None:
             sync, restore = self.loop.sync, self.admission.snapshot()
+            faults.at(faults.COORDINATOR, "before_commit", self.loop.round)
             try:
                 pending = self.world.commit(losses=self.roster.losses(self.loop.pending),
                                             seconds=now - self.opened_at, reason=reason, annotations=annotations)

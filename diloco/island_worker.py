@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco import RELEASE
+from diloco import RELEASE, faults
 from diloco.async_sim import async_order, planned_steps
 from diloco.checkpoint import CheckpointStore, save_state
 from diloco.config import RunConfig, config_digest, require_federated, to_dict
@@ -699,6 +699,7 @@ class IslandWorker:
             p = syncing_fragment(self.step, self.H, self.P)
             if p is not None:
                 sync_at = self.step // stride - 1
+                faults.at(self.name, "before_push", sync_at // self.P)
                 joined = InnerRun.joined(runs)
                 runs = []
                 t0 = time.perf_counter()
@@ -733,6 +734,7 @@ class IslandWorker:
             meta = self._push_meta(self.round, 0, run, cycle_from)
             cycle_from = time.perf_counter()
             t0 = time.perf_counter()
+            faults.at(self.name, "before_push", self.round)
             reply = self._push(meta, push)
             if reply is not None:
                 self.island.keep_residual(push)
@@ -802,6 +804,7 @@ class IslandWorker:
             self.island.merge(global_fragment, self.cfg.stream.merge_alpha, on_mesh)
         if self.position % self.P == 0:
             self.save()
+        faults.at(self.name, "after_adopt", self.round)
         return restarted
 
     def _leave(self, reason: str) -> None:

@@ -15,8 +15,10 @@ that a final SIGKILL also reaches what it started (a supervisor's worker); `hide
 process that no child may inherit (launch: secrets, so that each process gets only its own). Per process,
 `start_coordinator` and `start_island` take extra arguments (`--secret`, `--tls-*`) and environment (a secret,
 `devices_env(1)`: a restart on fewer devices); a coordinator restarted after a kill listens on the address it
-had, so its islands find it again. An island of several processes (islands.processes, or `group_args` for one
-island) runs as one supervised group on a port of its own for jax.distributed (diloco/island_group.py).
+had, so its islands find it again. `pause_at` names the points where processes stop and wait (diloco/faults.py,
+WHO:POINT:ROUND): a test waits for one (`paused`), then SIGKILLs the process there or lets it go on (`release`).
+An island of several processes (islands.processes, or `group_args` for one island) runs as one supervised group on
+a port of its own for jax.distributed (diloco/island_group.py).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from diloco import faults
 from diloco.config import RunConfig, load_config
+from diloco.faults import Pauses
 from diloco.rundir import read_events
 
 T = TypeVar("T")
@@ -121,6 +125,7 @@ class Federation:
         jax_cache: Path | None = None,
         new_session: bool = True,
         hide_env: Collection[str] = (),
+        pause_at: Sequence[str] = (),
     ) -> None:
         self.config = str(config)
         self.overrides = list(overrides)
@@ -134,6 +139,13 @@ class Federation:
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
             }
+        self.pauses = Pauses(Path(extra.get(faults.ENV_DIR) or os.environ.get(faults.ENV_DIR) or run_dir / "pauses"))
+        """Where its processes stop at the named points of `pause_at` (diloco/faults.py): wait for one with
+        `paused`, then kill the process or `release` it."""
+        extra[faults.ENV_DIR] = str(self.pauses.directory)
+        if pause_at:
+            faults.parse(",".join(pause_at))  # a malformed entry fails here, in the test, not in every child
+            extra[faults.ENV_AT] = ",".join(pause_at)
         self.env = {k: v for k, v in child_env(self.cfg, extra).items() if k not in hide_env or k in extra}
         self.cwd = cwd
         self.supervise = supervise
@@ -310,6 +322,15 @@ class Federation:
             if time.monotonic() > deadline:
                 raise FederationError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{self.logs()}")
             time.sleep(poll_s)
+
+    def paused(self, entry: str, timeout_s: float) -> dict[str, Any]:
+        """Wait until a process stopped at `entry` of `pause_at` (WHO:POINT:ROUND); returns its marker, {"round":
+        the round reached, "pid": the process that stopped, a supervised island's worker}."""
+        return self.wait_for(lambda: self.pauses.reached(entry), timeout_s, f"a stop at {entry}", poll_s=0.02)
+
+    def release(self, entry: str) -> None:
+        """Let the process stopped at `entry` go on."""
+        self.pauses.release(entry)
 
     def wait_rounds(self, n: int, timeout_s: float) -> list[dict[str, Any]]:
         """Block until the coordinator has committed at least `n` rounds; returns the `round` events."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from diloco import faults
 from diloco.global_run import GlobalRun, Settling
 from diloco.rundir import DiskFullError
 
@@ -113,6 +114,7 @@ class Settler:
                     self.cond.notify_all()
 
     def _settle(self, job: Job) -> None:
+        faults.at(faults.COORDINATOR, "after_commit", job.pending.commit.round)
         current = job.generation == self.generation
         if current:
             self._yield_to_islands(job.pending)

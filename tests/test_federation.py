@@ -8,7 +8,9 @@ across its own restart); every committed round holds exactly the pseudo-gradient
 (DiLoCo's bit-identical θ, arXiv 2311.08105). Scenarios are combined into few launches because each process
 start costs seconds of JAX import and compilation; a persistent XLA compilation cache shared by the session's
 children (tests/conftest.py) makes the restarts cheap, and the one `diloco launch` (7) is the session's shared one,
-which test_secure_defaults reads too. Waits poll the run directories' metrics.jsonl with generous timeouts.
+which test_secure_defaults reads too. Every kill lands at a named point (diloco/faults.py): the process stops
+there, the test waits for its marker and SIGKILLs it, so what the kill interrupts is what the test says, on any
+machine at any load. Waits poll the run directories' metrics.jsonl and the pause markers with generous timeouts.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import json
 import os
 import random
 import signal
-import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +61,13 @@ def jax_cache() -> Path:
 @pytest.fixture
 def federation(tmp_path: Path, tiny_config: Path, jax_cache: Path) -> Iterator[Callable[..., Federation]]:
     """Federations of the tiny config (diloco.procs, the harness `launch` uses), each child in its own process
-    group (cleanup reaches a supervisor's worker too) and all sharing one persistent XLA compilation cache."""
+    group (cleanup reaches a supervisor's worker too) and all sharing one persistent XLA compilation cache;
+    `pause_at` names where processes stop and wait for the test (diloco/faults.py: WHO:POINT:ROUND)."""
     made: list[Federation] = []
 
-    def make(*overrides: str) -> Federation:
+    def make(*overrides: str, pause_at: Sequence[str] = ()) -> Federation:
         fed = Federation(tiny_config, [*FAST, *overrides], tmp_path / f"fed{len(made)}", cwd=REPO, env=ENV,
-                         jax_cache=jax_cache)  # fmt: skip
+                         jax_cache=jax_cache, pause_at=pause_at)  # fmt: skip
         made.append(fed)
         return fed
 
@@ -202,20 +204,24 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     # rather than closing without it until the run ends; while it is lost, rounds close on island-0 alone at once.
     # A long lease: an island is lost here only because its presence call broke (transport/presence.py), at its
     # death or, with the coordinator's keepalive pings on, when it froze.
+    # island-0 waits before its first push until island-1 has joined, so that both train from round 0 (rounds
+    # then wait for both: min_deadline_s); island-1 is killed before its push of round 2; island-0 is frozen
+    # before its push of round 3, once round 2 has closed without island-1.
+    pauses = ["island-0:before_push:0", "island-1:before_push:2", "island-0:before_push:3"]
     fed = federation(f"train.rounds={rounds}", "quorum.min_islands=1", 'network.secrets=["s0", "s1"]',
-                     "quorum.min_deadline_s=15", "quorum.lease_s=60", "transport.keepalive_s=1")  # fmt: skip
+                     "quorum.min_deadline_s=15", "quorum.lease_s=60", "transport.keepalive_s=1",
+                     pause_at=pauses)  # fmt: skip
     fed.start_coordinator()
     fed.start_island("island-0", args=["--secret", "s0"])
     fed.start_island("island-1", args=["--secret", "s1"])
+    fed.paused("island-0:before_push:0", WAIT_S)
+    fed.wait_for(lambda: fed.events("joined", island="island-1"), WAIT_S, "island-1 to join")
+    fed.release("island-0:before_push:0")
 
-    # SIGKILL island-1 while it trains round >= 2, once a checkpoint of it is complete (islands save on a
-    # background thread: the newest save may still be in flight at the kill).
-    fed.wait_for(
-        lambda: [e for e in fed.events("train_start", island="island-1") if e["round"] >= 2]
-        and _finished_checkpoints(fed, "island-1"),
-        WAIT_S,
-        "island-1 training round 2 with a finished checkpoint",
-    )
+    # SIGKILL island-1 after it trained round 2, before its push, once a checkpoint of it is complete (islands save
+    # on a background thread, which goes on while the island waits at the point).
+    fed.paused("island-1:before_push:2", WAIT_S)
+    fed.wait_for(lambda: _finished_checkpoints(fed, "island-1"), WAIT_S, "a finished checkpoint of island-1")
     fed.kill("island-1")  # its kernel closes its connections: the presence call breaks at once
     mark = len(fed.events())
     fed.wait_for(lambda: lost_since(fed, mark, "island-1"), WAIT_S, "island-1 lost")
@@ -224,17 +230,22 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
         WAIT_S,
         "a round closed by island-0 alone",
     )[0]
+    assert alone["round"] == 2, alone
 
-    # Freeze island-0 (SIGSTOP: a hung host; nothing is closed, nothing answers) until it is lost too: the
-    # coordinator's keepalive pings go unanswered and close its connection. Nobody can push, θ cannot move.
+    # Freeze island-0 (SIGSTOP: a hung host; nothing is closed, nothing answers) before its push of round 3, until
+    # it is lost too: the coordinator's keepalive pings go unanswered and close its connection. Nobody can push,
+    # θ cannot move.
+    fed.paused("island-0:before_push:3", WAIT_S)
     fed.signal("island-0", signal.SIGSTOP)
     mark = len(fed.events())
     fed.wait_for(lambda: lost_since(fed, mark, "island-0"), WAIT_S, "island-0 lost")
     before = coordinator_state(fed.address)
+    assert before[0] == 3, before
     n_rejected = len(fed.events(event="rejected"))
     codes = rogue_attacks(fed.address, "test")
-    assert codes[:4] == ["UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "INVALID_ARGUMENT"], codes
-    assert codes[4] in ("FAILED_PRECONDITION", "ALREADY_EXISTS"), codes
+    # The replay names round 2, which island-0 pushed (alone): a different payload for an accepted push.
+    assert codes == ["UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
+                     "ALREADY_EXISTS"], codes  # fmt: skip
     assert coordinator_state(fed.address) == before, "a rejected message changed the global parameters"
     rejected = fed.events(event="rejected")[n_rejected:]
     assert len(rejected) == 5 and all(e["island"] == "island-0" for e in rejected), rejected
@@ -248,6 +259,7 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
         lambda: [e for e in fed.events()[mark:] if e["event"] == "island_joined"], WAIT_S, "island-1 to rejoin"
     )
     fed.signal("island-0", signal.SIGCONT)
+    fed.release("island-0:before_push:3")
     resumed = fed.wait_for(lambda: fed.events("resumed", island="island-1"), WAIT_S, "island-1 to resume")[0]
     # Its own checkpoint: the round it had reached, and its inner step counter as it was when it trained that round.
     started = {e["round"]: e["step"] for e in fed.events("train_start", island="island-1")}
@@ -281,32 +293,38 @@ def lost_since(fed: Federation, mark: int, island: str) -> bool:
 
 def test_coordinator_restart_supervisor_and_fewer_devices(federation: Callable[..., Federation]) -> None:
     rounds = 9
-    fed = federation(f"train.rounds={rounds}", "quorum.min_islands=2", "islands.devices=2", "train.microbatch=2")
+    # The coordinator dies with round 2 in flight: island-1 pushed into it, island-0 waits before its push. Both
+    # islands die before their pushes of round 4.
+    pauses = ["island-0:before_push:2", "island-0:before_push:4", "island-1:before_push:4"]
+    fed = federation(f"train.rounds={rounds}", "quorum.min_islands=2", "islands.devices=2", "train.microbatch=2",
+                     pause_at=pauses)  # fmt: skip
     fed.start_coordinator()
     fed.start_island("island-0", env=devices_env(2), supervised=True)
     fed.start_island("island-1", env=devices_env(2))
 
-    # Coordinator: SIGKILL after two committed rounds, restart on the same address with the same run dir.
-    fed.wait_for(lambda: len(fed.rounds()) >= 2, WAIT_S, "two committed rounds")
+    # Coordinator: SIGKILL once round 1's checkpoint (θ_2) is on disk and round 2 holds island-1's push only;
+    # restart on the same address with the same run dir.
+    fed.paused("island-0:before_push:2", WAIT_S)
+    fed.wait_for(lambda: [e for e in fed.events("push") if e["round"] == 2 and e["island"] == "island-1"], WAIT_S,
+                 "island-1's push of round 2")  # fmt: skip
+    fed.wait_for(lambda: "2" in _finished_checkpoints(fed, "coordinator"), WAIT_S, "the coordinator's checkpoint 2")
     fed.kill("coordinator")
     logged = len(fed.rounds())
     synced_before = max(e["round"] for name in ("island-0", "island-1") for e in fed.events("synced", island=name))
+    assert logged == synced_before == 2, (logged, synced_before)
     pre_kill = fed.rounds()  # read before the restart drops the events of the round that was in flight
     fed.start_coordinator()
     resumed = fed.wait_for(lambda: fed.events(event="resumed"), WAIT_S, "the coordinator to resume")[0]
-    # At most the round in flight and one whose checkpoint was still being written are lost (commits are served
-    # before they are durable); islands that held a later round resync (check_run drops what they took back).
-    assert logged - 1 <= resumed["round"] <= logged and synced_before <= resumed["round"] + 2, (resumed, logged)
-    fed.wait_for(
-        lambda: [c for c in fed.rounds() if c["round"] >= resumed["round"]],
-        WAIT_S,
-        "a round committed after the restart",
-    )
+    # The round in flight is lost; island-1, whose push went with it, pushes again, island-0 for the first time.
+    assert resumed["round"] == 2, resumed
+    fed.release("island-0:before_push:2")
+    fed.wait_for(lambda: [c for c in fed.rounds() if c["round"] == 2], WAIT_S, "round 2 committed after the restart")
 
     # Island-0 is supervised: SIGKILL its worker; the supervisor starts a new one. Island-1 loses a device:
-    # SIGKILL, then restart it where only one host device exists. First each must have finished saving a round
-    # after the coordinator's restart: an island that resynced behind it saves its earlier rounds again (replacing
-    # them), so a kill during those saves would leave it nothing to resume from.
+    # SIGKILL, then restart it where only one host device exists. Both die before their pushes of round 4, once
+    # each has finished saving a round after the coordinator's restart (islands save on a background thread).
+    worker = fed.paused("island-0:before_push:4", WAIT_S)["pid"]  # the supervisor's worker stopped there
+    fed.paused("island-1:before_push:4", WAIT_S)
     fed.wait_for(
         lambda: all(
             any(int(step) > resumed["round"] for step in _finished_checkpoints(fed, name))
@@ -316,9 +334,10 @@ def test_coordinator_restart_supervisor_and_fewer_devices(federation: Callable[.
         "both islands to save a round after the coordinator's restart",
     )
     supervisor_dir = fed.island_dir("island-0")
-    worker = int((supervisor_dir / "worker.pid").read_text())
+    assert int((supervisor_dir / "worker.pid").read_text()) == worker
     n_resumed0 = len(fed.events("resumed", island="island-0"))
-    commits_before = len(fed.rounds())
+    commits_before = len(fed.wait_rounds(4, WAIT_S))
+    assert commits_before == 4, fed.rounds()  # nobody pushed round 4
     os.kill(worker, signal.SIGKILL)
     fed.kill("island-1")
     fed.start_island("island-1", env=devices_env(1))
@@ -350,26 +369,26 @@ def test_coordinator_restarts_behind_its_islands(federation: Callable[..., Feder
     (θ_2) while its islands already hold θ_3. They must not wait for a round the coordinator will never close:
     their push is refused ("in the future"), they resync with the full θ_2 and the run completes."""
     rounds = 6
-    # Steps of at least 0.25 s: a second from the islands' adopting θ_3 to their pushes of round 3, for the kill to
-    # land in. With free-running tiny steps that window was about 0.1 s, and once the coordinator committed round 3
-    # before the kill (seen in a full suite run).
+    # Both islands stop once they hold θ_3: nobody can push round 3, so the coordinator cannot commit it before the
+    # kill, however the machine schedules them.
+    holding_3 = ["island-0:after_adopt:3", "island-1:after_adopt:3"]
     fed = federation(f"train.rounds={rounds}", "quorum.min_islands=2", "train.checkpoint_every=2",
-                     "islands.device_step_s=0.25")  # fmt: skip
+                     pause_at=holding_3)  # fmt: skip
     fed.start_coordinator()
     fed.start_island("island-0")
     fed.start_island("island-1")
-
-    def islands_hold_round_3() -> bool:
-        # The coordinator logs round 2's commit a moment before its islands receive θ_3: kill after both did.
-        synced = [fed.events("synced", island=name) for name in ("island-0", "island-1")]
-        return len(fed.rounds()) >= 3 and all(any(e["round"] >= 3 for e in events) for events in synced)
-
-    fed.wait_for(islands_hold_round_3, WAIT_S, "three committed rounds, held by both islands", poll_s=0.02)
+    for entry in holding_3:
+        fed.paused(entry, WAIT_S)
+    # θ_2's checkpoint is complete (it is saved on the settle thread, after round 1's commit).
+    fed.wait_for(lambda: "2" in _finished_checkpoints(fed, "coordinator"), WAIT_S, "the coordinator's checkpoint 2")
+    fed.wait_rounds(3, WAIT_S)
     fed.kill("coordinator")
-    assert len(fed.rounds()) == 3  # min_islands=2 and both islands wait for the dead coordinator's round 3
+    assert len(fed.rounds()) == 3  # min_islands=2 and both islands wait to train round 3
     fed.start_coordinator()
     resumed = fed.wait_for(lambda: fed.events(event="resumed"), WAIT_S, "the coordinator to resume")[0]
     assert resumed["round"] == 2, resumed
+    for entry in holding_3:
+        fed.release(entry)
     fed.wait_exit(WAIT_S)
 
     commits = fed.rounds()
@@ -393,8 +412,9 @@ def after_event(events: list[dict[str, Any]], marker: dict[str, Any]) -> list[di
 # 5 + 4: seeded chaos.
 
 
-def _finished_checkpoints(fed: Federation, island: str) -> list[str]:
-    ckpt = fed.island_dir(island) / "checkpoints"
+def _finished_checkpoints(fed: Federation, name: str) -> list[str]:
+    """The complete checkpoint steps of island `name`, or of the coordinator."""
+    ckpt = fed.run_dir / "checkpoints" / "coordinator" if name == "coordinator" else fed.island_dir(name) / "checkpoints"
     return [p.name for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.is_dir() else []
 
 
@@ -405,50 +425,60 @@ def _finished_checkpoints(fed: Federation, island: str) -> list[str]:
 )
 @pytest.mark.parametrize("seed", [int(os.environ.get("DILOCO_CHAOS_SEED", "7"))])
 def test_chaos_random_kills(federation: Callable[..., Federation], seed: int, n_kills: int, fragments: int) -> None:
-    """3 islands, min 2 per round, 18 rounds; `n_kills` islands SIGKILLed at seeded random times in the first half
-    and restarted after seeded random delays. Depending on how the kills fall, a round closes without the dead
-    island once it is lost (4 s: its lease, and the grace of its broken presence call) or at the adaptive deadline,
-    waits below quorum when two are dead, or the island is back in time. The grace is raised from its 1 s default
-    so that the survivors cannot finish the run before a restarted island (seconds to start) is back, as the kill
-    plan assumes; how fast a death is noticed is tests/test_presence.py's and the failover bench's. Each kill costs a restart and rounds held to a lease or deadline: README's test command runs
-    3 kills with Streaming DiLoCo (2 fragments, τ = 1: every kill falls with a fragment in flight), `pytest -m
-    bench` the 5-kill soak of plain rounds."""
+    """3 islands, min 2 per round, 18 rounds; `n_kills` seeded islands SIGKILLed at a named point each (before
+    their push of a seeded round in the first half, or the first round they reach after it: diloco/faults.py), and
+    restarted at once or once the coordinator counted them lost (seeded). Depending on how the kills fall, a round
+    closes without the dead island once it is lost or at the adaptive deadline, waits below quorum when two are
+    dead, or the island is back in time. No island pushes the last round before every island reached it: the run
+    cannot end before a restarted island is back. Each kill costs a restart and rounds held to a lease or
+    deadline: README's test command runs 3 kills with Streaming DiLoCo (2 fragments, τ = 1: every kill falls with
+    a fragment in flight), `pytest -m bench` the 5-kill soak of plain rounds."""
     rounds = 18
     names = ["island-0", "island-1", "island-2"]
-    fed = federation(
-        f"train.rounds={rounds}", "islands.count=3", "quorum.min_islands=2", "quorum.lease_s=4",
-        "quorum.reconnect_grace_s=4", "quorum.max_deadline_s=4", "train.inner_steps=2", f"stream.fragments={fragments}",
-        f"stream.overlap_steps={fragments - 1}",
-    )  # fmt: skip
     rng = random.Random(seed)
+    plan = [(f"{rng.choice(names)}:before_push:{r}+", rng.choice(["at once", "once lost"]))
+            for r in sorted(rng.sample(range(1, rounds // 2 - 1), n_kills))]  # fmt: skip
+    last = [f"{name}:before_push:{rounds - 1}+" for name in names]
+    fed = federation(
+        f"train.rounds={rounds}", "islands.count=3", "quorum.min_islands=2", "quorum.max_deadline_s=4",
+        "train.inner_steps=2", f"stream.fragments={fragments}", f"stream.overlap_steps={fragments - 1}",
+        pause_at=[entry for entry, _ in plan] + last,  # a kill's entry first: it stops there first
+    )  # fmt: skip
     fed.start_coordinator()
     for name in names:
         fed.start_island(name)
 
-    plan = sorted(rng.sample(range(1, rounds // 2 - 1), n_kills))  # early enough that restarts rejoin before the end
-    restarts: dict[str, float] = {}  # island -> when to restart it
+    restarts: dict[str, int] = {}  # island -> the index of the coordinator's event log at its kill, to restart once lost
     kills: list[tuple[int, str]] = []
     expect_resume: list[tuple[str, int]] = []
-    deadline = time.monotonic() + 3 * WAIT_S
-    while plan or restarts:
-        assert time.monotonic() < deadline, f"chaos did not finish: plan {plan}, restarts {restarts}\n{fed.logs()}"
-        fed.check_alive()
-        now = time.monotonic()
-        for name, when in list(restarts.items()):
-            if now >= when:
+
+    def restart_lost() -> None:
+        for name, mark in list(restarts.items()):
+            if lost_since(fed, mark, name):
                 fed.start_island(name)
                 del restarts[name]
-        if plan and len(fed.rounds()) >= plan[0]:
-            plan.pop(0)
-            time.sleep(rng.uniform(0.0, 0.8))  # a random moment inside the round
-            alive = [n for n in names if n not in restarts]
-            victim = rng.choice(alive)
-            fed.kill(victim)
-            kills.append((len(fed.rounds()), victim))
-            if _finished_checkpoints(fed, victim):  # orbax renames a step's directory to its number when complete
-                expect_resume.append((victim, len(fed.events("resumed", island=victim))))
-            restarts[victim] = time.monotonic() + rng.uniform(0.2, 3.0)
-        time.sleep(0.1)
+
+    for entry, restart in plan:
+        victim = entry.split(":")[0]
+
+        def reached(entry: str = entry) -> dict[str, Any] | None:
+            restart_lost()  # a restart never waits for a commit: below quorum, none comes
+            return fed.pauses.reached(entry)
+
+        fed.wait_for(reached, WAIT_S, f"a stop at {entry}")
+        fed.kill(victim)
+        kills.append((len(fed.rounds()), victim))
+        if _finished_checkpoints(fed, victim):  # orbax renames a step's directory to its number when complete
+            expect_resume.append((victim, len(fed.events("resumed", island=victim))))
+        if restart == "at once":
+            fed.start_island(victim)
+        else:
+            restarts[victim] = len(fed.events())
+    fed.wait_for(lambda: restart_lost() or not restarts, WAIT_S, "the last restarts")
+    for entry in last:  # every island is back and holds θ of the last round: only now may the run end
+        fed.paused(entry, WAIT_S)
+    for entry in last:
+        fed.release(entry)
     fed.wait_exit(2 * WAIT_S)
 
     assert len(kills) == n_kills, kills
@@ -557,21 +587,27 @@ def test_asynchronous_federation_does_not_wait_for_a_slow_island(federation: Cal
 
 
 def test_sigterm_stops_an_island_and_the_coordinator_cleanly(federation: Callable[..., Federation]) -> None:
-    rounds = 24  # commits run ahead of their `round` events: room for the stops to land mid-run
+    rounds = 8
     # A long lease: only a Leave can tell the coordinator that the stopped island is gone. The coordinator's own
     # checkpoint is due only at the end (every 100 rounds), so a stop mid-run has to save one of its own.
+    # island-0 waits before its first push until island-1 has joined (min_islands=1: else it may commit rounds
+    # alone first); island-1 is stopped before its push of round 2 (or the first it reaches after, should a round
+    # close without it), once it has a checkpoint; the coordinator once island-0 waits to push round 6.
+    pauses = ["island-0:before_push:0", "island-1:before_push:2+", "island-0:before_push:6"]
     fed = federation(f"train.rounds={rounds}", "train.checkpoint_every=100", "quorum.lease_s=60",
-                     "quorum.min_islands=1")  # fmt: skip
+                     "quorum.min_islands=1", pause_at=pauses)  # fmt: skip
     fed.start_coordinator()
     for name in ("island-0", "island-1"):
         fed.start_island(name)
+    fed.paused("island-0:before_push:0", WAIT_S)
+    fed.wait_for(lambda: fed.events("joined", island="island-1"), WAIT_S, "island-1 to join")
+    fed.release("island-0:before_push:0")
 
-    fed.wait_for(lambda: len(fed.rounds()) >= 2, WAIT_S, "two committed rounds")
-    # island-1 may join after island-0 committed rounds alone (min_islands=1): stop it only once it has a
-    # checkpoint to resume from (seen in CI without this wait: no `resumed` at its restart).
+    fed.paused("island-1:before_push:2+", WAIT_S)
     fed.wait_for(lambda: any((fed.island_dir("island-1") / "checkpoints").rglob("_CHECKPOINT_METADATA")), WAIT_S,
                  "island-1's first checkpoint")  # fmt: skip
     fed.signal("island-1", signal.SIGTERM)
+    fed.release("island-1:before_push:2+")  # on to its next sync point, where it stops
     assert fed.processes()["island-1"].wait(timeout=60) == 0
     left = fed.wait_for(lambda: [e for e in fed.events("island_left") if e["island"] == "island-1"], WAIT_S,
                         "island-1's Leave")[0]  # fmt: skip
@@ -581,11 +617,14 @@ def test_sigterm_stops_an_island_and_the_coordinator_cleanly(federation: Callabl
     alone = fed.wait_for(lambda: [r for r in fed.rounds() if r["round"] > left["round"]], WAIT_S, "a round alone")[0]
     assert alone["islands"] == ["island-0"] and alone["reason"].startswith("all 1 live islands pushed"), alone
 
-    # The coordinator, stopped while no checkpoint is due: its last committed round is saved anyway.
-    fed.wait_for(lambda: len(fed.rounds()) >= 5, WAIT_S, "five committed rounds")
+    # The coordinator, stopped while no checkpoint is due, with rounds 0-5 committed and nothing of round 6 pushed:
+    # its last committed round is saved anyway.
+    fed.paused("island-0:before_push:6", WAIT_S)
+    fed.wait_rounds(6, WAIT_S)
     fed.signal("coordinator", signal.SIGTERM)
     assert fed.coordinator is not None and fed.coordinator.wait(timeout=120) == 0
     committed = len(fed.rounds())
+    assert committed == 6, fed.rounds()
     assert fed.events("stopped")[-1]["reason"] == "SIGTERM"
     assert max(int(p.name) for p in (fed.run_dir / "checkpoints" / "coordinator").iterdir() if p.name.isdigit()) == (
         committed
@@ -593,7 +632,11 @@ def test_sigterm_stops_an_island_and_the_coordinator_cleanly(federation: Callabl
     fed.start_coordinator()
     resumed = fed.wait_for(lambda: fed.events(event="resumed"), WAIT_S, "the coordinator to resume")[0]
     assert resumed["round"] == committed, (resumed, committed)
+    joins = len(fed.events("joined", island="island-1"))
     fed.start_island("island-1")  # resumes from its own checkpoint, rejoins
+    # island-0 goes on only once island-1 is back: alone, it would finish the run before island-1 could join.
+    fed.wait_for(lambda: len(fed.events("joined", island="island-1")) > joins, WAIT_S, "island-1 to rejoin")
+    fed.release("island-0:before_push:6")
     fed.wait_exit(WAIT_S * 2)
     check_run(fed, rounds, ["island-0", "island-1"])
     assert fed.events("resumed", island="island-1")

@@ -25,13 +25,11 @@ from tests.conftest import JAX_CACHE, REPO, child_env
 from tests.test_federation import ENV, FAST, _finished_checkpoints, check_run
 
 ROUNDS = 3
-SLOWDOWN = 10
-"""island-0 sleeps 9x its compute in each round's training (islands.slowdown: about 2 s a round here), so the
-follower's SIGKILL, sent once the round's checkpoint is complete on disk, lands while the island trains and before
-that round's push: the restarted island redoes the same round from that checkpoint on the same batches, and the
-curve stays simulate's."""
-RUN = [*FAST, "quorum.min_islands=2", f"train.rounds={ROUNDS}", "codec.uplink=fp32", "codec.downlink=fp32",
-       f'islands.slowdown=["island-0={SLOWDOWN}"]']  # fmt: skip
+KILL_AT = "island-0:before_push:1"
+"""island-0's leader stops after training round 1, before its push (diloco/faults.py), and the follower's SIGKILL
+lands there once round 1's checkpoint is complete on disk: the restarted island redoes the same round from that
+checkpoint on the same batches, and the curve stays simulate's."""
+RUN = [*FAST, "quorum.min_islands=2", f"train.rounds={ROUNDS}", "codec.uplink=fp32", "codec.downlink=fp32"]
 """Every round holds both islands (min_islands = count), so the two runs take the same steps; fp32 both ways: no
 error-feedback residual, so a redone push is the lost one, bit for bit."""
 WAIT_S = 240.0
@@ -50,14 +48,6 @@ def _curve(rounds: list[dict]) -> list[float]:
     return [x for r in rounds for x in (r["loss"], r["eval_loss"])]
 
 
-def _training_a_saved_round(fed: Federation) -> int | None:
-    """The round island-0 trains now (r >= 1) once its checkpoint of round r is complete on disk, else None."""
-    started = [e["round"] for e in fed.events("train_start", island="island-0")]
-    if not started or started[-1] < 1:
-        return None
-    return started[-1] if str(started[-1]) in _finished_checkpoints(fed, "island-0") else None
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_process_island_trains_as_one_process_island_through_a_killed_follower(
@@ -73,12 +63,13 @@ def test_two_process_island_trains_as_one_process_island_through_a_killed_follow
     )  # fmt: skip
     try:
         fed = Federation(tiny_config, [*RUN, "islands.devices=2"], tmp_path / "multi", cwd=REPO, env=ENV,
-                         jax_cache=JAX_CACHE)  # fmt: skip
+                         jax_cache=JAX_CACHE, pause_at=[KILL_AT])  # fmt: skip
         feds.append(fed)
         fed.start_coordinator()
         fed.start_island("island-0", args=fed.group_args("island-0", 2), supervised=True)
         fed.start_island("island-1", env=devices_env(2))
-        killed_in = fed.wait_for(lambda: _training_a_saved_round(fed), WAIT_S, "island-0 training a saved round")
+        killed_in = fed.paused(KILL_AT, WAIT_S)["round"]
+        fed.wait_for(lambda: "1" in _finished_checkpoints(fed, "island-0"), WAIT_S, "island-0's checkpoint 1")
         island = fed.island_dir("island-0")
         leader, follower = (int((island / f).read_text()) for f in ("worker.pid", "process-1.pid"))
         os.kill(follower, signal.SIGKILL)
