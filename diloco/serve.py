@@ -102,7 +102,7 @@ def serve(
     service = DilocoService(
         coordinator, cfg.run.name, coordinator.model_spec, authenticator=Authenticator(secrets),
         config=transport, on_rejected=coordinator.on_rejected,
-        status_requires_auth=secrets is not None, islands=cfg.islands.island_names, uplink_codec=cfg.codec.uplink,
+        status_requires_auth=secrets is not None, islands=cfg.islands.island_names, uplink=cfg.codec.spec("uplink"),
     )  # fmt: skip
     server.attach(service)  # health: SERVING
     # Written whole or not at all (a rename): whoever polls for the file never reads it half-written, empty.

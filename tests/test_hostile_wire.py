@@ -24,7 +24,8 @@ import grpc
 import numpy as np
 import pytest
 
-from floor.codec import EncodedTensor, raw_payload_nbytes
+from floor.codec import CodecSpec, EncodedTensor, decode, raw_payload_nbytes
+from pytrees.encode import encode
 from tests.reference_handler import ReferenceHandler, fp32_tensor
 from tests.wire_helpers import push_chunks
 from transport import chunking
@@ -403,7 +404,7 @@ NAN, INF = float("nan"), float("inf")
     ],
 )
 def test_bad_push_metadata_is_refused(fields, words):
-    with serving(TransportConfig(), uplink_codec="fp32") as s:
+    with serving(TransportConfig(), uplink=CodecSpec(kind="fp32")) as s:
         fields = dict(fields)
         tensors = delta()
         if fields.pop("codec", None) == "int4":  # a well-formed int4 payload (zero scales and codes)
@@ -417,8 +418,29 @@ def test_bad_push_metadata_is_refused(fields, words):
         assert s.handler.applied == [] and len(s.rejections) == 1
 
 
+@pytest.mark.parametrize(
+    ("run", "sent", "words"),
+    [
+        (CodecSpec(kind="fp32"), CodecSpec(kind="fp32", zstd_level=3), "is 'fp32' (zstd level 3); this run's islands send 'fp32' (no zstd)"),
+        (CodecSpec(kind="int8", zstd_level=3), CodecSpec(kind="int8"), "is 'int8' (blocks of 256, no zstd)"),
+        (CodecSpec(kind="int8", zstd_level=3), CodecSpec(kind="int8", zstd_level=1), "zstd level 1"),
+        (CodecSpec(kind="int4"), CodecSpec(kind="int4", block_size=128), "blocks of 128"),
+    ],
+)
+def test_a_push_encoded_otherwise_than_the_run_says_is_refused(run, sent, words):
+    """Kind, block size and zstd level are the run's (codec.*): a push that decodes but was encoded otherwise is not a
+    push of this run, and is refused with a reason naming both encodings."""
+    with serving(TransportConfig(), uplink=run) as s:
+        tensors = [encode(t.name, decode(t), sent) for t in delta()]
+        with pytest.raises(TransportError) as info:
+            s.client().push(meta(), tensors)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.reason, info.value.reason
+        assert "codec.zstd_level" in info.value.reason and s.handler.applied == []
+        assert s.client().push(meta(), [encode(t.name, decode(t), run) for t in delta()]).accepted
+
+
 def test_subnormal_values_reach_the_handler_as_zeros():
-    with serving(TransportConfig(), uplink_codec="fp32") as s:
+    with serving(TransportConfig(), uplink=CodecSpec(kind="fp32")) as s:
         b = np.full(8, 0.5, np.float32)
         b[[1, 5]] = np.float32(1e-40)
         assert b[1] != 0

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from floor.codec import CodecSpec
 from transport import diloco_pb2 as pb
 from transport.auth import ISLAND_KEY, Authenticator
 from transport.chunking import ByteBudget, Reassembler, build_header, check_header, iter_trailed_views
@@ -116,9 +117,9 @@ class DilocoService:
         on_rejected: RejectionSink | None = None,
         status_requires_auth: bool = False,
         islands: Collection[str] | None = None,
-        uplink_codec: str | None = None,
+        uplink: CodecSpec | None = None,
     ) -> None:
-        """``islands``: the run's island names (None: any name, for tests); ``uplink_codec``: the one codec pushes
+        """``islands``: the run's island names (None: any name, for tests); ``uplink``: the one codec pushes
         may use (None: any known one)."""
         self.handler = handler
         self.run_id = run_id
@@ -128,7 +129,7 @@ class DilocoService:
         self.on_rejected = on_rejected
         self.status_requires_auth = status_requires_auth
         self.islands = frozenset(islands) if islands is not None else None
-        self.uplink_codec = uplink_codec
+        self.uplink = uplink
         self.budget = ByteBudget(self.config.max_buffered_bytes)
         self.presences = Presences(self._absent)
         self._codecs = known_codecs()
@@ -285,7 +286,7 @@ class DilocoService:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk must carry meta and header")
         meta, header = first.meta, first.header
         check_run_and_island(meta.run_id, meta.island, self.run_id, caller)
-        check_push_meta(meta, header.tensors, self.model_spec, self.uplink_codec)
+        check_push_meta(meta, header.tensors, self.model_spec, self.uplink)
         self.handler.admissible(meta)
         check_header(header, self.config.max_payload_bytes, self.config.max_tensors, self._codecs)
         if self.model_spec is not None:

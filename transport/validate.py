@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 import grpc
 import numpy as np
 
-from floor.codec import EncodedTensor
+from floor.codec import CodecSpec, EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.errors import Rejected
 
@@ -100,13 +100,14 @@ def check_push_meta(
     meta: pb.PushMeta,
     tensors: Sequence[pb.TensorMeta],
     model_spec: ModelSpec | None = None,
-    uplink_codec: str | None = None,
+    uplink: CodecSpec | None = None,
 ) -> None:
     """What a push claims about itself: its numbers, its fragment, the codec of each of its ``tensors``.
 
-    ``model_spec`` (when given) says which fragments exist; ``uplink_codec`` (when given) is the one codec the
-    run's islands encode with: a payload in another one is refused even when it decodes (an int4 push where the
-    run says fp32 is not a push of this run). The coordinator caps ``tokens``; here it must only be positive.
+    ``model_spec`` (when given) says which fragments exist; ``uplink`` (when given) is the codec the run's islands
+    encode with, its kind, block size and zstd level: a payload encoded otherwise is refused even when it decodes
+    (an int4 push where the run says fp32, or a zstd frame where it says no zstd, is not a push of this run). The
+    coordinator caps ``tokens``; here it must only be positive.
     """
     if meta.tokens == 0:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be > 0 (it is the aggregation weight)")
@@ -115,12 +116,21 @@ def check_push_meta(
         _check_number(key, getattr(meta, key), sys.float_info.min, nonnegative=True, most=MAX_SECONDS)
     if model_spec is not None:
         spec_for(model_spec, meta.fragment)
-    for t in tensors if uplink_codec is not None else ():
-        if t.codec != uplink_codec:
+    for t in tensors if uplink is not None else ():
+        sent = _codec_of(t.codec, t.block_size, t.zstd_level)
+        expected = _codec_of(uplink.kind, uplink.block_size if uplink.blockwise else 0, uplink.zstd_level)
+        if sent != expected:
             raise Rejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"tensor {t.name!r} is {t.codec!r}; this run's islands send {uplink_codec!r} (codec.uplink)",
+                f"tensor {t.name!r} is {sent}; this run's islands send {expected} (codec.uplink, codec.block_size, "
+                "codec.zstd_level)",
             )
+
+
+def _codec_of(kind: str, block_size: int, zstd_level: int) -> str:
+    """How a refusal names a tensor's encoding: "int8 (blocks of 256, zstd level 3)", "fp32 (no zstd)"."""
+    blocks = f"blocks of {block_size}, " if block_size else ""
+    return f"{kind!r} ({blocks}{f'zstd level {zstd_level}' if zstd_level else 'no zstd'})"
 
 
 def check_join(req: pb.JoinRequest) -> None:
