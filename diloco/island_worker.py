@@ -526,7 +526,7 @@ class IslandWorker:
         (diloco/island_group.py)."""
         if self.P == 1:
             done: Future[RoundPush] = Future()
-            done.set_result(self.island.push(run, reference))
+            done.set_result(self.island.encode_delta(run, reference))
             return done
         return self.wire.submit(self.island.take_delta(run, reference).encode)
 
@@ -729,7 +729,7 @@ class IslandWorker:
             self.metrics.trained(run)
             steps_ended = time.perf_counter()
             self.rd.log_inner(self.round, self.name, run.first_step, run.losses, self.cfg.train.log_every)
-            push = self.island.push(run, flatten_named(self.global_params))
+            push = self.island.encode_delta(run, flatten_named(self.global_params))
             meta = self._push_meta(self.round, 0, run, cycle_from)
             cycle_from = time.perf_counter()
             t0 = time.perf_counter()
