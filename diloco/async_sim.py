@@ -136,7 +136,7 @@ def run_async(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
             t0 = time.monotonic()
             # θ as the island pulled it, τ updates ago, copied: the inner steps donate (free) the island's buffers.
             pulled = jax.tree.map(lambda x: jnp.array(x, copy=True), flatten_named(island.state.params, to_numpy=False))
-            push = island.push(island.train(cfg.train.inner_steps), pulled)
+            push = island.encode_delta(island.train(cfg.train.inner_steps), pulled)
             island.keep_residual(push)  # in one process every push is delivered
             weight = staleness_weight(tau, cfg.outer.staleness_exponent)
             world.loop.submit(island.name, u, discount(push.sent.decoded, weight), push.run.tokens)

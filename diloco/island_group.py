@@ -267,9 +267,9 @@ class LeaderIsland:
         how many steps fit the budget, so every process trains exactly as many."""
         return Island.train_for(self, budget_s, max_steps)  # type: ignore[arg-type]  # it calls self.train only
 
-    def push(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
-        self.channel.send("push", reference)
-        self._last_push = self.island.push(run, reference)
+    def encode_delta(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
+        self.channel.send("encode_delta", reference)
+        self._last_push = self.island.encode_delta(run, reference)
         return self._last_push
 
     def keep_residual(self, push: RoundPush) -> None:
@@ -329,9 +329,9 @@ def follow(island: Island, like: PyTree, store: CheckpointStore | None, channel:
                 island.set_params(unflatten_named(cmd.arrays, like))
             elif cmd.op == "train":
                 last_run = island.train(int(cmd.args["n"]))
-            elif cmd.op == "push":
+            elif cmd.op == "encode_delta":
                 run = last_run or InnerRun(np.zeros(0, np.float32), 0, 0.0, 0)
-                last_push = island.push(run, cmd.arrays)
+                last_push = island.encode_delta(run, cmd.arrays)
             elif cmd.op == "keep_residual":
                 assert last_push is not None
                 island.keep_residual(last_push)

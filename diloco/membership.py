@@ -175,7 +175,7 @@ class PullView:
     arriving: bool = False
     """This island's push for the position it holds is still streaming in: an island asks for the commit as soon as
     its push is on the wire, not once the push's reply is back, so the pull's request travels beside the push's
-    last bytes instead of a round trip after them (`IslandWorker._collect`)."""
+    last bytes instead of a round trip after them (`IslandSync._collect`)."""
     kept: int = 1
     """How many commits up to `last_commit_round` the coordinator keeps for pulls (one per fragment: an island whose
     overlapped merges lag a sync or two behind still gets the update it needs, not the whole θ)."""

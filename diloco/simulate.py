@@ -169,7 +169,7 @@ class Lockstep:
             r, reference = self.loop.round, self.loop.fragment_params(p)
             pushes = {}
             for island in self.islands:
-                push = island.push(InnerRun.joined(self._since_push[island.name]), reference)
+                push = island.encode_delta(InnerRun.joined(self._since_push[island.name]), reference)
                 self._since_push[island.name] = []
                 island.keep_residual(push)  # in one process every push is delivered
                 self.loop.submit(island.name, r, push.sent.decoded, push.run.tokens, fragment=p)

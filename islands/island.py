@@ -3,14 +3,15 @@
 The island owns `IslandState(step, params, inner_opt_state, residual, data_cursor)`. Between rounds it keeps its
 inner AdamW state (DiLoCo keeps inner optimizer state across rounds) and replaces only its parameters with the
 global ones. The same class runs inside `diloco simulate` (many islands in one process) and inside an island
-process of `diloco launch`, and both call the same round step (docs/architecture.md, "The round"):
+process of `diloco launch`, and both drive it through the same steps (docs/architecture.md, "The round"):
 
-    train_round(θ_r, H) -> H inner steps, Δ = θ_r - θ_local, encode(Δ + e) with error feedback -> RoundPush
-    keep_residual(push) -> the push was accepted: carry what its codec dropped into the next round
+    train(n) / train_for(s, n)   -> n inner steps (or as many as fit s seconds), between two events of the schedule
+    encode_delta(run, θ_global)  -> Δ = θ_global - θ_local over those leaves, encode(Δ + e) -> RoundPush
+    keep_residual(push)          -> the push reached the round: carry what its codec dropped into the next one
+    merge(θ_p,global, α)         -> the committed leaves into the local θ (plain DiLoCo: all of θ, α = 0)
 
-Streaming DiLoCo (outer_optimizer/fragments.py) takes the same steps apart: `train(n)` between events,
-`push(reference)` for one fragment's leaves (Δ_p = θ_p,global - θ_p,local), and `merge(θ_p,global, α)` when the
-committed fragment arrives, τ steps later.
+Plain DiLoCo is one sync a round over all of θ; Streaming DiLoCo (outer_optimizer/fragments.py) syncs one
+fragment's leaves at a time (Δ_p = θ_p,global - θ_p,local) and merges the committed fragment τ steps later.
 
 After its H steps an island checks that every loss and every parameter is finite, and stops with `DivergedError`
 (a user error: exit code 2, never restarted) naming the island, the first bad step and the settings to change,
@@ -313,13 +314,13 @@ class Island:
         if lasts > took:
             time.sleep(lasts - took)
         seconds = time.perf_counter() - t0
-        return self.adopt(params, opt_state, np.asarray(host_losses, np.float32), seconds, params_finite=bool(finite))
+        return self.step_to(params, opt_state, np.asarray(host_losses, np.float32), seconds, params_finite=bool(finite))
 
-    def adopt(
+    def step_to(
         self, params: PyTree, opt_state: PyTree, losses: np.ndarray, seconds: float, params_finite: bool | None = None
     ) -> InnerRun:
-        """Take what len(losses) inner steps from the current state produced (on batches drawn from this island's
-        stream, whose cursor is past them) as the new state, once `check_finite` passed: `train`'s last part, also
+        """Move the state to what len(losses) inner steps from it produced (on batches drawn from this island's
+        stream, whose cursor is past them), once `check_finite` passed: `train`'s last part, also
         the way back of islands/vectorized.py, which steps many islands at once. `params_finite`: already read."""
         assert self.state is not None, "start() the island first"
         first_step, n_steps = self.state.step, len(losses)
@@ -377,22 +378,15 @@ class Island:
             done, spent = done + chunk, spent + runs[-1].seconds
         return InnerRun.joined(runs)
 
-    def train_round(self, global_params: PyTree, n_steps: int, budget_s: float = 0.0) -> RoundPush:
-        """H inner steps from θ_r (or, with `budget_s`, as many as fit it, at most H), then Δ = θ_r - θ_local
-        compressed as encode(Δ + e) (DiLoCo with error feedback).
-
-        The island's residual is not changed here: the caller decides whether the push counted (`keep_residual`).
-        """
-        run = self.train_for(budget_s, n_steps)
-        return self.push(run, flatten_named(global_params, to_numpy=False))
-
-    def push(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
+    def encode_delta(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
         """Δ = reference - θ_local over the leaves `reference` names (all of θ, or one fragment's), encoded with
-        this island's error feedback for those leaves. `run`: the steps trained since that fragment last synced."""
+        this island's error feedback for those leaves: what a push sends. `run`: the steps trained since that
+        fragment last synced. The residual is not changed here: the caller decides whether the push counted
+        (`keep_residual`)."""
         return self.take_delta(run, reference).encode()
 
     def take_delta(self, run: InnerRun, reference: dict[str, PyTree]) -> TakenDelta:
-        """`push` without its encoding: Δ is formed now, before the next inner step replaces θ.
+        """`encode_delta` without its encoding: Δ is formed now, before the next inner step replaces θ.
 
         On the host: each leaf of θ_local is read back once and subtracted there, where the global copy and the
         codec are. A subtraction on the device would send the reference over and Δ back (twice the bytes) and pay a

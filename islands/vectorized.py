@@ -10,8 +10,9 @@ much as the step itself. `IslandStack.train(n)` runs n inner steps of all M isla
               int32 array [n, M, passes, sequences, tokens] and one transfer
     run       jit(scan over the n steps of vmap(inner_update) over the island axis): one dispatch for n steps of all
               islands. The stacked params and state are donated: they are this module's own copies.
-    unstack   each island's slice as arrays of its own (one dispatch), with the island's layout; each island `adopt`s
-              its slice and its n losses: `check_finite` under its own name, step counter, data cursor, InnerRun
+    unstack   each island's slice as arrays of its own (one dispatch), with the island's layout; each island steps
+              to its slice and its n losses (`Island.step_to`): `check_finite` under its own name, step counter, data
+              cursor, InnerRun
 
 so the islands stay the holders of their state between calls (push, merge, residuals, checkpoints see no difference)
 and a run of n steps costs a few dispatches instead of n·M. Only a run of steps is vectorized; what happens between
@@ -139,7 +140,7 @@ class IslandStack:
         # Apportioned evenly: one program ran every island's steps, so the shared wall time is split M ways.
         seconds = (time.perf_counter() - t0) / len(self.islands)
         return [
-            island.adopt(p, o, np.asarray(host_losses[:, i], dtype=np.float32), seconds)
+            island.step_to(p, o, np.asarray(host_losses[:, i], dtype=np.float32), seconds)
             for i, (island, (p, o)) in enumerate(zip(self.islands, states, strict=True))
         ]
 

@@ -515,7 +515,7 @@ def test_launch_equals_simulate(shared_launch: SharedLaunch) -> None:
 # τ steps later, each fragment's copy proved bit-identical, and the same floats as the one-process simulation.
 
 
-@pytest.mark.parametrize("alpha", ["0.5", "0"])  # α = 0 merges the leaves the pull lane placed (IslandWorker._ready)
+@pytest.mark.parametrize("alpha", ["0.5", "0"])  # α = 0 merges the leaves the pull lane placed (IslandWorker._prepare)
 def test_streaming_federation_equals_simulate(
     federation: Callable[..., Federation], tiny_config: Path, tmp_path: Path, alpha: str
 ) -> None:

@@ -79,7 +79,7 @@ class IslandClient(Protocol):
     ) -> pb.PushReply:
         """Send one encoded pseudo-gradient; a retried push is deduplicated by (island, round, fragment).
         ``on_sent`` is called (on the sending thread) each time an attempt has handed its last chunk to the wire:
-        the island then asks for the commit without waiting for the push's reply (`IslandWorker._collect`)."""
+        the island then asks for the commit without waiting for the push's reply (`IslandSync._collect`)."""
         ...
 
     def pull(self, req: pb.PullRequest) -> PullPayload:

@@ -159,7 +159,7 @@ class TransportConfig:
 
     def for_islands(self, n_islands: int, fragments: int = 1) -> TransportConfig:
         """These limits, raised where needed so that `n_islands` honest islands never meet them: each may hold a
-        push and a pull stream per fragment (Streaming DiLoCo's P lanes of each, `IslandWorker.lanes` and
+        push and a pull stream per fragment (Streaming DiLoCo's P lanes of each, `IslandSync.lanes` and
         `pulls`, all on the wire at once when the coordinator waits for a slow island) and a retry beside them,
         and a heartbeat beside its main thread's join at once. With P = 5 a cap of 4 streams an island refused the
         fifth of an island's pulls (UNAVAILABLE, retried after a backoff): seconds lost per round."""

@@ -5,9 +5,9 @@ still push a finite Δ of its choosing, and DiLoCo's token-weighted mean lets an
 far (Blanchard et al., NeurIPS 2017). This measures what the robust rules of outer_optimizer/aggregate.py buy
 against such an island, and what they cost when every island is honest.
 
-In one process, with the same code as `simulate` (`build_setup`, `make_island`, `Island.train_round`, `OuterLoop`),
-M islands (4 by default) train the config's rounds; the last of islands.names trains honestly but its pushed Δ
-is replaced by the attack:
+In one process, with the same code as `simulate` (`build_setup`, `make_island`, `Island.train`,
+`Island.encode_delta`, `OuterLoop`), M islands (4 by default) train the config's rounds; the last of islands.names
+trains honestly but its pushed Δ is replaced by the attack:
 
     scale      Δ × 1000 (a push that moves θ 1000 times as far)
     signflip   -Δ (gradient ascent at honest size: no norm bound sees it)
@@ -43,7 +43,7 @@ from floor.errors import UserError
 from islands.island import Island
 from outer_optimizer.config import OuterConfig
 from outer_optimizer.optimizers import aggregator, build_optimizer
-from pytrees.naming import PyTree
+from pytrees.naming import PyTree, flatten_named
 
 F32_MAX = float(np.finfo(np.float32).max)
 SCALE = 1000.0
@@ -133,7 +133,8 @@ def _run(
     for r in range(cfg.train.rounds):
         try:
             for island in islands:
-                push = island.train_round(loop.params, cfg.train.inner_steps)
+                run = island.train(cfg.train.inner_steps)
+                push = island.encode_delta(run, flatten_named(loop.params, to_numpy=False))
                 island.keep_residual(push)
                 delta = push.sent.decoded
                 if attack is not None and island.name == byzantine:

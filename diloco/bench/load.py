@@ -21,7 +21,7 @@ peak RSS (VmHWM); on the coordinator's own clock, how far apart a round's pushes
 last push to its `round` event (commit and evaluation); bytes moved, counted by the clients and by the coordinator;
 and the rounds whose pulls brought another digest than the coordinator logged for them (must be none).
 
-The islands retry exactly what a real island retries (`diloco.island_worker._retry_forever`), so an island that
+The islands retry exactly what a real island retries (`diloco.island_sync.retry_forever`), so an island that
 a real one would lose (a call refused for good, e.g. RESOURCE_EXHAUSTED when more calls arrive at once than the
 server's transport.max_unary_calls / transport.max_streams admit) ends the benchmark with one line.
 
@@ -49,7 +49,7 @@ from diloco import RELEASE
 from diloco.bench.errors import BenchError
 from diloco.bench.federation import _federation
 from diloco.config import RunConfig, config_digest, load_config
-from diloco.island_worker import _retry_forever
+from diloco.island_sync import retry_forever
 from diloco.membership import REJOIN
 from diloco.procs import Federation
 from floor.codec import EncodedTensor
@@ -206,8 +206,8 @@ def light_island(address: str, cfg: RunConfig, name: str, secret: str, delta: Sh
         with GrpcTransport(address, name, secret, config=cfg.transport) as client:
             join = pb.JoinRequest(**meta, config_digest=bytes.fromhex(config_digest(cfg)), last_round=-1, devices=1,
                                   release=RELEASE)  # fmt: skip
-            _retry_forever(lambda: client.join(join), "join", CLIENT_GIVE_UP_S)
-            full = _retry_forever(
+            retry_forever(lambda: client.join(join), "join", CLIENT_GIVE_UP_S)
+            full = retry_forever(
                 lambda: client.pull(pb.PullRequest(**meta, have_round=-1, full=True)), "pull", CLIENT_GIVE_UP_S
             )
             trace.bytes_down += _payload_bytes(full.tensors)
@@ -216,15 +216,15 @@ def light_island(address: str, cfg: RunConfig, name: str, secret: str, delta: Sh
             while round_ < cfg.train.rounds:
                 with contextlib.suppress(TransportError):  # as an island's heartbeat thread: the next call retries
                     if client.heartbeat(pb.HeartbeatRequest(**meta, round=round_, step=0)).state == REJOIN:
-                        _retry_forever(lambda: client.join(join), "join", CLIENT_GIVE_UP_S)
+                        retry_forever(lambda: client.join(join), "join", CLIENT_GIVE_UP_S)
                 push = pb.PushMeta(**meta, round=round_, tokens=tokens, inner_steps=cfg.train.inner_steps, loss=1.0,
                                    base_digest=digest)  # fmt: skip
                 trace.push_start[round_] = time.monotonic()
-                _retry_forever(lambda: client.push(push, tensors), "push", CLIENT_GIVE_UP_S)  # noqa: B023
+                retry_forever(lambda: client.push(push, tensors), "push", CLIENT_GIVE_UP_S)  # noqa: B023
                 trace.push_end[round_] = time.monotonic()
                 trace.bytes_up += _payload_bytes(tensors)
                 pull = pb.PullRequest(**meta, have_round=round_)
-                update = _retry_forever(lambda: client.pull(pull), "pull", CLIENT_GIVE_UP_S)  # noqa: B023
+                update = retry_forever(lambda: client.pull(pull), "pull", CLIENT_GIVE_UP_S)  # noqa: B023
                 trace.pull_end[round_] = time.monotonic()
                 trace.bytes_down += _payload_bytes(update.tensors)
                 if update.kind != "update" or update.round != round_ + 1:
