@@ -6,7 +6,7 @@
 #   docker build --build-arg EXTRAS=pathways -t REGISTRY/diloco:TAG-pathways .   islands on Pathways slices
 #
 # Dependencies are the versions CI tested (constraints.txt). The user (uid 10001) and WORKDIR (/app) are the ones
-# the Kubernetes manifests of `diloco deploy k8s` expect (diloco/deploy_k8s.py: USER_ID, WORKDIR): relative paths of
+# the Kubernetes manifests of `diloco deploy k8s` expect (diloco/deploy/k8s.py: USER_ID, WORKDIR): relative paths of
 # a config (configs/links/..., file:kit/secrets/NAME) resolve against /app. README.md, "Kubernetes".
 FROM python:3.11-slim
 

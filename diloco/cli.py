@@ -6,7 +6,7 @@ mistake (config, data, model path, run directory, a refused island ...) is a `fl
 with one line on stderr and exit code 2, never a traceback. Each command imports what it needs when it runs, so
 `diloco --help` and `diloco status` start without importing JAX.
 
-Secure by default (diloco/tls.py): the coordinator listens on loopback unless told otherwise, and beyond loopback
+Secure by default (diloco/deploy/tls.py): the coordinator listens on loopback unless told otherwise, and beyond loopback
 only with island secrets and TLS (or `--insecure`); `--tls-*` flags override the config's `network.tls_*` keys
 for this process; everything a command creates (run dirs, checkpoints, logs, keys) is private to the user
 (umask 077, inherited by every child process).
@@ -27,8 +27,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from diloco import faults
-from diloco.logs import configure as configure_logging
+from diloco.harness import faults
+from diloco.ops.logs import configure as configure_logging
 from floor.errors import UserError
 
 if TYPE_CHECKING:
@@ -62,8 +62,8 @@ def _add_tls(p: argparse.ArgumentParser, server: bool) -> None:
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:
-    """--log-format / --log-level on every command (diloco/logs.py; default: DILOCO_LOG_* or text, info)."""
-    from diloco.logs import FORMATS, LEVELS
+    """--log-format / --log-level on every command (diloco/ops/logs.py; default: DILOCO_LOG_* or text, info)."""
+    from diloco.ops.logs import FORMATS, LEVELS
 
     p.add_argument("--log-format", choices=FORMATS, default=None, help="operational lines as text or one-line JSON")
     p.add_argument("--log-level", choices=LEVELS, default=None, help="the least severe line to print (info)")
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a name or address islands dial the coordinator by (repeat; localhost is in)")  # fmt: skip
     ce.add_argument("--days", type=int, default=365, help="validity of the certificates")
 
-    from diloco.plot import X_AXES  # no matplotlib, no JAX: imported when a plot is drawn or a run dir read
+    from diloco.ops.plot import X_AXES  # no matplotlib, no JAX: imported when a plot is drawn or a run dir read
 
     pl = sub.add_parser("plot", help="PNG of the global model's eval loss of run dirs (needs the plot extra)")
     pl.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories to overlay")
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     from diloco.bench.cli import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
-    from diloco.deploy_k8s import add_deploy_parser  # argparse only: nothing rendered, no YAML imported
+    from diloco.deploy.k8s import add_deploy_parser  # argparse only: nothing rendered, no YAML imported
 
     add_bench_parser(sub)
     deploy, k8s = add_deploy_parser(sub)
@@ -168,7 +168,7 @@ def _default_run_dir(name: str) -> Path:
 
 def _simulate(args: argparse.Namespace) -> int:
     from diloco.config import ConfigError, load_config
-    from diloco.simulate import run_simulation
+    from diloco.simulator.simulate import run_simulation
 
     cfg = load_config(args.config, args.overrides)
     if cfg.islands.processes > 1:
@@ -181,7 +181,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
-    from diloco.data_prepare import prepare, summary
+    from diloco.ops.data_prepare import prepare, summary
 
     meta = prepare(args.inputs, args.out, args.train_vocab, args.tokenizer, progress=not args.no_progress)
     print(json.dumps(summary(args.out, meta), indent=2))
@@ -196,7 +196,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from diloco.plot import plot
+    from diloco.ops.plot import plot
 
     for path in plot(args.run_dirs, args.out, args.x, args.label, args.title):
         print(f"wrote {path}")
@@ -207,7 +207,7 @@ OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from diloco.launch import launch
+    from diloco.harness.launch import launch
 
     cfg = _load(args)
     run_dir = args.run_dir or _default_run_dir(cfg.run.name)
@@ -240,7 +240,7 @@ def _warn_literal(keys: Sequence[str]) -> None:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from diloco.serve import serve
+    from diloco.coordinator.serve import serve
 
     cfg = _load(args)
     run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-coordinator")
@@ -249,30 +249,30 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _island(args: argparse.Namespace) -> int:
-    from diloco.island_worker import IslandError, run_island_process, say_gone
-    from diloco.supervisor import follow_supervisor, supervise
-    from diloco.tls import check_client_exposure, client_tls
+    from diloco.deploy.tls import check_client_exposure, client_tls
+    from diloco.worker.island_worker import IslandError, run_island_process, say_gone
+    from diloco.worker.supervisor import follow_supervisor, supervise
     from transport.auth import is_secret_reference, resolve_secret
 
     cfg = _load(args)
     names = cfg.islands.island_names
     if args.name not in names:
         raise IslandError(f"island '{args.name}' is not in the config's islands.names ({', '.join(names)})")
-    from diloco.metrics import metrics_port
+    from diloco.ops.metrics import metrics_port
 
     metrics_port(cfg, args.name, args.metrics_port)  # a bad port is one line here, not a worker failing at each restart
     from islands.backend import check_backend
 
     check_backend(cfg.islands.backend)  # likewise a missing pathways extra or proxy environment
     run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-{args.name}")
-    from diloco.island_group import check_group, lock_name, members, run_follower
+    from diloco.worker.island_group import check_group, lock_name, members, run_follower
 
     group = check_group(cfg, args.process_id, args.num_processes, args.island_coordinator)
     if args.no_supervise:
-        follow_supervisor()  # a worker under a supervisor does not outlive it (diloco/supervisor.py)
+        follow_supervisor()  # a worker under a supervisor does not outlive it (diloco/worker/supervisor.py)
     if group.multiple and args.no_supervise and args.process_id is None:
         raise IslandError("--no-supervise runs one process of the island: give it --process-id I")
-    if not group.leader:  # a follower talks to its island's leader only (diloco/island_group.py)
+    if not group.leader:  # a follower talks to its island's leader only (diloco/worker/island_group.py)
         if not args.no_supervise:
             worker = [*(sys.argv[1:] if args.argv is None else args.argv), "--no-supervise", "--run-dir", str(run_dir)]
             return supervise(worker, run_dir, args.max_restarts, lock_name=lock_name(group.process_id))
@@ -304,7 +304,7 @@ def _island(args: argparse.Namespace) -> int:
 
 def _certs(args: argparse.Namespace) -> int:
     from diloco.config import load_config
-    from diloco.tls import TlsSetupError, make_federation_kit
+    from diloco.deploy.tls import TlsSetupError, make_federation_kit
 
     if args.days < 1:
         raise TlsSetupError(f"--days must be >= 1 (got {args.days})")
@@ -320,14 +320,14 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from diloco.deploy_k8s import run_deploy
+    from diloco.deploy.k8s import run_deploy
 
     return run_deploy(args)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from diloco.status import StatusError, show_status
-    from diloco.tls import check_client_exposure, client_tls
+    from diloco.deploy.tls import check_client_exposure, client_tls
+    from diloco.ops.status import StatusError, show_status
     from transport.auth import is_secret_reference, resolve_secret
 
     if bool(args.name) != bool(args.secret):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco.membership import QuorumConfig
+from diloco.coordinator.membership import QuorumConfig
 from floor.codec import CodecError, CodecSpec
 from floor.errors import UserError
 from islands.backend import BACKENDS
@@ -53,7 +53,7 @@ class RunSection:
     seed: int = 0
     """Seed of everything random: parameter init, data order, jitter. Same seed, same run."""
     tensorboard: bool = field(default=False, metadata=LOCAL)
-    """Also write TensorBoard curves to RUN_DIR/tensorboard/ (diloco/tensorboard.py), from the same events as
+    """Also write TensorBoard curves to RUN_DIR/tensorboard/ (diloco/ops/tensorboard.py), from the same events as
     metrics.jsonl; needs the `tensorboard` extra (pip install 'diloco[tensorboard]'). Per process, like
     network.metrics_port: not part of the run's identity, so give it again when resuming."""
 
@@ -72,7 +72,7 @@ class TrainConfig:
     """"diloco" (islands + outer optimizer), "sync" (the data-parallel baseline: one model, one AdamW, on the
     union of the islands' batches every step) or "async" (the coordinator applies each island's
     pseudo-gradient as soon as it arrives, weighted by its staleness, and no island waits for another; in `simulate`
-    on a virtual clock, diloco/async_sim.py; in the processes, docs/architecture.md "Asynchronous rounds")."""
+    on a virtual clock, diloco/simulator/async_sim.py; in the processes, docs/architecture.md "Asynchronous rounds")."""
     rounds: int = 10
     """Outer rounds. Each island does `inner_steps` steps per round, so rounds * inner_steps steps in all.
     With mode = "async" a round is one outer update, one island's `inner_steps` steps: rounds * inner_steps steps of
@@ -127,7 +127,7 @@ TOML_KEY = "toml_key"
 
 @dataclass(frozen=True)
 class InitConfig:
-    """Warm start (diloco/warm_start.py): round 0 begins from another run's checkpoint instead of a random θ_0."""
+    """Warm start (diloco/run/warm_start.py): round 0 begins from another run's checkpoint instead of a random θ_0."""
 
     from_: str = field(default="", metadata={TOML_KEY: "from"})
     """A run directory of this project (its newest coordinator checkpoint, or the sync baseline's), a checkpoint
@@ -200,8 +200,8 @@ class IslandsConfig:
     through pathwaysutils: the `pathways` extra, and JAX_PLATFORMS=proxy + JAX_BACKEND_TARGET in its environment;
     docs/pathways.md). Per process, like the TLS files: islands of one run may reach their devices differently."""
     processes: int = field(default=1, metadata=LOCAL)
-    """Processes per island (a multi-host island, diloco/island_group.py): N processes joined by jax.distributed into
-    one JAX program, each with islands.devices local devices, so the island's mesh spans N x islands.devices
+    """Processes per island (a multi-host island, diloco/worker/island_group.py): N processes joined by jax.distributed
+    into one JAX program, each with islands.devices local devices, so the island's mesh spans N x islands.devices
     devices. Process 0 talks to the coordinator, the others replay its calls. `diloco island` takes it as the
     default of --num-processes. Per island (per process, not in the config digest): islands of one run may span
     different numbers of hosts."""
@@ -307,7 +307,7 @@ class NetworkConfig:
     coordinator_wait_s: float = 600.0
     """Once joined, how long an island keeps retrying (with backoff, state kept) while the coordinator is away."""
     metrics_port: int = field(default=0, metadata=LOCAL)
-    """Prometheus /metrics (diloco/metrics.py): the coordinator serves on this port and island i (its index in
+    """Prometheus /metrics (diloco/ops/metrics.py): the coordinator serves on this port and island i (its index in
     islands.names) on metrics_port + 1 + i, so one config gives every process of a host its own; `--metrics-port`
     gives one process its port instead. 0: no metrics endpoint. Per process (not part of the run's identity)."""
     metrics_host: str = field(default="127.0.0.1", metadata=LOCAL)

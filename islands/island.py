@@ -229,7 +229,7 @@ class Island:
         host = self.next_host_batch()
         if self._batch_sharding.is_fully_addressable:
             return jax.device_put(host, self._batch_sharding)
-        # A multi-process island (diloco/island_group.py): every process draws the same batch k from the same
+        # A multi-process island (diloco/worker/island_group.py): every process draws the same batch k from the same
         # stream and hands its own devices only their rows. device_put would first compare the whole batch across
         # processes (an all-gather per step).
         return jax.make_array_from_callback(host.shape, self._batch_sharding, lambda index: host[index])

@@ -181,6 +181,7 @@ def step_advice(batch_size: int, microbatch: int, passes: int, n_devices: int, s
 
 
 def eval_advice(rows: int) -> str:
-    """The settings that shrink an evaluation, which runs `rows` sequences at a time (diloco/setup.py, eval_chunks)."""
+    """The settings that shrink an evaluation, which runs `rows` sequences at a time (diloco/run/setup.py,
+    eval_chunks)."""
     return (f"lower train.batch_size, or set (or lower) train.microbatch: evaluation runs {rows} sequences at a time, "
             "train.microbatch when set, else train.batch_size")  # fmt: skip

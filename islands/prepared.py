@@ -9,7 +9,7 @@ such a directory, or its tokens.bin, reads tokens.bin and refuses to start when 
 disagrees with meta.json: a wrong vocabulary trains on the wrong ids (or indexes past the embedding) without any error
 of its own, and a wrong dtype reads the bytes as other numbers.
 
-This module only reads and compares (pure, no tokenizer needed); `diloco/data_prepare.py` writes the directory.
+This module only reads and compares (pure, no tokenizer needed); `diloco/ops/data_prepare.py` writes the directory.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class IslandStack:
     """Islands of one process whose runs of inner steps go as one program (module docstring).
 
     They must be able to share it: one model, one kind of inner optimizer (the first island's transformation is used;
-    the islands of one run all have the one their config describes, `diloco.setup.make_island`), equal batches, one
+    the islands of one run all have the one their config describes, `diloco.run.setup.make_island`), equal batches, one
     device each, the same one, and no slowdown.
     """
 

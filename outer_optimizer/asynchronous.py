@@ -10,9 +10,10 @@ averaging one per island per round. Two things then differ from a round's outer 
                 `delayed_nesterov` keeps a buffer of arrivals and updates and applies the momentum only every N-th
                 one (the paper's Delayed Nesterov, Algorithm 3), with plain SGD steps in between.
 
-Both are independent of any transport or driver: `diloco/async_sim.py` (the event-driven `simulate` mode) calls them.
-The config keys are `outer.kind = "delayed_nesterov"`, `outer.momentum_every` (N) and `outer.staleness_exponent` (a),
-in `outer_optimizer/optimizers.py`'s `OuterConfig`, which validates them with the helpers here.
+Both are independent of any transport or driver: `diloco/simulator/async_sim.py` (the event-driven `simulate` mode)
+calls them. The config keys are `outer.kind = "delayed_nesterov"`, `outer.momentum_every` (N) and
+`outer.staleness_exponent` (a), in `outer_optimizer/optimizers.py`'s `OuterConfig`, which validates them with the
+helpers here.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def zero_residual(tree: PyTree, spec: CodecSpec) -> Residual:
     """The residual a sender starts with: zeros for every leaf of `tree` when `spec` is lossy, else None.
 
     Starting from zeros (not None) gives a state whose structure never changes during a run, so a checkpoint
-    restores into the freshly built state as it is (diloco/checkpoint.py) with no special case.
+    restores into the freshly built state as it is (diloco/run/checkpoint.py) with no special case.
     """
     if is_lossless(spec):
         return None

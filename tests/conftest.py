@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 """The suite's models are tiny: compiling them is most of a test's time on 2 cores, running them is not. These flags
 make XLA's CPU compiler skip its expensive optimizations (about a third less CPU for a tiny simulate). Set here,
-before JAX starts, in this process's XLA_FLAGS, which every child inherits (`diloco.procs.devices_env` keeps them),
+before JAX starts, in this process's XLA_FLAGS, which every child inherits (`diloco.harness.procs.devices_env` keeps them),
 so all processes of a test compile alike and the bit-identity tests compare like with like. The product's own runs
 (README, `diloco bench`) are compiled as usual."""
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS]).strip()
@@ -134,7 +134,7 @@ def tiny_config(tmp_path: Path, corpus: Path) -> Path:
 def child_env(devices: int = 1, jax_cache: bool = False) -> dict[str, str]:
     """Environment for a child JAX process with `devices` CPU devices (set before JAX starts), sharing the
     session's XLA compilation cache with `jax_cache`."""
-    from diloco.procs import devices_env  # keeps this process's XLA_FLAGS (TEST_XLA_FLAGS)
+    from diloco.harness.procs import devices_env  # keeps this process's XLA_FLAGS (TEST_XLA_FLAGS)
 
     env = {**os.environ, **devices_env(devices)}
     env["JAX_PLATFORMS"] = "cpu"

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from diloco.config import load_config
-from diloco.setup import build_setup, make_island
+from diloco.run.setup import build_setup, make_island
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpt2-small.toml"
 

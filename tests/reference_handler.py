@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from diloco.push_admission import AcceptedPushes
+from diloco.coordinator.push_admission import AcceptedPushes
 from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.handler import PullPayload

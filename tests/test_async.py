@@ -1,4 +1,4 @@
-"""Asynchronous DiLoCo (`train.mode = "async"`, diloco/async_sim.py; outer_optimizer/asynchronous.py), checked by hand.
+"""Asynchronous DiLoCo (`train.mode = "async"`, diloco/simulator/async_sim.py; outer_optimizer/asynchronous.py), checked by hand.
 
 The pure parts on numbers worked out in the comments: the staleness weight w(τ) = (1 + τ)^(-a), Delayed Nesterov on
 one weight (every value a short binary fraction, so float32 holds it exactly and the test compares with ==), and
@@ -17,11 +17,11 @@ import numpy as np
 import optax
 import pytest
 
-from diloco.async_sim import Push, push_order, staleness
 from diloco.config import ConfigError, load_config
-from diloco.rundir import read_events
-from diloco.simulate import run_simulation
-from diloco.summary import SUMMARY_KEYS
+from diloco.run.rundir import read_events
+from diloco.run.summary import SUMMARY_KEYS
+from diloco.simulator.async_sim import Push, push_order, staleness
+from diloco.simulator.simulate import run_simulation
 from outer_optimizer.asynchronous import delayed_nesterov, discount, staleness_weight
 from outer_optimizer.optimizers import apply_update, make_outer_step
 from tests.conftest import write_corpus

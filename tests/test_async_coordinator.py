@@ -1,4 +1,4 @@
-"""The asynchronous mode in the coordinator (`train.mode = "async"`, diloco/coordinator.py): each validated push is
+"""The asynchronous mode in the coordinator (`train.mode = "async"`, diloco/coordinator/coordinator.py): each validated push is
 one outer update, committed at once, its Δ weighted by its staleness; checked by hand on an in-process coordinator.
 
 The outer step here is plain SGD with lr 1 and fp32 on the wire both ways, so θ_{u+1} = θ_u - w(τ)·Δ exactly; Δ is
@@ -13,12 +13,12 @@ import grpc
 import numpy as np
 import pytest
 
-import diloco.settler as settler_module
+import diloco.coordinator.settler as settler_module
 from diloco import RELEASE
 from diloco.config import load_config
-from diloco.coordinator import Coordinator
-from diloco.rundir import RunDir, read_events
-from diloco.setup import build_setup
+from diloco.coordinator.coordinator import Coordinator
+from diloco.run.rundir import RunDir, read_events
+from diloco.run.setup import build_setup
 from floor.codec import CodecSpec, decode
 from pytrees.digest import tree_digest
 from pytrees.encode import encode_named

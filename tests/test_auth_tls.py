@@ -87,7 +87,7 @@ def _write(path: Path, cert, key=None) -> None:
 
 def make_test_pki(d: Path) -> Path:
     """ca.crt, server.crt/.key (localhost, 127.0.0.1), client.crt/.key in `d`: made here, independently of the
-    product's own generator (diloco/tls.py), so that each checks the other."""
+    product's own generator (diloco/deploy/tls.py), so that each checks the other."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _cert(_name("diloco-test-ca"), _name("diloco-test-ca"), ca_key, ca_key, ca=True)
     _write(d / "ca", ca)
@@ -191,7 +191,7 @@ def test_tls_config_errors_are_user_errors(tmp_path):
 
 
 def test_tls_files_are_checked_with_one_line_naming_key_and_flag(pki, tmp_path):
-    from diloco.tls import TlsSetupError, client_tls, server_tls
+    from diloco.deploy.tls import TlsSetupError, client_tls, server_tls
 
     crt, key, ca = str(pki / "server.crt"), str(pki / "server.key"), str(pki / "ca.crt")
     assert server_tls("", "", "") is None and client_tls("", "", "", "") is None
@@ -215,7 +215,7 @@ def test_tls_files_are_checked_with_one_line_naming_key_and_flag(pki, tmp_path):
 
 
 def test_loopback_rule():
-    from diloco.tls import ExposureError, check_client_exposure, exposure_problem, is_loopback
+    from diloco.deploy.tls import ExposureError, check_client_exposure, exposure_problem, is_loopback
 
     for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
         assert is_loopback(host), host
@@ -239,7 +239,7 @@ def test_local_pki_is_private_and_gives_mutual_tls(tmp_path):
     127.0.0.1 (what the islands dial) and client certificates the server requires."""
     import stat
 
-    from diloco.tls import make_local_pki, server_tls
+    from diloco.deploy.tls import make_local_pki, server_tls
 
     pki = make_local_pki(tmp_path / "tls", ["i0", "i1"])
     assert stat.S_IMODE((tmp_path / "tls").stat().st_mode) == 0o700

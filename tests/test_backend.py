@@ -60,7 +60,7 @@ def test_the_default_backend_never_imports_pathwaysutils() -> None:
     code = (
         "import sys\n"
         "from diloco.cli import build_parser\n"
-        "import diloco.island_worker\n"
+        "import diloco.worker.island_worker\n"
         "from diloco.config import load_config\n"
         "from islands.backend import initialize_backend\n"
         "cfg = load_config('configs/two-region.toml')\n"

@@ -15,7 +15,7 @@ from diloco.bench import federation as fed_bench
 from diloco.bench.errors import BenchError
 from diloco.cli import main
 from diloco.config import load_config
-from diloco.procs import FederationError
+from diloco.harness.procs import FederationError
 from tests.conftest import REPO
 
 
@@ -35,7 +35,7 @@ def test_federation_failure_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     class Crashing:
-        """Stands in for diloco.procs.Federation: its coordinator dies at start, with logs in the message."""
+        """Stands in for diloco.harness.procs.Federation: its coordinator dies at start, with logs in the message."""
 
         def __init__(self, *args: object, **kwargs: object) -> None:
             pass

@@ -17,7 +17,7 @@ from diloco.bench.heterogeneous import (
 )
 from diloco.cli import main
 from diloco.config import load_config
-from diloco.rundir import read_events
+from diloco.run.rundir import read_events
 
 
 def _metrics(path: Path, events: list[dict]) -> Path:

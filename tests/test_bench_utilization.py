@@ -18,7 +18,7 @@ from diloco.bench.utilization import (
 )
 from diloco.cli import main
 from diloco.config import load_config
-from diloco.netns import list_namespaces, netns_available
+from diloco.harness.netns import list_namespaces, netns_available
 
 pytestmark = pytest.mark.timeout(30)
 

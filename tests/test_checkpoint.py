@@ -1,4 +1,4 @@
-"""diloco/checkpoint.py: a step saved again holds the newer state (orbax alone keeps the first one silently)."""
+"""diloco/run/checkpoint.py: a step saved again holds the newer state (orbax alone keeps the first one silently)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diloco.checkpoint import CheckpointStore
+from diloco.run.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.timeout(60)
 

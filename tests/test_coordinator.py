@@ -14,13 +14,13 @@ import grpc
 import numpy as np
 import pytest
 
-import diloco.pull_answers as pull_answers_module
-import diloco.settler as settler_module
+import diloco.coordinator.pull_answers as pull_answers_module
+import diloco.coordinator.settler as settler_module
 from diloco import RELEASE
 from diloco.config import load_config
-from diloco.coordinator import Coordinator
-from diloco.rundir import RunDir, read_events
-from diloco.setup import build_setup
+from diloco.coordinator.coordinator import Coordinator
+from diloco.run.rundir import RunDir, read_events
+from diloco.run.setup import build_setup
 from floor.codec import CodecSpec
 from pytrees.digest import tree_digest
 from pytrees.encode import encode_named
@@ -198,7 +198,7 @@ def test_one_island_claiming_an_exploded_loss_cannot_stop_the_run(coordinator: C
 def test_an_insiders_join_leave_loop_is_counted_not_logged_line_by_line(coordinator: Coordinator) -> None:
     """One island's secret lets an insider send Join and Leave in turn, each accepted: 200 pairs write at most
     MEMBERSHIP_BURST events of each kind in a minute, and the rest are counted once the minute is over."""
-    from diloco.rejections import MEMBERSHIP_BURST
+    from diloco.coordinator.rejections import MEMBERSHIP_BURST
 
     now = [1000.0]
     coordinator.clock = lambda: now[0]
@@ -310,7 +310,7 @@ def test_a_commit_is_evaluated_once_its_islands_are_done_with_it(
 def test_a_push_dropped_at_commit_leaves_its_island_free_to_push_a_new_delta(coordinator: Coordinator) -> None:
     """Through the service as a real push arrives: a push accepted, then dropped at commit (its update cannot be
     encoded), is refused when its bytes come again, and a new Δ of that island for the same round is heard and
-    counted. Duplicates and drops are decided in one place (diloco/push_admission.py), so no cached "accepted"
+    counted. Duplicates and drops are decided in one place (diloco/coordinator/push_admission.py), so no cached "accepted"
     outlives the drop and locks the island out of the round."""
     service = DilocoService(coordinator, coordinator.run_id, coordinator.model_spec, islands=coordinator.names)
 

@@ -8,10 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from diloco.commit_window import CommitWindow
-from diloco.push_admission import AsyncUpdates, PushAdmission, SyncRounds, contribution_digest
-from diloco.roster import Roster
-from diloco.rounds import OuterLoop, fragment_digests
+from diloco.coordinator.commit_window import CommitWindow
+from diloco.coordinator.push_admission import AsyncUpdates, PushAdmission, SyncRounds, contribution_digest
+from diloco.coordinator.roster import Roster
+from diloco.run.rounds import OuterLoop, fragment_digests
 from floor.codec import CodecSpec
 from outer_optimizer.fragments import Fragments
 from pytrees.digest import tree_digest

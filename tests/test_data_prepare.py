@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diloco import data_prepare
 from diloco.cli import main
+from diloco.ops import data_prepare
 from islands.prepared import mismatches
 from tests.conftest import TINY_TOML, fails
 

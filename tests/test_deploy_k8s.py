@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from diloco import deploy_k8s as k8s
 from diloco.cli import OVERRIDE, build_parser, main
 from diloco.config import config_digest, load_config
+from diloco.deploy import k8s
 from tests.conftest import REPO
 
 TWO_REGION = REPO / "configs" / "two-region.toml"

@@ -1,4 +1,4 @@
-"""A full disk is an operational event (diloco/checkpoint.py, DiskFullError): one line saying where, how much and
+"""A full disk is an operational event (diloco/run/checkpoint.py, DiskFullError): one line saying where, how much and
 what to do, a non-zero exit, the last complete checkpoint intact, and the same command resumes once space is freed.
 
 The free-space check is tested anywhere by making the disk look full; the whole story on a real 3 MB tmpfs where
@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diloco.checkpoint import CheckpointStore
 from diloco.config import load_config
-from diloco.rundir import DiskFullError
-from diloco.simulate import run_simulation
+from diloco.run.checkpoint import CheckpointStore
+from diloco.run.rundir import DiskFullError
+from diloco.simulator.simulate import run_simulation
 from tests.conftest import run_cli
 
 

@@ -2,7 +2,7 @@
 restart loop or a hang; and a diverged commit never becomes the global model.
 
 Island side (islands/island.py, `Island.check_finite`): the first non-finite inner step of an island is named.
-Coordinator side (diloco/global_run.py, `GlobalRun.close_round`): a committed model whose eval loss is NaN/Inf or
+Coordinator side (diloco/run/global_run.py, `GlobalRun.close_round`): a committed model whose eval loss is NaN/Inf or
 over DIVERGENCE_FACTOR x the initial one is undone, logged as `diverged`, and raised.
 """
 
@@ -17,9 +17,9 @@ import pytest
 
 from diloco.cli import main
 from diloco.config import RunConfig, load_config
-from diloco.global_run import GlobalRun, diverged_reason
-from diloco.rundir import RunDir, read_events
-from diloco.setup import Setup, build_setup, make_island
+from diloco.run.global_run import GlobalRun, diverged_reason
+from diloco.run.rundir import RunDir, read_events
+from diloco.run.setup import Setup, build_setup, make_island
 from islands.island import DivergedError
 from pytrees.digest import tree_digest
 from tests.conftest import TINY_TOML, run_cli

@@ -1,8 +1,8 @@
-"""A dead island is noticed at once, not when its lease runs out (diloco/supervisor.py, `island_worker.say_gone`).
+"""A dead island is noticed at once, not when its lease runs out (diloco/worker/supervisor.py, `island_worker.say_gone`).
 
 Real processes: a coordinator, a survivor and a supervised victim (`diloco island` without --no-supervise). The
 victim's *worker* is SIGKILLed where it stopped after training round 1, before its push (a named point,
-diloco/faults.py), once the survivor's push of that round is in; its supervisor sees the death, sends a Leave with the island's own
+diloco/harness/faults.py), once the survivor's push of that round is in; its supervisor sees the death, sends a Leave with the island's own
 credentials, and restarts the worker. The lease is 120 s, and so is the grace a broken presence call gets
 (transport/presence.py: the worker's death breaks it too; tests/test_presence.py and test_federation.py test that
 path), so a round that closes in seconds closed because of that Leave.
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from diloco.procs import Federation
+from diloco.harness.procs import Federation
 from tests.conftest import JAX_CACHE, JAX_CACHE_ENV, REPO
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 H = 4
-"""Inner steps per round: tiny, the victim waits at a named point for its kill (diloco/faults.py)."""
+"""Inner steps per round: tiny, the victim waits at a named point for its kill (diloco/harness/faults.py)."""
 ENV = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
        "PYTHONWARNINGS": JAX_CACHE_ENV["PYTHONWARNINGS"]}  # fmt: skip
 KILL_AT = "island-1:before_push:1"

@@ -1,11 +1,11 @@
-"""Table tests of an island's copy of the global θ (diloco/global_copy.py): what a pulled commit does to it."""
+"""Table tests of an island's copy of the global θ (diloco/worker/global_copy.py): what a pulled commit does to it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from diloco.global_copy import GlobalCopy
+from diloco.worker.global_copy import GlobalCopy
 from outer_optimizer.fragments import Fragments
 from pytrees.digest import tree_digest
 from tests.reference_handler import fp32_tensor

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from diloco.config import load_config
-from diloco.setup import build_setup
+from diloco.run.setup import build_setup
 from islands.inner import make_inner_optimizer
 from islands.island import Island
 from islands.mesh import MeshError, accumulation_steps

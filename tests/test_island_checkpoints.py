@@ -1,4 +1,4 @@
-"""An island's own checkpoints (diloco/island_checkpoints.py), against a store in memory: saved in order, in the
+"""An island's own checkpoints (diloco/worker/island_checkpoints.py), against a store in memory: saved in order, in the
 background, and a failed save stops the island at its next save or its end."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 import pytest
 
-from diloco.island_checkpoints import IslandCheckpoints
+from diloco.worker.island_checkpoints import IslandCheckpoints
 from islands.island import IslandState
 
 

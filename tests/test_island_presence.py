@@ -1,4 +1,4 @@
-"""An island's heartbeats and presence call (diloco/island_presence.py), against a scripted client: no sockets."""
+"""An island's heartbeats and presence call (diloco/worker/island_presence.py), against a scripted client: no sockets."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import grpc
 import pytest
 
-from diloco.island_presence import PRESENCE_RETRY_S, IslandPresence, next_pause
-from diloco.membership import REJOIN
+from diloco.coordinator.membership import REJOIN
+from diloco.worker.island_presence import PRESENCE_RETRY_S, IslandPresence, next_pause
 from transport import diloco_pb2 as pb
 from transport.client import NOT_A_MEMBER
 from transport.errors import TransportError

@@ -1,4 +1,4 @@
-"""An island's syncs on the wire (diloco/island_sync.py), against a scripted client: no sockets, no coordinator.
+"""An island's syncs on the wire (diloco/worker/island_sync.py), against a scripted client: no sockets, no coordinator.
 
 Each sync's path is a table: what the coordinator answers to the push and to the pulls, and what the island then
 sends and concludes."""
@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from diloco.island_sync import CoordinatorAway, IslandSync, Serial, Synced, retry_forever
+from diloco.worker.island_sync import CoordinatorAway, IslandSync, Serial, Synced, retry_forever
 from transport import diloco_pb2 as pb
 from transport.errors import TransportError
 from transport.handler import PullPayload

@@ -21,9 +21,9 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 
-from diloco import deploy_k8s as k8s
 from diloco.cli import build_parser
 from diloco.config import load_config
+from diloco.deploy import k8s
 from tests.conftest import REPO
 
 Obj = dict[str, Any]

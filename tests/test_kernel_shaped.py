@@ -1,6 +1,6 @@
 """The cost model (docs/architecture.md) against a real federation on a kernel-shaped link (tbf on a namespace's loopback).
 
-A coordinator and 2 islands run as processes inside one network namespace (diloco/netns.py) whose loopback carries
+A coordinator and 2 islands run as processes inside one network namespace (diloco/harness/netns.py) whose loopback carries
 a token-bucket filter at a WAN-like rate; the user-space shaper is off (`network.links=""`), so the kernel's
 queue is the only bottleneck, and TCP, gRPC chunking and HTTP/2 flow control all pay for it for real. The model
 is a few MB of fp32 so that each round moves several MB and communication is most of the round.
@@ -14,7 +14,7 @@ window holds the first outer step, which jit-compiles on the coordinator at roun
 * T_comm: the bytes moved in round r's window (Δ pushes of round r plus the pulls of round r-1's update: the
   growth of the coordinator's `bytes_up` + `bytes_down` totals) over the link's TCP goodput, measured in the
   same namespace just before. Loopback has one egress queue: both directions and both islands share it, so
-  the bytes add up on one link (see diloco/netns.py). RTT on loopback is ~0.
+  the bytes add up on one link (see diloco/harness/netns.py). RTT on loopback is ~0.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from diloco.netns import ShapedLink, measure_goodput_mbit, netns_available, shaped_namespace
-from diloco.procs import Federation
+from diloco.harness.netns import ShapedLink, measure_goodput_mbit, netns_available, shaped_namespace
+from diloco.harness.procs import Federation
 
 _OK, _WHY = netns_available()
 

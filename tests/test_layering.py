@@ -190,7 +190,7 @@ def test_help_and_status_start_without_jax() -> None:
         "import sys\n"
         "from diloco.cli import build_parser\n"
         "build_parser()\n"
-        "import diloco.status\n"
+        "import diloco.ops.status\n"
         "print(sorted(m for m in ('jax', 'optax', 'orbax') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO, capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""Operational lines through `logging` (diloco/logs.py): text as a person reads it, or one JSON object per line.
+"""Operational lines through `logging` (diloco/ops/logs.py): text as a person reads it, or one JSON object per line.
 
 The formatters on records made here; the CLI in child processes, as a user runs it: a user error is one line
 in either format, a training run's progress lines are JSON records with their fields, the level is honoured, and
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.logs import FORMAT_VAR, LEVEL_VAR, JsonFormatter, LogSettingError, TextFormatter, configure, settings
+from diloco.ops.logs import FORMAT_VAR, LEVEL_VAR, JsonFormatter, LogSettingError, TextFormatter, configure, settings
 from tests.conftest import run_cli
 
 
@@ -56,7 +56,7 @@ def _emit(formatter: logging.Formatter, name: str, level: int, msg: str, **extra
 @pytest.mark.parametrize(
     ("name", "level", "line"),
     [
-        ("diloco.serve", logging.INFO, "listening on 127.0.0.1:5"),  # diloco's info: the line as it is
+        ("diloco.coordinator.serve", logging.INFO, "listening on 127.0.0.1:5"),  # diloco's info: the line as it is
         ("diloco", logging.WARNING, "diloco: warning: listening on 127.0.0.1:5"),
         ("diloco.cli", logging.ERROR, "diloco: error: listening on 127.0.0.1:5"),
         ("absl", logging.WARNING, "absl: warning: listening on 127.0.0.1:5"),  # a library's: who says it
@@ -68,10 +68,10 @@ def test_text_lines_read_as_before(name: str, level: int, line: str) -> None:
 
 
 def test_a_json_record_is_one_line_with_its_fields_even_with_newlines() -> None:
-    text = _emit(JsonFormatter(), "diloco.serve", logging.WARNING, "two\nlines", fields={"round": 3, "eval": 2.5})
+    text = _emit(JsonFormatter(), "diloco.coordinator.serve", logging.WARNING, "two\nlines", fields={"round": 3, "eval": 2.5})
     assert text.count("\n") == 1
     record = json.loads(text)
-    assert record["level"] == "warning" and record["logger"] == "diloco.serve" and record["msg"] == "two\nlines"
+    assert record["level"] == "warning" and record["logger"] == "diloco.coordinator.serve" and record["msg"] == "two\nlines"
     assert record["round"] == 3 and record["eval"] == 2.5 and record["t"].endswith("Z")
 
 
@@ -114,7 +114,7 @@ def test_a_run_logs_json_records_and_honours_the_level(tiny_config: Path, tmp_pa
     loud = run_cli("simulate", str(tiny_config), "--run-dir", str(tmp_path / "a"), "--log-format", "json", *rounds)
     assert loud.returncode == 0, loud.stderr
     records = [json.loads(line) for line in loud.stderr.splitlines()]  # every line is a JSON record
-    progress = [r for r in records if r["logger"] == "diloco.progress"]
+    progress = [r for r in records if r["logger"] == "diloco.ops.progress"]
     assert [r["round"] for r in progress] == [1, 2] and all("eval_loss" in r for r in progress), records
     json.loads(loud.stdout)  # the result stays on stdout, as it was
     quiet = run_cli("simulate", str(tiny_config), "--run-dir", str(tmp_path / "b"), "--log-level", "warning", *rounds)

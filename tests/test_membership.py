@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.membership import (
+from diloco.coordinator.membership import (
     Action,
     PullKind,
     PullView,

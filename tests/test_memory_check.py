@@ -13,7 +13,7 @@ import pytest
 
 from diloco.cli import main
 from diloco.config import load_config
-from diloco.setup import Evaluator, build_setup, eval_chunks, make_island
+from diloco.run.setup import Evaluator, build_setup, eval_chunks, make_island
 from islands.memory import (
     GB,
     Footprint,

@@ -29,10 +29,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from diloco.config import load_config
-from diloco.metrics import CODES, METHODS, PULL_KINDS, UNKNOWN, IslandMetrics, metrics_port, serve_metrics
-from diloco.procs import Federation
-from diloco.rundir import RunDir
-from diloco.status import show_status
+from diloco.harness.procs import Federation
+from diloco.ops.metrics import CODES, METHODS, PULL_KINDS, UNKNOWN, IslandMetrics, metrics_port, serve_metrics
+from diloco.ops.status import show_status
+from diloco.run.rundir import RunDir
 from floor.codec import CodecSpec
 from pytrees.encode import encode_named
 from pytrees.naming import flatten_named
@@ -165,8 +165,8 @@ def scrape_registry(m: IslandMetrics) -> Samples:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_thousand_invented_island_names_leave_the_labels_bounded(tiny_config: Path, tmp_path: Path) -> None:
-    from diloco.coordinator import Coordinator
-    from diloco.setup import build_setup
+    from diloco.coordinator.coordinator import Coordinator
+    from diloco.run.setup import build_setup
 
     cfg = load_config(tiny_config, ["train.checkpoint_every=0"])
     rd = RunDir(tmp_path / "run", cfg)
@@ -281,7 +281,7 @@ def test_status_watch_redraws_until_ctrl_c(monkeypatch: pytest.MonkeyPatch, caps
             if len(frames) == 3:
                 raise KeyboardInterrupt
 
-        monkeypatch.setattr("diloco.status._pause", sleep)
+        monkeypatch.setattr("diloco.ops.status._pause", sleep)
         assert show_status(server.address, watch=True) == 0
     assert len(frames) == 3 and frames[0] == 2.0
     out = capsys.readouterr().out

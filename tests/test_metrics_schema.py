@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from diloco.config import load_config
-from diloco.rundir import read_events
-from diloco.simulate import run_simulation
+from diloco.run.rundir import read_events
+from diloco.simulator.simulate import run_simulation
 from tests.conftest import REPO
 
 DOC = REPO / "docs" / "metrics.md"

@@ -1,4 +1,4 @@
-"""Multi-host islands (diloco/island_group.py): one island = N processes driven as one JAX program.
+"""Multi-host islands (diloco/worker/island_group.py): one island = N processes driven as one JAX program.
 
 With real processes, sockets and signals, on CPU over gloo, in one federation: island-0 as 2 processes x 2 devices
 trains as one process of 4 devices does (the same losses as `simulate`, within float tolerance: the cross-process
@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 
 from diloco.cli import main
-from diloco.procs import Federation, devices_env
-from diloco.rundir import read_events
+from diloco.harness.procs import Federation, devices_env
+from diloco.run.rundir import read_events
 from tests.conftest import JAX_CACHE, REPO, child_env
 from tests.test_federation import ENV, FAST, _finished_checkpoints, check_run
 
 ROUNDS = 3
 KILL_AT = "island-0:before_push:1"
-"""island-0's leader stops after training round 1, before its push (diloco/faults.py), and the follower's SIGKILL
+"""island-0's leader stops after training round 1, before its push (diloco/harness/faults.py), and the follower's SIGKILL
 lands there once round 1's checkpoint is complete on disk: the restarted island redoes the same round from that
 checkpoint on the same batches, and the curve stays simulate's."""
 RUN = [*FAST, "quorum.min_islands=2", f"train.rounds={ROUNDS}", "codec.uplink=fp32", "codec.downlink=fp32"]

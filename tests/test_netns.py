@@ -1,4 +1,4 @@
-"""Kernel-shaped links (diloco/netns.py): namespace life cycle, tbf really on lo, and real TCP timing under it."""
+"""Kernel-shaped links (diloco/harness/netns.py): namespace life cycle, tbf really on lo, and real TCP timing under it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from diloco.netns import (
+from diloco.harness.netns import (
     LinkError,
     ShapedLink,
     list_namespaces,

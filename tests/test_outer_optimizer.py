@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from diloco.rounds import OuterLoop, RoundError
+from diloco.run.rounds import OuterLoop, RoundError
 from floor.codec import CodecSpec
 from outer_optimizer.aggregate import pseudo_gradient, weighted_mean
 from outer_optimizer.config import KINDS, OuterConfig

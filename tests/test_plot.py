@@ -1,4 +1,4 @@
-"""`diloco plot` (diloco/plot.py): curves read from real `simulate` run directories, PNGs written, one-line errors."""
+"""`diloco plot` (diloco/ops/plot.py): curves read from real `simulate` run directories, PNGs written, one-line errors."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 from diloco.cli import main
 from diloco.config import load_config
-from diloco.plot import ASYNC_STEPS_NOTE, Curve, axis_label, read_curve
-from diloco.rundir import read_events
-from diloco.simulate import run_simulation
+from diloco.ops.plot import ASYNC_STEPS_NOTE, Curve, axis_label, read_curve
+from diloco.run.rundir import read_events
+from diloco.simulator.simulate import run_simulation
 from tests.conftest import TINY_TOML, write_corpus
 
 pytestmark = pytest.mark.slow  # four tiny simulate runs (module fixture) before the first test

@@ -1,10 +1,10 @@
-"""The process harness's environment (diloco/procs.py): what a child JAX process is given."""
+"""The process harness's environment (diloco/harness/procs.py): what a child JAX process is given."""
 
 from __future__ import annotations
 
 import pytest
 
-from diloco.procs import devices_env
+from diloco.harness.procs import devices_env
 
 
 @pytest.mark.parametrize(

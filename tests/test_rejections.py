@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.rejections import MAX_REASON_CHARS, RejectionLog, clip, kind_of
+from diloco.coordinator.rejections import MAX_REASON_CHARS, RejectionLog, clip, kind_of
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from diloco.rounds import OuterLoop
+from diloco.run.rounds import OuterLoop
 from floor.codec import CodecSpec
 from outer_optimizer.aggregate import (
     global_norms,

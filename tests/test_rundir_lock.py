@@ -1,4 +1,4 @@
-"""One writer per run directory (diloco/rundir.py, RunDirLock): a second one is refused with one line naming the
+"""One writer per run directory (diloco/run/rundir.py, RunDirLock): a second one is refused with one line naming the
 holder, and a holder that died, even by SIGKILL, never blocks a restart.
 
 Holders run in other processes (subprocesses), because that is the case the lock exists for and because a flock
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from diloco.config import RunConfig, load_config
-from diloco.rundir import (
+from diloco.run.rundir import (
     LAUNCH_LOCK_FILE,
     LOCK_FILE,
     RunDir,
@@ -36,7 +36,7 @@ HOLDER = """
 import sys, time
 from pathlib import Path
 from diloco.config import load_config
-from diloco.rundir import RunDir, RunDirLock
+from diloco.run.rundir import RunDir, RunDirLock
 run_dir, kind = Path(sys.argv[1]), sys.argv[2]
 if kind == "rundir":
     held = RunDir(run_dir, load_config(None, ["data.kind=synthetic"]), role="test-holder")
@@ -167,7 +167,7 @@ def test_secrets_never_reach_the_lock_file() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_the_supervisor_refuses_a_held_run_dir_before_starting_a_worker(tmp_path: Path, holders: list) -> None:
-    from diloco.supervisor import supervise
+    from diloco.worker.supervisor import supervise
 
     run_dir = tmp_path / "island"
     holder = _hold(holders, run_dir)
@@ -219,7 +219,7 @@ def test_a_worker_does_not_outlive_its_supervisor(tmp_path: Path, tiny_config: P
 def test_a_second_launch_is_refused_before_it_touches_the_run_dir(
     tmp_path: Path, tiny_config: Path, holders: list
 ) -> None:
-    from diloco.launch import launch
+    from diloco.harness.launch import launch
 
     run_dir = tmp_path / "run"
     holder = _hold(holders, run_dir, LAUNCH_LOCK_FILE)
@@ -278,7 +278,7 @@ def test_a_run_that_saved_nothing_gives_its_dir_to_a_corrected_config(tmp_path: 
     """A first attempt refused at start (e.g. a step too big for memory) leaves config.toml and nothing to resume:
     the corrected command takes the directory; once a round is committed another config is refused."""
     from diloco.config import load_config
-    from diloco.rundir import RunDir, RunDirError
+    from diloco.run.rundir import RunDir, RunDirError
 
     base = ["data.kind=synthetic"]
     first, fixed = load_config(None, [*base, "train.batch_size=64"]), load_config(None, [*base, "train.batch_size=8"])

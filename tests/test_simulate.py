@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from diloco.config import load_config
-from diloco.rundir import read_events
-from diloco.setup import Evaluator, build_setup
-from diloco.simulate import run_simulation
-from diloco.summary import SUMMARY_KEYS
+from diloco.run.rundir import read_events
+from diloco.run.setup import Evaluator, build_setup
+from diloco.run.summary import SUMMARY_KEYS
+from diloco.simulator.simulate import run_simulation
 from islands.inner import make_inner_optimizer
 from islands.island import Island
 from tests.conftest import REPO, child_env
@@ -129,7 +129,7 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(tiny_config: Path, tm
 def test_run_dir_of_another_run_is_refused(tiny_config: Path, tmp_path: Path) -> None:
     cfg = load_config(tiny_config, ["train.rounds=1", "train.checkpoint_every=0"])
     run_simulation(cfg, tmp_path / "r", show_progress=False)
-    from diloco.rundir import RunDirError
+    from diloco.run.rundir import RunDirError
 
     with pytest.raises(RunDirError, match=r"holds another run \(config differs in: outer.lr\)"):
         run_simulation(
@@ -156,7 +156,7 @@ def test_moe_trains_through_simulate(tiny_config: Path, tmp_path: Path) -> None:
 
 def test_run_dir_written_by_an_older_diloco_still_resumes(tiny_config: Path, tmp_path: Path) -> None:
     """A key added to the config later (absent from an old config.toml) takes its default, not a mismatch."""
-    from diloco.rundir import RunDir
+    from diloco.run.rundir import RunDir
 
     cfg = load_config(tiny_config, ["train.checkpoint_every=0"])
     RunDir(tmp_path / "old", cfg).close()

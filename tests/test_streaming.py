@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (outer_optimizer/fragments.py, `diloco.simulate.Lockstep`), checked by hand.
+"""Streaming DiLoCo (outer_optimizer/fragments.py, `diloco.simulator.simulate.Lockstep`), checked by hand.
 
 A linear model a reader can follow on paper: two "blocks" of one weight each, w = (w0, w1), fragment 0 = w0 and
 fragment 1 = w1 (P = 2, strided). Island i's loss is ½·Σ_l (w_l - c_i)², c_0 = 0 and c_1 = 4, so one inner SGD step
@@ -23,10 +23,10 @@ import pytest
 
 from diloco.bench.streaming import run_streaming_bench
 from diloco.config import ConfigError, StreamConfig, load_config
-from diloco.rounds import OuterLoop
-from diloco.rundir import read_events
-from diloco.setup import build_setup
-from diloco.simulate import Lockstep, run_simulation
+from diloco.run.rounds import OuterLoop
+from diloco.run.rundir import read_events
+from diloco.run.setup import build_setup
+from diloco.simulator.simulate import Lockstep, run_simulation
 from floor.codec import CodecSpec
 from islands.island import Island
 from outer_optimizer.aggregate import mean

@@ -1,4 +1,4 @@
-"""run.tensorboard (diloco/tensorboard.py): event files written from metrics.jsonl's events, read back and compared;
+"""run.tensorboard (diloco/ops/tensorboard.py): event files written from metrics.jsonl's events, read back and compared;
 a missing tensorboardX is one line at startup."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 
 from diloco.cli import main
 from diloco.config import load_config, to_dict
-from diloco.rundir import read_events
-from diloco.simulate import run_simulation
-from diloco.tensorboard import INSTALL_HINT, TensorBoardWriter
+from diloco.ops.tensorboard import INSTALL_HINT, TensorBoardWriter
+from diloco.run.rundir import read_events
+from diloco.simulator.simulate import run_simulation
 
 pytest.importorskip("tensorboardX")
 
@@ -77,7 +77,7 @@ def test_scalars_match_metrics_jsonl(tiny_config: Path, tmp_path: Path) -> None:
 
 
 def test_off_by_default_writes_nothing(tiny_config: Path, tmp_path: Path) -> None:
-    from diloco.rundir import RunDir
+    from diloco.run.rundir import RunDir
 
     rd = RunDir(tmp_path / "run", load_config(tiny_config, []))
     rd.log("round", round=0, eval_loss=1.0)

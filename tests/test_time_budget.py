@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from diloco.config import ConfigError, load_config
-from diloco.rundir import read_events
-from diloco.setup import build_setup, make_island
-from diloco.simulate import run_simulation
+from diloco.run.rundir import read_events
+from diloco.run.setup import build_setup, make_island
+from diloco.simulator.simulate import run_simulation
 
 H = 8
 

@@ -18,10 +18,10 @@ import pytest
 from diloco.bench.simulator import final_params
 from diloco.cli import main
 from diloco.config import ConfigError, load_config, require_federated
-from diloco.rundir import read_events
-from diloco.setup import build_setup, make_island
-from diloco.simulate import run_simulation
-from diloco.warm_start import newest_step
+from diloco.run.rundir import read_events
+from diloco.run.setup import build_setup, make_island
+from diloco.run.warm_start import newest_step
+from diloco.simulator.simulate import run_simulation
 from islands.data import BatchStream
 from islands.island import DivergedError, Island
 from islands.vectorized import IslandStack

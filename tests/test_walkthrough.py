@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.rundir import read_events
+from diloco.run.rundir import read_events
 from tests.conftest import REPO, child_env, run_cli
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""Warm start (`[init]`, diloco/warm_start.py): θ_0 and the islands' inner states from another run's checkpoint.
+"""Warm start (`[init]`, diloco/run/warm_start.py): θ_0 and the islands' inner states from another run's checkpoint.
 
 One small `simulate` run is the source of every test here. A warm-started run must begin at exactly its θ (the
 digest of summary.json), evaluate that θ at step 0, log a `warm_start` event, refuse a missing path or another model
@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from diloco.config import ConfigError, load_config
-from diloco.procs import Federation
-from diloco.rundir import read_events
-from diloco.simulate import run_simulation
-from diloco.warm_start import WarmStartError, find_source, model_difference, tensor_difference
+from diloco.harness.procs import Federation
+from diloco.run.rundir import read_events
+from diloco.run.warm_start import WarmStartError, find_source, model_difference, tensor_difference
+from diloco.simulator.simulate import run_simulation
 from tests.conftest import JAX_CACHE, REPO, TINY_TOML, write_corpus
 from tests.test_federation import ENV, FAST
 

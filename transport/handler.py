@@ -108,7 +108,7 @@ class CoordinatorHandler(Protocol):
 
         The handler owns idempotency: a push is keyed by (island, round, fragment); a retried duplicate (same
         payload digest) of an accepted push gets the same reply and changes nothing, another payload under an
-        accepted key is ALREADY_EXISTS (diloco/push_admission.py).
+        accepted key is ALREADY_EXISTS (diloco/coordinator/push_admission.py).
 
         The arrays are read-only (fp32 ones are zero-copy views of the receive buffer): copy before
         modifying in place. Both stay valid after the call; keep only what you need.

@@ -36,8 +36,8 @@ import numpy as np
 
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, from_dict, to_dict
-from diloco.rounds import OuterLoop
-from diloco.setup import Evaluator, Setup, build_setup, make_island
+from diloco.run.rounds import OuterLoop
+from diloco.run.setup import Evaluator, Setup, build_setup, make_island
 from floor.codec import CodecError
 from floor.errors import UserError
 from islands.island import Island
@@ -122,7 +122,7 @@ def _run(
     evaluate: Evaluator,
     attack: str | None,
 ) -> Outcome:
-    """One DiLoCo run in the order of diloco/simulate.py's `_run_diloco`, the last island Byzantine."""
+    """One DiLoCo run in the order of diloco/simulator/simulate.py's `_run_diloco`, the last island Byzantine."""
     loop = OuterLoop.fresh(setup.init_params, build_optimizer(outer), cfg.codec.spec("downlink"), aggregator(outer))
     for island in islands:
         island.start(loop.params)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from diloco.bench.errors import BenchError
-from diloco.procs import devices_env
+from diloco.harness.procs import devices_env
 
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 VARIANTS = ("default", "1thread", "pinned", "batch", "1thread+batch")
@@ -40,7 +40,7 @@ VARIANTS = ("default", "1thread", "pinned", "batch", "1thread+batch")
 def _child(config: str, overrides: Sequence[str], island: int, warmup: int, steps: int) -> None:
     """In a child process: train one island and print its median step seconds (JSON)."""
     from diloco.config import load_config
-    from diloco.setup import build_setup, make_island
+    from diloco.run.setup import build_setup, make_island
 
     cfg = load_config(config, list(overrides))
     name = cfg.islands.island_names[island % cfg.islands.count]

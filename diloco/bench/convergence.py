@@ -32,7 +32,7 @@ from typing import Any
 
 from diloco.bench.errors import BenchError
 from diloco.config import ConfigError, RunConfig, apply_overrides, from_dict, to_dict
-from diloco.simulate import run_simulation
+from diloco.simulator.simulate import run_simulation
 
 METHODS = ("L1", "LM", "Ls")
 

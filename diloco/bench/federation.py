@@ -1,6 +1,6 @@
 """Federation benchmarks under faults: recovery time of a killed island, and convergence with an island lost.
 
-Both start a real federation (coordinator + island processes over gRPC, diloco.procs.Federation) and act on it
+Both start a real federation (coordinator + island processes over gRPC, diloco.harness.procs.Federation) and act on it
 with SIGKILL, the fault docs/architecture.md's fault model promises to survive ("island process killed mid-round" and
 "island comes back").
 
@@ -58,7 +58,7 @@ from typing import Any
 
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, load_config
-from diloco.procs import Federation, FederationError, Wrap
+from diloco.harness.procs import Federation, FederationError, Wrap
 from transport.shaper import load_link_profiles, profile_for
 
 RECOVERY_SLACK_S = 10.0
@@ -127,7 +127,8 @@ def _federation(
     config_path: str | Path, overrides: Sequence[str], run_dir: Path, wrap: Wrap | None = None
 ) -> Iterator[Federation]:
     """A Federation whose failure ends the benchmark as one BenchError line; the details stay in its logs.
-    `wrap` prefixes every process's command (`diloco.netns.Namespace.wrap`: the federation in a shaped namespace)."""
+    `wrap` prefixes every process's command (`diloco.harness.netns.Namespace.wrap`: the federation in a shaped
+    namespace)."""
     try:
         with Federation(config_path, overrides, run_dir, wrap=wrap) as fed:
             yield fed

@@ -3,7 +3,7 @@ grow the coordinator, or be answered with anything but a status that says why.
 
 Two runs of one tiny config (synthetic data, a one-layer transformer, two islands; `load.load_config_text`): with
 island secrets ("auth") and without ("open"). Each starts the coordinator as the user would (`diloco coordinator`,
-through `diloco.procs.Federation`), then:
+through `diloco.harness.procs.Federation`), then:
 
 1. opens a flood of calls that send nothing (push streams under every kind of name, and heartbeats under an
    insider's valid credentials), times a Status and a heartbeat of a real island while they hang, and waits for
@@ -47,7 +47,7 @@ from diloco.bench.errors import BenchError
 from diloco.bench.federation import _federation
 from diloco.bench.load import load_config_text, proc_memory_kib
 from diloco.config import RunConfig, config_digest, load_config
-from diloco.procs import Federation, FederationError, log_lines
+from diloco.harness.procs import Federation, FederationError, log_lines
 from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.auth import call_metadata

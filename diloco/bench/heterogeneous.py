@@ -8,7 +8,7 @@ rounds last T = R·H·s_max time units; the other two are given the same T:
   budgeted   train.round_seconds = B, a budget of 1.1·H units: each island trains the steps that fit it (at most H),
              token-weighted; ceil(T / 1.1·H) rounds
   async      train.mode = "async", outer.kind = "delayed_nesterov", outer.momentum_every = M: every push due by T,
-             Σ_i floor(T / (H·s_i)) updates of one island's H steps each (diloco/async_sim.py)
+             Σ_i floor(T / (H·s_i)) updates of one island's H steps each (diloco/simulator/async_sim.py)
 
 Time axis, the same rule for the three: virtual time in units of one inner step of a full-speed island; an island
 with factor s takes s units per step (async_sim's clock).
@@ -50,9 +50,9 @@ from typing import Any
 from diloco.bench.convergence import _variant
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, load_config, to_dict
-from diloco.rundir import read_events
-from diloco.setup import build_setup, make_island
-from diloco.simulate import run_simulation
+from diloco.run.rundir import read_events
+from diloco.run.setup import build_setup, make_island
+from diloco.simulator.simulate import run_simulation
 
 BUDGET_MARGIN = 1.1
 """The budget in units of H full-speed steps: room for the step time to vary a little without a fast island falling

@@ -8,9 +8,9 @@ wire: join, pull the full θ once, then per round heartbeat, push a pseudo-gradi
 `base_digest` is the `param_digest` of the pull that brought θ_r, which the coordinator requires), and pull the
 committed update. The pseudo-gradient is built once with numpy from the names and shapes of the first full pull
 (fp32: an `EncodedTensor` whose payload is the float32 bytes), so the clients cost the coordinator's CPU nothing
-but the wire. The coordinator is the real `diloco coordinator` (started with `diloco.procs.Federation`) on a config
-written for the benchmark (`load_config_text`): a tiny transformer, synthetic data, `islands` islands each with its
-own secret, quorum = every island (each round holds all of them), leases long enough for a loaded machine.
+but the wire. The coordinator is the real `diloco coordinator` (started with `diloco.harness.procs.Federation`) on a
+config written for the benchmark (`load_config_text`): a tiny transformer, synthetic data, `islands` islands each with
+its own secret, quorum = every island (each round holds all of them), leases long enough for a loaded machine.
 
 Reported (JSON): rounds committed; per round the coordinator's own `round` event `seconds` (round open to commit)
 and the push-to-commit latency measured here (from the start of the round's last push to the first moment a
@@ -21,7 +21,7 @@ peak RSS (VmHWM); on the coordinator's own clock, how far apart a round's pushes
 last push to its `round` event (commit and evaluation); bytes moved, counted by the clients and by the coordinator;
 and the rounds whose pulls brought another digest than the coordinator logged for them (must be none).
 
-The islands retry exactly what a real island retries (`diloco.island_sync.retry_forever`), so an island that
+The islands retry exactly what a real island retries (`diloco.worker.island_sync.retry_forever`), so an island that
 a real one would lose (a call refused for good, e.g. RESOURCE_EXHAUSTED when more calls arrive at once than the
 server's transport.max_unary_calls / transport.max_streams admit) ends the benchmark with one line.
 
@@ -49,9 +49,9 @@ from diloco import RELEASE
 from diloco.bench.errors import BenchError
 from diloco.bench.federation import _federation
 from diloco.config import RunConfig, config_digest, load_config
-from diloco.island_sync import retry_forever
-from diloco.membership import REJOIN
-from diloco.procs import Federation
+from diloco.coordinator.membership import REJOIN
+from diloco.harness.procs import Federation
+from diloco.worker.island_sync import retry_forever
 from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.errors import TransportError

@@ -19,7 +19,7 @@ import optax
 
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig
-from diloco.setup import build_setup
+from diloco.run.setup import build_setup
 from islands.inner import make_inner_optimizer
 from islands.island import Island
 from islands.mesh import batch_sharding, build_mesh, replicated

@@ -36,10 +36,10 @@ import numpy as np
 from diloco.bench.convergence import _variant
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, cannot_vectorize
-from diloco.rundir import read_events
-from diloco.setup import build_setup
-from diloco.simulate import run_simulation
-from diloco.warm_start import newest_step, read_item
+from diloco.run.rundir import read_events
+from diloco.run.setup import build_setup
+from diloco.run.warm_start import newest_step, read_item
+from diloco.simulator.simulate import run_simulation
 from pytrees.naming import flatten_named
 
 PATHS = ("sequential", "vectorized")
@@ -61,7 +61,7 @@ def commit_evals(run_dir: Path) -> list[tuple[int, float]]:
 
 def inner_seconds(run_dir: Path) -> float:
     """Seconds in inner steps over all islands: Totals.compute_s as the run's last coordinator checkpoint holds it
-    (diloco/checkpoint.py saves the totals in the JSON item `meta`, which orbax writes as meta/metadata)."""
+    (diloco/run/checkpoint.py saves the totals in the JSON item `meta`, which orbax writes as meta/metadata)."""
     step_dir = newest_step([run_dir / "checkpoints" / "coordinator"])
     if step_dir is None:
         raise BenchError(f"bench simulator: {run_dir} holds no coordinator checkpoint")

@@ -7,7 +7,7 @@ does the model still train as well as without faults?
 Two runs of one config and seed (`soak_config_text`: a small byte transformer on the built-in corpus, int8 codecs
 with error feedback on both sides, `plan.islands` islands of which any 2 close a round, leases of a few seconds so
 that a round closes soon after an island died), each a real coordinator and real island processes over gRPC
-(`diloco.procs.Federation`, islands unsupervised so that SIGKILL kills them):
+(`diloco.harness.procs.Federation`, islands unsupervised so that SIGKILL kills them):
 
 * faulted: a seeded plan (`SoakPlan.schedule`) spreads the kills over the run, one in each of as many equal
   stretches of rounds (none in the last `TAIL_ROUNDS`, so that every restarted process trains again before the
@@ -19,7 +19,7 @@ that a round closes soon after an island died), each a real coordinator and real
 Digests (`DigestWatch`). The coordinator's `round` event of round r carries the digest of θ_{r+1}, and an
 island's `synced` event of round r+1 the digest of the θ_{r+1} it holds. After every new commit the watch checks
 every island's synced events against the coordinator's digests as they stand. A coordinator restarted from its
-checkpoint drops the events of the rounds it did not save (diloco/rundir.py, truncate_after_round) and commits
+checkpoint drops the events of the rounds it did not save (diloco/run/rundir.py, truncate_after_round) and commits
 them again, possibly with other contributions and another digest; that is legal only because no island can have
 seen the lost commit (the checkpoint is saved before any island can pull θ_{r+1}). So "every digest equal after
 every round" means: every θ_{r+1} any island ever synced equals the LAST digest committed for round r, both while
@@ -45,7 +45,7 @@ from typing import Any
 
 from diloco.bench.errors import BenchError
 from diloco.bench.federation import _federation
-from diloco.procs import COORDINATOR, Federation
+from diloco.harness.procs import COORDINATOR, Federation
 
 TAIL_ROUNDS = 4
 """No kill in the last rounds: a process restarted there could find the run over (and its coordinator gone)."""

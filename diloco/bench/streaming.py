@@ -21,8 +21,8 @@ from typing import Any
 from diloco.bench.convergence import _variant
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig
-from diloco.rundir import read_events
-from diloco.simulate import run_simulation
+from diloco.run.rundir import read_events
+from diloco.simulator.simulate import run_simulation
 
 
 def bytes_per_sync(metrics: Path) -> list[int]:

@@ -1,6 +1,6 @@
 """`diloco bench sync`: what one sync costs the islands of a real federation, and where the time goes.
 
-Starts the config's coordinator and islands as processes (`diloco.procs.Federation`, as `launch` does), runs
+Starts the config's coordinator and islands as processes (`diloco.harness.procs.Federation`, as `launch` does), runs
 `--rounds` rounds and reads back, per island, `sync_s` of its `train_start` events: the seconds from the end of its
 H-th inner step to the start of its next (encode, push, the wait for the round to close, pull, apply, checkpoint).
 The first round of each process is left out (it compiles). From the coordinator's events it reports what the close

@@ -1,7 +1,7 @@
 """`diloco bench utilization`: how much of a round the islands spend training, plain DiLoCo vs Streaming DiLoCo with
 overlap, over the config's WAN links, against the cost model.
 
-Two real federations of one config (`diloco.procs.Federation`, as `launch` starts them), one after the other:
+Two real federations of one config (`diloco.harness.procs.Federation`, as `launch` starts them), one after the other:
 plain rounds (P = 1, τ = 0), then Streaming DiLoCo (`--fragments` P, `--overlap` τ). Utilization is what the
 islands report with each push, as in summary.json but without the first WARMUP_ROUNDS rounds (round 0: process
 start, join, first compiles; round 1: an island that pushed round 0 early waited for the slowest one's start-up,
@@ -30,7 +30,7 @@ that is link time: choose the model size and H (key=value overrides) to make it 
 
 With ``--kernel-link MBIT`` the links are the kernel's, not the user-space shaper's: both federations run, one after
 the other, inside ONE fresh network namespace whose loopback carries a `tc tbf` qdisc at MBIT Mbit/s
-(`diloco.netns`; root, `ip` and `tc` needed, else the bench refuses with `netns_available()`'s reason), and
+(`diloco.harness.netns`; root, `ip` and `tc` needed, else the bench refuses with `netns_available()`'s reason), and
 `network.links=""` turns the user-space shaper off, so real TCP under a real queue is the only bottleneck. The
 namespace's TCP goodput is measured first (`measure_goodput_mbit`) and reported. Loopback has one egress queue:
 every island's push and pull, both directions, share it, so the plain model is `shared_link_round_model` (the round's
@@ -52,7 +52,7 @@ from typing import Any
 from diloco.bench.errors import BenchError
 from diloco.bench.federation import finished_run
 from diloco.config import RunConfig
-from diloco.netns import (
+from diloco.harness.netns import (
     LinkError,
     Namespace,
     NetnsUnavailable,
@@ -61,7 +61,7 @@ from diloco.netns import (
     netns_available,
     shaped_namespace,
 )
-from diloco.procs import Federation, Wrap
+from diloco.harness.procs import Federation, Wrap
 from transport.shaper import UNSHAPED, LinkProfile, load_link_profiles, profile_for, transfer_time_s
 
 WARMUP_ROUNDS = 2
@@ -110,8 +110,8 @@ def shared_link_round_model(
     """One plain round on a kernel-shaped link (`--kernel-link`), played out on one queue; pure, so table-tested.
 
     Why not `plain_round_model`: in the namespace every island's push and pull, both directions, pass the ONE
-    egress queue of its loopback (diloco/netns.py), so they do not run side by side on links of their own but take
-    turns on one rate. The round opens with the commit: the islands' pulls (`pull_bytes` each) leave one after the
+    egress queue of its loopback (diloco/harness/netns.py), so they do not run side by side on links of their own but
+    take turns on one rate. The round opens with the commit: the islands' pulls (`pull_bytes` each) leave one after the
     other, the slowest island's first (with equal compute any order is the same); each island trains from the end
     of its own pull, and its push (`push_bytes`) takes the queue once its steps are done and the queue is free. The
     round closes when the last push has landed, and the commit (`close_s`) follows. On a kernel-shaped link the

@@ -1,0 +1,1 @@
+"""The coordinator process: a facade (`coordinator.py`) over parts that each decide one thing."""

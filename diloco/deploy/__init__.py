@@ -1,0 +1,1 @@
+"""Deployment: Kubernetes manifests and TLS material."""

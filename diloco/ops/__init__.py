@@ -1,0 +1,1 @@
+"""Operations: metrics, logs, status, progress, TensorBoard, plots, data preparation."""

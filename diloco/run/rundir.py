@@ -1,0 +1,383 @@
+"""The run directory (README.md, "Reading a run directory"): config.toml, metrics.jsonl, summary.json, checkpoints/.
+
+metrics.jsonl holds one JSON object per line with at least `event` and `t` (seconds since the run started,
+continued across resumes). A run directory belongs to one run: opening it with a different config is refused
+with the differing keys named, so two runs never mix their metrics or checkpoints.
+
+It also has one writer at a time: `RunDir` holds an exclusive lock on RUN_DIR/run.lock for as long as it is open
+(`RunDirLock`), and a second process that opens the same directory (a second coordinator on another port, a
+second `simulate`, an island started twice) is refused with one line naming the holder, instead of both appending
+to one metrics.jsonl and checkpointing over each other.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from diloco.config import RunConfig, diff_keys, dump_toml, from_dict, to_dict
+from diloco.ops.tensorboard import open_tensorboard
+from floor.errors import UserError
+
+log = logging.getLogger("diloco.run.rundir")
+
+
+class DiskFullError(UserError, OSError):
+    """A checkpoint or a metrics line cannot be written for want of disk space: one line saying where, how much and
+    what to do; the last complete checkpoint is intact, and the same command resumes from it once space is freed
+    (diloco/run/checkpoint.py checks the free space before each save)."""
+
+
+class RunDirError(UserError, ValueError):
+    """The run directory is unusable (another run's, unreadable, not a directory)."""
+
+
+class RunDirBusy(RunDirError):
+    """Another live process holds the run directory (its lock file names it)."""
+
+
+LOCK_FILE = "run.lock"
+"""Held by the process that writes the directory: the coordinator (launch's too), an island worker, simulate."""
+LAUNCH_LOCK_FILE = "launch.lock"
+"""Held by `diloco launch` beside its coordinator's run.lock: a second launch is refused before it rewrites
+anything of the first (its TLS files, its coordinator's address, its logs)."""
+COMMANDS = ("coordinator", "island", "simulate", "launch", "bench")
+"""`diloco` commands whose name (argv[1]) becomes the holder's role when the caller does not give one."""
+
+
+def _flag(argv: Sequence[str], name: str) -> str | None:
+    """The value of `--name VALUE` or `--name=VALUE` in argv, if present."""
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def redacted_command(argv: Sequence[str]) -> str:
+    """The command line as it may be written to disk: `--secret VALUE` and `*secret*=...` overrides can hold a
+    literal secret, so their values are replaced (an `env:`/`file:` reference is kept: it only says where)."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if i > 0 and argv[i - 1] == "--secret":
+            arg = arg if arg.startswith(("env:", "file:")) else "<redacted>"
+        elif eq and "secret" in key.lower() and not value.startswith(("env:", "file:")):
+            arg = f"{key}=<redacted>"
+        out.append(arg)
+    return " ".join(out)
+
+
+def process_role(argv: Sequence[str] | None = None) -> tuple[str | None, dict[str, str]]:
+    """What this process is, from its command line (`diloco island --name us-east ...` -> "island us-east").
+
+    The drivers open their RunDir without saying who they are, and the CLI is the one place that knows; reading
+    argv keeps every caller unchanged. A process that is not the `diloco` CLI (a test, a notebook) has no role and
+    is named by its command line instead.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] not in COMMANDS:
+        return None, {}
+    role, extra = argv[1], {}
+    if role == "island":
+        name, coordinator = _flag(argv, "--name"), _flag(argv, "--coordinator")
+        role = f"island {name}" if name else role
+        if coordinator:
+            extra["coordinator"] = coordinator
+    return role, extra
+
+
+class RunDirLock:
+    """An exclusive `flock` on RUN_DIR/run.lock (or `name`), held until `release()` or the holder's death.
+
+    Why an OS lock and not a pid file: the kernel drops a flock when the last descriptor of its open file goes away,
+    however the process ends (SIGKILL, OOM killer, power to the container), so a crashed run never leaves a lock
+    that blocks its own restart, and no one has to guess whether a recorded pid is still the same process. The
+    file's content (pid, role, command line, host, address) only serves the refusal message; the lock alone decides,
+    so a stale content after a SIGKILL is simply overwritten by the next holder.
+
+    The descriptor is close-on-exec (Python's default), so a child the holder spawns never inherits the lock.
+    Opening the same directory twice in one process is refused too: flock locks belong to open files, not processes.
+    """
+
+    def __init__(self, run_dir: Path, role: str | None = None, wait_s: float = 1.0, name: str = LOCK_FILE) -> None:
+        self.path = run_dir / name
+        self.run_dir = run_dir
+        inferred, extra = process_role()
+        self.info: dict[str, Any] = {
+            "pid": os.getpid(),
+            "role": role or inferred,
+            "host": socket.gethostname(),
+            "command": redacted_command(sys.argv)[:500],
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **({} if role else extra),
+        }
+        self.name = name
+        self._file: IO[str] | None = _open_lock_file(self.path, run_dir)
+        # A short grace: a holder that is exiting (a supervisor restarting its worker, `check_free` probing) lets go
+        # within moments; a live run never does.
+        deadline = time.monotonic() + wait_s
+        try:
+            while not self._try_lock():
+                if time.monotonic() >= deadline:
+                    raise RunDirBusy(busy_message(run_dir, read_holder(self.path), name))
+                time.sleep(0.05)
+        except BaseException:
+            self.release()
+            raise
+        self._write()
+
+    def _try_lock(self) -> bool:
+        assert self._file is not None
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                # A filesystem without locks (some network or FUSE mounts): run unprotected rather than not at all.
+                self.info["unlocked"] = exc.strerror or str(exc)
+                return True
+            raise RunDirError(f"run dir '{self.run_dir}': cannot lock {self.name} ({exc.strerror or exc})") from None
+        return True
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None and "unlocked" not in self.info
+
+    def update(self, **fields: Any) -> None:
+        """Add to what the lock file says about the holder (the coordinator's listen address, once it is known)."""
+        self.info.update(fields)
+        self._write()
+
+    def _write(self) -> None:
+        if self._file is None:
+            return
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(json.dumps(self.info) + "\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        """Let go of the directory (closing the file drops the flock). The file stays: it is not the lock."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _open_lock_file(path: Path, run_dir: Path) -> IO[str]:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise RunDirError(f"run dir '{run_dir}': cannot open {path.name} ({exc.strerror or exc})") from None
+    return os.fdopen(fd, "r+")
+
+
+def read_holder(path: Path, wait_s: float = 1.0) -> dict[str, Any]:
+    """The holder's info from a lock file; {} when it names no one (retried briefly: the holder may be writing)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = json.loads(path.read_text())
+            if isinstance(info, dict) and "pid" in info:
+                return info
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() >= deadline:
+            return {}
+        time.sleep(0.05)
+
+
+def busy_message(run_dir: Path, holder: dict[str, Any], name: str = LOCK_FILE) -> str:
+    """One line: who holds the run directory, and what to do about it."""
+    if not holder:
+        who = f"another process ({name} names no holder)"
+    else:
+        who = f"{holder.get('role') or 'another process'} pid {holder.get('pid')}"
+        if holder.get("address"):
+            who += f" listening on {holder['address']}"
+        if holder.get("coordinator"):
+            who += f" (coordinator {holder['coordinator']})"
+        if holder.get("host") and holder["host"] != socket.gethostname():
+            who += f" on host {holder['host']}"
+        if not holder.get("role") and holder.get("command"):
+            who += f" ({str(holder['command'])[:120]})"
+    return f"run dir '{run_dir}' is in use by {who}; stop it or use another --run-dir"
+
+
+def check_free(run_dir: Path, name: str = LOCK_FILE) -> None:
+    """Raise RunDirBusy when a live process holds `run_dir`; take nothing (the lock is let go at once).
+
+    For the island supervisor: it refuses a second island on the same directory before spawning a worker (and
+    before overwriting the first one's worker.pid). The probe holds the lock for an instant; a worker opening the
+    directory at that very moment waits for it (`RunDirLock`'s grace) instead of failing.
+    """
+    if run_dir.is_dir():
+        RunDirLock(run_dir, wait_s=0.0, name=name).release()
+
+
+class RunDir:
+    def __init__(self, path: Path, cfg: RunConfig, role: str | None = None) -> None:
+        """Open (create or resume) the run directory and lock it for this process until `close()`.
+
+        `role` names the holder in another process's refusal ("coordinator", "island us-east"); by default it is
+        read from the `diloco` command line.
+        """
+        self.path = path
+        self.config_path = path / "config.toml"
+        self.metrics_path = path / "metrics.jsonl"
+        self.summary_path = path / "summary.json"
+        self.checkpoints = path / "checkpoints"
+        # First: a missing tensorboardX is refused before the directory is created or locked.
+        self.tensorboard = open_tensorboard(cfg, path)
+        if path.exists() and not path.is_dir():
+            raise RunDirError(f"run dir '{path}' exists and is not a directory")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunDirError(f"run dir '{path}' cannot be created ({exc.strerror or exc})") from None
+        # Before anything is read or written: a second writer is refused with the directory untouched.
+        self.lock = RunDirLock(path, role)
+        try:
+            self.resuming = self.config_path.exists()
+            if self.resuming:
+                self._check_same_run(cfg)
+            else:
+                self.config_path.write_text(dump_toml(to_dict(cfg)))
+            self.checkpoints.mkdir(exist_ok=True)
+            self._t_offset = self._last_t()
+            self._t0 = time.monotonic()
+            self._metrics = self.metrics_path.open("a", buffering=1)
+            self._write_lock = threading.Lock()
+            self.observers: list[Callable[[str, dict[str, Any]], None]] = []
+            """Told every event after it is written (diloco/ops/metrics.py feeds Prometheus from them): one source for
+            both, so a metric and its event never disagree."""
+            if self.tensorboard is not None:  # run.tensorboard: curves from the same events (diloco/ops/tensorboard.py)
+                self.observers.append(self.tensorboard.observe)
+        except BaseException:
+            self.lock.release()
+            raise
+        if not self.lock.held:
+            self.log("run_dir_unlocked", reason=self.lock.info.get("unlocked"))
+
+    def set_address(self, address: str) -> None:
+        """Record where this run's coordinator listens, so that a refused second writer is told where it is."""
+        self.lock.update(address=address)
+
+    def _check_same_run(self, cfg: RunConfig) -> None:
+        import tomllib
+
+        try:
+            stored = tomllib.loads(self.config_path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise RunDirError(f"run dir '{self.path}': config.toml is unreadable ({exc})") from None
+        try:
+            # Through the loader, so that keys a newer diloco added (absent from an older config.toml) take their
+            # defaults instead of counting as differences: upgrading diloco does not orphan a run directory.
+            stored = to_dict(from_dict(RunConfig, stored))
+        except ValueError as exc:
+            raise RunDirError(f"run dir '{self.path}': its config.toml no longer loads ({exc})") from None
+        differing = diff_keys(stored, to_dict(cfg))
+        if differing and self._never_started():
+            # A run refused at start (a step too big for memory, a bad data path found late) saved nothing to resume:
+            # the corrected command may take its directory, as it could before the first attempt made it.
+            log.warning("run dir '%s' holds a run that saved nothing (it differs in: %s); starting afresh with this "
+                        "config", self.path, ", ".join(differing[:8]))  # fmt: skip
+            self.config_path.write_text(dump_toml(to_dict(cfg)))
+            self.metrics_path.unlink(missing_ok=True)
+            return
+        if differing:
+            raise RunDirError(
+                f"run dir '{self.path}' holds another run (config differs in: {', '.join(differing[:8])}); "
+                "use a new --run-dir"
+            )
+
+    def _never_started(self) -> bool:
+        """Nothing here can be resumed: no checkpoint step, no summary and no committed round or sync event."""
+        saved = any(self.checkpoints.rglob("_CHECKPOINT_METADATA")) if self.checkpoints.is_dir() else False
+        committed = any(e.get("event") in ("round", "sync") for e in read_events(self.metrics_path))
+        return not (saved or committed or self.summary_path.exists())
+
+    def _last_t(self) -> float:
+        last = 0.0
+        for record in read_events(self.metrics_path):
+            try:
+                last = max(last, float(record.get("t", 0.0)))
+            except (TypeError, ValueError):
+                continue
+        return last
+
+    def elapsed(self) -> float:
+        return self._t_offset + time.monotonic() - self._t0
+
+    def log(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, "t": round(self.elapsed(), 4), **fields}) + "\n"
+        with self._write_lock:  # threads log too (an island's wire thread, the coordinator's settle thread)
+            try:
+                self._metrics.write(line)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise DiskFullError(f"no disk space left to write {self.metrics_path}; free some space, then run "
+                                    "the same command again: it resumes from the last complete checkpoint") from None
+        for observe in self.observers:
+            observe(event, fields)
+
+    def log_inner(self, round: int, island: str, first_step: int, losses: Sequence[float], every: int) -> None:
+        """An `inner` event for each inner step (counted from 1) that is a multiple of `every`: the same steps
+        however the losses come, a round at a time or (streaming) a few steps between two syncs."""
+        for i, loss in enumerate(losses):
+            if (first_step + i + 1) % every == 0:
+                self.log("inner", round=round, island=island, step=first_step + i + 1, loss=float(loss))
+
+    def truncate_after_round(self, completed_rounds: int) -> None:
+        """On resume, drop events of rounds that the restored checkpoint does not contain (they will rerun)."""
+        self._metrics.close()
+        kept = [json.dumps(r) for r in read_events(self.metrics_path) if r.get("round", -1) < completed_rounds]
+        tmp = self.metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.metrics_path)
+        self._metrics = self.metrics_path.open("a", buffering=1)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        tmp = self.summary_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(self.summary_path)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()  # flushed before the lock goes: a finished run's event files are complete
+        self._metrics.close()
+        self.lock.release()
+
+
+def read_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a metrics.jsonl file (only the `event` ones when given), in order.
+
+    Tolerant, because it also reads files that a live or SIGKILLed process is writing: a missing file is no events
+    yet, and a line torn mid-write (or anything that is not a JSON object) is skipped.
+    """
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and (event is None or record.get("event") == event):
+            out.append(record)
+    return out

@@ -1,0 +1,221 @@
+"""Warm start (`[init]`): θ_0, and optionally each island's inner optimizer state, from another run's checkpoint.
+
+`init.from` names a run directory of this project (simulate's or launch's), a checkpoint directory of one
+(RUN/checkpoints/coordinator, an island's checkpoints/) or one step of it (.../coordinator/12). Its arrays are read
+into the structure of a freshly built state of this run (as `checkpoint.restore_state` does), so every tensor keeps
+this run's shape, dtype and layout. A different model is refused first, in one line, naming the first differing
+`[model]` key (from the source's config.toml) or tensor (from the checkpoint's own metadata), where orbax would fail
+with a traceback.
+
+Only a run that starts afresh reads it: a run directory that resumes restores its own checkpoints (`GlobalRun.start`,
+`local_islands.start_islands`, `IslandWorker.restore`), so the source may change or vanish once the run has begun.
+Who loads what:
+
+    the global θ     whoever owns it: simulate's GlobalRun or the coordinator (`initial_params`); the sync baseline's
+                     one model. Islands of a federation get it from the coordinator by their first full pull.
+    inner state      each island itself, from the source's checkpoint of the island with its name
+                     (`initial_inner_state`, `init.inner_state`); without one it starts fresh and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from diloco.config import ConfigError, RunConfig, diff_keys, from_dict, to_dict
+from diloco.run.rundir import RunDir
+from islands.island import Island
+from islands.models.config import ModelConfig
+from pytrees.digest import tree_digest
+from pytrees.naming import PyTree, flatten_named
+
+log = logging.getLogger("diloco.run.warm_start")
+
+
+GLOBAL_OWNERS = ("coordinator", "sync")
+"""Where a run directory keeps the global θ (under checkpoints/), in order of preference: the coordinator's
+(simulate's diloco and async modes, launch, the coordinator) and the sync baseline's one model."""
+
+Specs = dict[str, tuple[tuple[int, ...], str]]
+"""Tensor name (`flatten_named`'s) -> (shape, dtype name)."""
+
+
+class WarmStartError(ConfigError):
+    """init.from names no usable checkpoint, or one of another model: one line naming the path, key or tensor."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """The checkpoint step that init.from names."""
+
+    step_dir: Path
+    """An orbax step (OWNER_DIR/STEP, its arrays in `state/`)."""
+    run_dir: Path | None
+    """The run directory it belongs to (the nearest of its three parents with a config.toml); None when none has."""
+
+    @property
+    def round(self) -> int:
+        """The step: the rounds (or, async, updates) the source had committed when it saved it."""
+        return int(self.step_dir.name)
+
+
+def complete_steps(owner_dir: Path) -> list[int]:
+    """The steps orbax finished in one owner's checkpoint directory, oldest first. A save in progress or a replaced
+    step is no number (orbax's temporary names, diloco/run/checkpoint.py's `_TRASH`), so it is never picked."""
+    if not owner_dir.is_dir():
+        return []
+    return sorted(int(d.name) for d in owner_dir.iterdir() if d.name.isdigit() and (d / "state").is_dir())
+
+
+def newest_step(owner_dirs: list[Path]) -> Path | None:
+    """The newest step of the first of `owner_dirs` that holds one."""
+    for owner in owner_dirs:
+        steps = complete_steps(owner)
+        if steps:
+            return owner / str(steps[-1])
+    return None
+
+
+def island_owners(run_dir: Path, name: str) -> list[Path]:
+    """Where a run directory may keep island `name`'s checkpoints: simulate's RUN/checkpoints/NAME, launch's
+    RUN/islands/NAME/checkpoints (the island process's own run directory)."""
+    return [run_dir / "checkpoints" / name, run_dir / "islands" / name / "checkpoints"]
+
+
+def find_source(path: Path) -> Source:
+    """The checkpoint step `path` names: itself (a step), the newest step of a checkpoint directory, or the newest
+    global checkpoint of a run directory (`GLOBAL_OWNERS`)."""
+    if not path.exists():
+        raise WarmStartError(f"init.from: '{path}' does not exist")
+    if path.name.isdigit() and (path / "state").is_dir():
+        step_dir: Path | None = path
+    else:
+        step_dir = newest_step([*(path / "checkpoints" / owner for owner in GLOBAL_OWNERS), path])
+    if step_dir is None:
+        raise WarmStartError(
+            f"init.from: '{path}' holds no checkpoint (expected a run directory with checkpoints/coordinator/, or a "
+            "checkpoint directory; a run with train.checkpoint_every = 0 saves none)"
+        )
+    run_dir = next((d for d in list(step_dir.parents)[:3] if (d / "config.toml").is_file()), None)
+    return Source(step_dir, run_dir)
+
+
+def model_difference(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
+    """The first `[model]` key whose value differs between two `to_dict` views of ModelConfig, with both values."""
+    differing = diff_keys(theirs, ours)
+    if not differing:
+        return None
+    key = differing[0]
+    return f"model.{key} is {theirs.get(key)!r} there, {ours.get(key)!r} here"
+
+
+def tensor_difference(theirs: Specs, ours: Specs) -> str | None:
+    """The first tensor (in name order) that is missing on one side or differs in shape or dtype, or None."""
+    for name in sorted(theirs.keys() | ours.keys()):
+        if name not in theirs:
+            return f"tensor '{name}' is missing there"
+        if name not in ours:
+            return f"tensor '{name}' is there but not here"
+        if theirs[name] != ours[name]:
+            (s1, d1), (s2, d2) = theirs[name], ours[name]
+            return f"tensor '{name}' is {d1}{list(s1)} there, {d2}{list(s2)} here"
+    return None
+
+
+def specs(tree: PyTree) -> Specs:
+    """Name -> (shape, dtype) of a pytree of arrays or of orbax's array metadata."""
+    return {name: (tuple(a.shape), str(np.dtype(a.dtype))) for name, a in flatten_named(tree, to_numpy=False).items()}
+
+
+def check_model(cfg: RunConfig, source: Source) -> None:
+    """Refuse a source whose run trained another model, naming the first differing key (checkpoints found outside a
+    run directory have no config to compare: their tensors are still checked when read)."""
+    if source.run_dir is None:
+        return
+    path = source.run_dir / "config.toml"
+    try:
+        stored = tomllib.loads(path.read_text()).get("model", {})
+        # Through the loader, so that a key a newer diloco added takes its default instead of counting as a change.
+        theirs = to_dict(from_dict(ModelConfig, stored, "model."))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
+        raise WarmStartError(f"init.from: '{path}' does not load ({exc})") from None
+    why = model_difference(theirs, to_dict(cfg.model))
+    if why is not None:
+        raise WarmStartError(f"init.from: '{source.run_dir}' trained another model ({why}); a warm start needs the "
+                             "same [model]")
+
+
+def locate(cfg: RunConfig) -> Source:
+    """init.from's checkpoint step, its run's model checked against this run's (no array is read)."""
+    source = find_source(Path(cfg.init.from_).expanduser())
+    check_model(cfg, source)
+    return source
+
+
+def check_fresh(cfg: RunConfig, run_dir: Path) -> None:
+    """Refuse a wrong init.from before a new run directory is made (its config.toml would hold the wrong path, and
+    the corrected command could not reuse the directory); a directory that resumes never reads init.from again."""
+    if cfg.init.from_ and not (run_dir / "config.toml").exists():
+        locate(cfg)
+
+
+def read_item(step_dir: Path, item: str, like: PyTree, what: str) -> PyTree:
+    """Field `item` of the state saved in `step_dir`, read into the structure, dtypes and shardings of `like` once
+    the checkpoint's metadata shows the same tensors (orbax's own mismatch error is a traceback)."""
+    state = step_dir / "state"
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        saved = handler.metadata(state).tree
+    except (OSError, ValueError) as exc:
+        raise WarmStartError(f"init.from: '{step_dir}' is not a readable checkpoint ({exc})") from None
+    finally:
+        handler.close()
+    if not isinstance(saved, dict) or item not in saved:
+        raise WarmStartError(f"init.from: the checkpoint '{step_dir}' holds no {item}")
+    why = tensor_difference(specs(saved[item]), specs(like))
+    if why is not None:
+        raise WarmStartError(f"init.from: '{step_dir}' does not fit this run's {what}: {why}")
+    target = {item: like}
+    args = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        return checkpointer.restore(state, args=args)[item]
+
+
+def initial_params(cfg: RunConfig, init_params: PyTree, rd: RunDir) -> PyTree:
+    """θ_0 of a run that starts afresh: init.from's parameters, logged as a `warm_start` event (source, source_round,
+    digest), or `init_params` when init.from is unset."""
+    if not cfg.init.from_:
+        return init_params
+    source = locate(cfg)
+    params = read_item(source.step_dir, "params", init_params, "parameters")
+    rd.log("warm_start", source=str(source.step_dir), source_round=source.round, digest=tree_digest(params))
+    return params
+
+
+def initial_inner_state(cfg: RunConfig, island: Island, params: PyTree, rd: RunDir) -> PyTree | None:
+    """The inner optimizer state `island` starts a fresh run with: with init.inner_state, what the source saved for
+    the island of the same name (its newest step in `island_owners`), read into the structure of a fresh one over
+    `params`; None (a fresh state) otherwise, or when the source has no checkpoint of that island, which is said in
+    one line on stderr and in a `warm_start` event."""
+    if not cfg.init.inner_state:
+        return None
+    source = locate(cfg)
+    run_dir = source.run_dir
+    step_dir = newest_step(island_owners(run_dir, island.name) if run_dir is not None else [])
+    if step_dir is None:
+        why = f"'{run_dir or source.step_dir}' holds no checkpoint of island {island.name}"
+        log.warning("init.inner_state: %s; it starts with a fresh inner optimizer state", why)
+        rd.log("warm_start", island=island.name, inner_state=False, reason=why)
+        return None
+    what = f"inner optimizer state of island {island.name}"
+    state = read_item(step_dir, "inner_opt_state", island.tx.init(params), what)
+    rd.log("warm_start", island=island.name, inner_state=True, source=str(step_dir), source_round=int(step_dir.name))
+    return state

@@ -1,0 +1,385 @@
+"""A multi-host island: N processes joined by jax.distributed into one JAX program over all their devices.
+
+Process 0, the leader, runs the island's worker (diloco/worker/island_worker.py) as a one-process island does: it alone
+talks to the coordinator, owns the run directory and writes the metrics. The others, the followers, talk to no one:
+they replay, in the same order, every call of the leader on the island's engine that runs a JAX computation (start,
+restore a checkpoint, set_params, train, push, keep_residual, merge, save a checkpoint, stop). A computation over the
+island's global mesh runs only when every process launches it, and its collectives match only when every process
+launches the same ones in the same order, so one command channel from the leader keeps them in step:
+
+    leader:   LeaderIsland.train(4)  ->  channel.send("train", n=4)  ->  Island.train(4)
+    follower: follow(...)            ->  channel.receive()           ->  Island.train(4)
+
+The channel is JAX's own `broadcast_one_to_all` (a collective over the island's devices: no socket of ours): a
+length, a JSON header (the call, its small arguments, the names, dtypes and shapes of its arrays), then the arrays.
+A follower receives data only: JSON, and arrays of the dtypes it accepts, never code (no pickle).
+
+Data: every process draws the same batch from the island's deterministic stream and puts only its own rows on its
+devices (`Island.next_batch`), so the global batch is the one a one-process island with as many devices trains on.
+
+Checkpoints: one orbax checkpoint of the island's global arrays in the leader's run directory, which on several hosts
+must be a filesystem all of them share (orbax saves from every process and commits from process 0). Saves run in the
+command order on the main thread, not on a background thread as a one-process island's do: orbax's save itself
+synchronises the processes with collectives, which must never interleave with the training's.
+
+Failures: a process that dies takes its island down. A surviving peer's collective fails at once (the dead socket)
+or JAX's distributed runtime, missing its heartbeats for HEARTBEAT_S, aborts every process of the island; each
+exits non-zero and its supervisor restarts it (diloco/worker/supervisor.py restarts a group on one host as a whole). The
+island re-forms, resumes from its checkpoint and rejoins the coordinator like any restarted island.
+
+Streaming (stream.fragments > 1), asynchronous rounds and init.inner_state are refused with processes > 1
+(`check_group`): plain and time-budgeted DiLoCo rounds are what this replays.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from diloco.config import ConfigError, RunConfig
+from diloco.deploy.tls import is_loopback, split_host
+from diloco.harness.procs import devices_env
+from diloco.run.checkpoint import CheckpointStore, restore_state, save_state
+from diloco.run.rundir import RunDirLock
+from diloco.run.setup import build_setup, make_island
+from diloco.worker.supervisor import Member
+from floor.errors import UserError
+from islands.island import InnerRun, Island, IslandState, RoundPush
+from pytrees.naming import PyTree, flatten_named, unflatten_named
+
+log = logging.getLogger("diloco.worker.island_group")
+
+HEARTBEAT_S = 10
+"""jax.distributed's heartbeat timeout: a peer silent this long (dead host, SIGSTOP) is declared dead and every
+process of the island aborts, so that each supervisor restarts its own. JAX's default (100 s) would leave the
+island hung that long; shorter risks a false alarm on a loaded host."""
+SHUTDOWN_S = 30
+"""How long a process that exits waits at JAX's shutdown barrier for its peers (JAX's default: 300 s)."""
+FOLLOWER_STOP_S = 20.0
+"""A follower asked to stop (SIGTERM) waits this long for the leader's stop command, then exits anyway: the
+leader stops at its next sync point (island_worker.STOP_GRACE_S) and tells its followers."""
+ARRAY_DTYPES = ("float32", "int32")
+"""What a follower accepts in a command's arrays. They travel as int32 bit patterns: the broadcast is a sum with
+zeros, which keeps integers exact and would turn a float -0.0 into +0.0."""
+USER_ERROR = 2
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place in its island: `process_id` of `num_processes`, all joined at `coordinator`."""
+
+    process_id: int = 0
+    num_processes: int = 1
+    coordinator: str = ""
+    """HOST:PORT of jax.distributed's coordination service, served by process 0 (--island-coordinator)."""
+
+    @property
+    def leader(self) -> bool:
+        return self.process_id == 0
+
+    @property
+    def multiple(self) -> bool:
+        return self.num_processes > 1
+
+
+ONE_PROCESS = Group()
+"""An island of one process (no jax.distributed)."""
+
+
+def check_group(cfg: RunConfig, process_id: int | None, num_processes: int | None, coordinator: str | None) -> Group:
+    """The island's group from `diloco island`'s flags (--num-processes defaults to islands.processes); a mistake is
+    one line (ConfigError) naming the flag or key."""
+    n = cfg.islands.processes if num_processes is None else num_processes
+    if n < 1:
+        raise ConfigError(f"--num-processes must be >= 1 (got {n})")
+    pid = 0 if process_id is None else process_id
+    if not 0 <= pid < n:
+        raise ConfigError(f"--process-id must be in 0 .. {n - 1} for --num-processes {n} (got {pid})")
+    if n == 1:
+        return ONE_PROCESS
+    if not coordinator:
+        raise ConfigError(f"--num-processes {n}: --island-coordinator HOST:PORT is needed (where process 0 serves "
+                          "jax.distributed to the island's processes)")  # fmt: skip
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--island-coordinator must be HOST:PORT (got {coordinator!r})")
+    check_supported(cfg, n)
+    return Group(pid, n, coordinator)
+
+
+def check_supported(cfg: RunConfig, processes: int) -> None:
+    """Refuse in one line what a multi-process island does not replay (plain and time-budgeted rounds only)."""
+    refused = [
+        ("stream.fragments > 1 (streaming)", cfg.stream.fragments > 1 or cfg.stream.overlap_steps > 0),
+        ("train.mode = 'async'", cfg.train.mode == "async"),
+        ("init.inner_state = true", cfg.init.inner_state),
+    ]
+    for what, bad in refused:
+        if bad and processes > 1:
+            raise ConfigError(f"{what} is not supported with islands.processes > 1 ({processes} processes): a "
+                              "multi-process island runs plain or time-budgeted DiLoCo rounds")  # fmt: skip
+
+
+def lock_name(process_id: int) -> str:
+    """The run directory's lock of a follower (the leader takes the directory's own, run.lock)."""
+    return f"process-{process_id}.lock"
+
+
+def members(worker_argv: list[str], group: Group, devices: int) -> list[Member]:
+    """Every process of the island on this host, for the supervisor: `worker_argv` with its --process-id, and
+    `devices` CPU devices each (XLA_FLAGS; on GPUs and TPUs each process takes what it finds)."""
+    env = devices_env(devices)
+    return [
+        Member([*worker_argv, "--process-id", str(i)], env, "worker.pid" if i == 0 else f"process-{i}.pid")
+        for i in range(group.num_processes)
+    ]
+
+
+def join(group: Group) -> None:
+    """Join the island's JAX program: before anything asks JAX for a device. On CPU the processes' collectives run
+    over gloo. Process 0 serves the coordination service, on loopback only when its address is loopback (the service
+    has no authentication: beyond one host its port must be reachable from the island's hosts alone)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    local = is_loopback(split_host(group.coordinator))
+    jax.distributed.initialize(
+        coordinator_address=group.coordinator, num_processes=group.num_processes, process_id=group.process_id,
+        heartbeat_timeout_seconds=HEARTBEAT_S, shutdown_timeout_seconds=SHUTDOWN_S,
+        coordinator_bind_address=group.coordinator if local else None,
+    )  # fmt: skip
+
+
+# -- the channel -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    """One call of the leader: its name, small JSON arguments, and named arrays."""
+
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _padded(n: int) -> int:
+    """Header buffers come in a few sizes (powers of two), so the broadcast compiles a handful of times, not once
+    per length."""
+    return max(256, 1 << (n - 1).bit_length())
+
+
+class Channel:
+    """The leader's calls to its followers over `broadcast_one_to_all`; every process must take part in each."""
+
+    def send(self, op: str, arrays: Mapping[str, Any] | None = None, **args: Any) -> None:
+        named = {name: np.asarray(a) for name, a in (arrays or {}).items()}
+        spec = [[name, a.dtype.name, list(a.shape)] for name, a in named.items()]
+        self._header(json.dumps({"op": op, "args": args, "arrays": spec}).encode())
+        if named:
+            multihost_utils.broadcast_one_to_all({n: np.ascontiguousarray(a).view(np.int32) for n, a in named.items()})
+
+    def receive(self) -> Command:
+        header = json.loads(self._header(None))
+        like: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+        for name, dtype, shape in header["arrays"]:
+            if dtype not in ARRAY_DTYPES:
+                raise RuntimeError(f"island channel: array {name!r} of dtype {dtype!r} refused")
+            like[name] = (np.dtype(dtype), tuple(shape))
+        arrays: dict[str, np.ndarray] = {}
+        if like:
+            got = multihost_utils.broadcast_one_to_all({n: np.zeros(shape, np.int32) for n, (_, shape) in like.items()})
+            arrays = {n: np.asarray(got[n]).view(dtype) for n, (dtype, _) in like.items()}
+        return Command(header["op"], header["args"], arrays)
+
+    @staticmethod
+    def _header(data: bytes | None) -> bytes:
+        """The leader's bytes (`data`) to every process: their length, then the bytes in a padded buffer."""
+        n = int(multihost_utils.broadcast_one_to_all(np.array(0 if data is None else len(data), np.int32)))
+        buffer = np.zeros(_padded(n), np.uint8)
+        if data is not None:
+            buffer[:n] = np.frombuffer(data, np.uint8)
+        return np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes()[:n]
+
+
+# -- checkpoints (the same calls on every process) ---------------------------------------------------------------
+
+
+def save_checkpoint(store: CheckpointStore, island: Island, round_: int) -> None:
+    """IslandState with the round it belongs to, saved now (orbax finishes writing in its own background)."""
+    assert island.state is not None
+    # A copy of the device arrays: the next inner step donates them to XLA (islands/inner.py), deleting them. The
+    # residual stays on the host as it is (replaced, never changed in place): orbax saves host arrays from process 0,
+    # where a copy on one process's device would be an array of that process alone, which it refuses.
+    copy = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, island.state)
+    save_state(store, round_, copy, {"round": round_})
+
+
+def restore_checkpoint(store: CheckpointStore, island: Island, step: int) -> tuple[IslandState, dict[str, Any]]:
+    """Continue `island` (started) from checkpoint `step`; returns the state read and its metadata."""
+    assert island.state is not None
+    state, meta = restore_state(store, step, island.state)
+    island.restore(state)
+    return state, meta
+
+
+# -- the leader ---------------------------------------------------------------------------------------------------
+
+
+class LeaderIsland:
+    """The leader's Island: each call that runs a JAX computation is first told to the followers, then made here.
+
+    It has the methods of `Island` that the worker calls (and delegates every other attribute: state, mesh, name),
+    plus the checkpoint calls, which a one-process worker makes on the store directly."""
+
+    def __init__(self, island: Island, channel: Channel) -> None:
+        self.island, self.channel = island, channel
+        self._last_push: RoundPush | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.island, name)
+
+    def start(self, params: PyTree, opt_state: PyTree | None = None) -> None:
+        """Start from the model's θ_0 (`like`), which every process builds itself (a warm inner state is refused)."""
+        assert opt_state is None, "init.inner_state is refused with islands.processes > 1 (check_group)"
+        self.channel.send("start")
+        self.island.start(params)
+
+    def set_params(self, params: PyTree) -> None:
+        self.channel.send("set_params", flatten_named(params))
+        self.island.set_params(params)
+
+    def train(self, n_steps: int) -> InnerRun:
+        self.channel.send("train", n=n_steps)
+        return self.island.train(n_steps)
+
+    def train_for(self, budget_s: float, max_steps: int) -> InnerRun:
+        """Island.train_for's chunks, each one a `train` told to the followers: the leader's clock alone decides
+        how many steps fit the budget, so every process trains exactly as many."""
+        return Island.train_for(self, budget_s, max_steps)  # type: ignore[arg-type]  # it calls self.train only
+
+    def encode_delta(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
+        self.channel.send("encode_delta", reference)
+        self._last_push = self.island.encode_delta(run, reference)
+        return self._last_push
+
+    def keep_residual(self, push: RoundPush) -> None:
+        # Plain rounds have one push in flight: the followers keep their own copy of it (the same bytes).
+        assert push is self._last_push, "only the newest push's residual can be kept (no streaming here)"
+        self.channel.send("keep_residual")
+        self.island.keep_residual(push)
+
+    def merge(
+        self, global_fragment: dict[str, PyTree], alpha: float = 0.0, on_mesh: dict[str, PyTree] | None = None
+    ) -> None:
+        self.channel.send("merge", global_fragment, alpha=alpha)  # the followers place their own copy
+        self.island.merge(global_fragment, alpha, on_mesh)
+
+    def save_checkpoint(self, store: CheckpointStore, round_: int) -> None:
+        self.channel.send("save", round=round_)
+        save_checkpoint(store, self.island, round_)
+
+    def restore_checkpoint(self, store: CheckpointStore, step: int) -> tuple[IslandState, dict[str, Any]]:
+        self.channel.send("restore", step=step)
+        return restore_checkpoint(store, self.island, step)
+
+    def stop(self, code: int) -> None:
+        """The followers' last command: exit with `code` (the leader's: 0 done or stopped, 2 a user error, 1 a
+        crash). Best effort: when a peer is already gone, JAX's runtime takes the island down anyway."""
+        try:
+            self.channel.send("stop", code=code)
+        except Exception as exc:  # a dead peer fails the broadcast; the island is going down anyway
+            log.warning("could not tell the island's other processes to stop: %s", exc)
+
+
+def exit_code(exc: BaseException | None) -> int:
+    """What the leader's end means for its followers' exit codes (the supervisor's reading: 2 is not retried)."""
+    if exc is None or isinstance(exc, SystemExit | KeyboardInterrupt):
+        return 0
+    return USER_ERROR if isinstance(exc, UserError) else 1
+
+
+# -- the followers ------------------------------------------------------------------------------------------------
+
+
+def follow(island: Island, like: PyTree, store: CheckpointStore | None, channel: Channel) -> int:
+    """Replay the leader's calls until it says stop; returns the exit code it gave.
+
+    A user error that a call raises here (a divergence: every process sees the same NaN) is raised on the leader
+    too, which then says stop with code 2; so the follower keeps listening rather than leave its peers hanging."""
+    last_run: InnerRun | None = None
+    last_push: RoundPush | None = None
+    while True:
+        cmd = channel.receive()
+        try:
+            if cmd.op == "stop":
+                return int(cmd.args.get("code", 0))
+            if cmd.op == "start":
+                island.start(like)
+            elif cmd.op == "set_params":
+                island.set_params(unflatten_named(cmd.arrays, like))
+            elif cmd.op == "train":
+                last_run = island.train(int(cmd.args["n"]))
+            elif cmd.op == "encode_delta":
+                run = last_run or InnerRun(np.zeros(0, np.float32), 0, 0.0, 0)
+                last_push = island.encode_delta(run, cmd.arrays)
+            elif cmd.op == "keep_residual":
+                assert last_push is not None
+                island.keep_residual(last_push)
+            elif cmd.op == "merge":
+                island.merge(cmd.arrays, float(cmd.args["alpha"]))
+            elif cmd.op == "save":
+                assert store is not None
+                save_checkpoint(store, island, int(cmd.args["round"]))
+            elif cmd.op == "restore":
+                assert store is not None
+                restore_checkpoint(store, island, int(cmd.args["step"]))
+            else:
+                raise RuntimeError(f"island channel: unknown command {cmd.op!r}")
+        except UserError as exc:
+            log.warning("%s (the leader stops the island)", exc)
+
+
+def run_follower(cfg: RunConfig, name: str, run_dir: Path, group: Group) -> int:
+    """`diloco island --process-id I` (I > 0): join the island, build the same engine as the leader, follow it.
+
+    The follower takes a lock of its own in the island's run directory (RUN_DIR/process-I.lock: two processes with
+    the same id on one directory are refused) and leaves the rest of it to the leader (run.lock, metrics, config),
+    except the checkpoints, which every process saves and restores together."""
+    me = group.process_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock(run_dir, role=f"island {name} process {me}", name=lock_name(me))
+    store = None
+    try:
+        join(group)
+        setup = build_setup(cfg, islands=[name])
+        island = make_island(cfg, name, setup.model, setup.streams[name], len(jax.devices()))
+        store = CheckpointStore(run_dir / "checkpoints") if cfg.train.checkpoint_every else None
+        _stop_later_on_signal()
+        return follow(island, setup.init_params, store, Channel())
+    finally:
+        if store is not None:
+            store.close()
+        lock.release()
+
+
+def _stop_later_on_signal() -> None:
+    """SIGTERM / Ctrl+C: the leader, signalled too (launch, a supervisor), stops at its next sync point and tells
+    us; exiting now would abort the island mid-collective. Exit anyway if its word does not come."""
+
+    def later(signum: int, frame: object) -> None:
+        timer = threading.Timer(FOLLOWER_STOP_S, os._exit, args=(0,))
+        timer.daemon = True
+        timer.start()
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, later)
