@@ -57,8 +57,11 @@ def _add_tls(p: argparse.ArgumentParser, server: bool) -> None:
         p.add_argument("--tls-cert", default=None, help="PEM client certificate, for a mutual-TLS coordinator")
         p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
         p.add_argument("--tls-server-name", default=None, help="name to verify in the coordinator's certificate")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow what is refused beyond loopback: no secrets, or secrets without TLS")  # fmt: skip
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow what is refused beyond loopback: no secrets, or secrets without TLS",
+    )
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:
@@ -83,34 +86,64 @@ def build_parser() -> argparse.ArgumentParser:
 
     coord = sub.add_parser("coordinator", help="the global coordinator (gRPC server)")
     _add_common(coord)
-    coord.add_argument("--listen", default="127.0.0.1:50051",
-                       help="HOST:PORT (port 0: any free port); beyond loopback needs secrets and TLS")  # fmt: skip
+    coord.add_argument(
+        "--listen",
+        default="127.0.0.1:50051",
+        help="HOST:PORT (port 0: any free port); beyond loopback needs secrets and TLS",
+    )
     coord.add_argument("--quiet", action="store_true", help="no status lines")
-    coord.add_argument("--metrics-port", type=int, default=None, metavar="N",
-                       help="serve Prometheus /metrics on port N of the --listen host (default: network.metrics_port; "
-                            "0: off)")  # fmt: skip
+    coord.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus /metrics on port N of the --listen host (default: network.metrics_port; 0: off)",
+    )
     _add_tls(coord, server=True)
 
     isl = sub.add_parser("island", help="one island (region), supervised: restarted when it crashes")
     _add_common(isl)
     isl.add_argument("--name", required=True, help="this island's name (one of islands.names)")
-    isl.add_argument("--coordinator", default=None,
-                     help="HOST:PORT of the coordinator (needed by every island process but a multi-process island's "
-                          "processes 1..N-1)")  # fmt: skip
-    isl.add_argument("--secret", default=None,
-                     help="env:VAR or file:PATH (a literal works but shows in ps); default: from config")  # fmt: skip
+    isl.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST:PORT of the coordinator (needed by every island process but a multi-process island's "
+        "processes 1..N-1)",
+    )
+    isl.add_argument(
+        "--secret", default=None, help="env:VAR or file:PATH (a literal works but shows in ps); default: from config"
+    )
     isl.add_argument("--no-supervise", action="store_true", help="run the worker in this process, no restarts")
     isl.add_argument("--max-restarts", type=int, default=5)
-    isl.add_argument("--num-processes", type=int, default=None, metavar="N",
-                     help="processes of this island, one JAX program over all their devices (default: "
-                          "islands.processes); without --process-id all N run here, supervised as a group")  # fmt: skip
-    isl.add_argument("--process-id", type=int, default=None, metavar="I",
-                     help="this process's index in a multi-process island (0, the leader, talks to the coordinator)")
-    isl.add_argument("--island-coordinator", default=None, metavar="HOST:PORT",
-                     help="where process 0 serves jax.distributed to the island's processes (with N > 1)")
-    isl.add_argument("--metrics-port", type=int, default=None, metavar="N",
-                     help="serve Prometheus /metrics on port N of network.metrics_host (default: network.metrics_port "
-                          "+ 1 + this island's index; 0: off)")  # fmt: skip
+    isl.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes of this island, one JAX program over all their devices (default: "
+        "islands.processes); without --process-id all N run here, supervised as a group",
+    )
+    isl.add_argument(
+        "--process-id",
+        type=int,
+        default=None,
+        metavar="I",
+        help="this process's index in a multi-process island (0, the leader, talks to the coordinator)",
+    )
+    isl.add_argument(
+        "--island-coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="where process 0 serves jax.distributed to the island's processes (with N > 1)",
+    )
+    isl.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus /metrics on port N of network.metrics_host (default: network.metrics_port "
+        "+ 1 + this island's index; 0: off)",
+    )
     _add_tls(isl, server=False)
 
     st = sub.add_parser("status", help="health, membership, round, losses, bytes, rejected messages of a coordinator")
@@ -124,26 +157,43 @@ def build_parser() -> argparse.ArgumentParser:
     ce = sub.add_parser("certs", help="TLS certificates and island secrets for a federation across machines")
     ce.add_argument("config", help="TOML run config: its islands.names get a certificate and a secret each")
     ce.add_argument("--out", type=Path, required=True, help="directory to write them to (created 0700)")
-    ce.add_argument("--host", action="append", default=[], metavar="NAME_OR_IP",
-                    help="a name or address islands dial the coordinator by (repeat; localhost is in)")  # fmt: skip
+    ce.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="NAME_OR_IP",
+        help="a name or address islands dial the coordinator by (repeat; localhost is in)",
+    )
     ce.add_argument("--days", type=int, default=365, help="validity of the certificates")
 
     from diloco.ops.plot import X_AXES  # no matplotlib, no JAX: imported when a plot is drawn or a run dir read
 
     pl = sub.add_parser("plot", help="PNG of the global model's eval loss of run dirs (needs the plot extra)")
     pl.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories to overlay")
-    pl.add_argument("--out", type=Path, default=None, metavar="FILE.png",
-                    help="PNG to write (default: eval_loss.png, or eval_loss_vs_X.png with --x)")  # fmt: skip
-    pl.add_argument("--x", choices=X_AXES, default=None,
-                    help="one panel against this x axis (default: a 2x2 grid of all four)")  # fmt: skip
-    pl.add_argument("--label", action="append", default=[], metavar="NAME",
-                    help="a run's legend label, once per RUN_DIR in order (default: the run dir's name)")  # fmt: skip
+    pl.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="PNG to write (default: eval_loss.png, or eval_loss_vs_X.png with --x)",
+    )
+    pl.add_argument(
+        "--x", choices=X_AXES, default=None, help="one panel against this x axis (default: a 2x2 grid of all four)"
+    )
+    pl.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a run's legend label, once per RUN_DIR in order (default: the run dir's name)",
+    )
     pl.add_argument("--title", default=None, help="the figure's title")
 
     data = sub.add_parser("data", help="training data: `data prepare` tokenizes text into a token directory")
     prep = data.add_subparsers(dest="data_command", required=True).add_parser(
-        "prepare", help="text -> DIR/tokens.bin, tokenizer.json, meta.json for data.kind = \"tokens\" "
-                        "(needs the tokenize extra)")  # fmt: skip
+        "prepare",
+        help='text -> DIR/tokens.bin, tokenizer.json, meta.json for data.kind = "tokens" (needs the tokenize extra)',
+    )
     prep.add_argument("inputs", nargs="+", metavar="INPUT", help="text: files, directories, glob patterns or stdlib:")
     prep.add_argument("--out", type=Path, required=True, metavar="DIR", help="the directory to write (created)")
     how = prep.add_mutually_exclusive_group(required=True)
@@ -172,8 +222,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if cfg.islands.processes > 1:
-        raise ConfigError(f"islands.processes = {cfg.islands.processes}: simulate runs every island in this one "
-                          "process; multi-process islands run under `diloco launch` or `diloco island`")  # fmt: skip
+        raise ConfigError(
+            f"islands.processes = {cfg.islands.processes}: simulate runs every island in this one "
+            "process; multi-process islands run under `diloco launch` or `diloco island`"
+        )
     run_dir = args.run_dir or _default_run_dir(cfg.run.name)
     summary = run_simulation(cfg, run_dir, show_progress=not args.no_progress)
     print(json.dumps({"run_dir": str(run_dir), **summary}, indent=2))
@@ -235,8 +287,11 @@ def _warn_literal(keys: Sequence[str]) -> None:
     """A literal secret on the command line works (tests, a quick try) but other local users can read a process's
     arguments (ps, /proc/PID/cmdline): say so once."""
     if keys:
-        log.warning("%s is a literal secret on the command line, readable by other local users (ps); prefer "
-                    "env:VAR or file:PATH", ", ".join(keys))  # fmt: skip
+        log.warning(
+            "%s is a literal secret on the command line, readable by other local users (ps); prefer "
+            "env:VAR or file:PATH",
+            ", ".join(keys),
+        )
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -287,15 +342,17 @@ def _island(args: argparse.Namespace) -> int:
     secret = resolve_secret(ref) if ref else None
     net = cfg.network
     tls = client_tls(net.tls_ca, net.tls_cert, net.tls_key, net.tls_server_name)
-    check_client_exposure(args.coordinator, sends_secret=secret is not None, encrypted=tls is not None,
-                          insecure=args.insecure)  # fmt: skip
+    check_client_exposure(
+        args.coordinator, sends_secret=secret is not None, encrypted=tls is not None, insecure=args.insecure
+    )
     if not args.no_supervise:
         argv = [a for a in (sys.argv[1:] if args.argv is None else args.argv) if a != "--no-supervise"]
         gone = partial(say_gone, cfg, args.name, args.coordinator, secret, tls)
         worker_argv = [*argv, "--no-supervise", "--run-dir", str(run_dir)]
         if group.multiple and args.process_id is None:  # every process of the island, here: one group
-            return supervise(members(worker_argv, group, cfg.islands.devices), run_dir, args.max_restarts,
-                             on_death=gone)  # fmt: skip
+            return supervise(
+                members(worker_argv, group, cfg.islands.devices), run_dir, args.max_restarts, on_death=gone
+            )
         return supervise(worker_argv, run_dir, args.max_restarts, on_death=gone)
     result = run_island_process(cfg, args.name, args.coordinator, run_dir, secret, args.metrics_port, group)
     print(json.dumps(result), flush=True)
@@ -312,10 +369,25 @@ def _certs(args: argparse.Namespace) -> int:
         raise TlsSetupError(f"--out {args.out} is not empty: certificates and secrets are never overwritten")
     names = load_config(args.config, []).islands.island_names
     kit = make_federation_kit(args.out, names, args.host, args.days)
-    islands = {name: {"cert": str(kit.client(name)[0]), "key": str(kit.client(name)[1]),
-                      "secret": f"file:{args.out / 'secrets' / name}"} for name in names}  # fmt: skip
-    print(json.dumps({"ca": str(kit.ca), "server_cert": str(kit.server_cert), "server_key": str(kit.server_key),
-                      "islands": islands}, indent=2))  # fmt: skip
+    islands = {
+        name: {
+            "cert": str(kit.client(name)[0]),
+            "key": str(kit.client(name)[1]),
+            "secret": f"file:{args.out / 'secrets' / name}",
+        }
+        for name in names
+    }
+    print(
+        json.dumps(
+            {
+                "ca": str(kit.ca),
+                "server_cert": str(kit.server_cert),
+                "server_key": str(kit.server_key),
+                "islands": islands,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -336,8 +408,9 @@ def _status(args: argparse.Namespace) -> int:
         _warn_literal(["--secret"])
     secret = resolve_secret(args.secret) if args.secret else None
     tls = client_tls(*(getattr(args, k) or "" for k in ("tls_ca", "tls_cert", "tls_key", "tls_server_name")))
-    check_client_exposure(args.address, sends_secret=secret is not None, encrypted=tls is not None,
-                          insecure=args.insecure)  # fmt: skip
+    check_client_exposure(
+        args.address, sends_secret=secret is not None, encrypted=tls is not None, insecure=args.insecure
+    )
     return show_status(args.address, args.json, island=args.name, secret=secret, tls=tls, watch=args.watch)
 
 

@@ -224,8 +224,9 @@ class IslandsConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"islands.backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
         if self.backend == "pathways" and self.processes != 1:
-            raise ValueError("islands.backend = 'pathways' drives a whole slice from one process: islands.processes "
-                             "must be 1")  # fmt: skip
+            raise ValueError(
+                "islands.backend = 'pathways' drives a whole slice from one process: islands.processes must be 1"
+            )
         self.slowdowns()  # refuse a malformed entry when the config loads, not when an island starts
 
     def slowdowns(self) -> dict[str, float]:
@@ -358,12 +359,16 @@ class RunConfig:
                 f"network.secrets has {len(self.network.secrets)} entries but islands.count is {self.islands.count}"
             )
         if self.train.round_seconds and self.stream.streaming:
-            raise ValueError("train.round_seconds (time-budgeted rounds) needs whole rounds: stream.fragments = 1 and "
-                             "stream.overlap_steps = 0")  # fmt: skip
+            raise ValueError(
+                "train.round_seconds (time-budgeted rounds) needs whole rounds: stream.fragments = 1 and "
+                "stream.overlap_steps = 0"
+            )
         if self.train.mode == "async" and (self.train.round_seconds or self.stream.streaming):
             key = "train.round_seconds" if self.train.round_seconds else "stream.fragments / stream.overlap_steps"
-            raise ValueError(f"train.mode = 'async' pushes whole runs of train.inner_steps steps (its virtual clock "
-                             f"counts steps): {key} cannot be set with it")  # fmt: skip
+            raise ValueError(
+                f"train.mode = 'async' pushes whole runs of train.inner_steps steps (its virtual clock "
+                f"counts steps): {key} cannot be set with it"
+            )
         if self.train.vectorize:
             why = cannot_vectorize(self)
             if why is not None:

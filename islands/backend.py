@@ -48,8 +48,10 @@ def check_backend(backend: str, environ: Mapping[str, str] | None = None) -> Non
     if backend == "local":
         return
     if importlib.util.find_spec("pathwaysutils") is None:
-        raise BackendError("islands.backend = 'pathways' needs the pathways extra (pathwaysutils is not installed): "
-                           "pip install 'diloco[pathways]'")  # fmt: skip
+        raise BackendError(
+            "islands.backend = 'pathways' needs the pathways extra (pathwaysutils is not installed): "
+            "pip install 'diloco[pathways]'"
+        )
     env = os.environ if environ is None else environ
     platforms = env.get("JAX_PLATFORMS", "").split(",")
     if "proxy" not in platforms or not env.get("JAX_BACKEND_TARGET"):

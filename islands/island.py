@@ -61,9 +61,10 @@ def divergence_advice(inner: InnerConfig | None = None) -> str:
     if inner is None:
         return "lower inner.lr, keep inner.clip_norm > 0 (0 turns clipping off) or raise inner.warmup_steps"
     clip = (
-        "set inner.clip_norm > 0 (it is 0: no clipping)" if inner.clip_norm == 0
+        "set inner.clip_norm > 0 (it is 0: no clipping)"
+        if inner.clip_norm == 0
         else f"lower inner.clip_norm ({inner.clip_norm:g})"
-    )  # fmt: skip
+    )
     return f"lower inner.lr ({inner.lr:g}), {clip} or raise inner.warmup_steps ({inner.warmup_steps})"
 
 
@@ -277,8 +278,7 @@ class Island:
             Footprint.of(compiled),
             device_room(mine),
             f"one train step (batch {self.stream.batch_size} x {tokens} tokens{split})",
-            step_advice(self.stream.batch_size, self.microbatch, passes, self.mesh.size, self.shard_params,
-                        self.remat),  # fmt: skip
+            step_advice(self.stream.batch_size, self.microbatch, passes, self.mesh.size, self.shard_params, self.remat),
         )
         if message is not None:
             raise OutOfMemoryError(message)
@@ -393,8 +393,10 @@ class Island:
         dispatch per leaf, which costs the training thread more than the host's subtraction does."""
         assert self.state is not None
         local = flatten_named(self.state.params, to_numpy=False)
-        delta = pseudo_gradient({name: np.asarray(reference[name]) for name in reference},
-                                {name: np.asarray(local[name]) for name in reference})  # fmt: skip
+        delta = pseudo_gradient(
+            {name: np.asarray(reference[name]) for name in reference},
+            {name: np.asarray(local[name]) for name in reference},
+        )
         residual = None if self.state.residual is None else {name: self.state.residual[name] for name in reference}
         return TakenDelta(run, delta, residual, self.uplink)
 
@@ -423,8 +425,9 @@ class Island:
         if alpha == 0.0:
             placed = on_mesh if on_mesh is not None else self.place(dict(global_fragment))
         else:
-            placed = self.place({n: alpha * local[n] + (1.0 - alpha) * np.asarray(g)
-                                 for n, g in global_fragment.items()})  # fmt: skip
+            placed = self.place(
+                {n: alpha * local[n] + (1.0 - alpha) * np.asarray(g) for n, g in global_fragment.items()}
+            )
         # Only the fragment's leaves are placed (copied onto the mesh): the others are this island's own, already
         # there. Placing all of θ would copy the whole model at every one of the P merges of a round.
         self.state = replace(self.state, params=unflatten_named({**local, **placed}, self.state.params))

@@ -164,8 +164,9 @@ def verdict(what: str, need: Footprint | None, room: Room | None, detail: str, a
     return f"{what} needs about {format_bytes(total)} for {detail}, {room.text}; {advice}"
 
 
-def step_advice(batch_size: int, microbatch: int, passes: int, n_devices: int, shard_params: bool,
-                remat: bool | None) -> str:  # fmt: skip
+def step_advice(
+    batch_size: int, microbatch: int, passes: int, n_devices: int, shard_params: bool, remat: bool | None
+) -> str:
     """The settings that shrink a train step, given what is set already (remat None: the model has no such knob)."""
     knobs = [f"lower train.batch_size ({batch_size})"]
     if passes == 1 or not microbatch:
@@ -183,5 +184,7 @@ def step_advice(batch_size: int, microbatch: int, passes: int, n_devices: int, s
 def eval_advice(rows: int) -> str:
     """The settings that shrink an evaluation, which runs `rows` sequences at a time (diloco/run/setup.py,
     eval_chunks)."""
-    return (f"lower train.batch_size, or set (or lower) train.microbatch: evaluation runs {rows} sequences at a time, "
-            "train.microbatch when set, else train.batch_size")  # fmt: skip
+    return (
+        f"lower train.batch_size, or set (or lower) train.microbatch: evaluation runs {rows} sequences at a time, "
+        "train.microbatch when set, else train.batch_size"
+    )

@@ -94,4 +94,3 @@ def compress_tree(tree: PyTree, residual: Residual, spec: CodecSpec) -> Compress
         return Compressed(encode_named(decoded, spec), unflatten_named(decoded, tree), None)
     encoded, decoded, new_residual = compress_named(named, residual, spec)
     return Compressed(encoded, unflatten_named(decoded, tree), new_residual)
-

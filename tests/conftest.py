@@ -64,6 +64,7 @@ def shared_jax_cache(monkeypatch: pytest.MonkeyPatch) -> Path:
         monkeypatch.setenv(key, value)
     return JAX_CACHE
 
+
 TINY_TOML = """
 [run]
 name = "test"
@@ -171,8 +172,13 @@ def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subpro
 LAUNCH_SECRETS = {"island-0": "envsecret-7f3a9c1e55", "island-1": "litsecret-0b8d4e2a66"}
 """The shared launch's island secrets: island-0's reaches launch in an environment variable (T_LAUNCH_S0), island-1's
 as a literal in a command-line override."""
-LAUNCH_OVERRIDES = ["train.rounds=3", "quorum.min_islands=2", "codec.uplink=int8", "codec.downlink=int8",
-                    "network.pull_wait_s=2"]  # fmt: skip
+LAUNCH_OVERRIDES = [
+    "train.rounds=3",
+    "quorum.min_islands=2",
+    "codec.uplink=int8",
+    "codec.downlink=int8",
+    "network.pull_wait_s=2",
+]
 """The shared launch's run beyond the tiny config; min_islands = count: every round holds every island, as in the
 one-process simulation."""
 
@@ -242,20 +248,31 @@ def shared_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedLa
     config = tmp / "tiny.toml"
     config.write_text(TINY_TOML.format(corpus=write_corpus(tmp / "corpus.txt")))
     run_dir, simulate_dir = tmp / "launch", tmp / "simulate"
-    env = {**child_env(jax_cache=True), "T_LAUNCH_S0": LAUNCH_SECRETS["island-0"],
-           "DILOCO_SECRET_5": "stale-secret-91c2"}  # fmt: skip
+    env = {
+        **child_env(jax_cache=True),
+        "T_LAUNCH_S0": LAUNCH_SECRETS["island-0"],
+        "DILOCO_SECRET_5": "stale-secret-91c2",
+    }
     secrets = f'network.secrets=["env:T_LAUNCH_S0", "{LAUNCH_SECRETS["island-1"]}"]'
     cli = [sys.executable, "-m", "diloco.cli"]
     with (tmp / "simulate.err").open("w+") as simulate_err:
         simulate = subprocess.Popen(
             [*cli, "simulate", str(config), "--run-dir", str(simulate_dir), "--no-progress", *LAUNCH_OVERRIDES],
-            env=child_env(jax_cache=True), cwd=REPO, stdout=subprocess.DEVNULL, stderr=simulate_err,
+            env=child_env(jax_cache=True),
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=simulate_err,
             start_new_session=True,
-        )  # fmt: skip
+        )
         launch = subprocess.Popen(
             [*cli, "launch", str(config), "--run-dir", str(run_dir), "--no-progress", *LAUNCH_OVERRIDES, secrets],
-            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         seen: dict[int, tuple[list[str], dict[str, str]]] = {}
         probes: dict[str, str] = {}
         try:
@@ -265,10 +282,14 @@ def shared_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedLa
                 address_file = run_dir / "coordinator.addr"
                 if not probes and address_file.exists():
                     address = address_file.read_text()
-                    probes = {"plaintext": _status_code(address, None),
-                              "tls_without_client_cert": _status_code(address, run_dir / "tls" / "ca.crt")}  # fmt: skip
-                roles = [argv[argv.index("--name") + 1] if "--name" in argv else " ".join(argv[3:4])
-                         for argv, _ in seen.values()]  # fmt: skip
+                    probes = {
+                        "plaintext": _status_code(address, None),
+                        "tls_without_client_cert": _status_code(address, run_dir / "tls" / "ca.crt"),
+                    }
+                roles = [
+                    argv[argv.index("--name") + 1] if "--name" in argv else " ".join(argv[3:4])
+                    for argv, _ in seen.values()
+                ]
                 wanted = {"coordinator": 1, **dict.fromkeys(LAUNCH_SECRETS, 2)}  # a supervisor and a worker per island
                 if probes and all(roles.count(role) >= n for role, n in wanted.items()):
                     break
@@ -281,5 +302,15 @@ def shared_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedLa
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
         simulate_err.seek(0)
-        yield SharedLaunch(config, run_dir, launch.returncode, out, err, seen, probes, simulate_dir,
-                           simulate.returncode, simulate_err.read())  # fmt: skip
+        yield SharedLaunch(
+            config,
+            run_dir,
+            launch.returncode,
+            out,
+            err,
+            seen,
+            probes,
+            simulate_dir,
+            simulate.returncode,
+            simulate_err.read(),
+        )

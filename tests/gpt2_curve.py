@@ -22,12 +22,26 @@ from diloco.run.setup import build_setup, make_island
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpt2-small.toml"
 
 REDUCED = [
-    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=256", "model.seq_len=32",
-    "model.vocab_size=512", "train.batch_size=8", "train.microbatch=1", "train.rounds=1", "train.inner_steps=6",
-    "inner.lr=3e-3", "inner.warmup_steps=2", "islands.count=1", "islands.devices=4",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.d_ff=256",
+    "model.seq_len=32",
+    "model.vocab_size=512",
+    "train.batch_size=8",
+    "train.microbatch=1",
+    "train.rounds=1",
+    "train.inner_steps=6",
+    "inner.lr=3e-3",
+    "inner.warmup_steps=2",
+    "islands.count=1",
+    "islands.devices=4",
     # no prepared token file in a test: the built-in synthetic corpus, small
-    "data.kind=synthetic", 'data.path=""', "data.synthetic_tokens=20000", "data.val_fraction=0.1",
-]  # fmt: skip
+    "data.kind=synthetic",
+    'data.path=""',
+    "data.synthetic_tokens=20000",
+    "data.val_fraction=0.1",
+]
 """configs/gpt2-small.toml at a width 2 CPU cores train in seconds (its knobs untouched)."""
 
 

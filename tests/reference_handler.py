@@ -114,8 +114,9 @@ class ReferenceHandler:
             for name, delta in arrays.items():
                 self.params[name] -= self.lr * delta.astype(np.float32)
             self.applied.append((meta.island, meta.round, meta.fragment, meta.tokens))
-            return self.accepted.remember(key, payload_digest, pb.PushReply(accepted=True, round=self.round,
-                                                                              detail="applied"))
+            return self.accepted.remember(
+                key, payload_digest, pb.PushReply(accepted=True, round=self.round, detail="applied")
+            )
 
     def pull(self, req: pb.PullRequest) -> PullPayload:
         with self._lock:

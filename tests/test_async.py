@@ -106,8 +106,17 @@ def test_an_island_twice_as_slow_pushes_half_as_often() -> None:
     # H = 4: island-0 and island-1 push at 4, 8, 12, 16, ...; island-2 at 8, 16, ... Ties go in name order.
     order = push_order(SLOW, inner_steps=4, updates=10)
     assert [(int(p.time), p.island[-1]) for p in order] == [
-        (4, "0"), (4, "1"), (8, "0"), (8, "1"), (8, "2"), (12, "0"), (12, "1"), (16, "0"), (16, "1"), (16, "2"),
-    ]  # fmt: skip
+        (4, "0"),
+        (4, "1"),
+        (8, "0"),
+        (8, "1"),
+        (8, "2"),
+        (12, "0"),
+        (12, "1"),
+        (16, "0"),
+        (16, "1"),
+        (16, "2"),
+    ]
     assert [p.island for p in order].count("island-2") * 2 == [p.island for p in order].count("island-0") == 4
     # τ = the updates applied between the island's pull (after its previous push, or at 0) and its push:
     # u0 island-0 pulled at 0 -> 0; u1 island-1 pulled at 0 -> 1; u2 island-0 pulled after u0 (1) -> 1;
@@ -119,8 +128,9 @@ def test_an_island_twice_as_slow_pushes_half_as_often() -> None:
 def test_push_times_are_exact_so_coinciding_pushes_tie_in_name_order() -> None:
     # H = 2: y (s = 1) at 2, 4, 6, 8; x (s = 1.5) at 3, 6, 9: at 6 both, and x sorts first.
     order = push_order({"y": 1.0, "x": 1.5}, inner_steps=2, updates=7)
-    assert order == [Push(Fraction(t), name) for t, name in [(2, "y"), (3, "x"), (4, "y"), (6, "x"), (6, "y"),
-                                                              (8, "y"), (9, "x")]]  # fmt: skip
+    assert order == [
+        Push(Fraction(t), name) for t, name in [(2, "y"), (3, "x"), (4, "y"), (6, "x"), (6, "y"), (8, "y"), (9, "x")]
+    ]
 
 
 def test_equally_fast_islands_are_each_m_minus_one_stale_after_the_first_round() -> None:
@@ -138,8 +148,14 @@ ASYNC = ["train.mode=async", f"train.inner_steps={H}"]
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_simulate_applies_the_pushes_in_virtual_time_order(tiny_config: Path, tmp_path: Path) -> None:
-    overrides = [*ASYNC, "train.rounds=7", "train.checkpoint_every=0", "islands.count=3",
-                 "islands.slowdown=['island-2=2']", "outer.kind=delayed_nesterov"]  # fmt: skip
+    overrides = [
+        *ASYNC,
+        "train.rounds=7",
+        "train.checkpoint_every=0",
+        "islands.count=3",
+        "islands.slowdown=['island-2=2']",
+        "outer.kind=delayed_nesterov",
+    ]
     result = run_simulation(load_config(tiny_config, overrides), tmp_path / "run", show_progress=False)
     rounds = read_events(tmp_path / "run" / "metrics.jsonl", "round")
     expected = push_order(SLOW, H, 7)
@@ -194,16 +210,24 @@ def test_the_first_async_update_is_a_plain_diloco_outer_step(
 def test_with_one_island_async_is_plain_diloco_bit_for_bit(tiny_config: Path, tmp_path: Path) -> None:
     """One island is never stale (τ = 0, w = 1), always pulls the θ it pushed against, and its schedule spans the
     run's rounds × H: every update is a round of plain DiLoCo, lossy codecs and their residuals included."""
-    common = ["islands.count=1", "train.rounds=3", f"train.inner_steps={H}", "train.checkpoint_every=0",
-              "codec.uplink=int8", "codec.downlink=int8"]  # fmt: skip
+    common = [
+        "islands.count=1",
+        "train.rounds=3",
+        f"train.inner_steps={H}",
+        "train.checkpoint_every=0",
+        "codec.uplink=int8",
+        "codec.downlink=int8",
+    ]
     plain = run_simulation(load_config(tiny_config, common), tmp_path / "plain", show_progress=False)
     async_ = run_simulation(
         load_config(tiny_config, [*common, "train.mode=async"]), tmp_path / "a", show_progress=False
     )
     assert async_["params_digest"] == plain["params_digest"]
     assert (async_["bytes_up"], async_["bytes_down"], async_["tokens"]) == (
-        plain["bytes_up"], plain["bytes_down"], plain["tokens"],
-    )  # fmt: skip
+        plain["bytes_up"],
+        plain["bytes_down"],
+        plain["tokens"],
+    )
 
 
 @pytest.mark.slow
@@ -211,9 +235,16 @@ def test_with_one_island_async_is_plain_diloco_bit_for_bit(tiny_config: Path, tm
 def test_async_simulate_resumes_bit_identically(tiny_config: Path, tmp_path: Path) -> None:
     """A kill right after update 2's checkpoint: the islands' pushes, staleness, DN's buffer and momentum and the
     codecs' residuals all carry on from the checkpoint and the push order."""
-    overrides = [*ASYNC, "train.rounds=6", "train.checkpoint_every=2", "islands.slowdown=['island-1=2']",
-                 "outer.kind=delayed_nesterov", "outer.momentum_every=2", "codec.uplink=int8",
-                 "codec.downlink=int8"]  # fmt: skip
+    overrides = [
+        *ASYNC,
+        "train.rounds=6",
+        "train.checkpoint_every=2",
+        "islands.slowdown=['island-1=2']",
+        "outer.kind=delayed_nesterov",
+        "outer.momentum_every=2",
+        "codec.uplink=int8",
+        "codec.downlink=int8",
+    ]
     cfg = load_config(tiny_config, overrides)
     run_dir = tmp_path / "run"
     reference = run_simulation(cfg, run_dir, show_progress=False)
@@ -255,10 +286,13 @@ def test_an_async_setting_that_cannot_work_is_one_line(tiny_config: Path, overri
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
-def test_simulate_refuses_a_slowdown_whose_pushes_the_coordinator_would_refuse(tiny_config: Path, tmp_path: Path) -> None:
+def test_simulate_refuses_a_slowdown_whose_pushes_the_coordinator_would_refuse(
+    tiny_config: Path, tmp_path: Path
+) -> None:
     # island-1 is 8x slower: 8 pushes of island-0 come before its first, which is 8 updates stale (over 4).
-    cfg = load_config(tiny_config, ["train.mode=async", "train.rounds=12", 'islands.slowdown=["island-1=8"]',
-                                    "outer.max_staleness=4"])  # fmt: skip
+    cfg = load_config(
+        tiny_config, ["train.mode=async", "train.rounds=12", 'islands.slowdown=["island-1=8"]', "outer.max_staleness=4"]
+    )
     with pytest.raises(ConfigError) as info:
         run_simulation(cfg, tmp_path / "run", show_progress=False)
     message = str(info.value)

@@ -32,11 +32,23 @@ from transport.errors import Rejected
 def coordinator(tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # No island of these tests pulls or beats: each commit is evaluated at once, as `EVAL_YIELD_S` = 0 says.
     monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
-    cfg = load_config(tiny_config, [
-        "train.mode=async", "train.rounds=6", "train.checkpoint_every=0", "outer.kind=sgd", "outer.lr=1.0",
-        "outer.momentum=0.0", "outer.staleness_exponent=1.0", "outer.max_staleness=2", "codec.uplink=fp32",
-        "codec.downlink=fp32", "outer.aggregate=mean", "islands.count=3",
-    ])  # fmt: skip
+    cfg = load_config(
+        tiny_config,
+        [
+            "train.mode=async",
+            "train.rounds=6",
+            "train.checkpoint_every=0",
+            "outer.kind=sgd",
+            "outer.lr=1.0",
+            "outer.momentum=0.0",
+            "outer.staleness_exponent=1.0",
+            "outer.max_staleness=2",
+            "codec.uplink=fp32",
+            "codec.downlink=fp32",
+            "outer.aggregate=mean",
+            "islands.count=3",
+        ],
+    )
     rd = RunDir(tmp_path / "run", cfg)
     coord = Coordinator(cfg, rd, build_setup(cfg, islands=()))
     yield coord
@@ -51,8 +63,9 @@ def _theta(coord: Coordinator) -> dict[str, np.ndarray]:
 def push(coord: Coordinator, island: str, base: int, digest: str, fill: float) -> pb.PushReply:
     """Island `island` pushes Δ = `fill` everywhere, taken from θ_base (whose digest it names)."""
     named = {k: np.full(np.shape(v), fill, np.float32) for k, v in _theta(coord).items()}
-    meta = pb.PushMeta(run_id=coord.run_id, island=island, round=base, tokens=128, loss=1.0,
-                       base_digest=bytes.fromhex(digest))  # fmt: skip
+    meta = pb.PushMeta(
+        run_id=coord.run_id, island=island, round=base, tokens=128, loss=1.0, base_digest=bytes.fromhex(digest)
+    )
     tensors = encode_named(named, CodecSpec(kind="fp32"))
     return coord.push(meta, tensors, named, payload_digest(tensors))
 
@@ -66,8 +79,11 @@ def refused(call, code: grpc.StatusCode, words: str) -> None:
 def test_each_push_is_one_update_weighted_by_its_staleness(coordinator: Coordinator) -> None:
     theta0, digest0 = _theta(coordinator), coordinator.world.params_digest
     for name in ("island-0", "island-1", "island-2"):
-        coordinator.join(pb.JoinRequest(run_id=coordinator.run_id, island=name,
-                                        config_digest=coordinator.digest, last_round=-1, release=RELEASE))  # fmt: skip
+        coordinator.join(
+            pb.JoinRequest(
+                run_id=coordinator.run_id, island=name, config_digest=coordinator.digest, last_round=-1, release=RELEASE
+            )
+        )
     # island-0 pushes from θ_0 while θ_0 is current: τ = 0, w = 1, θ_1 = θ_0 - 1·0.5.
     assert push(coordinator, "island-0", 0, digest0, 0.5).round == 0
     assert coordinator.loop.round == 1
@@ -84,8 +100,10 @@ def test_each_push_is_one_update_weighted_by_its_staleness(coordinator: Coordina
     assert coordinator.settled(60)
     rounds = [e for e in read_events(coordinator.rd.metrics_path) if e["event"] == "round"]
     assert [(e["round"], e["islands"], e["staleness"], e["weight"]) for e in rounds] == [
-        (0, ["island-0"], 0, 1.0), (1, ["island-1"], 1, 0.5), (2, ["island-0"], 1, 0.5)
-    ]  # fmt: skip
+        (0, ["island-0"], 0, 1.0),
+        (1, ["island-1"], 1, 0.5),
+        (2, ["island-0"], 1, 0.5),
+    ]
     pushes = [e for e in read_events(coordinator.rd.metrics_path) if e["event"] == "push"]
     assert [(e["round"], e["base"]) for e in pushes] == [(0, 0), (1, 0), (2, 1)]
 
@@ -105,21 +123,33 @@ def test_an_island_catches_up_by_pulling_each_update_it_missed(coordinator: Coor
         assert all(np.all(decode(t) != 0) for t in payload.tensors)
     assert digests[-1] == coordinator.world.params_digest == tree_digest(coordinator.loop.params)
     # Nothing to wait for: the island holds the newest θ only after pushing again.
-    refused(lambda: coordinator.pull(pb.PullRequest(run_id=coordinator.run_id, island="island-1", have_round=2)),
-            grpc.StatusCode.FAILED_PRECONDITION, "push it first")  # fmt: skip
+    refused(
+        lambda: coordinator.pull(pb.PullRequest(run_id=coordinator.run_id, island="island-1", have_round=2)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "push it first",
+    )
 
 
 def test_a_push_too_stale_ahead_or_from_an_unknown_theta_is_refused(coordinator: Coordinator) -> None:
     digest0 = coordinator.world.params_digest
-    refused(lambda: push(coordinator, "island-0", 1, digest0, 0.5), grpc.StatusCode.FAILED_PRECONDITION,
-            "ahead of the coordinator's θ_0")  # fmt: skip
-    refused(lambda: push(coordinator, "island-0", 0, "ab" * 16, 0.5), grpc.StatusCode.FAILED_PRECONDITION,
-            "was not taken from θ_0")  # fmt: skip
+    refused(
+        lambda: push(coordinator, "island-0", 1, digest0, 0.5),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "ahead of the coordinator's θ_0",
+    )
+    refused(
+        lambda: push(coordinator, "island-0", 0, "ab" * 16, 0.5),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "was not taken from θ_0",
+    )
     for i in range(3):  # three updates: θ_0 is now 3 updates old, over outer.max_staleness = 2
         push(coordinator, f"island-{i}", i, coordinator.world.params_digest, 0.25)
     before = coordinator.world.params_digest
-    refused(lambda: push(coordinator, "island-1", 0, digest0, 0.5), grpc.StatusCode.FAILED_PRECONDITION,
-            "3 updates stale, over outer.max_staleness = 2")  # fmt: skip
+    refused(
+        lambda: push(coordinator, "island-1", 0, digest0, 0.5),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "3 updates stale, over outer.max_staleness = 2",
+    )
     assert coordinator.world.params_digest == before and coordinator.loop.round == 3
 
 
@@ -127,5 +157,8 @@ def test_the_run_ends_after_train_rounds_updates(coordinator: Coordinator) -> No
     for u in range(6):
         push(coordinator, f"island-{u % 3}", u, coordinator.world.params_digest, 0.125)
     assert coordinator.settled(60) and coordinator.done
-    refused(lambda: push(coordinator, "island-0", 6, coordinator.world.params_digest, 0.125),
-            grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")  # fmt: skip
+    refused(
+        lambda: push(coordinator, "island-0", 6, coordinator.world.params_digest, 0.125),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "the run is complete",
+    )

@@ -46,8 +46,12 @@ def test_resolve_secret(tmp_path, monkeypatch):
 def test_authenticator_rules():
     auth = Authenticator({"i0": "s0", "i1": "s1"})
     assert auth.authenticate([("x-diloco-island", "i0"), ("x-diloco-secret", "s0")]) == "i0"
-    for md in ([], [("x-diloco-island", "i0")], [("x-diloco-island", "i0"), ("x-diloco-secret", "s1")],
-               [("x-diloco-island", "i9"), ("x-diloco-secret", "s0")]):  # fmt: skip
+    for md in (
+        [],
+        [("x-diloco-island", "i0")],
+        [("x-diloco-island", "i0"), ("x-diloco-secret", "s1")],
+        [("x-diloco-island", "i9"), ("x-diloco-secret", "s0")],
+    ):
         with pytest.raises(Exception) as info:
             auth.authenticate(md)
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
@@ -118,9 +122,10 @@ def _push(c, island="i0"):
 @pytest.mark.parametrize("mutual", [False, True])
 def test_tls_and_mutual_tls(pki, mutual):
     server_tls = TlsConfig(
-        cert_file=str(pki / "server.crt"), key_file=str(pki / "server.key"),
+        cert_file=str(pki / "server.crt"),
+        key_file=str(pki / "server.key"),
         ca_file=str(pki / "ca.crt") if mutual else None,
-    )  # fmt: skip
+    )
     h, srv = _serve(server_tls)
     try:
         target = f"localhost:{srv.port}"
@@ -244,8 +249,14 @@ def test_local_pki_is_private_and_gives_mutual_tls(tmp_path):
     pki = make_local_pki(tmp_path / "tls", ["i0", "i1"])
     assert stat.S_IMODE((tmp_path / "tls").stat().st_mode) == 0o700
     assert sorted(p.name for p in (tmp_path / "tls").iterdir()) == [
-        "ca.crt", "client-i0.crt", "client-i0.key", "client-i1.crt", "client-i1.key", "server.crt", "server.key",
-    ]  # fmt: skip
+        "ca.crt",
+        "client-i0.crt",
+        "client-i0.key",
+        "client-i1.crt",
+        "client-i1.key",
+        "server.crt",
+        "server.key",
+    ]
     for key in (tmp_path / "tls").glob("*.key"):
         assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
     h = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})

@@ -24,8 +24,9 @@ HAS_PATHWAYSUTILS = importlib.util.find_spec("pathwaysutils") is not None
 
 
 def run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env or child_env(), capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env or child_env(), capture_output=True, text=True, timeout=120
+    )
 
 
 def island(*extra: str, hide_pathwaysutils: bool = False, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -39,8 +40,10 @@ def island(*extra: str, hide_pathwaysutils: bool = False, env: dict[str, str] | 
 def test_pathways_without_the_extra_is_one_line() -> None:
     code, err = island("islands.backend=pathways", hide_pathwaysutils=True)
     assert code == 2, err
-    assert err == ("diloco: error: islands.backend = 'pathways' needs the pathways extra (pathwaysutils is not "
-                   "installed): pip install 'diloco[pathways]'")  # fmt: skip
+    assert err == (
+        "diloco: error: islands.backend = 'pathways' needs the pathways extra (pathwaysutils is not "
+        "installed): pip install 'diloco[pathways]'"
+    )
 
 
 @pytest.mark.multiprocess
@@ -81,8 +84,12 @@ def test_pathways_registers_the_proxy_backend() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**child_env(), "JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": f"grpc://127.0.0.1:{port}",
-           "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS": "1"}  # fmt: skip
+    env = {
+        **child_env(),
+        "JAX_PLATFORMS": "proxy",
+        "JAX_BACKEND_TARGET": f"grpc://127.0.0.1:{port}",
+        "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS": "1",
+    }
     query = "import jax\ntry:\n    jax.devices()\nexcept RuntimeError as exc:\n    print(exc)\n"
     plain = run(query, env)
     assert "not in the list of known backends" in plain.stdout, plain.stdout + plain.stderr

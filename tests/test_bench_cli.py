@@ -71,8 +71,11 @@ def test_recovery_run_outlasts_a_restart_of_twice_the_bound(kill_after: int) -> 
     assert restart_rounds * q.min_deadline_s > plan.restart_window_s == fed_bench.RESTART_ROOM * bound_s
     # The victim stays a member through its absence: two rounds of at most max_deadline_s, then the window.
     assert plan.lease_s >= 2 * q.max_deadline_s + plan.restart_window_s
-    assert plan.overrides() == [f"train.rounds={plan.rounds}", f"quorum.lease_s={plan.lease_s}",
-                                f"quorum.reconnect_grace_s={plan.lease_s}"]  # fmt: skip
+    assert plan.overrides() == [
+        f"train.rounds={plan.rounds}",
+        f"quorum.lease_s={plan.lease_s}",
+        f"quorum.reconnect_grace_s={plan.lease_s}",
+    ]
     assert load_config(REPO / "configs" / "local.toml", plan.overrides()).train.rounds == plan.rounds
 
 

@@ -21,5 +21,7 @@ pytestmark = pytest.mark.timeout(30)
         ((0.2, 0.2), 3, 2, 8, 0.2),  # more cores than the islands' shares need: never faster than alone
     ],
 )
-def test_fair_share(lone_share_s: tuple[float, float], islands: int, per_island: int, cores: int, expected: float) -> None:
+def test_fair_share(
+    lone_share_s: tuple[float, float], islands: int, per_island: int, cores: int, expected: float
+) -> None:
     assert fair_share_step_s(lone_share_s, islands, per_island, cores) == pytest.approx(expected)

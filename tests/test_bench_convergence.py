@@ -19,9 +19,12 @@ from diloco.config import load_config
         (["LM:inner.lr=1e-3,2e-3"], {"L1": [], "LM": [("inner.lr", ["1e-3", "2e-3"])], "Ls": []}),
         (
             ["all:outer.lr=0.5", "Ls:inner.lr=4e-3"],
-            {"L1": [("outer.lr", ["0.5"])], "LM": [("outer.lr", ["0.5"])],
-             "Ls": [("outer.lr", ["0.5"]), ("inner.lr", ["4e-3"])]},
-        ),  # fmt: skip
+            {
+                "L1": [("outer.lr", ["0.5"])],
+                "LM": [("outer.lr", ["0.5"])],
+                "Ls": [("outer.lr", ["0.5"]), ("inner.lr", ["4e-3"])],
+            },
+        ),
     ],
 )
 def test_parse_grids(specs: list[str], expected: dict) -> None:
@@ -38,9 +41,11 @@ def test_grid_points_are_the_cartesian_product_in_order() -> None:
     axes = [("inner.lr", ["1e-3", "2e-3"]), ("outer.lr", ["0.5", "1.0"])]
     points = grid_points("LM", axes)
     assert [p.overrides for p in points] == [
-        ("inner.lr=1e-3", "outer.lr=0.5"), ("inner.lr=1e-3", "outer.lr=1.0"),
-        ("inner.lr=2e-3", "outer.lr=0.5"), ("inner.lr=2e-3", "outer.lr=1.0"),
-    ]  # fmt: skip
+        ("inner.lr=1e-3", "outer.lr=0.5"),
+        ("inner.lr=1e-3", "outer.lr=1.0"),
+        ("inner.lr=2e-3", "outer.lr=0.5"),
+        ("inner.lr=2e-3", "outer.lr=1.0"),
+    ]
     assert points[0].key == "inner.lr=1e-3,outer.lr=0.5"
     assert grid_points("Ls", []) == [Point("Ls", ())]
     assert Point("Ls", ()).key == "default"

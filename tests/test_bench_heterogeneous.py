@@ -26,8 +26,10 @@ def _metrics(path: Path, events: list[dict]) -> Path:
 
 
 def test_steps_per_round_counts_each_islands_inner_events(tmp_path: Path) -> None:
-    inner = [{"event": "inner", "round": r, "island": i, "step": s} for r, i, s in
-             [(0, "a", 1), (0, "a", 2), (0, "b", 1), (1, "a", 3), (1, "a", 4), (1, "b", 2), (1, "b", 3)]]  # fmt: skip
+    inner = [
+        {"event": "inner", "round": r, "island": i, "step": s}
+        for r, i, s in [(0, "a", 1), (0, "a", 2), (0, "b", 1), (1, "a", 3), (1, "a", 4), (1, "b", 2), (1, "b", 3)]
+    ]
     metrics = _metrics(tmp_path / "m.jsonl", [*inner, {"event": "round", "round": 0}])
     assert steps_per_round(metrics) == [{"a": 2, "b": 1}, {"a": 2, "b": 2}]
 
@@ -74,7 +76,15 @@ def test_the_bench_compares_the_three_modes_on_one_axis(tiny_config: Path, tmp_p
     assert out["eval_loss_at_equal_tokens"]["tokens"] == out["tokens"]["plain"]
     async_rounds = read_events(tmp_path / "bench" / "async" / "metrics.jsonl", "round")
     assert [e["island"] for e in async_rounds] == [
-        "island-0", "island-1", "island-0", "island-1", "island-2", "island-0", "island-1", "island-0", "island-1",
+        "island-0",
+        "island-1",
+        "island-0",
+        "island-1",
         "island-2",
-    ]  # fmt: skip
+        "island-0",
+        "island-1",
+        "island-0",
+        "island-1",
+        "island-2",
+    ]
     assert load_config(tmp_path / "bench" / "async" / "config.toml").outer.kind == "delayed_nesterov"

@@ -15,10 +15,13 @@ def _start(round_: int, sync: float, encode: float, waited: float, adopt: float)
 
 def test_the_last_island_to_push_is_each_rounds_critical_path() -> None:
     pushes = [  # the coordinator's arrival order: b last in round 1, a last in round 2
-        {"round": 0, "island": "a"}, {"round": 0, "island": "b"},
-        {"round": 1, "island": "a"}, {"round": 1, "island": "b"},
-        {"round": 2, "island": "b"}, {"round": 2, "island": "a"},
-    ]  # fmt: skip
+        {"round": 0, "island": "a"},
+        {"round": 0, "island": "b"},
+        {"round": 1, "island": "a"},
+        {"round": 1, "island": "b"},
+        {"round": 2, "island": "b"},
+        {"round": 2, "island": "a"},
+    ]
     starts = {
         "a": [_start(1, 9.0, 0.1, 8.0, 0.2), _start(2, 2.0, 0.1, 1.5, 0.2), _start(3, 0.5, 0.05, 0.3, 0.1)],
         "b": [_start(1, 9.0, 0.1, 8.0, 0.2), _start(2, 0.6, 0.1, 0.35, 0.1), _start(3, 1.9, 0.1, 1.6, 0.1)],

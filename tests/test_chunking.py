@@ -359,8 +359,9 @@ def test_declared_size_must_be_what_shape_and_codec_make(codec, shape, block, zs
     assert zstd_bound(4000) == 4000 + 15 + 62 and zstd_bound(1 << 20) == (1 << 20) + (1 << 12)
     noise = np.random.default_rng(0).bytes(4000)  # incompressible: close to the worst case, never above it
     assert 4000 < len(zstandard.ZstdCompressor(level=3, write_content_size=True).compress(noise)) <= zstd_bound(4000)
-    meta = pb.TensorMeta(name="t", codec=codec, dtype="float32", shape=shape, block_size=block, zstd_level=zstd,
-                         nbytes=nbytes)  # fmt: skip
+    meta = pb.TensorMeta(
+        name="t", codec=codec, dtype="float32", shape=shape, block_size=block, zstd_level=zstd, nbytes=nbytes
+    )
     if ok:
         check_declared_size(meta)
     else:

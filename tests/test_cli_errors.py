@@ -28,8 +28,9 @@ def test_unknown_key(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 def test_missing_data_file(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.txt"
-    fails(capsys, ["simulate", str(tiny_config), f"data.path={missing}", "--run-dir", str(tmp_path / "r")],
-           str(missing))  # fmt: skip
+    fails(
+        capsys, ["simulate", str(tiny_config), f"data.path={missing}", "--run-dir", str(tmp_path / "r")], str(missing)
+    )
 
 
 def test_empty_data_file(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -49,8 +50,11 @@ def test_more_islands_than_the_data_allows(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_custom_model_that_does_not_import(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(capsys, ["simulate", str(tiny_config), "model.kind=custom", "model.entry=nosuch_pkg.mod:build"],
-           "model.entry 'nosuch_pkg.mod:build': cannot import module")  # fmt: skip
+    fails(
+        capsys,
+        ["simulate", str(tiny_config), "model.kind=custom", "model.entry=nosuch_pkg.mod:build"],
+        "model.entry 'nosuch_pkg.mod:build': cannot import module",
+    )
 
 
 def test_devices_the_process_does_not_have(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -75,8 +79,11 @@ def test_console_exit_code_and_single_line(tmp_path: Path) -> None:
 
 
 def test_island_name_not_in_config(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(capsys, ["island", str(tiny_config), "--name", "mars", "--coordinator", "127.0.0.1:1"],
-           "island 'mars' is not in the config's islands.names (island-0, island-1)")  # fmt: skip
+    fails(
+        capsys,
+        ["island", str(tiny_config), "--name", "mars", "--coordinator", "127.0.0.1:1"],
+        "island 'mars' is not in the config's islands.names (island-0, island-1)",
+    )
 
 
 def test_port_already_in_use(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,8 +93,11 @@ def test_port_already_in_use(tiny_config: Path, tmp_path: Path, capsys: pytest.C
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        fails(capsys, ["coordinator", str(tiny_config), "--listen", f"127.0.0.1:{port}", "--run-dir", str(tmp_path / "c")],
-               f"cannot listen on 127.0.0.1:{port}: Address already in use")  # fmt: skip
+        fails(
+            capsys,
+            ["coordinator", str(tiny_config), "--listen", f"127.0.0.1:{port}", "--run-dir", str(tmp_path / "c")],
+            f"cannot listen on 127.0.0.1:{port}: Address already in use",
+        )
 
 
 def test_bad_listen_address(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,13 +105,26 @@ def test_bad_listen_address(tiny_config: Path, capsys: pytest.CaptureFixture[str
 
 
 @pytest.mark.slow
-def test_coordinator_that_does_not_answer(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_coordinator_that_does_not_answer(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     fails(
         capsys,
-        ["island", str(tiny_config), "--name", "island-0", "--coordinator", "127.0.0.1:1", "--no-supervise",
-         "--run-dir", str(tmp_path / "i"), "network.connect_timeout_s=1", "transport.max_attempts=1"],
+        [
+            "island",
+            str(tiny_config),
+            "--name",
+            "island-0",
+            "--coordinator",
+            "127.0.0.1:1",
+            "--no-supervise",
+            "--run-dir",
+            str(tmp_path / "i"),
+            "network.connect_timeout_s=1",
+            "transport.max_attempts=1",
+        ],
         "join 127.0.0.1:1: coordinator did not answer for 1s",
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.slow
@@ -115,18 +138,42 @@ def test_config_that_differs_from_the_coordinators(tiny_config: Path, tmp_path: 
 
     run_dir = tmp_path / "coord"
     coord = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "coordinator", str(tiny_config), "--listen", "127.0.0.1:0",
-         "--run-dir", str(run_dir), "--quiet"],
-        env=child_env(jax_cache=True), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "coordinator",
+            str(tiny_config),
+            "--listen",
+            "127.0.0.1:0",
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+        ],
+        env=child_env(jax_cache=True),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "coordinator.addr").exists():
             assert coord.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         address = (run_dir / "coordinator.addr").read_text()
-        out = run_cli("island", str(tiny_config), "--name", "island-0", "--coordinator", address, "--no-supervise",
-                      "--run-dir", str(tmp_path / "i"), "outer.lr=0.5", "train.rounds=9")  # fmt: skip
+        out = run_cli(
+            "island",
+            str(tiny_config),
+            "--name",
+            "island-0",
+            "--coordinator",
+            address,
+            "--no-supervise",
+            "--run-dir",
+            str(tmp_path / "i"),
+            "outer.lr=0.5",
+            "train.rounds=9",
+        )
         assert out.returncode == 2
         assert out.stderr.strip() == (
             "diloco: error: FAILED_PRECONDITION: island island-0's config differs from the coordinator's in: "
@@ -149,32 +196,50 @@ def test_coordinator_listens_on_loopback_by_default() -> None:
     assert build_parser().parse_args(["coordinator", "c.toml"]).listen == "127.0.0.1:50051"
 
 
-def test_open_coordinator_without_secrets_is_refused(tiny_config: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_open_coordinator_without_secrets_is_refused(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir = tmp_path / "c"
-    fails(capsys, ["coordinator", str(tiny_config), "--listen", "0.0.0.0:0", "--run-dir", str(run_dir)],
-           "refusing to listen on 0.0.0.0:0 without island secrets (network.secrets) and TLS (network.tls_cert/"
-           "tls_key or --tls-cert/--tls-key): anyone who reaches it could join and push into the global model; "
-           "listen on 127.0.0.1, configure them, or pass --insecure")  # fmt: skip
+    fails(
+        capsys,
+        ["coordinator", str(tiny_config), "--listen", "0.0.0.0:0", "--run-dir", str(run_dir)],
+        "refusing to listen on 0.0.0.0:0 without island secrets (network.secrets) and TLS (network.tls_cert/"
+        "tls_key or --tls-cert/--tls-key): anyone who reaches it could join and push into the global model; "
+        "listen on 127.0.0.1, configure them, or pass --insecure",
+    )
     assert not run_dir.exists()  # refused before anything was created
 
 
-def test_secrets_without_tls_beyond_loopback_are_refused(tiny_config: Path, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_secrets_without_tls_beyond_loopback_are_refused(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("T_S0", "s0")
     monkeypatch.setenv("T_S1", "s1")
-    fails(capsys, ["coordinator", str(tiny_config), "--listen", "[::]:0", "--run-dir", str(tmp_path / "c"),
-                    'network.secrets=["env:T_S0", "env:T_S1"]'],
-           "refusing to listen on [::]:0 without TLS (network.tls_cert/tls_key or --tls-cert/--tls-key): island "
-           "secrets would cross the network in clear")  # fmt: skip
+    fails(
+        capsys,
+        [
+            "coordinator",
+            str(tiny_config),
+            "--listen",
+            "[::]:0",
+            "--run-dir",
+            str(tmp_path / "c"),
+            'network.secrets=["env:T_S0", "env:T_S1"]',
+        ],
+        "refusing to listen on [::]:0 without TLS (network.tls_cert/tls_key or --tls-cert/--tls-key): island "
+        "secrets would cross the network in clear",
+    )
 
 
-def test_literal_secret_in_a_config_file_is_refused(tmp_path: Path, corpus: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_literal_secret_in_a_config_file_is_refused(
+    tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = _config(tmp_path, corpus, '\n[network]\nsecrets = ["env:S0", "hunter2"]\n')
-    fails(capsys, ["simulate", str(path)],
-           f"network.secrets[1] in config file '{path}' is a literal secret; write env:VAR or file:PATH")  # fmt: skip
+    fails(
+        capsys,
+        ["simulate", str(path)],
+        f"network.secrets[1] in config file '{path}' is a literal secret; write env:VAR or file:PATH",
+    )
     assert "hunter2" not in capsys.readouterr().err
     # A run directory's config.toml reused as a config: its placeholder is no secret either.
     path.write_text(TINY_TOML.format(corpus=corpus) + '\n[network]\nsecrets = ["<literal secret redacted>", "env:S"]\n')
@@ -182,31 +247,44 @@ def test_literal_secret_in_a_config_file_is_refused(tmp_path: Path, corpus: Path
     fails(capsys, ["simulate", str(path)], "is the placeholder of a redacted secret")
 
 
-def test_tls_flags_are_checked_before_anything_starts(tiny_config: Path, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_tls_flags_are_checked_before_anything_starts(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     base = ["coordinator", str(tiny_config), "--listen", "127.0.0.1:0", "--run-dir", str(tmp_path / "c")]
     missing = tmp_path / "missing.crt"
-    fails(capsys, [*base, "--tls-ca", str(tmp_path / "ca.crt")],
-           "network.tls_cert / --tls-cert is required for a TLS coordinator")  # fmt: skip
+    fails(
+        capsys,
+        [*base, "--tls-ca", str(tmp_path / "ca.crt")],
+        "network.tls_cert / --tls-cert is required for a TLS coordinator",
+    )
     fails(capsys, [*base, "--tls-cert", str(missing)], "network.tls_cert and network.tls_key must be set together")
-    fails(capsys, [*base, "--tls-cert", str(missing), "--tls-key", str(missing)],
-           f"network.tls_cert / --tls-cert: cannot read {missing} (No such file or directory)")  # fmt: skip
+    fails(
+        capsys,
+        [*base, "--tls-cert", str(missing), "--tls-key", str(missing)],
+        f"network.tls_cert / --tls-cert: cannot read {missing} (No such file or directory)",
+    )
     assert not (tmp_path / "c").exists()
 
 
-def test_clients_refuse_to_send_a_secret_in_clear(tiny_config: Path, capsys: pytest.CaptureFixture[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_clients_refuse_to_send_a_secret_in_clear(
+    tiny_config: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("T_S0", "s0")
     expected = "refusing to send an island secret in clear to 10.9.8.7:50051: set network.tls_ca (or --tls-ca)"
-    fails(capsys, ["island", str(tiny_config), "--name", "island-0", "--coordinator", "10.9.8.7:50051",
-                    "--secret", "env:T_S0"], expected)  # fmt: skip
+    fails(
+        capsys,
+        ["island", str(tiny_config), "--name", "island-0", "--coordinator", "10.9.8.7:50051", "--secret", "env:T_S0"],
+        expected,
+    )
     fails(capsys, ["status", "10.9.8.7:50051", "--name", "island-0", "--secret", "env:T_S0"], expected)
     fails(capsys, ["status", "127.0.0.1:1", "--name", "island-0"], "--name and --secret go together")
 
 
 def test_literal_secret_on_the_command_line_warns(tiny_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["island", str(tiny_config), "--name", "island-0", "--coordinator", "10.9.8.7:1",
-                 "--secret", "hunter2"]) == 2  # fmt: skip
+    assert (
+        main(["island", str(tiny_config), "--name", "island-0", "--coordinator", "10.9.8.7:1", "--secret", "hunter2"])
+        == 2
+    )
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0].startswith("diloco: warning: --secret is a literal secret on the command line")
     assert lines[1].startswith("diloco: error: refusing to send an island secret in clear") and len(lines) == 2

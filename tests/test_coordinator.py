@@ -53,9 +53,14 @@ def push(coord: Coordinator, island: str, fill: float, **meta_fields) -> pb.Push
     named = {k: np.full(np.shape(v), fill, np.float32) for k, v in flatten_named(coord.loop.params).items()}
     tensors = encode_named(named, CodecSpec(kind="fp32"))
     fields = {
-        "run_id": coord.run_id, "island": island, "round": coord.loop.round, "tokens": 128, "loss": 1.0,
-        "base_digest": bytes.fromhex(coord.world.params_digest), **meta_fields,
-    }  # fmt: skip
+        "run_id": coord.run_id,
+        "island": island,
+        "round": coord.loop.round,
+        "tokens": 128,
+        "loss": 1.0,
+        "base_digest": bytes.fromhex(coord.world.params_digest),
+        **meta_fields,
+    }
     return coord.push(pb.PushMeta(**fields), tensors, named, payload_digest(tensors))
 
 
@@ -74,8 +79,12 @@ def test_a_push_must_belong_to_the_run_and_to_theta_r(coordinator: Coordinator) 
         grpc.StatusCode.FAILED_PRECONDITION,
         "was not taken from θ_0",
     )
-    refused(lambda: push(coordinator, "island-0", 1e-3, base_digest=b""), grpc.StatusCode.FAILED_PRECONDITION, "missing")
-    refused(lambda: push(coordinator, "island-0", 1e-3, round=1), grpc.StatusCode.FAILED_PRECONDITION, "round 0 is open")
+    refused(
+        lambda: push(coordinator, "island-0", 1e-3, base_digest=b""), grpc.StatusCode.FAILED_PRECONDITION, "missing"
+    )
+    refused(
+        lambda: push(coordinator, "island-0", 1e-3, round=1), grpc.StatusCode.FAILED_PRECONDITION, "round 0 is open"
+    )
     assert coordinator.loop.pending == () and coordinator.world.params_digest == before
 
 
@@ -117,8 +126,9 @@ def test_a_round_left_empty_stays_open_and_a_dropped_contribution_may_not_come_b
     "config_json", ["0", "null", "[[1]]", "[" * 100_000 + "]" * 100_000, "{not json", '{"a": [1, {"b": {}}]}', ""]
 )
 def test_a_join_with_any_config_json_is_refused_with_a_reason(coordinator: Coordinator, config_json: str) -> None:
-    req = pb.JoinRequest(run_id=coordinator.run_id, island="island-0", config_digest=b"x" * 16, config_json=config_json,
-                         release=RELEASE)  # fmt: skip
+    req = pb.JoinRequest(
+        run_id=coordinator.run_id, island="island-0", config_digest=b"x" * 16, config_json=config_json, release=RELEASE
+    )
     refused(lambda: coordinator.join(req), grpc.StatusCode.FAILED_PRECONDITION, "config differs")
 
 
@@ -131,8 +141,9 @@ def test_a_join_with_any_config_json_is_refused_with_a_reason(coordinator: Coord
     ],
 )
 def test_a_join_from_another_release_is_refused_naming_both(coordinator: Coordinator, release: str, named: str) -> None:
-    req = pb.JoinRequest(run_id=coordinator.run_id, island="island-0", config_digest=coordinator.digest,
-                         release=release)  # fmt: skip
+    req = pb.JoinRequest(
+        run_id=coordinator.run_id, island="island-0", config_digest=coordinator.digest, release=release
+    )
     reason = refused(lambda: coordinator.join(req), grpc.StatusCode.FAILED_PRECONDITION, named)
     assert RELEASE in reason and "run one release everywhere" in reason and len(reason) < 250, reason
     assert "island-0" not in coordinator.roster  # not a member
@@ -180,7 +191,9 @@ def test_islands_whose_own_loss_exploded_stop_the_run(coordinator: Coordinator) 
 
 
 @pytest.mark.parametrize("insider_fill", [1e30, 0.0])
-def test_one_island_claiming_an_exploded_loss_cannot_stop_the_run(coordinator: Coordinator, insider_fill: float) -> None:
+def test_one_island_claiming_an_exploded_loss_cannot_stop_the_run(
+    coordinator: Coordinator, insider_fill: float
+) -> None:
     # An insider holding island-1's secret reports an exploded loss, with a Δ that wrecks the model or with a
     # harmless one beside another wrecking Δ: the healthy island-0 disagrees, so the run goes on without the wreck.
     push(coordinator, "island-1", insider_fill, loss=1e9)
@@ -202,7 +215,9 @@ def test_an_insiders_join_leave_loop_is_counted_not_logged_line_by_line(coordina
 
     now = [1000.0]
     coordinator.clock = lambda: now[0]
-    join = pb.JoinRequest(run_id=coordinator.run_id, island="island-0", config_digest=coordinator.digest, release=RELEASE)
+    join = pb.JoinRequest(
+        run_id=coordinator.run_id, island="island-0", config_digest=coordinator.digest, release=RELEASE
+    )
     leave = pb.LeaveRequest(run_id=coordinator.run_id, island="island-0", reason="x" * 100)
     for _ in range(200):
         coordinator.join(join)
@@ -226,7 +241,6 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
     "push first"; a pull without the flag, or one whose push never lands, still hears "push first"."""
     import threading
     import time
-
 
     def pull(island: str, after_push: bool):
         req = pb.PullRequest(run_id=coordinator.run_id, island=island, have_round=0, after_push=after_push)
@@ -316,8 +330,14 @@ def test_a_push_dropped_at_commit_leaves_its_island_free_to_push_a_new_delta(coo
 
     def push_through(island: str, fill: float) -> pb.PushReply:
         named = {k: np.full(np.shape(v), fill, np.float32) for k, v in flatten_named(coordinator.loop.params).items()}
-        meta = pb.PushMeta(run_id=coordinator.run_id, island=island, round=coordinator.loop.round, tokens=128,
-                           loss=1.0, base_digest=bytes.fromhex(coordinator.world.params_digest))  # fmt: skip
+        meta = pb.PushMeta(
+            run_id=coordinator.run_id,
+            island=island,
+            round=coordinator.loop.round,
+            tokens=128,
+            loss=1.0,
+            base_digest=bytes.fromhex(coordinator.world.params_digest),
+        )
         chunks = push_chunks(meta, encode_named(named, CodecSpec(kind="fp32")), 1 << 16)
         return service.push(call_metadata(island, None), chunks)
 

@@ -32,12 +32,14 @@ def admission(rule: SyncRounds | AsyncUpdates | None = None, remembered: int = 1
 
 
 def meta(island: str, round_: int = 0, fragment: int = 0, tokens: int = 10, base: str = "") -> pb.PushMeta:
-    return pb.PushMeta(island=island, round=round_, fragment=fragment, tokens=tokens, loss=1.0,
-                       base_digest=bytes.fromhex(base))  # fmt: skip
+    return pb.PushMeta(
+        island=island, round=round_, fragment=fragment, tokens=tokens, loss=1.0, base_digest=bytes.fromhex(base)
+    )
 
 
-def admit(adm: PushAdmission, loop: OuterLoop, island: str, fill: float, fragment: int = 0, round_: int = 0,
-          tokens: int = 10) -> bytes:  # fmt: skip
+def admit(
+    adm: PushAdmission, loop: OuterLoop, island: str, fill: float, fragment: int = 0, round_: int = 0, tokens: int = 10
+) -> bytes:
     """One push through `place` and `enter`, as the coordinator makes it; returns its payload digest."""
     names = loop.fragments.names[fragment]
     arrays = {n: np.full(PARAMS[n].shape, fill, np.float32) for n in names}
@@ -139,7 +141,9 @@ def test_an_asynchronous_push_is_weighted_by_its_staleness_and_refused_beyond_th
     tensors = encode_named(arrays, CodecSpec(kind="fp32"))
 
     def place(round_: int, base: str):
-        return adm.place(meta("i0", round_, base=base), tensors, arrays, b"d" * 32, loop, lambda m: digests.get(m.round))
+        return adm.place(
+            meta("i0", round_, base=base), tensors, arrays, b"d" * 32, loop, lambda m: digests.get(m.round)
+        )
 
     def advance() -> None:
         loop.submit("i9", loop.round, arrays, 1)

@@ -19,8 +19,24 @@ pytest.importorskip("tokenizers")  # the tokenize extra (in dev, so CI has it)
 
 VOCAB = 300
 
-WORDS = ["the", "island", "round", "delta", "outer", "inner", "model", "wan", "link", "loss", "step", "naïve", "Ωmega",
-         "façade", "日本", "🎉"]  # fmt: skip
+WORDS = [
+    "the",
+    "island",
+    "round",
+    "delta",
+    "outer",
+    "inner",
+    "model",
+    "wan",
+    "link",
+    "loss",
+    "step",
+    "naïve",
+    "Ωmega",
+    "façade",
+    "日本",
+    "🎉",
+]
 
 
 def _text(n_words: int, seed: int) -> str:
@@ -71,8 +87,9 @@ def test_prepare_writes_tokens_that_decode_back_to_the_text(prepared: Path, corp
     assert len(tokens) < len(text.encode()) / 2  # merges happened: fewer tokens than bytes
 
 
-def test_a_given_tokenizer_gives_the_same_tokens(prepared: Path, corpus: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_given_tokenizer_gives_the_same_tokens(
+    prepared: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     again = tmp_path / "again"
     tokenizer = prepared / "tokenizer.json"
     assert main(["data", "prepare", str(corpus / "*.txt"), "--out", str(again), "--tokenizer", str(tokenizer)]) == 0
@@ -85,13 +102,24 @@ def test_a_given_tokenizer_gives_the_same_tokens(prepared: Path, corpus: Path, t
 
 
 @pytest.mark.slow
-def test_simulate_trains_on_the_prepared_directory(prepared: Path, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_simulate_trains_on_the_prepared_directory(
+    prepared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "c.toml"
     config.write_text(TINY_TOML.format(corpus="unused"))
     run_dir = tmp_path / "run"
-    args = ["simulate", str(config), "data.kind=tokens", f"data.path={prepared}", f"model.vocab_size={VOCAB}",
-            "train.rounds=2", "train.checkpoint_every=0", "--run-dir", str(run_dir), "--no-progress"]  # fmt: skip
+    args = [
+        "simulate",
+        str(config),
+        "data.kind=tokens",
+        f"data.path={prepared}",
+        f"model.vocab_size={VOCAB}",
+        "train.rounds=2",
+        "train.checkpoint_every=0",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+    ]
     assert main(args) == 0, capsys.readouterr().err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == 2
@@ -102,58 +130,91 @@ def test_simulate_trains_on_the_prepared_directory(prepared: Path, tmp_path: Pat
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["model.vocab_size=256"], f"its tokenizer has a vocabulary of {VOCAB} but model.vocab_size is 256 "
-                                   f"(set model.vocab_size={VOCAB} or more)"),  # fmt: skip
-        ([f"model.vocab_size={VOCAB}", "data.token_dtype=uint32"],
-         "its tokens are uint16 but data.token_dtype is uint32 (set data.token_dtype=uint16)"),
+        (
+            ["model.vocab_size=256"],
+            f"its tokenizer has a vocabulary of {VOCAB} but model.vocab_size is 256 "
+            f"(set model.vocab_size={VOCAB} or more)",
+        ),
+        (
+            [f"model.vocab_size={VOCAB}", "data.token_dtype=uint32"],
+            "its tokens are uint16 but data.token_dtype is uint32 (set data.token_dtype=uint16)",
+        ),
     ],
 )
-def test_a_run_that_disagrees_with_meta_is_one_line(prepared: Path, tmp_path: Path, overrides: list[str],
-                                                    expected: str, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_run_that_disagrees_with_meta_is_one_line(
+    prepared: Path, tmp_path: Path, overrides: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "c.toml"
     config.write_text(TINY_TOML.format(corpus="unused"))
     run_dir = tmp_path / "run"
     for path in (prepared, prepared / "tokens.bin"):  # the directory, or its tokens.bin with meta.json beside it
-        fails(capsys, ["simulate", str(config), "data.kind=tokens", f"data.path={path}", *overrides,
-                        "--run-dir", str(run_dir)], expected)  # fmt: skip
+        fails(
+            capsys,
+            ["simulate", str(config), "data.kind=tokens", f"data.path={path}", *overrides, "--run-dir", str(run_dir)],
+            expected,
+        )
     assert not run_dir.exists()  # refused before the run directory is made
 
 
-def test_a_prepared_directory_read_as_text_is_one_line(prepared: Path, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_prepared_directory_read_as_text_is_one_line(
+    prepared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "c.toml"
     config.write_text(TINY_TOML.format(corpus=prepared))
     fails(capsys, ["simulate", str(config), "--run-dir", str(tmp_path / "run")], "set data.kind=tokens")
 
 
-def test_user_mistakes_are_one_line(tmp_path: Path, corpus: Path, prepared: Path,
-                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_user_mistakes_are_one_line(
+    tmp_path: Path, corpus: Path, prepared: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = str(tmp_path / "o")
-    fails(capsys, ["data", "prepare", str(tmp_path / "nope.txt"), "--out", out, "--train-vocab", "300"],
-           f"input '{tmp_path / 'nope.txt'}': no such file or directory")  # fmt: skip
+    fails(
+        capsys,
+        ["data", "prepare", str(tmp_path / "nope.txt"), "--out", out, "--train-vocab", "300"],
+        f"input '{tmp_path / 'nope.txt'}': no such file or directory",
+    )
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     fails(capsys, ["data", "prepare", str(empty), "--out", out, "--train-vocab", "300"], "the corpus is empty")
-    fails(capsys, ["data", "prepare", str(corpus), "--out", out, "--train-vocab", "255"],
-           "--train-vocab must be at least 256")  # fmt: skip
-    fails(capsys, ["data", "prepare", str(corpus), "--out", str(prepared), "--train-vocab", "300"],
-           "already holds a prepared corpus")  # fmt: skip
+    fails(
+        capsys,
+        ["data", "prepare", str(corpus), "--out", out, "--train-vocab", "255"],
+        "--train-vocab must be at least 256",
+    )
+    fails(
+        capsys,
+        ["data", "prepare", str(corpus), "--out", str(prepared), "--train-vocab", "300"],
+        "already holds a prepared corpus",
+    )
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
-    fails(capsys, ["data", "prepare", str(latin1), "--out", out, "--train-vocab", "300"],
-           f"input file '{latin1}' is not UTF-8 text (byte 3 cannot be decoded)")  # fmt: skip
-    fails(capsys, ["data", "prepare", str(corpus), "--out", out, "--tokenizer", str(corpus / "a.txt")],
-           "is not a Hugging Face tokenizer.json")  # fmt: skip
-    fails(capsys, ["data", "prepare", str(corpus), "--out", out, "--tokenizer", str(tmp_path / "none.json")],
-           "no such file")  # fmt: skip
+    fails(
+        capsys,
+        ["data", "prepare", str(latin1), "--out", out, "--train-vocab", "300"],
+        f"input file '{latin1}' is not UTF-8 text (byte 3 cannot be decoded)",
+    )
+    fails(
+        capsys,
+        ["data", "prepare", str(corpus), "--out", out, "--tokenizer", str(corpus / "a.txt")],
+        "is not a Hugging Face tokenizer.json",
+    )
+    fails(
+        capsys,
+        ["data", "prepare", str(corpus), "--out", out, "--tokenizer", str(tmp_path / "none.json")],
+        "no such file",
+    )
     assert not Path(out).exists()
 
 
-def test_without_the_tokenizers_package_the_extra_is_named(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_without_the_tokenizers_package_the_extra_is_named(
+    tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` now raises ImportError
-    fails(capsys, ["data", "prepare", str(corpus), "--out", str(tmp_path / "o"), "--train-vocab", "300"],
-           "pip install 'diloco[tokenize]'")  # fmt: skip
+    fails(
+        capsys,
+        ["data", "prepare", str(corpus), "--out", str(tmp_path / "o"), "--train-vocab", "300"],
+        "pip install 'diloco[tokenize]'",
+    )
 
 
 def test_chunks_cut_at_line_ends_and_character_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,7 +262,17 @@ def test_a_meta_json_with_a_bad_vocab_size_is_one_reason(tmp_path: Path, vocab: 
     from islands.prepared import META_FORMAT, read_meta
 
     path = tmp_path / "meta.json"
-    path.write_text(json.dumps({"format": META_FORMAT, "vocab_size": vocab, "token_dtype": "uint16", "tokens": 1,
-                                "tokenizer_sha256": "x", "sources": []}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "format": META_FORMAT,
+                "vocab_size": vocab,
+                "token_dtype": "uint16",
+                "tokens": 1,
+                "tokenizer_sha256": "x",
+                "sources": [],
+            }
+        )
+    )
     why = read_meta(path)
     assert isinstance(why, str) and "not a count and a dtype name" in why, why

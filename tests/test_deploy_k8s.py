@@ -38,8 +38,9 @@ def render(tmp_path: Path, *extra: str, config: Path = TWO_REGION, out: str = "k
     return {p.name: [o for o in yaml.safe_load_all(p.read_text()) if o] for p in sorted(target.glob("*.yaml"))}
 
 
-def fails(capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str, expected: str,
-          config: Path = TWO_REGION) -> None:  # fmt: skip
+def fails(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str, expected: str, config: Path = TWO_REGION
+) -> None:
     assert main(["deploy", "k8s", str(config), "--out", str(tmp_path / "bad"), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("diloco: error:") and expected in err, err
@@ -129,7 +130,9 @@ def test_two_region_coordinator(tmp_path: Path) -> None:
     assert ports == {"grpc": 50051, "metrics": 9100}
     svc = one(files, "Service", "two-region-coordinator")
     assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {
-        "grpc": (50051, "grpc"), "metrics": (9100, "metrics")}  # fmt: skip
+        "grpc": (50051, "grpc"),
+        "metrics": (9100, "metrics"),
+    }
     assert svc["spec"]["selector"] == dep["spec"]["template"]["metadata"]["labels"]
     # Probes: readiness is the gRPC health check through `diloco status` over mutual TLS, as the first island.
     probe = container["readinessProbe"]["exec"]["command"]
@@ -153,7 +156,10 @@ def test_two_region_islands(tmp_path: Path) -> None:
         assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 1, 1)
         assert spec["template"]["spec"]["restartPolicy"] == "Never"
         rules = spec["podFailurePolicy"]["rules"]
-        assert {"action": "FailJob", "onExitCodes": {"containerName": "island", "operator": "In", "values": [2]}} in rules
+        assert {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": "island", "operator": "In", "values": [2]},
+        } in rules
         assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
         (container,) = pod_spec(job)["containers"]
         args = build_parser().parse_args(container["args"])
@@ -166,7 +172,9 @@ def test_two_region_islands(tmp_path: Path) -> None:
             assert secret_key_at(spec_, container, path) == (f"two-region-island-{island}", key)
         ref = cfg.network.secrets[i].removeprefix("file:")
         assert secret_key_at(spec_, container, f"{container['workingDir']}/{ref}") == (
-            f"two-region-island-{island}", "secret")  # fmt: skip
+            f"two-region-island-{island}",
+            "secret",
+        )
         volume, _ = mounted(spec_, container, str(args.run_dir))
         assert one(files, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
         env = {e["name"]: e.get("value") for e in container["env"]}
@@ -217,17 +225,24 @@ def test_secrets_are_referenced_never_inlined(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "kubectl"
-    fake.write_text('#!/bin/sh\nif [ "$1" = create ]; then\n  for a in "$@"; do case "$a" in --from-file=*)\n'
-                    '    f="${a#*=}"; f="${f#*=}"; [ -f "$f" ] || { echo "missing $f" >&2; exit 1; };;\n'
-                    '  esac; done; echo "kind: Secret"\nelse cat >> "$(dirname "$0")/applied"; fi\n')  # fmt: skip
+    fake.write_text(
+        '#!/bin/sh\nif [ "$1" = create ]; then\n  for a in "$@"; do case "$a" in --from-file=*)\n'
+        '    f="${a#*=}"; f="${f#*=}"; [ -f "$f" ] || { echo "missing $f" >&2; exit 1; };;\n'
+        '  esac; done; echo "kind: Secret"\nelse cat >> "$(dirname "$0")/applied"; fi\n'
+    )
     fake.chmod(0o755)
     applied = bin_dir / "applied"
 
     def secrets_sh(*args: str) -> tuple[int, str, int]:
         """(exit code, stderr, Secrets applied) of `sh secrets.sh ARGS`."""
         applied.write_text("")
-        done = subprocess.run(["sh", str(out / "secrets.sh"), *args], env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
-                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        done = subprocess.run(
+            ["sh", str(out / "secrets.sh"), *args],
+            env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return done.returncode, done.stderr, applied.read_text().count("kind: Secret")
 
     assert secrets_sh(str(kit)) == (0, "", 3)
@@ -249,8 +264,9 @@ def test_env_secret_references_become_secret_env_vars(tmp_path: Path) -> None:
     dep = one(files, "Deployment", "two-region-coordinator")
     (container,) = pod_spec(dep)["containers"]
     env = {e["name"]: e for e in container["env"]}
-    assert env["US_EAST_SECRET"]["valueFrom"] == {"secretKeyRef": {"name": "two-region-island-us-east",
-                                                                   "key": "secret"}}  # fmt: skip
+    assert env["US_EAST_SECRET"]["valueFrom"] == {
+        "secretKeyRef": {"name": "two-region-island-us-east", "key": "secret"}
+    }
     assert secret_key_at(pod_spec(dep), container, "/etc/eu-west/secret") == ("two-region-island-eu-west", "secret")
 
 
@@ -270,14 +286,19 @@ def test_multi_process_island_finds_its_coordinator(tmp_path: Path) -> None:
         jax_port = {p["name"]: p["containerPort"] for p in container["ports"]}["jax"]
         assert headless["spec"]["ports"] == [{"name": "jax", "port": jax_port, "targetPort": "jax"}]
         assert "$(JOB_COMPLETION_INDEX)" in container["args"]
-        claim = one(files, "PersistentVolumeClaim", mounted(pod, container, k8s.RUN_DIR)[0]["persistentVolumeClaim"]
-                    ["claimName"])  # fmt: skip
+        claim = one(
+            files,
+            "PersistentVolumeClaim",
+            mounted(pod, container, k8s.RUN_DIR)[0]["persistentVolumeClaim"]["claimName"],
+        )
         assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every process of the island writes it
         # JAX's distributed coordinator has no authentication: only the island's own pods may reach its pods.
         policy = one(files, "NetworkPolicy", job["metadata"]["name"])["spec"]
         assert policy["podSelector"]["matchLabels"] == job["spec"]["template"]["metadata"]["labels"]
-        assert policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": policy["podSelector"]["matchLabels"]}}]},
-                                     {"ports": [{"protocol": "TCP", "port": "metrics"}]}]  # fmt: skip
+        assert policy["ingress"] == [
+            {"from": [{"podSelector": {"matchLabels": policy["podSelector"]["matchLabels"]}}]},
+            {"ports": [{"protocol": "TCP", "port": "metrics"}]},
+        ]
         for index in (0, 1):  # what the kubelet runs in pod `index`
             argv = [a.replace("$(JOB_COMPLETION_INDEX)", str(index)) for a in container["args"]]
             args = build_parser().parse_args(argv)
@@ -285,12 +306,22 @@ def test_multi_process_island_finds_its_coordinator(tmp_path: Path) -> None:
             assert int(args.process_id) == index and int(args.num_processes) == 2
 
 
-@pytest.mark.parametrize("accelerator, resource, platform", [
-    ("nvidia-gpu", "nvidia.com/gpu", "cuda"), ("tpu", "google.com/tpu", "tpu")])  # fmt: skip
+@pytest.mark.parametrize(
+    "accelerator, resource, platform", [("nvidia-gpu", "nvidia.com/gpu", "cuda"), ("tpu", "google.com/tpu", "tpu")]
+)
 def test_accelerator_requests(tmp_path: Path, accelerator: str, resource: str, platform: str) -> None:
     tpu = ["--tpu-type", "tpu-v5-lite-podslice", "--tpu-topology", "2x2"]
-    files = render(tmp_path, "--accelerator", f"eu-west={accelerator}", "--image", "eu-west=reg/diloco:tpu",
-                   "--image", "reg/diloco:1", *tpu, "islands.devices=4")  # fmt: skip
+    files = render(
+        tmp_path,
+        "--accelerator",
+        f"eu-west={accelerator}",
+        "--image",
+        "eu-west=reg/diloco:tpu",
+        "--image",
+        "reg/diloco:1",
+        *tpu,
+        "islands.devices=4",
+    )
     east, west = (pod_spec(one(files, "Job", f"two-region-island-{i}")) for i in ("us-east", "eu-west"))
     assert resource not in east["containers"][0]["resources"]["requests"]
     assert east["containers"][0]["image"] == "reg/diloco:1" and "nodeSelector" not in east
@@ -299,15 +330,26 @@ def test_accelerator_requests(tmp_path: Path, accelerator: str, resource: str, p
     assert container["resources"]["requests"][resource] == container["resources"]["limits"][resource] == 4
     assert {e["name"]: e.get("value") for e in container["env"]}["JAX_PLATFORMS"] == platform
     if accelerator == "tpu":
-        assert west["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
-                                        "cloud.google.com/gke-tpu-topology": "2x2"}  # fmt: skip
+        assert west["nodeSelector"] == {
+            "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+            "cloud.google.com/gke-tpu-topology": "2x2",
+        }
     assert pod_spec(one(files, "Deployment", "two-region-coordinator"))["containers"][0]["image"] == "reg/diloco:1"
 
 
 def test_multi_host_tpu_island(tmp_path: Path) -> None:
     """A 2x4 slice of 4-chip hosts: two pods, each taking its host's 4 chips on the slice's node pool."""
-    files = render(tmp_path, "--accelerator", "tpu", "--tpu-type", "tpu-v5-lite-podslice", "--tpu-topology", "2x4",
-                   "islands.devices=4", "islands.processes=2")  # fmt: skip
+    files = render(
+        tmp_path,
+        "--accelerator",
+        "tpu",
+        "--tpu-type",
+        "tpu-v5-lite-podslice",
+        "--tpu-topology",
+        "2x4",
+        "islands.devices=4",
+        "islands.processes=2",
+    )
     job = one(files, "Job", "two-region-island-us-east")
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
     pod = pod_spec(job)
@@ -318,8 +360,18 @@ def test_multi_host_tpu_island(tmp_path: Path) -> None:
 def test_pathways_island(tmp_path: Path) -> None:
     """An island on a Pathways slice: a PathwaysJob whose main container is the island, which requests no TPU
     (the PathwaysJob's workers do) and runs with islands.backend = pathways."""
-    files = render(tmp_path, "--accelerator", "eu-west=pathways", "--pathways-machine-type", "ct5lp-hightpu-4t",
-                   "--tpu-topology", "2x2", "--pathways-dir", "gs://bucket/tmp", "islands.devices=4")  # fmt: skip
+    files = render(
+        tmp_path,
+        "--accelerator",
+        "eu-west=pathways",
+        "--pathways-machine-type",
+        "ct5lp-hightpu-4t",
+        "--tpu-topology",
+        "2x2",
+        "--pathways-dir",
+        "gs://bucket/tmp",
+        "islands.devices=4",
+    )
     job = one(files, "PathwaysJob", "two-region-island-eu-west")
     assert job["apiVersion"] == "pathways-job.pathways.domain/v1"
     assert job["spec"]["workers"] == [{"type": "ct5lp-hightpu-4t", "topology": "2x2", "numSlices": 1}]
@@ -334,8 +386,14 @@ def test_pathways_island(tmp_path: Path) -> None:
 
 
 def test_names_are_dns_labels(tmp_path: Path) -> None:
-    files = render(tmp_path, 'islands.names=["US_East", "eu-west"]', "--namespace", "diloco-prod", *METRICS,
-                   'network.secrets=["file:kit/secrets/US_East", "file:kit/secrets/eu-west"]')  # fmt: skip
+    files = render(
+        tmp_path,
+        'islands.names=["US_East", "eu-west"]',
+        "--namespace",
+        "diloco-prod",
+        *METRICS,
+        'network.secrets=["file:kit/secrets/US_East", "file:kit/secrets/eu-west"]',
+    )
     assert files["00-namespace.yaml"][0]["metadata"]["name"] == "diloco-prod"
     for obj in [o for objs in files.values() for o in objs]:
         name = obj["metadata"]["name"]
@@ -351,25 +409,75 @@ def test_names_are_dns_labels(tmp_path: Path) -> None:
 
 
 def test_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    fails(capsys, tmp_path, 'islands.names=["a-", "b"]', 'network.secrets=["env:A", "env:B"]',
-          expected="island name 'a-' cannot name Kubernetes objects")  # fmt: skip
-    fails(capsys, tmp_path, 'islands.names=["a_b", "a-b"]', 'network.secrets=["env:A", "env:B"]',
-          expected="would share the Kubernetes name 'a-b'")  # fmt: skip
+    fails(
+        capsys,
+        tmp_path,
+        'islands.names=["a-", "b"]',
+        'network.secrets=["env:A", "env:B"]',
+        expected="island name 'a-' cannot name Kubernetes objects",
+    )
+    fails(
+        capsys,
+        tmp_path,
+        'islands.names=["a_b", "a-b"]',
+        'network.secrets=["env:A", "env:B"]',
+        expected="would share the Kubernetes name 'a-b'",
+    )
     fails(capsys, tmp_path, "--prefix", "9lives", expected="--prefix '9lives' cannot name Kubernetes objects")
     fails(capsys, tmp_path, "--namespace", "Prod", expected="--namespace 'Prod' cannot name Kubernetes objects")
-    fails(capsys, tmp_path, "--accelerator", "tpu", "--tpu-type", "t", "--tpu-topology", "2by4",
-          expected="--tpu-topology must look like 2x4")  # fmt: skip
+    fails(
+        capsys,
+        tmp_path,
+        "--accelerator",
+        "tpu",
+        "--tpu-type",
+        "t",
+        "--tpu-topology",
+        "2by4",
+        expected="--tpu-topology must look like 2x4",
+    )
     fails(capsys, tmp_path, "network.secrets=[]", expected="network.secrets is empty")
     fails(capsys, tmp_path, "--accelerator", "eu-west=tpu", "--tpu-topology", "2x2", expected="--tpu-type is required")
-    fails(capsys, tmp_path, "--accelerator", "tpu", "--tpu-type", "tpu-v5-lite-podslice", "--tpu-topology", "2x4",
-          expected="--tpu-topology 2x4 has 8 chips but islands.devices × islands.processes is 1")  # fmt: skip
+    fails(
+        capsys,
+        tmp_path,
+        "--accelerator",
+        "tpu",
+        "--tpu-type",
+        "tpu-v5-lite-podslice",
+        "--tpu-topology",
+        "2x4",
+        expected="--tpu-topology 2x4 has 8 chips but islands.devices × islands.processes is 1",
+    )
     fails(capsys, tmp_path, "--accelerator", "us-wset=cpu", expected="'us-wset' is not one of islands.names")
     fails(capsys, tmp_path, "--accelerator", "fpga", expected="must be one of cpu, nvidia-gpu, tpu, pathways")
-    fails(capsys, tmp_path, "--accelerator", "eu-west=pathways", "--pathways-machine-type", "ct5lp-hightpu-4t",
-          "--tpu-topology", "1x1", "--pathways-dir", "/tmp/x", expected="--pathways-dir must be a gs:// location")
-    fails(capsys, tmp_path, "--accelerator", "eu-west=pathways", "--pathways-machine-type", "ct5lp-hightpu-4t",
-          "--tpu-topology", "1x1", "--pathways-dir", "gs://b", "islands.processes=2",
-          expected="island eu-west runs on Pathways, which drives the slice from one process")  # fmt: skip
+    fails(
+        capsys,
+        tmp_path,
+        "--accelerator",
+        "eu-west=pathways",
+        "--pathways-machine-type",
+        "ct5lp-hightpu-4t",
+        "--tpu-topology",
+        "1x1",
+        "--pathways-dir",
+        "/tmp/x",
+        expected="--pathways-dir must be a gs:// location",
+    )
+    fails(
+        capsys,
+        tmp_path,
+        "--accelerator",
+        "eu-west=pathways",
+        "--pathways-machine-type",
+        "ct5lp-hightpu-4t",
+        "--tpu-topology",
+        "1x1",
+        "--pathways-dir",
+        "gs://b",
+        "islands.processes=2",
+        expected="island eu-west runs on Pathways, which drives the slice from one process",
+    )
     fails(capsys, tmp_path, "train.mode=sync", expected="train.mode = 'sync'")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "old.yaml").write_text("kind: Job\n")
@@ -384,7 +492,16 @@ def test_dockerfile_matches_the_manifests() -> None:
     assert re.fullmatch(r"python:3\.(1[1-9])-slim", base), base
     copied = [src for ln in lines if ln.startswith("COPY ") for src in ln.split()[1:-1]]
     assert copied and all((REPO / src).exists() for src in copied), copied
-    for package in ("diloco", "floor", "islands", "outer_optimizer", "pytrees", "transport", "pyproject.toml", "constraints.txt"):
+    for package in (
+        "diloco",
+        "floor",
+        "islands",
+        "outer_optimizer",
+        "pytrees",
+        "transport",
+        "pyproject.toml",
+        "constraints.txt",
+    ):
         assert package in copied
     install = next(ln for ln in lines if "pip install" in ln)
     assert "-c /src/constraints.txt" in install
@@ -399,8 +516,9 @@ def test_dockerfile_matches_the_manifests() -> None:
     assert set(copied) - {"pyproject.toml", "README.md", "constraints.txt"} <= allowed
 
 
-def lay_out_pod(root: Path, pod: Obj, container: Obj, config_maps: dict[str, Obj], kit: Path,
-                secrets: dict[str, dict[str, str]]) -> None:  # fmt: skip
+def lay_out_pod(
+    root: Path, pod: Obj, container: Obj, config_maps: dict[str, Obj], kit: Path, secrets: dict[str, dict[str, str]]
+) -> None:
     """What the kubelet would mount for `container`, under `root`: ConfigMap keys, Secret items (from the kit files
     secrets.sh makes them of), subPath files, volume claims as empty directories."""
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -426,6 +544,7 @@ def lay_out_pod(root: Path, pod: Obj, container: Obj, config_maps: dict[str, Obj
 
 def in_root(root: Path, argv: list[str]) -> list[str]:
     """A container's command line with its absolute paths (and file: references) moved under `root`."""
+
     def move(arg: str) -> str:
         kind, sep, rest = arg.partition(":")
         if sep and kind == "file" and rest.startswith("/"):

@@ -77,8 +77,11 @@ def test_an_island_names_its_first_non_finite_step(tiny: tuple[RunConfig, Setup]
         assert key in str(losses.value)
 
     poisoned = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.nan), params)
-    with pytest.raises(DivergedError, match=r"^island island-0 diverged: its parameters hold NaN or Inf after inner "
-                       r"step 12 \(loss 7\.5\); lower inner\.lr"):  # fmt: skip
+    with pytest.raises(
+        DivergedError,
+        match=r"^island island-0 diverged: its parameters hold NaN or Inf after inner "
+        r"step 12 \(loss 7\.5\); lower inner\.lr",
+    ):
         island.check_finite(np.array([5.0, 7.5], np.float32), poisoned, first_step=10)
     island.check_finite(np.array([5.0, 7.5], np.float32), params, first_step=10)  # finite: no error
 
@@ -135,8 +138,9 @@ def test_simulate_that_diverges_ends_with_one_line(synthetic_config: Path, tmp_p
     base = ["simulate", str(synthetic_config), "--no-progress", "inner.clip_norm=0"]
     err = _one_line(capsys, [*base, "inner.lr=30", "--run-dir", str(tmp_path / "a")])
     assert err.startswith("diloco: error: the global model diverged at round 0 and was not kept: eval loss "), err
-    assert err.endswith("lower inner.lr (30), set inner.clip_norm > 0 (it is 0: no clipping) or raise "
-                        "inner.warmup_steps (2)"), err  # fmt: skip
+    assert err.endswith(
+        "lower inner.lr (30), set inner.clip_norm > 0 (it is 0: no clipping) or raise inner.warmup_steps (2)"
+    ), err
     assert not (tmp_path / "a" / "summary.json").exists()
     assert [e["round"] for e in read_events(tmp_path / "a" / "metrics.jsonl", "diverged")] == [0]
 
@@ -156,8 +160,17 @@ def test_launch_that_diverges_exits_with_one_line(synthetic_config: Path, tmp_pa
     # hang (the old behaviour: no island alive, the coordinator waiting for ever) runs into it. A short
     # network.pull_wait_s: the islands' pulls of round 0, waiting for a commit that never comes, end in a second
     # rather than the default 10 s that the stopping coordinator would otherwise wait out.
-    out = run_cli("launch", str(synthetic_config), "inner.lr=30", "inner.clip_norm=0", "network.pull_wait_s=1",
-                  "--no-progress", "--run-dir", str(tmp_path / "run"), timeout=300)  # fmt: skip
+    out = run_cli(
+        "launch",
+        str(synthetic_config),
+        "inner.lr=30",
+        "inner.clip_norm=0",
+        "network.pull_wait_s=1",
+        "--no-progress",
+        "--run-dir",
+        str(tmp_path / "run"),
+        timeout=300,
+    )
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2, out.stderr
     assert len(lines) == 1 and lines[0].startswith("diloco: error: "), out.stderr

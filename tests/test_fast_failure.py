@@ -24,19 +24,30 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 H = 4
 """Inner steps per round: tiny, the victim waits at a named point for its kill (diloco/harness/faults.py)."""
-ENV = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-       "PYTHONWARNINGS": JAX_CACHE_ENV["PYTHONWARNINGS"]}  # fmt: skip
+ENV = {
+    "JAX_PLATFORMS": "cpu",
+    "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    "PYTHONWARNINGS": JAX_CACHE_ENV["PYTHONWARNINGS"],
+}
 KILL_AT = "island-1:before_push:1"
 """The victim's worker dies after training round 1, before its push."""
 
 
 @pytest.mark.timeout(600)
 def test_a_killed_worker_is_reported_by_its_supervisor_and_the_round_goes_on(tiny_config: Path, tmp_path: Path) -> None:
-    overrides = [f"train.inner_steps={H}", "train.rounds=3", "quorum.lease_s=120", "quorum.reconnect_grace_s=120",
-                 "quorum.min_deadline_s=1",
-                 "quorum.max_deadline_s=300", "network.pull_wait_s=2", "train.checkpoint_every=1"]  # fmt: skip
-    with Federation(tiny_config, overrides, tmp_path / "run", cwd=REPO, env=ENV, jax_cache=JAX_CACHE,
-                    pause_at=[KILL_AT]) as fed:  # fmt: skip
+    overrides = [
+        f"train.inner_steps={H}",
+        "train.rounds=3",
+        "quorum.lease_s=120",
+        "quorum.reconnect_grace_s=120",
+        "quorum.min_deadline_s=1",
+        "quorum.max_deadline_s=300",
+        "network.pull_wait_s=2",
+        "train.checkpoint_every=1",
+    ]
+    with Federation(
+        tiny_config, overrides, tmp_path / "run", cwd=REPO, env=ENV, jax_cache=JAX_CACHE, pause_at=[KILL_AT]
+    ) as fed:
         fed.start_coordinator()
         # The victim first: a supervised island starts seconds later than a bare one, and the survivor alone could
         # finish the whole run before the victim joined.
@@ -46,8 +57,11 @@ def test_a_killed_worker_is_reported_by_its_supervisor_and_the_round_goes_on(tin
         # Kill the victim's worker where it stopped, once the survivor's push of round 1 is in: round 1 then waits
         # for the victim alone (the deadline is max_deadline_s until three rounds have been timed).
         worker = fed.paused(KILL_AT, 300)["pid"]
-        fed.wait_for(lambda: [e for e in fed.events("push") if e["round"] == 1 and e["island"] == "island-0"], 300,
-                     "island-0's push of round 1")  # fmt: skip
+        fed.wait_for(
+            lambda: [e for e in fed.events("push") if e["round"] == 1 and e["island"] == "island-0"],
+            300,
+            "island-0's push of round 1",
+        )
         assert [r["round"] for r in fed.wait_rounds(1, 300)] == [0]
         os.kill(worker, signal.SIGKILL)
         killed_at = time.monotonic()

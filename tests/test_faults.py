@@ -26,12 +26,16 @@ T = TypeVar("T")
         (" , ", ()),
         ("island-1:before_push:3", (Pause("island-1", "before_push", 3),)),
         ("island-0:after_adopt:0+", (Pause("island-0", "after_adopt", 0, or_later=True),)),
-        ("island-1:before_push:3, coordinator:after_commit:2",
-         (Pause("island-1", "before_push", 3), Pause("coordinator", "after_commit", 2))),
-        ("coordinator:before_commit:1,coordinator:before_commit:1+",
-         (Pause("coordinator", "before_commit", 1), Pause("coordinator", "before_commit", 1, or_later=True))),
+        (
+            "island-1:before_push:3, coordinator:after_commit:2",
+            (Pause("island-1", "before_push", 3), Pause("coordinator", "after_commit", 2)),
+        ),
+        (
+            "coordinator:before_commit:1,coordinator:before_commit:1+",
+            (Pause("coordinator", "before_commit", 1), Pause("coordinator", "before_commit", 1, or_later=True)),
+        ),
     ],
-)  # fmt: skip
+)
 def test_spec(spec: str, pauses: tuple[Pause, ...]) -> None:
     assert parse(spec) == pauses
 
@@ -42,17 +46,18 @@ def test_spec(spec: str, pauses: tuple[Pause, ...]) -> None:
         ("island-1:before_push", "DILOCO_PAUSE_AT: 'island-1:before_push' is not WHO:POINT:ROUND"),
         ("island-1:before_push:3:4", "'island-1:before_push:3:4' is not WHO:POINT:ROUND"),
         (":before_push:3", "':before_push:3' is not WHO:POINT:ROUND"),
-        ("island-1:before_commit:3",
-         "'island-1:before_commit:3': island-1's points are before_push, after_adopt"),
-        ("coordinator:before_push:3",
-         "'coordinator:before_push:3': coordinator's points are before_commit, after_commit"),
+        ("island-1:before_commit:3", "'island-1:before_commit:3': island-1's points are before_push, after_adopt"),
+        (
+            "coordinator:before_push:3",
+            "'coordinator:before_push:3': coordinator's points are before_commit, after_commit",
+        ),
         ("island-1:before_push:-1", "'island-1:before_push:-1': the round must be a number >= 0"),
         ("island-1:before_push:three", "the round must be a number >= 0, with + for 'or later'"),
         ("island-1:before_push:+", "the round must be a number >= 0"),
         ("island-1:before_push:²", "the round must be a number >= 0"),
         ("island-1:before_push:3,island-1:before_push:3", "'island-1:before_push:3' is named twice"),
     ],
-)  # fmt: skip
+)
 def test_a_malformed_spec_is_one_line_naming_it(spec: str, message: str) -> None:
     with pytest.raises(FaultSpecError) as info:
         parse(spec)

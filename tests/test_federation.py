@@ -40,15 +40,27 @@ H = 4
 TOKENS = 8 * 16 * H
 """Tokens one island trains on per round (batch 8 x seq_len 16 x H): the aggregation weight."""
 FAST = [
-    f"train.inner_steps={H}", "train.checkpoint_every=1", "quorum.lease_s=3", "quorum.min_deadline_s=1",
-    "quorum.max_deadline_s=20", "network.pull_wait_s=2", "transport.max_attempts=3", "transport.backoff_max_s=1",
-    "network.coordinator_wait_s=60", "network.connect_timeout_s=120", "codec.uplink=int8", "codec.downlink=int8",
-]  # fmt: skip
+    f"train.inner_steps={H}",
+    "train.checkpoint_every=1",
+    "quorum.lease_s=3",
+    "quorum.min_deadline_s=1",
+    "quorum.max_deadline_s=20",
+    "network.pull_wait_s=2",
+    "transport.max_attempts=3",
+    "transport.backoff_max_s=1",
+    "network.coordinator_wait_s=60",
+    "network.connect_timeout_s=120",
+    "codec.uplink=int8",
+    "codec.downlink=int8",
+]
 """Short leases and deadlines so faults are detected in seconds, retries that give up late."""
 WAIT_S = 150.0
 """How long any single condition may take to come true on a slow, loaded machine."""
-ENV = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-       "PYTHONWARNINGS": JAX_CACHE_ENV["PYTHONWARNINGS"]}
+ENV = {
+    "JAX_PLATFORMS": "cpu",
+    "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    "PYTHONWARNINGS": JAX_CACHE_ENV["PYTHONWARNINGS"],
+}
 """The children import this checkout's diloco and run JAX on the CPU (sharing `jax_cache`)."""
 
 
@@ -66,8 +78,15 @@ def federation(tmp_path: Path, tiny_config: Path, jax_cache: Path) -> Iterator[C
     made: list[Federation] = []
 
     def make(*overrides: str, pause_at: Sequence[str] = ()) -> Federation:
-        fed = Federation(tiny_config, [*FAST, *overrides], tmp_path / f"fed{len(made)}", cwd=REPO, env=ENV,
-                         jax_cache=jax_cache, pause_at=pause_at)  # fmt: skip
+        fed = Federation(
+            tiny_config,
+            [*FAST, *overrides],
+            tmp_path / f"fed{len(made)}",
+            cwd=REPO,
+            env=ENV,
+            jax_cache=jax_cache,
+            pause_at=pause_at,
+        )
         made.append(fed)
         return fed
 
@@ -102,8 +121,9 @@ def check_run(
     # Bit-identical θ: every island's copy after each commit it applied equals the coordinator's (with streaming:
     # an update proves its fragment, a full pull all of θ), at every sync position (round·P + fragment).
     whole_after = {c["round"] * fragments + c.get("fragment", 0) + 1: c["digest"] for c in commits}
-    fragment_after = {c["round"] * fragments + c.get("fragment", 0) + 1: c.get("fragment_digest", c["digest"])
-                      for c in commits}  # fmt: skip
+    fragment_after = {
+        c["round"] * fragments + c.get("fragment", 0) + 1: c.get("fragment_digest", c["digest"]) for c in commits
+    }
     initial: set[str] = set()
     for name in islands:
         synced = superseded_dropped(fed.events("synced", island=name))
@@ -208,9 +228,15 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     # then wait for both: min_deadline_s); island-1 is killed before its push of round 2; island-0 is frozen
     # before its push of round 3, once round 2 has closed without island-1.
     pauses = ["island-0:before_push:0", "island-1:before_push:2", "island-0:before_push:3"]
-    fed = federation(f"train.rounds={rounds}", "quorum.min_islands=1", 'network.secrets=["s0", "s1"]',
-                     "quorum.min_deadline_s=15", "quorum.lease_s=60", "transport.keepalive_s=1",
-                     pause_at=pauses)  # fmt: skip
+    fed = federation(
+        f"train.rounds={rounds}",
+        "quorum.min_islands=1",
+        'network.secrets=["s0", "s1"]',
+        "quorum.min_deadline_s=15",
+        "quorum.lease_s=60",
+        "transport.keepalive_s=1",
+        pause_at=pauses,
+    )
     fed.start_coordinator()
     fed.start_island("island-0", args=["--secret", "s0"])
     fed.start_island("island-1", args=["--secret", "s1"])
@@ -244,8 +270,13 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     n_rejected = len(fed.events(event="rejected"))
     codes = rogue_attacks(fed.address, "test")
     # The replay names round 2, which island-0 pushed (alone): a different payload for an accepted push.
-    assert codes == ["UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
-                     "ALREADY_EXISTS"], codes  # fmt: skip
+    assert codes == [
+        "UNAUTHENTICATED",
+        "PERMISSION_DENIED",
+        "INVALID_ARGUMENT",
+        "INVALID_ARGUMENT",
+        "ALREADY_EXISTS",
+    ], codes
     assert coordinator_state(fed.address) == before, "a rejected message changed the global parameters"
     rejected = fed.events(event="rejected")[n_rejected:]
     assert len(rejected) == 5 and all(e["island"] == "island-0" for e in rejected), rejected
@@ -296,8 +327,9 @@ def test_coordinator_restart_supervisor_and_fewer_devices(federation: Callable[.
     # The coordinator dies with round 2 in flight: island-1 pushed into it, island-0 waits before its push. Both
     # islands die before their pushes of round 4.
     pauses = ["island-0:before_push:2", "island-0:before_push:4", "island-1:before_push:4"]
-    fed = federation(f"train.rounds={rounds}", "quorum.min_islands=2", "islands.devices=2", "train.microbatch=2",
-                     pause_at=pauses)  # fmt: skip
+    fed = federation(
+        f"train.rounds={rounds}", "quorum.min_islands=2", "islands.devices=2", "train.microbatch=2", pause_at=pauses
+    )
     fed.start_coordinator()
     fed.start_island("island-0", env=devices_env(2), supervised=True)
     fed.start_island("island-1", env=devices_env(2))
@@ -305,8 +337,11 @@ def test_coordinator_restart_supervisor_and_fewer_devices(federation: Callable[.
     # Coordinator: SIGKILL once round 1's checkpoint (θ_2) is on disk and round 2 holds island-1's push only;
     # restart on the same address with the same run dir.
     fed.paused("island-0:before_push:2", WAIT_S)
-    fed.wait_for(lambda: [e for e in fed.events("push") if e["round"] == 2 and e["island"] == "island-1"], WAIT_S,
-                 "island-1's push of round 2")  # fmt: skip
+    fed.wait_for(
+        lambda: [e for e in fed.events("push") if e["round"] == 2 and e["island"] == "island-1"],
+        WAIT_S,
+        "island-1's push of round 2",
+    )
     fed.wait_for(lambda: "2" in _finished_checkpoints(fed, "coordinator"), WAIT_S, "the coordinator's checkpoint 2")
     fed.kill("coordinator")
     logged = len(fed.rounds())
@@ -372,8 +407,7 @@ def test_coordinator_restarts_behind_its_islands(federation: Callable[..., Feder
     # Both islands stop once they hold θ_3: nobody can push round 3, so the coordinator cannot commit it before the
     # kill, however the machine schedules them.
     holding_3 = ["island-0:after_adopt:3", "island-1:after_adopt:3"]
-    fed = federation(f"train.rounds={rounds}", "quorum.min_islands=2", "train.checkpoint_every=2",
-                     pause_at=holding_3)  # fmt: skip
+    fed = federation(f"train.rounds={rounds}", "quorum.min_islands=2", "train.checkpoint_every=2", pause_at=holding_3)
     fed.start_coordinator()
     fed.start_island("island-0")
     fed.start_island("island-1")
@@ -414,7 +448,9 @@ def after_event(events: list[dict[str, Any]], marker: dict[str, Any]) -> list[di
 
 def _finished_checkpoints(fed: Federation, name: str) -> list[str]:
     """The complete checkpoint steps of island `name`, or of the coordinator."""
-    ckpt = fed.run_dir / "checkpoints" / "coordinator" if name == "coordinator" else fed.island_dir(name) / "checkpoints"
+    ckpt = (
+        fed.run_dir / "checkpoints" / "coordinator" if name == "coordinator" else fed.island_dir(name) / "checkpoints"
+    )
     return [p.name for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.is_dir() else []
 
 
@@ -436,19 +472,28 @@ def test_chaos_random_kills(federation: Callable[..., Federation], seed: int, n_
     rounds = 18
     names = ["island-0", "island-1", "island-2"]
     rng = random.Random(seed)
-    plan = [(f"{rng.choice(names)}:before_push:{r}+", rng.choice(["at once", "once lost"]))
-            for r in sorted(rng.sample(range(1, rounds // 2 - 1), n_kills))]  # fmt: skip
+    plan = [
+        (f"{rng.choice(names)}:before_push:{r}+", rng.choice(["at once", "once lost"]))
+        for r in sorted(rng.sample(range(1, rounds // 2 - 1), n_kills))
+    ]
     last = [f"{name}:before_push:{rounds - 1}+" for name in names]
     fed = federation(
-        f"train.rounds={rounds}", "islands.count=3", "quorum.min_islands=2", "quorum.max_deadline_s=4",
-        "train.inner_steps=2", f"stream.fragments={fragments}", f"stream.overlap_steps={fragments - 1}",
+        f"train.rounds={rounds}",
+        "islands.count=3",
+        "quorum.min_islands=2",
+        "quorum.max_deadline_s=4",
+        "train.inner_steps=2",
+        f"stream.fragments={fragments}",
+        f"stream.overlap_steps={fragments - 1}",
         pause_at=[entry for entry, _ in plan] + last,  # a kill's entry first: it stops there first
-    )  # fmt: skip
+    )
     fed.start_coordinator()
     for name in names:
         fed.start_island(name)
 
-    restarts: dict[str, int] = {}  # island -> the index of the coordinator's event log at its kill, to restart once lost
+    restarts: dict[
+        str, int
+    ] = {}  # island -> the index of the coordinator's event log at its kill, to restart once lost
     kills: list[tuple[int, str]] = []
     expect_resume: list[tuple[str, int]] = []
 
@@ -523,7 +568,11 @@ def test_streaming_federation_equals_simulate(
     from diloco.simulator.simulate import run_simulation
 
     rounds = 3
-    stream = ["stream.fragments=2", "stream.overlap_steps=1", f"stream.merge_alpha={alpha}"]  # H = 4: a sync every 2 steps
+    stream = [
+        "stream.fragments=2",
+        "stream.overlap_steps=1",
+        f"stream.merge_alpha={alpha}",
+    ]  # H = 4: a sync every 2 steps
     overrides = [f"train.rounds={rounds}", "quorum.min_islands=2", *stream]  # every sync holds both islands
     fed = federation(*overrides)
     fed.start_coordinator()
@@ -559,9 +608,13 @@ def test_streaming_federation_equals_simulate(
 def test_asynchronous_federation_does_not_wait_for_a_slow_island(federation: Callable[..., Federation]) -> None:
     rounds, exponent = 8, 0.5
     fed = federation(
-        f"train.rounds={rounds}", "train.mode=async", 'islands.slowdown=["island-1=40"]',
-        "outer.kind=delayed_nesterov", "outer.momentum_every=2", f"outer.staleness_exponent={exponent}",
-    )  # fmt: skip
+        f"train.rounds={rounds}",
+        "train.mode=async",
+        'islands.slowdown=["island-1=40"]',
+        "outer.kind=delayed_nesterov",
+        "outer.momentum_every=2",
+        f"outer.staleness_exponent={exponent}",
+    )
     fed.start_coordinator()
     # The slow island first: the fast one alone finishes an asynchronous run in seconds, once before the slow one
     # had even joined (its startup slowed by a loaded machine).
@@ -594,8 +647,13 @@ def test_sigterm_stops_an_island_and_the_coordinator_cleanly(federation: Callabl
     # alone first); island-1 is stopped before its push of round 2 (or the first it reaches after, should a round
     # close without it), once it has a checkpoint; the coordinator once island-0 waits to push round 6.
     pauses = ["island-0:before_push:0", "island-1:before_push:2+", "island-0:before_push:6"]
-    fed = federation(f"train.rounds={rounds}", "train.checkpoint_every=100", "quorum.lease_s=60",
-                     "quorum.min_islands=1", pause_at=pauses)  # fmt: skip
+    fed = federation(
+        f"train.rounds={rounds}",
+        "train.checkpoint_every=100",
+        "quorum.lease_s=60",
+        "quorum.min_islands=1",
+        pause_at=pauses,
+    )
     fed.start_coordinator()
     for name in ("island-0", "island-1"):
         fed.start_island(name)
@@ -604,13 +662,17 @@ def test_sigterm_stops_an_island_and_the_coordinator_cleanly(federation: Callabl
     fed.release("island-0:before_push:0")
 
     fed.paused("island-1:before_push:2+", WAIT_S)
-    fed.wait_for(lambda: any((fed.island_dir("island-1") / "checkpoints").rglob("_CHECKPOINT_METADATA")), WAIT_S,
-                 "island-1's first checkpoint")  # fmt: skip
+    fed.wait_for(
+        lambda: any((fed.island_dir("island-1") / "checkpoints").rglob("_CHECKPOINT_METADATA")),
+        WAIT_S,
+        "island-1's first checkpoint",
+    )
     fed.signal("island-1", signal.SIGTERM)
     fed.release("island-1:before_push:2+")  # on to its next sync point, where it stops
     assert fed.processes()["island-1"].wait(timeout=60) == 0
-    left = fed.wait_for(lambda: [e for e in fed.events("island_left") if e["island"] == "island-1"], WAIT_S,
-                        "island-1's Leave")[0]  # fmt: skip
+    left = fed.wait_for(
+        lambda: [e for e in fed.events("island_left") if e["island"] == "island-1"], WAIT_S, "island-1's Leave"
+    )[0]
     assert left["reason"] == "stopped: SIGTERM", left
     assert fed.events("stopped", island="island-1")
     # The next round closed because every live island pushed, not at a deadline that waited for island-1.

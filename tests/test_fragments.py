@@ -56,9 +56,7 @@ def test_impossible_splits_say_why(count: int, layout: str, words: str) -> None:
 
 
 # H = 4, P = 2 (S = 2): fragment 0 syncs after steps 2, 6, 10; fragment 1 after 4, 8, 12.
-@pytest.mark.parametrize(
-    "step, syncing", [(0, None), (1, None), (2, 0), (3, None), (4, 1), (6, 0), (8, 1), (10, 0)]
-)
+@pytest.mark.parametrize("step, syncing", [(0, None), (1, None), (2, 0), (3, None), (4, 1), (6, 0), (8, 1), (10, 0)])
 def test_fragments_sync_in_turn(step: int, syncing: int | None) -> None:
     assert syncing_fragment(step, 4, 2) == syncing
 

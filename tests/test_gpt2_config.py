@@ -164,8 +164,12 @@ def test_reduced_config_sharded_on_four_devices_matches_one_device() -> None:
     fp32 = ['model.compute_dtype="float32"']
     child = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "gpt2_curve.py"), json.dumps(fp32), json.dumps([])],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(4, jax_cache=True), cwd=REPO,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(4, jax_cache=True),
+        cwd=REPO,
+    )
     try:
         one_fp32 = curve([*ONE_DEVICE, *fp32, "model.remat=false"])
         one_bf16 = curve(ONE_DEVICE)

@@ -56,9 +56,14 @@ class Server:
         self.rejections: list[tuple[str, str]] = []
         service.setdefault("islands", SECRETS)
         self.service = DilocoService(
-            self.handler, RUN, self.handler.model_spec(), authenticator=Authenticator(secrets), config=config,
-            on_rejected=lambda island, reason: self.rejections.append((island, reason)), **service,
-        )  # fmt: skip
+            self.handler,
+            RUN,
+            self.handler.model_spec(),
+            authenticator=Authenticator(secrets),
+            config=config,
+            on_rejected=lambda island, reason: self.rejections.append((island, reason)),
+            **service,
+        )
         self.server: RunningServer = start_server(self.service)
         self.channel = grpc.insecure_channel(self.server.address, options=config.grpc_options())
         self._release = threading.Event()
@@ -409,7 +414,9 @@ def test_bad_push_metadata_is_refused(fields, words):
         tensors = delta()
         if fields.pop("codec", None) == "int4":  # a well-formed int4 payload (zero scales and codes)
             tensors = [
-                EncodedTensor(t.name, "int4", "float32", t.shape, 256, 0, bytes(raw_payload_nbytes("int4", t.numel, 256)))
+                EncodedTensor(
+                    t.name, "int4", "float32", t.shape, 256, 0, bytes(raw_payload_nbytes("int4", t.numel, 256))
+                )
                 for t in tensors
             ]
         with pytest.raises(TransportError) as info:
@@ -421,7 +428,11 @@ def test_bad_push_metadata_is_refused(fields, words):
 @pytest.mark.parametrize(
     ("run", "sent", "words"),
     [
-        (CodecSpec(kind="fp32"), CodecSpec(kind="fp32", zstd_level=3), "is 'fp32' (zstd level 3); this run's islands send 'fp32' (no zstd)"),
+        (
+            CodecSpec(kind="fp32"),
+            CodecSpec(kind="fp32", zstd_level=3),
+            "is 'fp32' (zstd level 3); this run's islands send 'fp32' (no zstd)",
+        ),
         (CodecSpec(kind="int8", zstd_level=3), CodecSpec(kind="int8"), "is 'int8' (blocks of 256, no zstd)"),
         (CodecSpec(kind="int8", zstd_level=3), CodecSpec(kind="int8", zstd_level=1), "zstd level 1"),
         (CodecSpec(kind="int4"), CodecSpec(kind="int4", block_size=128), "blocks of 128"),
@@ -446,7 +457,10 @@ def test_subnormal_values_reach_the_handler_as_zeros():
         assert b[1] != 0
         received: dict[str, np.ndarray] = {}
         apply = s.handler.push
-        s.handler.push = lambda m, tensors, arrays, digest: (received.update(arrays), apply(m, tensors, arrays, digest))[1]
+        s.handler.push = lambda m, tensors, arrays, digest: (
+            received.update(arrays),
+            apply(m, tensors, arrays, digest),
+        )[1]
         assert s.client().push(meta(), [fp32_tensor("b", b), fp32_tensor("w", np.zeros((4, 4), np.float32))]).accepted
         assert received["b"].tolist() == [0.5, 0, 0.5, 0.5, 0.5, 0, 0.5, 0.5]
 

@@ -22,8 +22,12 @@ def _curves(host_devices: int, *variants: str) -> subprocess.Popen[str]:
     """Start tests/island_curve.py in a process with `host_devices` CPU devices; `_result` reads its curves."""
     return subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "island_curve.py"), *variants],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(host_devices), cwd=REPO,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(host_devices),
+        cwd=REPO,
+    )
 
 
 def _result(proc: subprocess.Popen[str]) -> list[dict]:

@@ -91,7 +91,13 @@ def presence(client: ScriptedClient, events: Events, round_: int = 3) -> IslandP
         ("done", 3, "done", [("heartbeat", (3, 70))], []),
         ("running", -1, "running", [("heartbeat", (0, 70))], []),  # no round yet: round 0 is named
         # declared lost: join again with the round it holds, and the state stays what it was
-        (REJOIN, 3, "starting", [("heartbeat", (3, 70)), ("join", 3)], [("rejoined", {"round": 4, "island": "island-0"})]),
+        (
+            REJOIN,
+            3,
+            "starting",
+            [("heartbeat", (3, 70)), ("join", 3)],
+            [("rejoined", {"round": 4, "island": "island-0"})],
+        ),
         # the coordinator away: nothing changes (the training loop's retries notice)
         (grpc.StatusCode.UNAVAILABLE, 3, "starting", [("heartbeat", (3, 70))], []),
     ],

@@ -88,11 +88,23 @@ META = pb.PushMeta(**WHO, round=0, fragment=0, loss=1.0)
         # the sync closed without it: Δ is dropped, the commit pulled all the same
         ([GONE], [COMMIT], False, COMMIT, ["push", "pull"], ["push_dropped"]),
         # a coordinator that restarted lost the push: push again, then pull
-        ([OK, OK], [GONE, GONE, COMMIT], True, COMMIT, ["push", "pull beside", "pull", "push", "pull"],
-         ["pushed", "repush", "pushed"]),
+        (
+            [OK, OK],
+            [GONE, GONE, COMMIT],
+            True,
+            COMMIT,
+            ["push", "pull beside", "pull", "push", "pull"],
+            ["pushed", "repush", "pushed"],
+        ),
         # ... and refuses it again (the sync closed meanwhile): the full θ
-        ([OK, GONE], [GONE, GONE, FULL], True, FULL, ["push", "pull beside", "pull", "push", "pull full"],
-         ["pushed", "repush", "push_dropped"]),
+        (
+            [OK, GONE],
+            [GONE, GONE, FULL],
+            True,
+            FULL,
+            ["push", "pull beside", "pull", "push", "pull full"],
+            ["pushed", "repush", "push_dropped"],
+        ),
     ],
 )
 def test_a_sync(pushes, pulls, accepted, payload, calls, events) -> None:
@@ -195,8 +207,10 @@ def test_retry_forever(outcomes: list, give_up_s: float, result: Any, retries: i
 def test_serial_runs_jobs_in_order_on_one_daemon_thread() -> None:
     lane = Serial("lane")
     names: list[tuple[int, str, bool]] = []
-    jobs = [lane.submit(lambda i=i: names.append((i, threading.current_thread().name, threading.current_thread().daemon)))
-            for i in range(5)]  # fmt: skip
+    jobs = [
+        lane.submit(lambda i=i: names.append((i, threading.current_thread().name, threading.current_thread().daemon)))
+        for i in range(5)
+    ]
     failed = lane.submit(lambda: 1 / 0)
     for job in jobs:
         job.result(timeout=30)

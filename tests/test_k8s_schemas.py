@@ -38,18 +38,54 @@ CONFIGS = sorted((REPO / "configs").glob("*.toml"))  # run configs; configs/link
 MULTI_PROCESS = ["islands.processes=2", "network.metrics_port=9100"]  # adds headless Services, NetworkPolicies
 TWO_REGION = REPO / "configs" / "two-region.toml"
 VARIANTS: list[tuple[Path, list[str], list[str]]] = [
-    (TWO_REGION, ["islands.devices=4", "islands.processes=2"],
-     ["--accelerator", "tpu", "--tpu-type", "tpu-v5-lite-podslice", "--tpu-topology", "2x4", "--namespace", "prod",
-      "--service-type", "LoadBalancer", "--storage-class", "fast"]),
-    (TWO_REGION, ["islands.devices=4"],
-     ["--accelerator", "us-east=nvidia-gpu", "--accelerator", "eu-west=pathways", "--pathways-machine-type",
-      "ct5lp-hightpu-4t", "--tpu-topology", "2x2", "--pathways-dir", "gs://bucket/tmp"]),
-]  # fmt: skip
+    (
+        TWO_REGION,
+        ["islands.devices=4", "islands.processes=2"],
+        [
+            "--accelerator",
+            "tpu",
+            "--tpu-type",
+            "tpu-v5-lite-podslice",
+            "--tpu-topology",
+            "2x4",
+            "--namespace",
+            "prod",
+            "--service-type",
+            "LoadBalancer",
+            "--storage-class",
+            "fast",
+        ],
+    ),
+    (
+        TWO_REGION,
+        ["islands.devices=4"],
+        [
+            "--accelerator",
+            "us-east=nvidia-gpu",
+            "--accelerator",
+            "eu-west=pathways",
+            "--pathways-machine-type",
+            "ct5lp-hightpu-4t",
+            "--tpu-topology",
+            "2x2",
+            "--pathways-dir",
+            "gs://bucket/tmp",
+        ],
+    ),
+]
 """(config, overrides, options) beyond the plain renders: a namespace, a LoadBalancer, TPU and GPU requests, node
 selectors, a storage class, and a PathwaysJob."""
 CUSTOM_RESOURCES = {("pathways-job.pathways.domain/v1", "PathwaysJob")}
-RENDERED_KINDS = {"Namespace", "ConfigMap", "PersistentVolumeClaim", "Service", "Deployment", "Job", "NetworkPolicy",
-                  "PathwaysJob"}  # fmt: skip
+RENDERED_KINDS = {
+    "Namespace",
+    "ConfigMap",
+    "PersistentVolumeClaim",
+    "Service",
+    "Deployment",
+    "Job",
+    "NetworkPolicy",
+    "PathwaysJob",
+}
 
 
 def with_secrets(config: Path) -> list[str]:
@@ -75,8 +111,12 @@ def as_built_in(doc: Obj) -> Obj:
     """`doc`, or for a custom resource the pod template it holds as a core/v1 PodTemplate."""
     if (doc["apiVersion"], doc["kind"]) not in CUSTOM_RESOURCES:
         return doc
-    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": doc["metadata"],
-            "template": doc["spec"]["controller"]["template"]}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": doc["metadata"],
+        "template": doc["spec"]["controller"]["template"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +147,7 @@ def test_the_variants_render_every_kind(documents: list[tuple[str, Obj]]) -> Non
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_manifests_match_the_api_schemas(documents: list[tuple[str, Obj]], cached_schemas: None,
-                                         version: str) -> None:  # fmt: skip
+def test_manifests_match_the_api_schemas(documents: list[tuple[str, Obj]], cached_schemas: None, version: str) -> None:
     errors = []
     for where, doc in documents:
         try:

@@ -161,8 +161,9 @@ def _loaded_by(modules: list[str], forbidden: tuple[str, ...], setup: str = "") 
         "        out[name] = bad\n"
         "print(json.dumps(out))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO, capture_output=True, text=True,
-                         timeout=120, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
     return json.loads(out.stdout)
 
 
@@ -193,6 +194,7 @@ def test_help_and_status_start_without_jax() -> None:
         "import diloco.ops.status\n"
         "print(sorted(m for m in ('jax', 'optax', 'orbax') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO, capture_output=True, text=True,
-                         timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+    )
     assert out.stdout.strip() == "[]"

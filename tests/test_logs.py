@@ -68,10 +68,16 @@ def test_text_lines_read_as_before(name: str, level: int, line: str) -> None:
 
 
 def test_a_json_record_is_one_line_with_its_fields_even_with_newlines() -> None:
-    text = _emit(JsonFormatter(), "diloco.coordinator.serve", logging.WARNING, "two\nlines", fields={"round": 3, "eval": 2.5})
+    text = _emit(
+        JsonFormatter(), "diloco.coordinator.serve", logging.WARNING, "two\nlines", fields={"round": 3, "eval": 2.5}
+    )
     assert text.count("\n") == 1
     record = json.loads(text)
-    assert record["level"] == "warning" and record["logger"] == "diloco.coordinator.serve" and record["msg"] == "two\nlines"
+    assert (
+        record["level"] == "warning"
+        and record["logger"] == "diloco.coordinator.serve"
+        and record["msg"] == "two\nlines"
+    )
     assert record["round"] == 3 and record["eval"] == 2.5 and record["t"].endswith("Z")
 
 

@@ -37,20 +37,72 @@ BROKE = "its connection broke"
         (50, SEEN | {"a": 49.0, "b": 49.0, "c": 49.0}, {}, {"a", "b"}, (), Action.WAIT, "waiting for c", {}),
         (100, SEEN, {}, {"a", "b"}, (), Action.CLOSE, "deadline 100.0s passed with 2 of 3 live islands; late: c", {}),
         # with history the deadline adapts: median 20, MAD 1 -> 23 s
-        (24, {"a": 24.0, "b": 24.0, "c": 24.0}, {}, {"a", "b"}, (19, 20, 21, 20, 22), Action.CLOSE, "deadline 23.0s", {}),
-        (22, {"a": 22.0, "b": 22.0, "c": 22.0}, {}, {"a", "b"}, (19, 20, 21, 20, 22), Action.WAIT, "deadline in 1.0s", {}),
+        (
+            24,
+            {"a": 24.0, "b": 24.0, "c": 24.0},
+            {},
+            {"a", "b"},
+            (19, 20, 21, 20, 22),
+            Action.CLOSE,
+            "deadline 23.0s",
+            {},
+        ),
+        (
+            22,
+            {"a": 22.0, "b": 22.0, "c": 22.0},
+            {},
+            {"a", "b"},
+            (19, 20, 21, 20, 22),
+            Action.WAIT,
+            "deadline in 1.0s",
+            {},
+        ),
         # a lost island that already pushed still counts toward the round
-        (100, {**SEEN, "a": 50.0}, {}, {"a", "b", "c"}, (), Action.CLOSE, "all 2 live islands pushed (3 contributions)",
-         {"a": LEASE}),
+        (
+            100,
+            {**SEEN, "a": 50.0},
+            {},
+            {"a", "b", "c"},
+            (),
+            Action.CLOSE,
+            "all 2 live islands pushed (3 contributions)",
+            {"a": LEASE},
+        ),
         # c's presence call broke 0.5 s ago, inside the 1 s grace: still live (a blip may reconnect), so the round waits
         (50, SEEN_49, {"c": 49.5}, {"a", "b"}, (), Action.WAIT, "waiting for c", {}),
         # ... 2 s ago, past the grace and long before its lease (9 s left): lost, and the round closes without it
-        (50, SEEN_49, {"c": 48.0}, {"a", "b"}, (), Action.CLOSE, "all 2 live islands pushed", {"c": f"{BROKE} 2.0s ago"}),
+        (
+            50,
+            SEEN_49,
+            {"c": 48.0},
+            {"a", "b"},
+            (),
+            Action.CLOSE,
+            "all 2 live islands pushed",
+            {"c": f"{BROKE} 2.0s ago"},
+        ),
         # a broken call and an expired lease: the lease is named (it is the older fact)
-        (50, {**SEEN_49, "c": 30.0}, {"c": 35.0}, {"a", "b"}, (), Action.CLOSE, "all 2 live islands pushed", {"c": LEASE}),
+        (
+            50,
+            {**SEEN_49, "c": 30.0},
+            {"c": 35.0},
+            {"a", "b"},
+            (),
+            Action.CLOSE,
+            "all 2 live islands pushed",
+            {"c": LEASE},
+        ),
         # below min_islands once c is gone: wait for a, however long
-        (50, {"a": 49.0, "c": 45.0}, {"c": 40.0}, {"c"}, (), Action.WAIT, "1 of min_islands=2 pushed; waiting for a",
-         {"c": BROKE}),
+        (
+            50,
+            {"a": 49.0, "c": 45.0},
+            {"c": 40.0},
+            {"c"},
+            (),
+            Action.WAIT,
+            "1 of min_islands=2 pushed; waiting for a",
+            {"c": BROKE},
+        ),
     ],
 )
 def test_decide(now, seen, broken, pushed, durations, action, reason, lost) -> None:
@@ -78,9 +130,15 @@ def test_quorum_config_validation() -> None:
 
 def _pull(have, *, full=False, round_=5, done=False, pushed=True, arriving=False, last=4, kept=1) -> PullView:
     return PullView(
-        have_round=have, full=full, round=round_, done=done, pushed=pushed, last_commit_round=last,
-        arriving=arriving, kept=kept,
-    )  # fmt: skip
+        have_round=have,
+        full=full,
+        round=round_,
+        done=done,
+        pushed=pushed,
+        last_commit_round=last,
+        arriving=arriving,
+        kept=kept,
+    )
 
 
 @pytest.mark.parametrize(

@@ -68,11 +68,17 @@ def test_verdict(need: Footprint | None, room: Room | None, expected: str | None
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        ((200000, 0, 1, 1, False, False), "lower train.batch_size (200000), set train.microbatch (sequences per device "
-                                          "per pass; gradients are accumulated), shard parameters over islands.devices "
-                                          "> 1 (islands.shard_params) or turn on model.remat"),  # fmt: skip
-        ((64, 8, 8, 1, False, None), "lower train.batch_size (64), lower train.microbatch (8) or shard parameters over "
-                                     "islands.devices > 1 (islands.shard_params)"),  # fmt: skip
+        (
+            (200000, 0, 1, 1, False, False),
+            "lower train.batch_size (200000), set train.microbatch (sequences per device "
+            "per pass; gradients are accumulated), shard parameters over islands.devices "
+            "> 1 (islands.shard_params) or turn on model.remat",
+        ),
+        (
+            (64, 8, 8, 1, False, None),
+            "lower train.batch_size (64), lower train.microbatch (8) or shard parameters over "
+            "islands.devices > 1 (islands.shard_params)",
+        ),
         ((64, 1, 32, 2, False, True), "lower train.batch_size (64) or shard parameters (islands.shard_params)"),
         ((64, 1, 32, 2, True, True), "lower train.batch_size (64)"),
     ],
@@ -83,8 +89,15 @@ def test_step_advice(args: tuple, expected: str) -> None:
 
 @pytest.mark.parametrize(
     ("n", "text"),
-    [(0, "0 bytes"), (999, "999 bytes"), (4200, "4.20 kB"), (850 * MB, "850 MB"), (21_349 * MB, "21.3 GB"),
-     (312 * GB, "312 GB"), (1_500 * GB, "1.50 TB")],  # fmt: skip
+    [
+        (0, "0 bytes"),
+        (999, "999 bytes"),
+        (4200, "4.20 kB"),
+        (850 * MB, "850 MB"),
+        (21_349 * MB, "21.3 GB"),
+        (312 * GB, "312 GB"),
+        (1_500 * GB, "1.50 TB"),
+    ],
 )
 def test_format_bytes(n: int, text: str) -> None:
     assert format_bytes(n) == text
@@ -168,8 +181,11 @@ def test_an_evaluation_too_big_is_one_error(tiny_config: Path) -> None:
     model = build_model(cfg.model)
     stack = np.zeros((1, 200000, 33), np.int32)
     evaluate = Evaluator(model, stack)
-    with pytest.raises(OutOfMemoryError, match=r"evaluating the global model needs about .* TB for 1 chunk of 200000 "
-                                               r"x 33 tokens, one at a time, the host has"):  # fmt: skip
+    with pytest.raises(
+        OutOfMemoryError,
+        match=r"evaluating the global model needs about .* TB for 1 chunk of 200000 "
+        r"x 33 tokens, one at a time, the host has",
+    ):
         evaluate(model.init(jax.random.key(0)))
 
 
@@ -196,16 +212,26 @@ def test_the_evaluator_compiles_once(tiny_config: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["diloco", "sync"])
-def test_the_users_oversized_batch_is_one_line_before_any_step(mode: str, tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_the_users_oversized_batch_is_one_line_before_any_step(
+    mode: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The report's command, as a new user typed it: a RESOURCE_EXHAUSTED traceback (327 GB) before the check."""
     room = host_room()
     if room is not None and room.free > 5000 * GB:
         pytest.skip("this host could hold the step")
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    args = ["simulate", str(REPO / "configs" / "tiny.toml"), "train.batch_size=200000", "model.d_model=512",
-            "model.n_heads=8", "model.d_ff=2048", f"train.mode={mode}", "--run-dir", str(tmp_path / "run"),
-            "--no-progress"]  # fmt: skip
+    args = [
+        "simulate",
+        str(REPO / "configs" / "tiny.toml"),
+        "train.batch_size=200000",
+        "model.d_model=512",
+        "model.n_heads=8",
+        "model.d_ff=2048",
+        f"train.mode={mode}",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     island = "us-east" if mode == "diloco" else "sync"

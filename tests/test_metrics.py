@@ -179,11 +179,16 @@ def test_a_thousand_invented_island_names_leave_the_labels_bounded(tiny_config: 
     assert metrics is not None
     channel = grpc.insecure_channel(server.address)
     try:
-        join = channel.stream_unary("/diloco.v1.Diloco/Join", request_serializer=pb.JoinRequest.SerializeToString,
-                                    response_deserializer=pb.JoinReply.FromString)  # fmt: skip
-        push = channel.stream_unary("/diloco.v1.Diloco/PushPseudoGrad",
-                                    request_serializer=pb.PushChunk.SerializeToString,
-                                    response_deserializer=pb.PushReply.FromString)  # fmt: skip
+        join = channel.stream_unary(
+            "/diloco.v1.Diloco/Join",
+            request_serializer=pb.JoinRequest.SerializeToString,
+            response_deserializer=pb.JoinReply.FromString,
+        )
+        push = channel.stream_unary(
+            "/diloco.v1.Diloco/PushPseudoGrad",
+            request_serializer=pb.PushChunk.SerializeToString,
+            response_deserializer=pb.PushReply.FromString,
+        )
         zeros = {k: np.zeros(np.shape(v), np.float32) for k, v in flatten_named(coord.loop.params).items()}
         tensors = encode_named(zeros, CodecSpec(kind="fp32"))
         for i in range(500):
@@ -192,8 +197,14 @@ def test_a_thousand_invented_island_names_leave_the_labels_bounded(tiny_config: 
             with pytest.raises(grpc.RpcError) as refused:
                 join(iter([req]), metadata=call_metadata(name, None), timeout=30)
             assert refused.value.code() == grpc.StatusCode.NOT_FOUND
-            meta = pb.PushMeta(run_id=cfg.run.name, island=name, round=0, tokens=1, loss=1.0,
-                               base_digest=bytes.fromhex(coord.world.params_digest))  # fmt: skip
+            meta = pb.PushMeta(
+                run_id=cfg.run.name,
+                island=name,
+                round=0,
+                tokens=1,
+                loss=1.0,
+                base_digest=bytes.fromhex(coord.world.params_digest),
+            )
             with pytest.raises(grpc.RpcError) as refused:
                 push(push_chunks(meta, tensors, 1 << 20), metadata=call_metadata(name, None), timeout=30)
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -266,7 +277,11 @@ def test_health_is_not_serving_until_the_service_is_attached(capsys: pytest.Capt
             with pytest.raises(grpc.RpcError) as refused:
                 next(watch)
             assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert ("Join", "island-0", grpc.StatusCode.UNAVAILABLE) in calls and ("Join", "island-0", grpc.StatusCode.OK) in calls
+    assert ("Join", "island-0", grpc.StatusCode.UNAVAILABLE) in calls and (
+        "Join",
+        "island-0",
+        grpc.StatusCode.OK,
+    ) in calls
 
 
 def test_status_watch_redraws_until_ctrl_c(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -293,9 +308,14 @@ def test_status_watch_ends_on_sigint_with_exit_code_0() -> None:
     statuses = threading.Event()
     with reference_server(lambda method, *_: statuses.set() if method == "Status" else None) as (server, service):
         server.attach(service)
-        proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "status", server.address, "--watch"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                                cwd=REPO)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "diloco.cli", "status", server.address, "--watch"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            cwd=REPO,
+        )
         try:
             assert statuses.wait(60), "the watch never asked for Status"
             time.sleep(0.3)
@@ -336,6 +356,7 @@ def test_metrics_move_during_a_run_and_health_flips_across_a_restart(tiny_config
     with fed:
         fed.start()
         first_c, first_i = fed.wait_for(lambda: at_round(1), WAIT_S, "round 1 on both /metrics pages", poll_s=0.2)
+
         def moved() -> tuple[Samples, Samples] | None:
             pages = at_round(value(first_c, "diloco_round") + 1)
             if pages is None or value(pages[0], "diloco_eval_loss") == value(first_c, "diloco_eval_loss"):

@@ -86,8 +86,11 @@ def test_simulate_events_are_documented(schema: Schema, tiny_config: Path, tmp_p
     missing: set[str] = set()
     for name, overrides in RUNS.items():
         run_dir = tmp_path / name
-        run_simulation(load_config(tiny_config, [o.format(diloco=tmp_path / "diloco") for o in overrides]), run_dir,
-                       show_progress=False)  # fmt: skip
+        run_simulation(
+            load_config(tiny_config, [o.format(diloco=tmp_path / "diloco") for o in overrides]),
+            run_dir,
+            show_progress=False,
+        )
         for record in read_events(run_dir / "metrics.jsonl"):
             seen.add(record["event"])
             missing.update(undocumented(record, schema))

@@ -18,9 +18,7 @@ from islands.models.base import Model, param_count
 from islands.models.config import ModelConfig, ModelError
 from islands.models.registry import MODELS, build_model
 
-TINY = ModelConfig(
-    vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, n_experts=4, top_k=2
-)
+TINY = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, n_experts=4, top_k=2)
 FORWARD = {"transformer": transformer.forward, "moe": moe.forward}
 
 

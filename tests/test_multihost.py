@@ -57,13 +57,34 @@ def test_two_process_island_trains_as_one_process_island_through_a_killed_follow
     every island on 4 devices, which a federation of one-process islands matches bit for bit
     (tests/test_federation.py::test_launch_equals_simulate). Only the order of float sums differs."""
     reference = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "simulate", str(tiny_config), *RUN, "islands.devices=4",
-         "--run-dir", str(tmp_path / "simulate"), "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(4, jax_cache=True), cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "simulate",
+            str(tiny_config),
+            *RUN,
+            "islands.devices=4",
+            "--run-dir",
+            str(tmp_path / "simulate"),
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(4, jax_cache=True),
+        cwd=REPO,
+    )
     try:
-        fed = Federation(tiny_config, [*RUN, "islands.devices=2"], tmp_path / "multi", cwd=REPO, env=ENV,
-                         jax_cache=JAX_CACHE, pause_at=[KILL_AT])  # fmt: skip
+        fed = Federation(
+            tiny_config,
+            [*RUN, "islands.devices=2"],
+            tmp_path / "multi",
+            cwd=REPO,
+            env=ENV,
+            jax_cache=JAX_CACHE,
+            pause_at=[KILL_AT],
+        )
         feds.append(fed)
         fed.start_coordinator()
         fed.start_island("island-0", args=fed.group_args("island-0", 2), supervised=True)
@@ -99,20 +120,33 @@ def test_two_process_island_trains_as_one_process_island_through_a_killed_follow
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--process-id", "2", "--num-processes", "2", "--island-coordinator", "127.0.0.1:1234"],
-         "--process-id must be in 0 .. 1 for --num-processes 2 (got 2)"),
+        (
+            ["--process-id", "2", "--num-processes", "2", "--island-coordinator", "127.0.0.1:1234"],
+            "--process-id must be in 0 .. 1 for --num-processes 2 (got 2)",
+        ),
         (["--num-processes", "2"], "--island-coordinator HOST:PORT is needed"),
         (["--num-processes", "2", "--island-coordinator", "nowhere"], "--island-coordinator must be HOST:PORT"),
-        (["--num-processes", "2", "--island-coordinator", "127.0.0.1:1234", "stream.fragments=2"],
-         "stream.fragments > 1 (streaming) is not supported with islands.processes > 1"),
+        (
+            ["--num-processes", "2", "--island-coordinator", "127.0.0.1:1234", "stream.fragments=2"],
+            "stream.fragments > 1 (streaming) is not supported with islands.processes > 1",
+        ),
         (["islands.processes=0"], "islands.processes must be >= 1"),
     ],
-)  # fmt: skip
+)
 def test_island_group_mistakes_are_one_line(
     tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
-    base = ["island", str(tiny_config), "--name", "island-0", "--coordinator", "127.0.0.1:50051", "--no-supervise",
-            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    base = [
+        "island",
+        str(tiny_config),
+        "--name",
+        "island-0",
+        "--coordinator",
+        "127.0.0.1:50051",
+        "--no-supervise",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     assert main([*base, *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err

@@ -66,9 +66,7 @@ def test_adam_first_step_is_signed_lr() -> None:
 
 def test_clipping_chains_in_front() -> None:
     g = np.array([3.0, 4.0], np.float32)  # norm 5
-    (after,) = _steps(
-        OuterConfig(kind="sgd", lr=1.0, momentum=0.0, clip_norm=1.0), [g], np.zeros(2, np.float32)
-    )
+    (after,) = _steps(OuterConfig(kind="sgd", lr=1.0, momentum=0.0, clip_norm=1.0), [g], np.zeros(2, np.float32))
     np.testing.assert_allclose(after, -g / 5.0, rtol=1e-6)
 
 

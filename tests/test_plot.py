@@ -114,8 +114,9 @@ def test_writes_a_grid_of_all_runs_and_single_axis_figures(
         assert _png_size(out) == (grid_w // 2, grid_h // 2)  # one panel where the grid has 2x2
 
 
-def test_default_output_name(runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_default_output_name(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["plot", str(runs["diloco"])]) == 0
     assert main(["plot", str(runs["diloco"]), "--x", "bytes"]) == 0

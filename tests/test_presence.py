@@ -239,8 +239,10 @@ def test_a_call_that_sends_nothing_or_garbage_is_ended() -> None:
         yield from ()
 
     try:
-        for requests, code in ((nothing(), grpc.StatusCode.CANCELLED),  # the watchdog's first-message deadline
-                               (iter([b"\x0a\xff\xff\xff\xff\x0f"]), grpc.StatusCode.INVALID_ARGUMENT)):  # fmt: skip
+        for requests, code in (
+            (nothing(), grpc.StatusCode.CANCELLED),  # the watchdog's first-message deadline
+            (iter([b"\x0a\xff\xff\xff\xff\x0f"]), grpc.StatusCode.INVALID_ARGUMENT),
+        ):
             with pytest.raises(grpc.RpcError) as info:
                 list(method(requests, metadata=md, timeout=WAIT_S))
             assert info.value.code() == code

@@ -199,10 +199,25 @@ def test_a_worker_does_not_outlive_its_supervisor(tmp_path: Path, tiny_config: P
     notice and stop rather than hold the island's run dir against the island's next supervisor."""
     run_dir, supervisor_log = tmp_path / "island", tmp_path / "island.log"
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "island", str(tiny_config), "--name", "island-0", "--coordinator",
-         "127.0.0.1:9", "--run-dir", str(run_dir), "network.coordinator_wait_s=600"],
-        stdout=subprocess.DEVNULL, stderr=supervisor_log.open("wb"), env=child_env(), cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "island",
+            str(tiny_config),
+            "--name",
+            "island-0",
+            "--coordinator",
+            "127.0.0.1:9",
+            "--run-dir",
+            str(run_dir),
+            "network.coordinator_wait_s=600",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=supervisor_log.open("wb"),
+        env=child_env(),
+        cwd=REPO,
+    )
     holders.append(supervisor)
     _wait_for(lambda: (run_dir / "worker.pid").exists() and (run_dir / LOCK_FILE).exists(), "the worker's lock")
     worker = int((run_dir / "worker.pid").read_text())
@@ -237,16 +252,29 @@ def test_a_second_coordinator_on_a_run_dir_exits_2_with_one_line(tmp_path: Path,
 
     def start() -> subprocess.Popen[bytes]:
         argv = ["coordinator", str(tiny_config), "--listen", "127.0.0.1:0", "--run-dir", str(run_dir), "--quiet"]
-        return subprocess.Popen([sys.executable, "-m", "diloco.cli", *argv], env=child_env(jax_cache=True), cwd=REPO,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "diloco.cli", *argv],
+            env=child_env(jax_cache=True),
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     first = start()
     try:
         _wait_for(lambda: first.poll() is not None or addr_file.exists(), "the first coordinator", 240)
         assert first.poll() is None, f"the first coordinator exited with {first.returncode}"
         address = addr_file.read_text()
-        second = run_cli("coordinator", str(tiny_config), "--listen", "127.0.0.1:0", "--run-dir", str(run_dir),
-                         "--quiet", timeout=240)  # fmt: skip
+        second = run_cli(
+            "coordinator",
+            str(tiny_config),
+            "--listen",
+            "127.0.0.1:0",
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+            timeout=240,
+        )
         assert second.returncode == 2, second.stderr
         assert second.stderr.strip() == (
             f"diloco: error: run dir '{run_dir}' is in use by coordinator pid {first.pid} listening on {address}; "

@@ -70,8 +70,12 @@ def test_run_dir_is_private_and_umask_restored(tiny_config: Path, tmp_path: Path
 def _coordinator(config: Path, run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "diloco.cli", "coordinator", str(config), "--run-dir", str(run_dir), "--quiet", *args],
-        env={**child_env(jax_cache=True), **(env or {})}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env={**child_env(jax_cache=True), **(env or {})},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _address(proc: subprocess.Popen, run_dir: Path) -> str:
@@ -134,8 +138,9 @@ tls_ca = "{pki / "ca.crt"}"
     )
     (tmp_path / "s0").write_text("secret-zero\n")
     # Secrets and mutual TLS: listening beyond loopback is allowed.
-    proc = _coordinator(config, tmp_path / "c", "--listen", "0.0.0.0:0",
-                        env={"T_SECRET_0": "secret-zero", "T_SECRET_1": "secret-one"})  # fmt: skip
+    proc = _coordinator(
+        config, tmp_path / "c", "--listen", "0.0.0.0:0", env={"T_SECRET_0": "secret-zero", "T_SECRET_1": "secret-one"}
+    )
     stopped.append(proc)
     target = f"localhost:{_address(proc, tmp_path / 'c').rpartition(':')[2]}"
     creds = ["--name", "island-0", "--secret", f"file:{tmp_path / 's0'}"]
@@ -212,8 +217,19 @@ def test_launch_keeps_secrets_out_of_the_run_dir_and_apart(shared_launch: Shared
 def test_command_lines_are_recorded_without_literal_secrets() -> None:
     from diloco.config import redact_argv
 
-    argv = ["diloco", "island", "c.toml", "--secret", "hunter2", "--secret=hunter3", "--name", "island-0",
-            'network.secrets=["hunter4", "env:S1"]', "network.secrets=hunter5", "outer.lr=0.5"]  # fmt: skip
+    argv = [
+        "diloco",
+        "island",
+        "c.toml",
+        "--secret",
+        "hunter2",
+        "--secret=hunter3",
+        "--name",
+        "island-0",
+        'network.secrets=["hunter4", "env:S1"]',
+        "network.secrets=hunter5",
+        "outer.lr=0.5",
+    ]
     safe = redact_argv(argv)
     assert not [a for a in safe if "hunter" in a], safe
     assert safe[:3] == argv[:3] and safe[6:8] == argv[6:8] and safe[-1] == "outer.lr=0.5"

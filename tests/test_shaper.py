@@ -120,9 +120,7 @@ def test_two_threads_in_one_direction_split_the_bandwidth():
     total_s = 2 * chunks * chunk * 8 / 40e6
     done: dict[str, float] = {}
     t0 = time.monotonic()
-    threads = [
-        threading.Thread(target=_timed_sends, args=(s, "up", chunks, chunk, done, k, t0)) for k in ("a", "b")
-    ]
+    threads = [threading.Thread(target=_timed_sends, args=(s, "up", chunks, chunk, done, k, t0)) for k in ("a", "b")]
     for t in threads:
         t.start()
     for t in threads:
@@ -139,9 +137,7 @@ def test_up_and_down_run_concurrently_at_full_speed():
     one_s = chunks * chunk * 8 / 40e6
     done: dict[str, float] = {}
     t0 = time.monotonic()
-    threads = [
-        threading.Thread(target=_timed_sends, args=(s, d, chunks, chunk, done, d, t0)) for d in ("up", "down")
-    ]
+    threads = [threading.Thread(target=_timed_sends, args=(s, d, chunks, chunk, done, d, t0)) for d in ("up", "down")]
     for t in threads:
         t.start()
     for t in threads:
@@ -369,8 +365,7 @@ def test_missing_profile_file(tmp_path):
 def test_profile_file_roundtrip(tmp_path):
     path = _write(
         tmp_path,
-        "[links.x]\nup_mbps = 5\ndown_mbps = 7.5\nlatency_ms = 30\njitter_ms = 3\nloss = 0.01\n"
-        "outages = [[1, 2]]\n",
+        "[links.x]\nup_mbps = 5\ndown_mbps = 7.5\nlatency_ms = 30\njitter_ms = 3\nloss = 0.01\noutages = [[1, 2]]\n",
     )
     assert load_link_profiles(path) == {
         "x": LinkProfile(5.0, 7.5, latency_ms=30.0, jitter_ms=3.0, loss=0.01, outages=((1.0, 2.0),))

@@ -83,8 +83,9 @@ def test_one_island_fedavg_lr1_equals_plain_training(tiny_config: Path, tmp_path
 def _finished_steps(run_dir: Path, owners: list[str]) -> set[int]:
     """The checkpoint steps that every owner has finished saving."""
     dirs = [run_dir / "checkpoints" / owner for owner in owners]
-    return set.intersection(*({int(p.name) for p in d.iterdir() if p.name.isdigit()} if d.is_dir() else set()
-                              for d in dirs))  # fmt: skip
+    return set.intersection(
+        *({int(p.name) for p in d.iterdir() if p.name.isdigit()} if d.is_dir() else set() for d in dirs)
+    )
 
 
 @pytest.mark.slow
@@ -92,12 +93,25 @@ def _finished_steps(run_dir: Path, owners: list[str]) -> set[int]:
 def test_sigkill_then_resume_ends_with_the_same_parameters(tiny_config: Path, tmp_path: Path) -> None:
     rounds = ["train.rounds=6", "codec.uplink=int8", "codec.downlink=int4"]  # residuals must survive too
     run_dir = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "diloco.cli", "simulate", str(tiny_config), "--run-dir", str(run_dir),
-           "--no-progress", *rounds]  # fmt: skip
-    child = subprocess.Popen(cmd, env=child_env(jax_cache=True), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    cmd = [
+        sys.executable,
+        "-m",
+        "diloco.cli",
+        "simulate",
+        str(tiny_config),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *rounds,
+    ]
+    child = subprocess.Popen(
+        cmd, env=child_env(jax_cache=True), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     # The uninterrupted reference run, in this process while the children run (one core each).
     with ThreadPoolExecutor(1) as pool:
-        reference_run = pool.submit(run_simulation, load_config(tiny_config, rounds), tmp_path / "ref", show_progress=False)
+        reference_run = pool.submit(
+            run_simulation, load_config(tiny_config, rounds), tmp_path / "ref", show_progress=False
+        )
         # Kill it once the coordinator and both islands have each finished saving a round (orbax renames a step's
         # directory to its number when the save is complete; saves are asynchronous, so a `round` event alone
         # does not mean its checkpoint is there yet).
@@ -112,8 +126,9 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(tiny_config: Path, tm
         assert child.returncode == -signal.SIGKILL
         assert not (run_dir / "summary.json").exists()  # it really died mid-run
 
-        again = subprocess.run(cmd, env=child_env(jax_cache=True), cwd=REPO, capture_output=True, text=True,
-                               timeout=240)  # fmt: skip
+        again = subprocess.run(
+            cmd, env=child_env(jax_cache=True), cwd=REPO, capture_output=True, text=True, timeout=240
+        )
         reference = reference_run.result(timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
     resumed = json.loads((run_dir / "summary.json").read_text())
@@ -139,16 +154,19 @@ def test_run_dir_of_another_run_is_refused(tiny_config: Path, tmp_path: Path) ->
 
 
 def test_custom_model_trains_through_simulate(tiny_config: Path, tmp_path: Path) -> None:
-    overrides = ["model.kind=custom", "model.entry=tests.custom_model:build", "train.rounds=2",
-                 "train.checkpoint_every=0"]  # fmt: skip
+    overrides = [
+        "model.kind=custom",
+        "model.entry=tests.custom_model:build",
+        "train.rounds=2",
+        "train.checkpoint_every=0",
+    ]
     summary = run_simulation(load_config(tiny_config, overrides), tmp_path / "c", show_progress=False)
     assert summary["param_count"] == 256 * 256
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
 def test_moe_trains_through_simulate(tiny_config: Path, tmp_path: Path) -> None:
-    overrides = ["model.kind=moe", "model.n_experts=4", "model.top_k=2", "train.rounds=2",
-                 "train.checkpoint_every=0"]  # fmt: skip
+    overrides = ["model.kind=moe", "model.n_experts=4", "model.top_k=2", "train.rounds=2", "train.checkpoint_every=0"]
     summary = run_simulation(load_config(tiny_config, overrides), tmp_path / "m", show_progress=False)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert jax.device_count() >= 1

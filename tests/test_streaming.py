@@ -121,8 +121,13 @@ def test_streaming_matches_the_values_worked_out_by_hand(case: str) -> None:
 
 # -- the driver: simulate with [stream] ---------------------------------------------------------------------------
 
-STREAM = ["model.n_layers=2", "stream.fragments=2", "stream.overlap_steps=1", "codec.uplink=int8",
-          "codec.downlink=int8"]  # fmt: skip
+STREAM = [
+    "model.n_layers=2",
+    "stream.fragments=2",
+    "stream.overlap_steps=1",
+    "codec.uplink=int8",
+    "codec.downlink=int8",
+]
 
 
 def test_streaming_simulate_resumes_bit_identically(tiny_config: Path, tmp_path: Path) -> None:

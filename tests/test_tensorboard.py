@@ -71,8 +71,9 @@ def test_scalars_match_metrics_jsonl(tiny_config: Path, tmp_path: Path) -> None:
         inner = [(e["step"], e["loss"]) for e in events if e["event"] == "inner" and e["island"] == name]
         assert inner and [s for s, _ in scalars[f"island/{name}/loss"]] == [s for s, _ in inner]
         assert [v for _, v in scalars[f"island/{name}/loss"]] == pytest.approx([v for _, v in inner], rel=1e-6)
-    assert set(scalars) == {f"global/{k}" for k in ("eval_loss", "loss", "tokens", "bytes_up", "bytes_down",
-                                                    "seconds")} | {f"island/{n}/loss" for n in cfg.islands.island_names}
+    assert set(scalars) == {
+        f"global/{k}" for k in ("eval_loss", "loss", "tokens", "bytes_up", "bytes_down", "seconds")
+    } | {f"island/{n}/loss" for n in cfg.islands.island_names}
     assert "tensorboard" not in to_dict(cfg)["run"]  # per process: not part of the run's identity
 
 
@@ -93,9 +94,9 @@ def test_unknown_island_names_and_odd_values_make_no_tags(tiny_config: Path, tmp
     assert writer.scalars("round", {"round": 0, "loss": None, "eval_loss": 2.0}) == [("global/eval_loss", 2.0, 4)]
     # Streaming, P = 2: fragment 0 of round 1 lands at 1·H + H/2, a push into it at the same x.
     assert writer.scalars("sync", {"round": 1, "fragment": 0, "seconds": 0.5}) == [("global/seconds", 0.5, 6)]
-    assert writer.scalars("push", {"round": 1, "fragment": 0, "island": "island-1", "compute_s": 0.25,
-                                   "wall_s": 0.5}) == [("island/island-1/compute_s", 0.25, 6),
-                                                       ("island/island-1/wall_s", 0.5, 6)]  # fmt: skip
+    assert writer.scalars(
+        "push", {"round": 1, "fragment": 0, "island": "island-1", "compute_s": 0.25, "wall_s": 0.5}
+    ) == [("island/island-1/compute_s", 0.25, 6), ("island/island-1/wall_s", 0.5, 6)]
 
 
 def test_resume_purges_from_the_first_rerun_step(tiny_config: Path, tmp_path: Path) -> None:
@@ -114,8 +115,9 @@ def test_resume_purges_from_the_first_rerun_step(tiny_config: Path, tmp_path: Pa
     assert read_scalars(tmp_path / "tb") == {"global/eval_loss": [(3 * H, 3.0)]}
 
 
-def test_missing_extra_is_one_line(tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_missing_extra_is_one_line(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # `import tensorboardX` now raises ImportError
     run_dir = tmp_path / "run"
     args = ["simulate", str(tiny_config), "--run-dir", str(run_dir), "--no-progress", "run.tensorboard=true"]

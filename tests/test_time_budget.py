@@ -36,8 +36,14 @@ def test_a_slow_island_fits_fewer_steps_in_the_same_budget(tiny_config: Path) ->
 
 
 def test_simulate_weighs_each_island_by_what_it_trained_in_its_budget(tiny_config: Path, tmp_path: Path) -> None:
-    overrides = [f"train.inner_steps={H}", "train.rounds=2", "train.checkpoint_every=0", "train.round_seconds=1",
-                 "train.log_every=1", "islands.slowdown=['island-1=200']"]  # fmt: skip
+    overrides = [
+        f"train.inner_steps={H}",
+        "train.rounds=2",
+        "train.checkpoint_every=0",
+        "train.round_seconds=1",
+        "train.log_every=1",
+        "islands.slowdown=['island-1=200']",
+    ]
     result = run_simulation(load_config(tiny_config, overrides), tmp_path / "run", show_progress=False)
     steps = {}
     for e in read_events(tmp_path / "run" / "metrics.jsonl", "inner"):

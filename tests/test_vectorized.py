@@ -132,8 +132,9 @@ def test_simulate_refuses_it_before_anything_runs_and_the_processes_refuse_it(
     tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = tmp_path / "never"
-    assert main(["simulate", str(tiny_config), "--run-dir", str(run_dir), "train.vectorize=true",
-                 "train.mode=sync"]) == 2  # fmt: skip
+    assert (
+        main(["simulate", str(tiny_config), "--run-dir", str(run_dir), "train.vectorize=true", "train.mode=sync"]) == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "train.vectorize" in err and "train.mode" in err and "\n" not in err, err
     assert not run_dir.exists()
@@ -154,8 +155,9 @@ def _islands(tiny_config: Path, batch_sizes: tuple[int, ...] = (8, 8)) -> list[I
 
 
 def test_islands_that_cannot_share_one_program_are_refused(tiny_config: Path) -> None:
-    with pytest.raises(ValueError, match="islands island-0 and island-1 cannot be stepped as one program: their "
-                                         "batches differ"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="islands island-0 and island-1 cannot be stepped as one program: their batches differ"
+    ):
         IslandStack(_islands(tiny_config, (8, 4)))
 
 

@@ -26,8 +26,14 @@ from tests.conftest import REPO, child_env, run_cli
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 CONFIG = str(REPO / "configs" / "two-region.toml")
-QUICK = ["train.rounds=6", "train.inner_steps=5", "train.eval_batches=1", "quorum.lease_s=3",
-         "quorum.min_islands=2", "network.coordinator_wait_s=120"]  # fmt: skip
+QUICK = [
+    "train.rounds=6",
+    "train.inner_steps=5",
+    "train.eval_batches=1",
+    "quorum.lease_s=3",
+    "quorum.min_islands=2",
+    "network.coordinator_wait_s=120",
+]
 """The walkthrough's config, shortened; every process gets the same overrides (they are part of the run's digest).
 Both islands in every round: the run waits for the killed island's return instead of finishing without it."""
 NAMES = ("us-east", "eu-west")
@@ -79,10 +85,17 @@ def _tls(name: str) -> list[str]:
 @pytest.mark.timeout(600)
 def test_the_two_region_walkthrough(tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> None:
     def start(*args: str) -> subprocess.Popen[bytes]:
-        with open(tmp_path / f"{args[0]}-{args[args.index('--run-dir') + 1].split('/')[-1]}-{len(processes)}.log",
-                  "wb") as log:  # fmt: skip
-            proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", *args, *QUICK], cwd=tmp_path, stdout=log,
-                                    stderr=subprocess.STDOUT, env=child_env(jax_cache=True), start_new_session=True)
+        with open(
+            tmp_path / f"{args[0]}-{args[args.index('--run-dir') + 1].split('/')[-1]}-{len(processes)}.log", "wb"
+        ) as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "diloco.cli", *args, *QUICK],
+                cwd=tmp_path,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env(jax_cache=True),
+                start_new_session=True,
+            )
         processes.append(proc)
         return proc
 
@@ -93,24 +106,52 @@ def test_the_two_region_walkthrough(tmp_path: Path, processes: list[subprocess.P
     assert all(len(s) == 64 for s in secrets.values())
     # 2. The coordinator: TLS, secrets from files, metrics.
     metrics_port = _free_port()
-    coordinator = start("coordinator", CONFIG, "--listen", "127.0.0.1:0", "--run-dir", "runs/coordinator", "--quiet",
-                        "--tls-cert", "kit/server.crt", "--tls-key", "kit/server.key", "--tls-ca", "kit/ca.crt",
-                        "--metrics-port", str(metrics_port))  # fmt: skip
+    coordinator = start(
+        "coordinator",
+        CONFIG,
+        "--listen",
+        "127.0.0.1:0",
+        "--run-dir",
+        "runs/coordinator",
+        "--quiet",
+        "--tls-cert",
+        "kit/server.crt",
+        "--tls-key",
+        "kit/server.key",
+        "--tls-ca",
+        "kit/ca.crt",
+        "--metrics-port",
+        str(metrics_port),
+    )
     addr_file = tmp_path / "runs" / "coordinator" / "coordinator.addr"
     _wait(addr_file.exists, "the coordinator to listen", processes)
     address = addr_file.read_text()
 
     # 3. The islands, supervised, each with its own secret file and certificate.
     def island(name: str) -> subprocess.Popen[bytes]:
-        return start("island", CONFIG, "--name", name, "--coordinator", address, "--run-dir", f"runs/{name}",
-                     "--secret", f"file:kit/secrets/{name}", *_tls(name))  # fmt: skip
+        return start(
+            "island",
+            CONFIG,
+            "--name",
+            name,
+            "--coordinator",
+            address,
+            "--run-dir",
+            f"runs/{name}",
+            "--secret",
+            f"file:kit/secrets/{name}",
+            *_tls(name),
+        )
 
     islands = {name: island(name) for name in NAMES}
     metrics = tmp_path / "runs" / "coordinator" / "metrics.jsonl"
     _wait(lambda: read_events(metrics, "round"), "a committed round", processes)
     saved = tmp_path / "runs" / "eu-west" / "checkpoints"
-    _wait(lambda: saved.is_dir() and any(p.name.isdigit() for p in saved.iterdir()), "eu-west's first checkpoint",
-          processes)  # fmt: skip
+    _wait(
+        lambda: saved.is_dir() and any(p.name.isdigit() for p in saved.iterdir()),
+        "eu-west's first checkpoint",
+        processes,
+    )
     # 5. eu-west's machine dies (supervisor and worker SIGKILLed). Every round needs both islands here, so the run
     # waits for it (and the coordinator serves status and metrics meanwhile).
     os.killpg(islands["eu-west"].pid, signal.SIGKILL)
@@ -119,8 +160,17 @@ def test_the_two_region_walkthrough(tmp_path: Path, processes: list[subprocess.P
     after = len(read_events(metrics, "round"))
 
     # 4. Status with an island's credentials, and the metrics over HTTPS trusting the federation's CA.
-    status = run_cli("status", address, "--json", "--name", "us-east", "--secret", "file:kit/secrets/us-east",
-                     *_tls("us-east"), cwd=tmp_path)  # fmt: skip
+    status = run_cli(
+        "status",
+        address,
+        "--json",
+        "--name",
+        "us-east",
+        "--secret",
+        "file:kit/secrets/us-east",
+        *_tls("us-east"),
+        cwd=tmp_path,
+    )
     assert status.returncode == 0, status.stderr
     seen = json.loads(status.stdout)
     assert seen["run_id"] == "two-region" and seen["health"] == "SERVING", seen
@@ -128,11 +178,18 @@ def test_the_two_region_walkthrough(tmp_path: Path, processes: list[subprocess.P
     assert "\ndiloco_round " in _scrape(f"https://127.0.0.1:{metrics_port}/metrics", trust)
 
     # 5, continued: its broken connection drops it (or its lease), and the same command brings it back.
-    _wait(lambda: [e for e in read_events(metrics, "island_lost") if e["island"] == "eu-west"], "eu-west dropped",
-          processes)  # fmt: skip
+    _wait(
+        lambda: [e for e in read_events(metrics, "island_lost") if e["island"] == "eu-west"],
+        "eu-west dropped",
+        processes,
+    )
     islands["eu-west"] = island("eu-west")
-    _wait(lambda: coordinator.poll() is not None and all(p.poll() is not None for p in islands.values()),
-          "the run to finish", processes, timeout_s=400)  # fmt: skip
+    _wait(
+        lambda: coordinator.poll() is not None and all(p.poll() is not None for p in islands.values()),
+        "the run to finish",
+        processes,
+        timeout_s=400,
+    )
     assert coordinator.returncode == 0 and all(p.returncode == 0 for p in islands.values())
     summary = json.loads((tmp_path / "runs" / "coordinator" / "summary.json").read_text())
     assert summary["rounds"] == 6, summary

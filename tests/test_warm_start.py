@@ -63,9 +63,7 @@ def assert_started_from(run_dir: Path, source_dir: Path) -> None:
 def test_init_from_is_a_toml_key_and_inner_state_needs_it(tiny_config: Path, tmp_path: Path) -> None:
     cfg = load_config(tiny_config, ["init.from=some/run", "init.inner_state=true"])
     assert (cfg.init.from_, cfg.init.inner_state) == ("some/run", True)
-    (tmp_path / "dump.toml").write_text(
-        tiny_config.read_text() + '\n[init]\nfrom = "some/run"\ninner_state = true\n'
-    )  # fmt: skip
+    (tmp_path / "dump.toml").write_text(tiny_config.read_text() + '\n[init]\nfrom = "some/run"\ninner_state = true\n')
     assert load_config(tmp_path / "dump.toml") == cfg
     with pytest.raises(ConfigError, match=r"^init\.inner_state = true needs init\.from") as exc:
         load_config(tiny_config, ["init.inner_state=true"])
@@ -123,8 +121,9 @@ def test_warm_diloco_run_starts_at_the_source_and_resumes_from_its_own(
     assert_started_from(run, copy)
     islands = [e for e in read_events(run / "metrics.jsonl", "warm_start") if "island" in e]
     assert {(e["island"], e["inner_state"], Path(e["source"]).parent.name) for e in islands} == {
-        ("island-0", True, "island-0"), ("island-1", True, "island-1")
-    }  # fmt: skip
+        ("island-0", True, "island-0"),
+        ("island-1", True, "island-1"),
+    }
 
     shutil.rmtree(copy)
     for owner in ("coordinator", "island-0", "island-1"):
@@ -143,13 +142,26 @@ def test_warm_sync_and_async_runs_start_at_the_source(source: tuple[Path, Path],
     model has no island of its name in a DiLoCo source, so its inner state starts fresh (said in an event)."""
     config, src = source
     run = tmp_path / mode
-    run_simulation(load_config(config, ["train.rounds=1", f"train.mode={mode}", f"init.from={src}",
-                                        f"init.inner_state={str(mode == 'sync').lower()}"]), run, show_progress=False)
+    run_simulation(
+        load_config(
+            config,
+            [
+                "train.rounds=1",
+                f"train.mode={mode}",
+                f"init.from={src}",
+                f"init.inner_state={str(mode == 'sync').lower()}",
+            ],
+        ),
+        run,
+        show_progress=False,
+    )
     assert_started_from(run, src)
     if mode == "sync":
         (fresh,) = [e for e in read_events(run / "metrics.jsonl", "warm_start") if "island" in e]
-        assert fresh["island"] == "sync" and fresh["inner_state"] is False and "no checkpoint of island sync" in (
-            fresh["reason"]
+        assert (
+            fresh["island"] == "sync"
+            and fresh["inner_state"] is False
+            and "no checkpoint of island sync" in (fresh["reason"])
         )
 
 

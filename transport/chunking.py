@@ -144,9 +144,7 @@ class _HashingThread:
         self._ranges.put(None)
 
 
-def iter_trailed_views(
-    tensors: Sequence[EncodedTensor], chunk_bytes: int
-) -> Iterator[tuple[list[memoryview], bytes]]:
+def iter_trailed_views(tensors: Sequence[EncodedTensor], chunk_bytes: int) -> Iterator[tuple[list[memoryview], bytes]]:
     """`iter_chunk_views` with each chunk's trailer: ``b""``, except the digest of the payload on the last.
 
     The digest is computed while the chunks stream: for payloads of `BACKGROUND_MIN_BYTES` or more by a

@@ -126,22 +126,34 @@ class TransportConfig:
             ("backoff_max_s", self.backoff_max_s >= self.backoff_initial_s, "must be >= backoff_initial_s"),
             ("idempotency_cache", self.idempotency_cache >= 1, "must be >= 1"),
             ("max_streams", self.max_streams >= 1, "must be >= 1"),
-            ("max_streams_per_island", 1 <= self.max_streams_per_island <= self.max_streams,
-             f"must be in 1..max_streams ({self.max_streams})"),
+            (
+                "max_streams_per_island",
+                1 <= self.max_streams_per_island <= self.max_streams,
+                f"must be in 1..max_streams ({self.max_streams})",
+            ),
             ("max_unary_calls", self.max_unary_calls >= 1, "must be >= 1"),
-            ("max_unary_calls_per_island", 1 <= self.max_unary_calls_per_island <= self.max_unary_calls,
-             f"must be in 1..max_unary_calls ({self.max_unary_calls})"),
+            (
+                "max_unary_calls_per_island",
+                1 <= self.max_unary_calls_per_island <= self.max_unary_calls,
+                f"must be in 1..max_unary_calls ({self.max_unary_calls})",
+            ),
             ("max_presence_streams", self.max_presence_streams >= 1, "must be >= 1"),
             ("keepalive_s", self.keepalive_s >= 0, "must be >= 0 (0: off)"),
             ("keepalive_timeout_s", self.keepalive_timeout_s > 0, "must be > 0"),
-            ("max_pending_calls", self.max_pending_calls >= self.server_threads,
-             f"must be >= the server's threads (max_streams + max_unary_calls + max_presence_streams + "
-             f"{SPARE_THREADS})"),
+            (
+                "max_pending_calls",
+                self.max_pending_calls >= self.server_threads,
+                f"must be >= the server's threads (max_streams + max_unary_calls + max_presence_streams + "
+                f"{SPARE_THREADS})",
+            ),
             ("first_message_timeout_s", self.first_message_timeout_s > 0, "must be > 0"),
             ("idle_timeout_s", self.idle_timeout_s > 0, "must be > 0"),
-            ("max_buffered_mb", self.max_buffered_mb >= self.max_payload_mb,
-             f"must be >= max_payload_mb ({self.max_payload_mb})"),
-        ]  # fmt: skip
+            (
+                "max_buffered_mb",
+                self.max_buffered_mb >= self.max_payload_mb,
+                f"must be >= max_payload_mb ({self.max_payload_mb})",
+            ),
+        ]
         for key, ok, why in checks:
             if not ok:
                 raise TransportConfigError(f"transport.{key} = {getattr(self, key)!r} {why}")
@@ -169,8 +181,14 @@ class TransportConfig:
         presence = max(self.max_presence_streams, 2 * n_islands)
         # gRPC's own queue must hold every thread's call and as many waiting: it only guards memory.
         pending = max(self.max_pending_calls, 2 * (streams + unary + presence + SPARE_THREADS))
-        return replace(self, max_streams=streams, max_streams_per_island=per_island, max_unary_calls=unary,
-                       max_presence_streams=presence, max_pending_calls=pending)  # fmt: skip
+        return replace(
+            self,
+            max_streams=streams,
+            max_streams_per_island=per_island,
+            max_unary_calls=unary,
+            max_presence_streams=presence,
+            max_pending_calls=pending,
+        )
 
     @property
     def max_payload_bytes(self) -> int:

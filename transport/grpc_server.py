@@ -128,8 +128,15 @@ class _Servicer:
         context.abort(exc.code, exc.reason)
         raise AssertionError("unreachable: abort raises")
 
-    def _unary(self, requests: Iterator[Any], context: grpc.ServicerContext, expected: type, method: str,
-               answer: Callable[[DilocoService, Metadata, Any], T], status: bool = False) -> T:  # fmt: skip
+    def _unary(
+        self,
+        requests: Iterator[Any],
+        context: grpc.ServicerContext,
+        expected: type,
+        method: str,
+        answer: Callable[[DilocoService, Metadata, Any], T],
+        status: bool = False,
+    ) -> T:
         with self._observed(method, context):
             service = self._ready(context)
             caller = service.status_caller if status else service.authenticate

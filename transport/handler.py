@@ -28,6 +28,7 @@ RejectionSink = Callable[[str, str], None]
 so the service bounds them (island 64, reason about 200 characters) and escapes control characters; a flood of
 hostile calls calls it once each, so a sink that writes them somewhere should rate-limit itself."""
 
+
 class SharedStream(Protocol):
     """The serialized chunks of one pull payload, made once for every pull that sends them
     (`transport.service.SharedPull`)."""

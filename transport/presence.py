@@ -81,7 +81,5 @@ class Attendance:
         """The call is not the island's presence after all (the island is no member): it ends without a break."""
         self._presences._ended(self, broke=False)
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._presences._ended(self, broke=True)

@@ -340,6 +340,7 @@ class DilocoService:
                 param_digest=payload.param_digest,
                 payload=header,
             )
+
         def chunks() -> Iterator[pb.PullChunk | bytes]:
             return _pull_chunks(pull_header, payload.tensors, self.config.chunk_bytes)
 

@@ -83,4 +83,3 @@ def decoder() -> Callable[[EncodedTensor], np.ndarray]:
         return array
 
     return decode
-

@@ -65,12 +65,22 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     conv = parsers["convergence"]
     _with_config(conv)
     conv.add_argument("--islands", type=int, default=4, help="M, the islands of the DiLoCo and sync runs")
-    conv.add_argument("--grid", action="append", default=[], metavar="METHOD:KEY=V1,V2",
-                      help="a method's hyperparameter grid (METHOD: L1, LM, Ls or all; repeat): each method is "
-                           "compared at its best point")  # fmt: skip
+    conv.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="METHOD:KEY=V1,V2",
+        help="a method's hyperparameter grid (METHOD: L1, LM, Ls or all; repeat): each method is "
+        "compared at its best point",
+    )
     conv.add_argument("--vectorize", action="store_true", help="the DiLoCo runs step their islands as one program")
-    conv.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
-                      help="pretrain one island STEPS steps (plain AdamW), then run each method from it")  # fmt: skip
+    conv.add_argument(
+        "--warm-start",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="pretrain one island STEPS steps (plain AdamW), then run each method from it",
+    )
 
     codec = parsers["codec"]
     codec.add_argument("--size-mb", type=float, default=64.0, help="MiB of float32 pseudo-gradient")
@@ -94,8 +104,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     fo.add_argument("--victim", default=None, help="island to kill (default: the last name)")
     fo.add_argument("--kill-after", type=int, default=2, help="committed rounds before the victim is killed")
     fo.add_argument("--factor", type=float, default=3.0, help="how much slower the victim steps (it pushes last)")
-    fo.add_argument("--how", default="worker", help="worker: SIGKILL its worker (the supervisor lives); host: SIGKILL "
-                    "supervisor and worker; freeze: SIGSTOP both (nothing answers)")  # fmt: skip
+    fo.add_argument(
+        "--how",
+        default="worker",
+        help="worker: SIGKILL its worker (the supervisor lives); host: SIGKILL "
+        "supervisor and worker; freeze: SIGSTOP both (nothing answers)",
+    )
     _add_byzantine(parsers["byzantine"])
     st = parsers["streaming"]
     _with_config(st)
@@ -113,9 +127,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     ut.add_argument("--rounds", type=int, default=6, help="rounds of each run (each island's first push is left out)")
     ut.add_argument("--fragments", type=int, default=5, help="P, the fragments of the streaming run")
     ut.add_argument("--overlap", type=int, default=2, help="τ, inner steps before a sent fragment is merged")
-    ut.add_argument("--kernel-link", type=float, default=None, metavar="MBIT",
-                    help="run both federations in one network namespace whose loopback tc tbf shapes to MBIT Mbit/s, "
-                         "shared by all islands both ways; the user-space shaper off (root, ip and tc)")  # fmt: skip
+    ut.add_argument(
+        "--kernel-link",
+        type=float,
+        default=None,
+        metavar="MBIT",
+        help="run both federations in one network namespace whose loopback tc tbf shapes to MBIT Mbit/s, "
+        "shared by all islands both ways; the user-space shaper off (root, ip and tc)",
+    )
     _add_load(parsers["load"])
     _add_soak(parsers["soak"])
     _add_heterogeneous(parsers["heterogeneous"])

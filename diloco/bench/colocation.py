@@ -74,8 +74,16 @@ def _run(
         flags = ONE_THREAD if "1thread" in variant.split("+") else ""
         env = {**os.environ, **devices_env(1, flags), "JAX_PLATFORMS": "cpu"}
         argv = [sys.executable, "-m", "diloco.bench.colocation", config, str(i), str(warmup), str(steps), *overrides]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      preexec_fn=_placement(variant, i, cores, per_island)))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                argv,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                preexec_fn=_placement(variant, i, cores, per_island),
+            )
+        )
     medians = []
     for p in procs:
         out, err = p.communicate(timeout=1800)
@@ -107,12 +115,19 @@ def run_colocation_bench(
         for variant, medians in measured.items()
     }
     return {
-        "bench": "colocation", "cores": cores, "islands": islands, "steps": steps,
-        "lone_step_s": round(lone, 4), "share_cores": per_island,
-        "lone_share_step_s": [round(before, 4), round(after, 4)], "host_drift": round(after / before, 3),
-        "fair_share_step_s": round(fair, 4), "fair_from_all_cores_s": round(lone * max(1.0, islands / cores), 4),
-        "variants": results, "wall_s": round(time.monotonic() - t0, 1),
-    }  # fmt: skip
+        "bench": "colocation",
+        "cores": cores,
+        "islands": islands,
+        "steps": steps,
+        "lone_step_s": round(lone, 4),
+        "share_cores": per_island,
+        "lone_share_step_s": [round(before, 4), round(after, 4)],
+        "host_drift": round(after / before, 3),
+        "fair_share_step_s": round(fair, 4),
+        "fair_from_all_cores_s": round(lone * max(1.0, islands / cores), 4),
+        "variants": results,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
 
 
 def fair_share_step_s(lone_share_s: Sequence[float], islands: int, per_island: int, cores: int) -> float:

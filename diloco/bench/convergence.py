@@ -59,8 +59,9 @@ def parse_grids(specs: list[str]) -> dict[str, list[tuple[str, list[str]]]]:
         method, sep, rest = spec.partition(":")
         key, eq, values = rest.partition("=")
         if not sep or not eq or not key or method not in (*METHODS, "all"):
-            raise BenchError(f"--grid {spec!r} must look like METHOD:section.key=v1,v2 with METHOD one of "
-                             f"{', '.join(METHODS)}, all")  # fmt: skip
+            raise BenchError(
+                f"--grid {spec!r} must look like METHOD:section.key=v1,v2 with METHOD one of {', '.join(METHODS)}, all"
+            )
         choices = [v for v in values.split(",") if v]
         if not choices:
             raise BenchError(f"--grid {spec!r} lists no values")
@@ -141,10 +142,15 @@ def run_convergence_bench(
             # A point without overrides is a method without a grid: its run keeps the bench's original place.
             where = run_dir / keys[method] / point.key if point.overrides else run_dir / keys[method]
             result = run_simulation(variant, where, show_progress=False)
-            rows.append({
-                "overrides": list(point.overrides), "final_eval_loss": round(result["final_eval_loss"], 4),
-                "syncs": result["syncs"], "wall_s": result["wall_s"], "run_dir": str(where),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "overrides": list(point.overrides),
+                    "final_eval_loss": round(result["final_eval_loss"], 4),
+                    "syncs": result["syncs"],
+                    "wall_s": result["wall_s"],
+                    "run_dir": str(where),
+                }
+            )
     best = {key: min(rows, key=lambda row: row["final_eval_loss"]) for key, rows in table.items()}
     l1, lm, ls = (best[keys[m]]["final_eval_loss"] for m in METHODS)
     return {

@@ -112,8 +112,10 @@ def _pick_victim(cfg: RunConfig, victim: str | None, by_link: bool) -> str:
 def _check_can_lose_one(cfg: RunConfig, restarts: bool = True) -> None:
     """The run goes on without one island (and, when it `restarts`, the island can resume from its checkpoint)."""
     if cfg.islands.count < 2 or cfg.quorum.min_islands > cfg.islands.count - 1:
-        raise BenchError("the run must go on without one island: need islands.count >= 2 and "
-                         f"quorum.min_islands <= islands.count - 1 (got {cfg.quorum.min_islands})")  # fmt: skip
+        raise BenchError(
+            "the run must go on without one island: need islands.count >= 2 and "
+            f"quorum.min_islands <= islands.count - 1 (got {cfg.quorum.min_islands})"
+        )
     if restarts and cfg.train.checkpoint_every != 1:
         raise BenchError("train.checkpoint_every must be 1: the restarted island resumes from its own checkpoint")
 
@@ -170,8 +172,11 @@ class RecoveryPlan:
     """The longest restart the run has room to measure."""
 
     def overrides(self) -> list[str]:
-        return [f"train.rounds={self.rounds}", f"quorum.lease_s={self.lease_s}",
-                f"quorum.reconnect_grace_s={self.lease_s}"]  # fmt: skip
+        return [
+            f"train.rounds={self.rounds}",
+            f"quorum.lease_s={self.lease_s}",
+            f"quorum.reconnect_grace_s={self.lease_s}",
+        ]
 
 
 def plan_recovery(cfg: RunConfig, kill_after: int, bound_s: float) -> RecoveryPlan:
@@ -221,8 +226,9 @@ def run_recovery_bench(
         # Restart once the federation has moved on without it, so the island must pull the full θ.
         fed.wait_for(
             lambda: True if [r for r in fed.rounds() if victim not in r.get("islands", [])] else None,
-            timeout_s, f"a round committed without {victim}",
-        )  # fmt: skip
+            timeout_s,
+            f"a round committed without {victim}",
+        )
         restarted_round = len(fed.rounds())
         seen = len(fed.events(island=victim))
         first_seen: dict[str, float] = {}
@@ -300,15 +306,19 @@ def run_failover_bench(
         raise BenchError(f"--how must be one of {', '.join(FAILURES)} (got {how!r})")
     cfg = load_config(config_path, overrides)
     if how == "freeze" and not cfg.transport.keepalive_s:
-        raise BenchError("--how freeze needs transport.keepalive_s > 0: only the coordinator's keepalive pings "
-                         "notice a frozen host before its lease (off by default; e.g. transport.keepalive_s=1)")
+        raise BenchError(
+            "--how freeze needs transport.keepalive_s > 0: only the coordinator's keepalive pings "
+            "notice a frozen host before its lease (off by default; e.g. transport.keepalive_s=1)"
+        )
     _check_can_lose_one(cfg, restarts=False)
     victim = _pick_victim(cfg, victim, by_link=False)
     survivors = [n for n in cfg.islands.island_names if n != victim]
     run_overrides = [
-        *overrides, f"train.rounds={kill_after + 3}", f'islands.slowdown=["{victim}={factor:g}"]',
+        *overrides,
+        f"train.rounds={kill_after + 3}",
+        f'islands.slowdown=["{victim}={factor:g}"]',
         *(f"quorum.{key}={FAILOVER_LEASE_S}" for key in ("lease_s", "min_deadline_s", "max_deadline_s")),
-    ]  # fmt: skip
+    ]
     t0 = time.monotonic()
     with _federation(config_path, run_overrides, run_dir) as fed:
         fed.start_coordinator()
@@ -321,8 +331,12 @@ def run_failover_bench(
         def pushed(name: str) -> bool:
             return any(e["round"] == open_round and e["island"] == name for e in fed.events("push"))
 
-        fed.wait_for(lambda: all(pushed(n) for n in survivors) or None, timeout_s,
-                     f"the survivors' pushes of round {open_round}", poll_s=0.01)  # fmt: skip
+        fed.wait_for(
+            lambda: all(pushed(n) for n in survivors) or None,
+            timeout_s,
+            f"the survivors' pushes of round {open_round}",
+            poll_s=0.01,
+        )
         if pushed(victim):
             raise BenchError(f"{victim} pushed round {open_round} before the others: raise --factor (got {factor:g})")
         if how == "worker":

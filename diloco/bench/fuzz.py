@@ -99,10 +99,18 @@ class Forge:
         return options[int(self.rng.integers(len(options)))]
 
     def text(self) -> str:
-        return self.pick([
-            "", self.pick(self.names), self.cfg.run.name, "\x00\x1b[31m\n\r", "é" * 50, "🏝" * 300,
-            "x" * int(self.rng.integers(1, 300_000)), "".join(map(chr, self.rng.integers(32, 0x2FFF, 40))),
-        ])  # fmt: skip
+        return self.pick(
+            [
+                "",
+                self.pick(self.names),
+                self.cfg.run.name,
+                "\x00\x1b[31m\n\r",
+                "é" * 50,
+                "🏝" * 300,
+                "x" * int(self.rng.integers(1, 300_000)),
+                "".join(map(chr, self.rng.integers(32, 0x2FFF, 40))),
+            ]
+        )
 
     def or_text(self, real: str) -> str:
         """``real`` half the time, else a fuzzed text."""
@@ -131,8 +139,20 @@ class Forge:
     # -- shots ---------------------------------------------------------------------------------------------------
 
     def shot(self) -> Shot:
-        kind = self.pick(["join", "heartbeat", "leave", "status", "pull", "push_meta", "push_header",
-                          "push_chunks", "push_values", "raw"])  # fmt: skip
+        kind = self.pick(
+            [
+                "join",
+                "heartbeat",
+                "leave",
+                "status",
+                "pull",
+                "push_meta",
+                "push_header",
+                "push_chunks",
+                "push_values",
+                "raw",
+            ]
+        )
         return getattr(self, f"_{kind}")()
 
     def _unary(self, rpc: str, message: Any, label: str, md: tuple) -> Shot:
@@ -140,18 +160,25 @@ class Forge:
 
     def _join(self) -> Shot:
         name, md = self.who()
-        config_json = self.pick(["", "{}", "[1]", HUGE_JSON, "x" * (2 << 20), self.text(),
-                                 json.dumps({"train": {"rounds": self.number()}})])  # fmt: skip
-        req = pb.JoinRequest(run_id=self.or_text(self.cfg.run.name), island=self.or_text(name),
-                             config_digest=self.pick([self.digest, b"", self.rng.bytes(32)]), config_json=config_json,
-                             last_round=self.pick([-1, -(2**63), 2**63 - 1, self.round]),
-                             devices=self.uint(32), release=self.pick([RELEASE, "", self.text()]))  # fmt: skip
+        config_json = self.pick(
+            ["", "{}", "[1]", HUGE_JSON, "x" * (2 << 20), self.text(), json.dumps({"train": {"rounds": self.number()}})]
+        )
+        req = pb.JoinRequest(
+            run_id=self.or_text(self.cfg.run.name),
+            island=self.or_text(name),
+            config_digest=self.pick([self.digest, b"", self.rng.bytes(32)]),
+            config_json=config_json,
+            last_round=self.pick([-1, -(2**63), 2**63 - 1, self.round]),
+            devices=self.uint(32),
+            release=self.pick([RELEASE, "", self.text()]),
+        )
         return self._unary("Join", req, f"join config_json[{len(config_json)}]", md)
 
     def _heartbeat(self) -> Shot:
         name, md = self.who()
-        req = pb.HeartbeatRequest(run_id=self.or_text(self.cfg.run.name), island=self.or_text(name),
-                                  round=self.uint(64), step=self.uint(64))  # fmt: skip
+        req = pb.HeartbeatRequest(
+            run_id=self.or_text(self.cfg.run.name), island=self.or_text(name), round=self.uint(64), step=self.uint(64)
+        )
         return self._unary("Heartbeat", req, "heartbeat", md)
 
     def _leave(self) -> Shot:
@@ -165,19 +192,34 @@ class Forge:
 
     def _pull(self) -> Shot:
         name, md = self.who()
-        req = pb.PullRequest(run_id=self.or_text(self.cfg.run.name), island=self.or_text(name),
-                             have_round=self.pick([-1, -(2**63), 2**63 - 1, self.round, self.round - 1]),
-                             fragment=self.pick([0, 1, 2**32 - 1]), full=bool(self.rng.random() < 0.5))  # fmt: skip
+        req = pb.PullRequest(
+            run_id=self.or_text(self.cfg.run.name),
+            island=self.or_text(name),
+            have_round=self.pick([-1, -(2**63), 2**63 - 1, self.round, self.round - 1]),
+            fragment=self.pick([0, 1, 2**32 - 1]),
+            full=bool(self.rng.random() < 0.5),
+        )
         return self._unary("PullGlobal", req, f"pull fragment={req.fragment}", md)
 
     def _meta(self, name: str) -> pb.PushMeta:
-        return pb.PushMeta(run_id=self.cfg.run.name, island=name, round=self.round, fragment=0, tokens=1000,
-                           inner_steps=1, base_digest=self.base_digest, loss=1.0, compute_s=1.0,
-                           wall_s=2.0)  # fmt: skip
+        return pb.PushMeta(
+            run_id=self.cfg.run.name,
+            island=name,
+            round=self.round,
+            fragment=0,
+            tokens=1000,
+            inner_steps=1,
+            base_digest=self.base_digest,
+            loss=1.0,
+            compute_s=1.0,
+            wall_s=2.0,
+        )
 
     def _tensors(self, fill: Callable[[tuple[int, ...]], np.ndarray]) -> list[EncodedTensor]:
-        return [EncodedTensor(n, "fp32", "float32", s, 0, 0, fill(s).astype("<f4").tobytes())
-                for n, s in sorted(self.shapes.items())]  # fmt: skip
+        return [
+            EncodedTensor(n, "fp32", "float32", s, 0, 0, fill(s).astype("<f4").tobytes())
+            for n, s in sorted(self.shapes.items())
+        ]
 
     def _stream(self, meta: pb.PushMeta, tensors: list[EncodedTensor]) -> list[Any]:
         return list(push_wire_chunks(meta, tensors, int(self.pick([1024, 4096, 1 << 20]))))
@@ -190,8 +232,13 @@ class Forge:
         name, md = self.who()
         meta = self._meta(name)
         key = self.pick(["loss", "compute_s", "wall_s", "tokens", "fragment", "round", "base_digest", "run_id"])
-        value = {"tokens": self.uint(64), "fragment": self.uint(32), "round": self.uint(64),
-                 "base_digest": self.rng.bytes(32), "run_id": self.text()}.get(key, self.number())  # fmt: skip
+        value = {
+            "tokens": self.uint(64),
+            "fragment": self.uint(32),
+            "round": self.uint(64),
+            "base_digest": self.rng.bytes(32),
+            "run_id": self.text(),
+        }.get(key, self.number())
         setattr(meta, key, value)
         chunks = self._stream(meta, self._tensors(np.zeros))
         return Shot("PushPseudoGrad", f"push {key}={str(value)[:40]}", self._bytes(chunks), md)
@@ -216,8 +263,12 @@ class Forge:
         elif what == "block":
             t.codec, t.block_size = "int8", self.pick([0, 1, 2**31])
         elif what == "many":
-            header.tensors.extend([pb.TensorMeta(name=f"t{i}", codec="fp32", dtype="float32", shape=[1], nbytes=4)
-                                   for i in range(int(self.rng.integers(100, 50_000)))])  # fmt: skip
+            header.tensors.extend(
+                [
+                    pb.TensorMeta(name=f"t{i}", codec="fp32", dtype="float32", shape=[1], nbytes=4)
+                    for i in range(int(self.rng.integers(100, 50_000)))
+                ]
+            )
         elif what == "dtype":
             t.dtype = self.pick(["float64", "int8", "", "float16"])
         else:
@@ -285,8 +336,9 @@ class Flood:
         push, beat = channel.stream_unary(SERVICE + "PushPseudoGrad"), channel.stream_unary(SERVICE + "Heartbeat")
         insider = forge.names[-1]
         beat_md = call_metadata(insider, forge.secrets.get(insider) if forge.secrets else None)
-        self.calls = [push.future(self._silent(), metadata=forge.who()[1], timeout=CALL_TIMEOUT_S * 4)
-                      for _ in range(streams)]  # fmt: skip
+        self.calls = [
+            push.future(self._silent(), metadata=forge.who()[1], timeout=CALL_TIMEOUT_S * 4) for _ in range(streams)
+        ]
         self.calls += [beat.future(self._silent(), metadata=beat_md, timeout=CALL_TIMEOUT_S * 4) for _ in range(unary)]
 
     def _silent(self) -> Iterator[bytes]:
@@ -309,8 +361,13 @@ def _probe(address: str, forge: Forge) -> dict[str, Any]:
     config = TransportConfig(max_attempts=1, rpc_timeout_s=CALL_TIMEOUT_S)
     out: dict[str, Any] = {}
     with GrpcTransport(address, name, forge.secrets.get(name) if forge.secrets else None, config=config) as c:
-        for what, call in (("status", c.status), ("heartbeat", lambda: c.heartbeat(
-                pb.HeartbeatRequest(run_id=forge.cfg.run.name, island=name, round=forge.round)))):  # fmt: skip
+        for what, call in (
+            ("status", c.status),
+            (
+                "heartbeat",
+                lambda: c.heartbeat(pb.HeartbeatRequest(run_id=forge.cfg.run.name, island=name, round=forge.round)),
+            ),
+        ):
             t0 = time.monotonic()
             try:
                 call()
@@ -350,9 +407,14 @@ def _fuzz(address: str, forge: Forge, messages: int, threads: int) -> dict[str, 
     for t in pool:
         t.join()
     unknown = codes["UNKNOWN"] + codes["INTERNAL"]
-    return {"messages": sum(codes.values()), "codes": dict(codes), "by_rpc": {k: dict(v) for k, v in by_rpc.items()},
-            "unknown_or_internal": unknown, "unknown_or_internal_shots": bad,
-            "client_deadline_exceeded": codes["DEADLINE_EXCEEDED"]}  # fmt: skip
+    return {
+        "messages": sum(codes.values()),
+        "codes": dict(codes),
+        "by_rpc": {k: dict(v) for k, v in by_rpc.items()},
+        "unknown_or_internal": unknown,
+        "unknown_or_internal_shots": bad,
+        "client_deadline_exceeded": codes["DEADLINE_EXCEEDED"],
+    }
 
 
 def _metrics_bytes(fed: Federation) -> int:
@@ -389,11 +451,12 @@ def _run(mode: str, messages: int, seed: int, run_dir: Path, tmp: Path, threads:
         result |= {
             "idle_flood": {"calls": len(flood.calls), "codes": dict(flood_codes), "probes_meanwhile": probe},
             "coordinator_alive": alive,
-            "rss_mib_before": round(before["VmRSS"] / 1024, 1), "rss_mib_after": round(after["VmRSS"] / 1024, 1),
+            "rss_mib_before": round(before["VmRSS"] / 1024, 1),
+            "rss_mib_after": round(after["VmRSS"] / 1024, 1),
             "rss_mib_peak": round(after["VmHWM"] / 1024, 1),
             "metrics_growth_bytes": _metrics_bytes(fed) - metrics_before,
             "rejected_events": len(fed.events("rejected")),
-        }  # fmt: skip
+        }
         result["legit_round"] = _legit_round(fed) if alive else {"committed": False, "why": "coordinator died"}
     return result
 
@@ -410,11 +473,20 @@ def _legit_round(fed: Federation, timeout_s: float = 240.0) -> dict[str, Any]:
         rounds = fed.wait_rounds(len(fed.rounds()) + 1, timeout_s)
     except FederationError as exc:  # the finding, not the benchmark's failure
         logs = {name: log_lines(fed.log_path(name))[-8:] for name in fed.processes()}
-        return {"committed": False, "why": str(exc).splitlines()[0], "s": round(time.monotonic() - t0, 1),
-                "coordinator_state": fed.events()[-5:], "logs": logs}  # fmt: skip
+        return {
+            "committed": False,
+            "why": str(exc).splitlines()[0],
+            "s": round(time.monotonic() - t0, 1),
+            "coordinator_state": fed.events()[-5:],
+            "logs": logs,
+        }
     losses = [r["eval_loss"] for r in rounds if "eval_loss" in r]
-    return {"committed": True, "s": round(time.monotonic() - t0, 1), "round": rounds[-1]["round"],
-            "eval_losses_finite": all(math.isfinite(x) for x in losses)}  # fmt: skip
+    return {
+        "committed": True,
+        "s": round(time.monotonic() - t0, 1),
+        "round": rounds[-1]["round"],
+        "eval_losses_finite": all(math.isfinite(x) for x in losses),
+    }
 
 
 MODES = ("auth", "open")
@@ -436,10 +508,13 @@ def run_fuzz_bench(
     with tempfile.TemporaryDirectory(prefix="bench-fuzz-") as tmp:
         runs = {mode: _run(mode, messages // len(modes), seed, run_dir, Path(tmp), threads) for mode in modes}
     return {
-        "bench": "fuzz", "seed": seed, "run_dir": str(run_dir),
+        "bench": "fuzz",
+        "seed": seed,
+        "run_dir": str(run_dir),
         "messages_sent": sum(r["messages"] for r in runs.values()),
         "unknown_or_internal": sum(r["unknown_or_internal"] for r in runs.values()),
         "coordinator_alive": all(r["coordinator_alive"] for r in runs.values()),
         "legit_round_completed": all(r["legit_round"]["committed"] for r in runs.values()),
-        "runs": runs, "wall_s": round(time.monotonic() - t0, 1),
-    }  # fmt: skip
+        "runs": runs,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }

@@ -69,9 +69,14 @@ def codec_target(data: bytes) -> None:
     r = _Bytes(data)
     shape = tuple(r.byte() % 9 for _ in range(r.byte() % 4))
     tensor = EncodedTensor(
-        name="fuzz", codec=r.pick(tuple(KINDS) + ("int2",)), dtype=r.pick(tuple(DTYPES) + ("int64",)), shape=shape,
-        block_size=r.pick((0, 1, 3, 8, 256, 1 << 17)), zstd_level=r.pick((0, 0, 1, 3)), payload=r.rest(),
-    )  # fmt: skip
+        name="fuzz",
+        codec=r.pick(tuple(KINDS) + ("int2",)),
+        dtype=r.pick(tuple(DTYPES) + ("int64",)),
+        shape=shape,
+        block_size=r.pick((0, 1, 3, 8, 256, 1 << 17)),
+        zstd_level=r.pick((0, 0, 1, 3)),
+        payload=r.rest(),
+    )
     try:
         decode(tensor, max_dense_nbytes=MAX_PAYLOAD)
     except EXPECTED:
@@ -111,8 +116,16 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
 
 
 def _fuzz_one(target: str, runs: int, seconds: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "diloco.bench.fuzz_entry", target, f"-runs={runs}", f"-max_total_time={seconds}",
-           "-max_len=4096", "-print_final_stats=1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "diloco.bench.fuzz_entry",
+        target,
+        f"-runs={runs}",
+        f"-max_total_time={seconds}",
+        "-max_len=4096",
+        "-print_final_stats=1",
+    ]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
     out = proc.stdout + proc.stderr

@@ -136,8 +136,11 @@ def run_heterogeneous_bench(
             f"(got {rounds}, {islands}, {factor}, {target})"
         )
     names = list(cfg.islands.names[:islands]) if len(cfg.islands.names) >= islands else []
-    base = _variant(cfg, islands={"count": islands, "names": names, "slowdown": []},
-                    train={"mode": "diloco", "rounds": rounds, "round_seconds": 0.0, "log_every": 1})  # fmt: skip
+    base = _variant(
+        cfg,
+        islands={"count": islands, "names": names, "slowdown": []},
+        train={"mode": "diloco", "rounds": rounds, "round_seconds": 0.0, "log_every": 1},
+    )
     fast, slow = base.islands.island_names[0], base.islands.island_names[-1]
     plain = _variant(base, islands={"slowdown": [f"{slow}={factor}"]})
     factors = {name: plain.islands.slowdowns().get(name, 1.0) for name in plain.islands.island_names}

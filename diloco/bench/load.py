@@ -171,11 +171,16 @@ class SharedDelta:
             if not self.tensors:
                 self.tensors = [
                     EncodedTensor(
-                        name=t.name, codec="fp32", dtype="float32", shape=tuple(t.shape), block_size=0, zstd_level=0,
+                        name=t.name,
+                        codec="fp32",
+                        dtype="float32",
+                        shape=tuple(t.shape),
+                        block_size=0,
+                        zstd_level=0,
                         payload=(1e-4 * self._rng.standard_normal(t.shape)).astype("<f4").tobytes(),
                     )
                     for t in full.tensors
-                ]  # fmt: skip
+                ]
             return self.tensors
 
 
@@ -204,8 +209,9 @@ def light_island(address: str, cfg: RunConfig, name: str, secret: str, delta: Sh
     tokens = cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len
     try:
         with GrpcTransport(address, name, secret, config=cfg.transport) as client:
-            join = pb.JoinRequest(**meta, config_digest=bytes.fromhex(config_digest(cfg)), last_round=-1, devices=1,
-                                  release=RELEASE)  # fmt: skip
+            join = pb.JoinRequest(
+                **meta, config_digest=bytes.fromhex(config_digest(cfg)), last_round=-1, devices=1, release=RELEASE
+            )
             retry_forever(lambda: client.join(join), "join", CLIENT_GIVE_UP_S)
             full = retry_forever(
                 lambda: client.pull(pb.PullRequest(**meta, have_round=-1, full=True)), "pull", CLIENT_GIVE_UP_S
@@ -217,8 +223,9 @@ def light_island(address: str, cfg: RunConfig, name: str, secret: str, delta: Sh
                 with contextlib.suppress(TransportError):  # as an island's heartbeat thread: the next call retries
                     if client.heartbeat(pb.HeartbeatRequest(**meta, round=round_, step=0)).state == REJOIN:
                         retry_forever(lambda: client.join(join), "join", CLIENT_GIVE_UP_S)
-                push = pb.PushMeta(**meta, round=round_, tokens=tokens, inner_steps=cfg.train.inner_steps, loss=1.0,
-                                   base_digest=digest)  # fmt: skip
+                push = pb.PushMeta(
+                    **meta, round=round_, tokens=tokens, inner_steps=cfg.train.inner_steps, loss=1.0, base_digest=digest
+                )
                 trace.push_start[round_] = time.monotonic()
                 retry_forever(lambda: client.push(push, tensors), "push", CLIENT_GIVE_UP_S)  # noqa: B023
                 trace.push_end[round_] = time.monotonic()
@@ -317,10 +324,14 @@ def run_load_bench(
             delta = SharedDelta(cfg.run.seed)
             traces = {name: ClientTrace() for name in cfg.islands.island_names}
             threads = [
-                threading.Thread(target=light_island, args=(address, cfg, name, secret, delta, traces[name]),
-                                 name=f"light-{name}", daemon=True)
+                threading.Thread(
+                    target=light_island,
+                    args=(address, cfg, name, secret, delta, traces[name]),
+                    name=f"light-{name}",
+                    daemon=True,
+                )
                 for name, secret in zip(cfg.islands.island_names, island_secrets, strict=True)
-            ]  # fmt: skip
+            ]
             for thread in threads:
                 thread.start()
             samples = _watch(fed, pid, threads, list(traces.values()), timeout_s)
@@ -334,9 +345,19 @@ def run_load_bench(
             summary = fed.wait_done(60.0)
             exit_code = fed.coordinator.wait(30)
             run = LoadRun(
-                cfg, run_dir, fed.rounds(), fed.events("push"), traces, samples, started, ended, summary, exit_code,
-                _payload_bytes(delta.tensors), time.monotonic() - t0,
-            )  # fmt: skip
+                cfg,
+                run_dir,
+                fed.rounds(),
+                fed.events("push"),
+                traces,
+                samples,
+                started,
+                ended,
+                summary,
+                exit_code,
+                _payload_bytes(delta.tensors),
+                time.monotonic() - t0,
+            )
     return report(run)
 
 

@@ -169,9 +169,14 @@ class SoakPlan:
             lo = first + math.floor(i * span)
             hi = max(lo, first + math.floor((i + 1) * span) - 1)
             kills.append(
-                Kill(at_round=rng.randint(lo, hi), coordinator=i in coordinator_at, offset_s=rng.uniform(0.0, 1.0),
-                     delay_s=rng.uniform(*RESTART_DELAY_S), pick=rng.random())
-            )  # fmt: skip
+                Kill(
+                    at_round=rng.randint(lo, hi),
+                    coordinator=i in coordinator_at,
+                    offset_s=rng.uniform(0.0, 1.0),
+                    delay_s=rng.uniform(*RESTART_DELAY_S),
+                    pick=rng.random(),
+                )
+            )
         return kills
 
 
@@ -224,8 +229,14 @@ class DigestWatch:
                     continue
                 checked += 1
                 if s["digest"] != digest_after.get(s["round"]):
-                    mismatches.append({"island": name, "round": s["round"], "digest": s["digest"],
-                                       "coordinator": digest_after.get(s["round"])})  # fmt: skip
+                    mismatches.append(
+                        {
+                            "island": name,
+                            "round": s["round"],
+                            "digest": s["digest"],
+                            "coordinator": digest_after.get(s["round"]),
+                        }
+                    )
             last_synced[name] = synced[-1]["round"] if synced else -1
         return {
             "rounds_committed": len(commits),
@@ -334,11 +345,16 @@ def run_soak_bench(
         clean = soak_run(config, overrides, run_dir / "fault_free", plan.rounds, None) if fault_free else None
     out: dict[str, Any] = {
         "bench": "soak",
-        "plan": {"rounds": plan.rounds, "island_kills": plan.island_kills,
-                 "coordinator_kills": plan.coordinator_kills, "seed": plan.seed, "islands": plan.islands},
+        "plan": {
+            "rounds": plan.rounds,
+            "island_kills": plan.island_kills,
+            "coordinator_kills": plan.coordinator_kills,
+            "seed": plan.seed,
+            "islands": plan.islands,
+        },
         "faulted": faulted,
         "digest_mismatches": faulted["digest_mismatches"] + faulted["live_digest_mismatches"],
-    }  # fmt: skip
+    }
     if clean is not None:
         a, b = clean["final_eval_loss"], faulted["final_eval_loss"]
         ratio = b / a if a and math.isfinite(a) and math.isfinite(b) else math.inf

@@ -59,8 +59,12 @@ def critical_path(
         push = next((e for e in pushed.get(island, []) if e["round"] == r and "push_s" in e), None)
         if r == 0 or start is None or push is None:
             continue
-        parts = {"encode": start["encode_s"], "push": push["push_s"], "pull": start["waited_s"] - push["push_s"],
-                 "adopt": start["adopt_s"]}  # fmt: skip
+        parts = {
+            "encode": start["encode_s"],
+            "push": push["push_s"],
+            "pull": start["waited_s"] - push["push_s"],
+            "adopt": start["adopt_s"],
+        }
         parts["rest"] = start["sync_s"] - sum(parts.values())
         out.append({"round": r, "island": island, "sync_s": start["sync_s"], **parts})
     return out

@@ -251,8 +251,10 @@ def run_utilization_bench(
     """Plain, then streaming, federations of the config (module docstring); with `kernel_link` (Mbit/s), both inside
     one namespace shaped by tbf at that rate, the user-space shaper off."""
     if rounds < WARMUP_ROUNDS + 2:
-        raise BenchError(f"bench utilization: --rounds must be >= {WARMUP_ROUNDS + 2} (the first {WARMUP_ROUNDS} "
-                         f"rounds are left out; got {rounds})")  # fmt: skip
+        raise BenchError(
+            f"bench utilization: --rounds must be >= {WARMUP_ROUNDS + 2} (the first {WARMUP_ROUNDS} "
+            f"rounds are left out; got {rounds})"
+        )
     plain = ["stream.fragments=1", "stream.overlap_steps=0"]
     stream = [f"stream.fragments={fragments}", f"stream.overlap_steps={overlap}"]
     kernel: dict[str, Any] | None = None

@@ -43,9 +43,16 @@ class Committer:
     """Closes syncs, commits them, and keeps or undoes each commit once the settler evaluated it."""
 
     def __init__(
-        self, cfg: RunConfig, rd: RunDir, world: GlobalRun, cond: threading.Condition, clock: Callable[[], float],
-        roster: Roster, admission: PushAdmission, window: CommitWindow,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: RunConfig,
+        rd: RunDir,
+        world: GlobalRun,
+        cond: threading.Condition,
+        clock: Callable[[], float],
+        roster: Roster,
+        admission: PushAdmission,
+        window: CommitWindow,
+    ) -> None:
         self.cfg = cfg
         self.rd = rd
         self.world = world
@@ -84,8 +91,9 @@ class Committer:
         self.close(self.clock(), None, annotations)
         if self.loop.sync == placement.position:
             why = self.admission.dropped.get(admitted.content, "not committed")
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"island {meta.island}'s pseudo-gradient was dropped: {why}")  # fmt: skip
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION, f"island {meta.island}'s pseudo-gradient was dropped: {why}"
+            )
         return pb.PushReply(accepted=True, round=placement.position, detail=f"applied as update {placement.position}")
 
     def close(self, now: float, reason: str | None, annotations: dict[str, Any] | None = None) -> None:
@@ -95,8 +103,12 @@ class Committer:
             sync, restore = self.loop.sync, self.admission.snapshot()
             faults.at(faults.COORDINATOR, "before_commit", self.loop.round)
             try:
-                pending = self.world.commit(losses=self.roster.losses(self.loop.pending),
-                                            seconds=now - self.opened_at, reason=reason, annotations=annotations)
+                pending = self.world.commit(
+                    losses=self.roster.losses(self.loop.pending),
+                    seconds=now - self.opened_at,
+                    reason=reason,
+                    annotations=annotations,
+                )
             except (CodecError, ArithmeticError) as exc:  # commit is all or nothing: θ and the round are unchanged
                 self._drop_largest(str(exc))
                 continue
@@ -104,8 +116,13 @@ class Committer:
             self.settler.enqueue(pending, restore)
             self.opened_at = now
             for island, why in self.admission.opened(self.loop):
-                self.rd.log("contribution_dropped", round=self.loop.round, fragment=self.loop.fragment,
-                            island=island, reason=clip(why))  # fmt: skip
+                self.rd.log(
+                    "contribution_dropped",
+                    round=self.loop.round,
+                    fragment=self.loop.fragment,
+                    island=island,
+                    reason=clip(why),
+                )
             if self.loop.pending:  # early pushes filled the new sync
                 self.tick()
             self.cond.notify_all()
@@ -126,8 +143,9 @@ class Committer:
         plain = self.loop.fragments.count == 1 and not self.asynchronous
         return all(
             self.window.was_served(name, position) and (not plain or self.roster.moved_past(name, commit.round))
-            for name in commit.islands if name in self.roster
-        )  # fmt: skip
+            for name in commit.islands
+            if name in self.roster
+        )
 
     def keep(self, job: Job, eval_loss: float) -> dict | None:
         """Keep a commit (returns the checkpoint metadata, if due) or, when its model diverged, undo it and every

@@ -65,9 +65,13 @@ class Coordinator:
     """Wires the coordinator's parts under one condition variable and answers the transport's calls."""
 
     def __init__(
-        self, cfg: RunConfig, rd: RunDir, setup: Setup, clock: Callable[[], float] = time.monotonic,
+        self,
+        cfg: RunConfig,
+        rd: RunDir,
+        setup: Setup,
+        clock: Callable[[], float] = time.monotonic,
         metrics: CoordinatorMetrics | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg = cfg
         self.rd = rd
         self.clock = clock
@@ -97,13 +101,15 @@ class Coordinator:
         self.cond = threading.Condition()
         self.roster = Roster(self.names)
         self.admission = PushAdmission(
-            rule, max_tokens=cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len,
+            rule,
+            max_tokens=cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len,
             remembered=cfg.transport.idempotency_cache,
-        )  # fmt: skip
+        )
         kept = cfg.outer.max_staleness + 1 if self.asynchronous else fragments.count
         self.window = CommitWindow(kept, self.loop.sync, self.world.params_digest)
-        self.committer = Committer(cfg, rd, self.world, self.cond, lambda: self.clock(), self.roster, self.admission,
-                                   self.window)  # fmt: skip
+        self.committer = Committer(
+            cfg, rd, self.world, self.cond, lambda: self.clock(), self.roster, self.admission, self.window
+        )
         self.pulls = PullAnswers(cfg, self.world, self.cond, self.admission, self.window, self.metrics)
         self.events = ThrottledEvents(rd.log)
         self.metrics.follow(self)
@@ -173,8 +179,9 @@ class Coordinator:
             member = req.island in self.roster
             if member:
                 self.roster.heard_from(req.island, self.clock())
-            return pb.AttendReply(member=member, state=self._state_name(),
-                                  reconnect_grace_s=self.cfg.quorum.reconnect_grace_s)  # fmt: skip
+            return pb.AttendReply(
+                member=member, state=self._state_name(), reconnect_grace_s=self.cfg.quorum.reconnect_grace_s
+            )
 
     def absent(self, island: str) -> None:
         """An island's presence call broke: it is lost after `quorum.reconnect_grace_s` unless heard from again (the
@@ -219,8 +226,13 @@ class Coordinator:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
             admitted = self.admission.place(meta, tensors, arrays, payload_digest, self.loop, self.base_digest)
             self.admission.enter(admitted, self.loop)
-            self._count_push(meta, admitted.tokens, admitted.placement.position, admitted.placement.staleness,
-                             sum(len(t.payload) for t in tensors))  # fmt: skip
+            self._count_push(
+                meta,
+                admitted.tokens,
+                admitted.placement.position,
+                admitted.placement.staleness,
+                sum(len(t.payload) for t in tensors),
+            )
             if self.asynchronous:
                 reply = self.committer.commit_update(meta, admitted)
             else:
@@ -237,12 +249,18 @@ class Coordinator:
         totals.island_wall_s += float(meta.wall_s)
         where = {"base": meta.round, "staleness": staleness} if self.asynchronous else {}
         self.rd.log(
-            "push", round=position // self.loop.fragments.count, **where,
+            "push",
+            round=position // self.loop.fragments.count,
+            **where,
             **({"fragment": meta.fragment} if self.loop.fragments.count > 1 else {}),
-            island=meta.island, tokens=tokens, bytes_up=nbytes, loss=float(meta.loss),
-            compute_s=round(float(meta.compute_s), 4), wall_s=round(float(meta.wall_s), 4),
+            island=meta.island,
+            tokens=tokens,
+            bytes_up=nbytes,
+            loss=float(meta.loss),
+            compute_s=round(float(meta.compute_s), 4),
+            wall_s=round(float(meta.wall_s), 4),
             **({"tokens_claimed": int(meta.tokens)} if tokens != meta.tokens else {}),
-        )  # fmt: skip
+        )
 
     def pull(self, req: pb.PullRequest) -> PullPayload:
         return self.pulls.answer(req)
@@ -269,21 +287,30 @@ class Coordinator:
             now = self.clock()
             islands = [
                 pb.IslandStatus(
-                    name=name, round=self.loop.round, last_seen_s=self.roster.seen_ago(name, now),
+                    name=name,
+                    round=self.loop.round,
+                    last_seen_s=self.roster.seen_ago(name, now),
                     state=("pushed" if name in self.loop.pending else "training") if name in self.roster else "absent",
                 )
                 for name in self.names
-            ]  # fmt: skip
-            return pb.StatusReply(run_id=self.run_id, round=self.loop.round, state=self._state_name(),
-                                  islands=islands, detail_json=json.dumps(self.live_status()))  # fmt: skip
+            ]
+            return pb.StatusReply(
+                run_id=self.run_id,
+                round=self.loop.round,
+                state=self._state_name(),
+                islands=islands,
+                detail_json=json.dumps(self.live_status()),
+            )
 
     def live_status(self) -> dict[str, Any]:
         """The summary so far plus who is alive and their last losses: `diloco status` and `launch`'s display."""
         return {
-            **self.world.summary(), "islands_alive": self.roster.live, "last_losses": dict(self.roster.last_loss),
+            **self.world.summary(),
+            "islands_alive": self.roster.live,
+            "last_losses": dict(self.roster.last_loss),
             "island_bytes": {n: dict(t) for n, t in self.metrics.tally.items() if n in self.names},
             "rejected_by_code": dict(self.metrics.reasons),
-        }  # fmt: skip
+        }
 
 
 def check_joiner(req: pb.JoinRequest, names: Sequence[str], digest: bytes, config: dict[str, Any]) -> None:
@@ -296,8 +323,11 @@ def check_joiner(req: pb.JoinRequest, names: Sequence[str], digest: bytes, confi
         )
     if req.release != RELEASE:
         theirs = f"diloco {clip(req.release, 40)}" if req.release else "an older diloco (its join names no release)"
-        raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {req.island} runs {theirs}, the coordinator "
-                       f"diloco {RELEASE}: run one release everywhere (θ is bit-identical only within one)")
+        raise Rejected(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"island {req.island} runs {theirs}, the coordinator "
+            f"diloco {RELEASE}: run one release everywhere (θ is bit-identical only within one)",
+        )
     if bytes(req.config_digest) == digest:
         return
     try:  # name the differing keys when the island's config_json is a readable object (it is only ever a hint)
@@ -306,5 +336,7 @@ def check_joiner(req: pb.JoinRequest, names: Sequence[str], digest: bytes, confi
     except (ValueError, TypeError, RecursionError):  # not JSON, unhashable keys, nested beyond reason
         keys = []
     named = f" in: {', '.join(clip(k, 60) for k in keys[:10])}" if keys else ""
-    raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                   f"island {req.island}'s config differs from the coordinator's{named}; start both from one config")
+    raise Rejected(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"island {req.island}'s config differs from the coordinator's{named}; start both from one config",
+    )

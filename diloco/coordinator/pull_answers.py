@@ -48,9 +48,14 @@ class PullAnswers:
     """Answers pulls under the coordinator's condition variable, and tracks the pushes streaming in."""
 
     def __init__(
-        self, cfg: RunConfig, world: GlobalRun, cond: threading.Condition, admission: PushAdmission,
-        window: CommitWindow, metrics: CoordinatorMetrics,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: RunConfig,
+        world: GlobalRun,
+        cond: threading.Condition,
+        admission: PushAdmission,
+        window: CommitWindow,
+        metrics: CoordinatorMetrics,
+    ) -> None:
         self.cfg = cfg
         self.world = world
         self.cond = cond
@@ -80,12 +85,15 @@ class PullAnswers:
         with self.cond:
             refuse_if_diverged(self.world)
             if req.after_push:  # its push left just before it: let that land (or fail) before "push first"
-                self.cond.wait_for(lambda: answer_pull(self._view(req)).kind not in PUSH_MISSING,
-                                   timeout=min(PUSH_LANDING_S, self.cfg.network.pull_wait_s))  # fmt: skip
+                self.cond.wait_for(
+                    lambda: answer_pull(self._view(req)).kind not in PUSH_MISSING,
+                    timeout=min(PUSH_LANDING_S, self.cfg.network.pull_wait_s),
+                )
             answer = answer_pull(self._view(req))
             if answer.kind is PullKind.WAIT:
-                self.cond.wait_for(lambda: answer_pull(self._view(req)).kind is not PullKind.WAIT,
-                                   timeout=self.cfg.network.pull_wait_s)  # fmt: skip
+                self.cond.wait_for(
+                    lambda: answer_pull(self._view(req)).kind is not PullKind.WAIT, timeout=self.cfg.network.pull_wait_s
+                )
                 answer = answer_pull(self._view(req))
             if answer.kind is not PullKind.UPDATE and answer.kind is not PullKind.FULL:
                 self.metrics.pulled(req.island, answer.kind.value, 0)
@@ -112,9 +120,14 @@ class PullAnswers:
         self.metrics.pulled(req.island, kind.value, nbytes)
         round_, fragment = divmod(reaches, loop.fragments.count)
         return PullPayload(
-            round=round_, fragment=fragment, kind=kind.value, param_digest=bytes.fromhex(digest),
-            tensors=tensors, shared=shared, on_done=lambda: self._served(island, reaches - 1),
-        )  # fmt: skip
+            round=round_,
+            fragment=fragment,
+            kind=kind.value,
+            param_digest=bytes.fromhex(digest),
+            tensors=tensors,
+            shared=shared,
+            on_done=lambda: self._served(island, reaches - 1),
+        )
 
     def _served(self, island: str, position: int) -> None:
         """A pull that carried the commit of sync ``position`` (or a later θ) to ``island`` is over."""
@@ -127,7 +140,12 @@ class PullAnswers:
         have = position_of(req, loop.fragments.count)
         pushed = self.admission.pending if have == loop.sync else self.admission.early.get(have, {})
         return PullView(
-            have_round=have, full=req.full, round=loop.sync, done=self.world.done,
-            pushed=req.island in pushed, arriving=(req.island, have) in self.arriving,
-            last_commit_round=self.window.last_position, kept=self.window.kept,
-        )  # fmt: skip
+            have_round=have,
+            full=req.full,
+            round=loop.sync,
+            done=self.world.done,
+            pushed=req.island in pushed,
+            arriving=(req.island, have) in self.arriving,
+            last_commit_round=self.window.last_position,
+            kept=self.window.kept,
+        )

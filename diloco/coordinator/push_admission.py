@@ -141,12 +141,18 @@ class AsyncUpdates:
     def place(self, meta: pb.PushMeta, loop: OuterLoop, digest_at: Callable[[pb.PushMeta], str | None]) -> Placement:
         u = loop.round
         if meta.round > u:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {meta.island}'s pseudo-gradient is from "
-                           f"θ_{meta.round}, ahead of the coordinator's θ_{u}; pull the full parameters")  # fmt: skip
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"island {meta.island}'s pseudo-gradient is from "
+                f"θ_{meta.round}, ahead of the coordinator's θ_{u}; pull the full parameters",
+            )
         if u - meta.round > self.max_staleness:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"island {meta.island}'s pseudo-gradient is "
-                           f"{u - meta.round} updates stale, over outer.max_staleness = {self.max_staleness}; pull "
-                           "the full parameters")  # fmt: skip
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"island {meta.island}'s pseudo-gradient is "
+                f"{u - meta.round} updates stale, over outer.max_staleness = {self.max_staleness}; pull "
+                "the full parameters",
+            )
         known = digest_at(meta)  # None: not since this coordinator (re)started
         if known is None or bytes(meta.base_digest) != bytes.fromhex(known):
             raise Rejected(
@@ -275,8 +281,10 @@ class PushAdmission:
         queued = self.early.setdefault(position, {})
         if island in queued:
             P = loop.fragments.count
-            raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"island {island} already contributed to "
-                           f"{sync_name(*divmod(position, P), P)}")  # fmt: skip
+            raise Rejected(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"island {island} already contributed to {sync_name(*divmod(position, P), P)}",
+            )
         queued[island] = Held(admitted.key, admitted.content, delta, admitted.tokens)
 
     def remember(self, key: PushKey, payload_digest: bytes, reply: pb.PushReply) -> pb.PushReply:

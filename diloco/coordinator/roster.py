@@ -78,8 +78,13 @@ class Roster:
 
     def round_view(self, opened_at: float, pushed: Iterable[str], durations: Sequence[float]) -> RoundView:
         """What `decide` reads about the open round."""
-        return RoundView(opened_at=opened_at, last_seen=dict(self.last_seen), pushed=frozenset(pushed),
-                         durations=durations, broken=dict(self.broken))  # fmt: skip
+        return RoundView(
+            opened_at=opened_at,
+            last_seen=dict(self.last_seen),
+            pushed=frozenset(pushed),
+            durations=durations,
+            broken=dict(self.broken),
+        )
 
     def moved_past(self, island: str, round_: int) -> bool:
         """The island said by heartbeat that it trains on a round after ``round_``."""

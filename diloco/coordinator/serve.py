@@ -59,8 +59,14 @@ def check_listen(listen: str) -> None:
 
 
 def serve(
-    cfg: RunConfig, run_dir: Path, listen: str, progress: bool = True, linger_s: float = 15.0, *,
-    insecure: bool = False, metrics_port_flag: int | None = None,
+    cfg: RunConfig,
+    run_dir: Path,
+    listen: str,
+    progress: bool = True,
+    linger_s: float = 15.0,
+    *,
+    insecure: bool = False,
+    metrics_port_flag: int | None = None,
 ) -> dict[str, Any]:
     """Run the coordinator until the run is done or a signal stops it.
 
@@ -90,8 +96,13 @@ def serve(
         raise ListenError(f"cannot listen on {listen} ({exc}); is the port already in use?") from None
     metrics_server: MetricsServer | None = None
     try:
-        metrics_server = serve_metrics(metrics.registry, listen.rpartition(":")[0], metrics_port(cfg, None,
-                                       metrics_port_flag), certfile=net.tls_cert, keyfile=net.tls_key)  # fmt: skip
+        metrics_server = serve_metrics(
+            metrics.registry,
+            listen.rpartition(":")[0],
+            metrics_port(cfg, None, metrics_port_flag),
+            certfile=net.tls_cert,
+            keyfile=net.tls_key,
+        )
         coordinator = Coordinator(cfg, rd, build_setup(cfg, islands=()), metrics=metrics)
     except BaseException:
         server.stop(0)
@@ -100,18 +111,29 @@ def serve(
         rd.close()
         raise
     service = DilocoService(
-        coordinator, cfg.run.name, coordinator.model_spec, authenticator=Authenticator(secrets),
-        config=transport, on_rejected=coordinator.on_rejected,
-        status_requires_auth=secrets is not None, islands=cfg.islands.island_names, uplink=cfg.codec.spec("uplink"),
-    )  # fmt: skip
+        coordinator,
+        cfg.run.name,
+        coordinator.model_spec,
+        authenticator=Authenticator(secrets),
+        config=transport,
+        on_rejected=coordinator.on_rejected,
+        status_requires_auth=secrets is not None,
+        islands=cfg.islands.island_names,
+        uplink=cfg.codec.spec("uplink"),
+    )
     server.attach(service)  # health: SERVING
     # Written whole or not at all (a rename): whoever polls for the file never reads it half-written, empty.
     partial = run_dir / "coordinator.addr.tmp"
     partial.write_text(server.address)
     partial.replace(run_dir / "coordinator.addr")
     rd.set_address(server.address)  # a second coordinator on this run dir is told where this one listens
-    log.info("diloco coordinator listening on %s (run %s, round %d)", server.address, cfg.run.name,
-             coordinator.loop.round, extra={"fields": {"address": server.address, "round": coordinator.loop.round}})
+    log.info(
+        "diloco coordinator listening on %s (run %s, round %d)",
+        server.address,
+        cfg.run.name,
+        coordinator.loop.round,
+        extra={"fields": {"address": server.address, "round": coordinator.loop.round}},
+    )
     stop = threading.Event()
     stopped_by: list[str] = []
 
@@ -135,9 +157,17 @@ def serve(
                 last_line = now
                 s = coordinator.live_status()
                 fields = {k: s[k] for k in ("rounds", "final_eval_loss", "bytes_up", "bytes_down", "rejected")}
-                log.info("round %d/%d alive %d eval %.4f up %s B down %s B rejected %d", s["rounds"],
-                         cfg.train.rounds, len(s["islands_alive"]), s["final_eval_loss"], f"{s['bytes_up']:,}",
-                         f"{s['bytes_down']:,}", s["rejected"], extra={"fields": fields})  # fmt: skip
+                log.info(
+                    "round %d/%d alive %d eval %.4f up %s B down %s B rejected %d",
+                    s["rounds"],
+                    cfg.train.rounds,
+                    len(s["islands_alive"]),
+                    s["final_eval_loss"],
+                    f"{s['bytes_up']:,}",
+                    f"{s['bytes_down']:,}",
+                    s["rejected"],
+                    extra={"fields": fields},
+                )
             if coordinator.done:
                 done_at = done_at or now
                 # Islands collect the last update and leave; do not wait for ever on one that died.

@@ -172,9 +172,11 @@ def check_label(label: str, what: str, pattern: re.Pattern[str] = DNS_LABEL, giv
     """`label` when it is a DNS label, else one line naming `what` and the value the user gave (`given`)."""
     if len(label) > MAX_LABEL or not pattern.match(label):
         starts = "start with a lower-case letter, " if pattern is DNS_1035_LABEL else "start and "
-        raise DeployError(f"{what} {given or label!r} cannot name Kubernetes objects: a DNS label must {starts}end "
-                          f"with a lower-case letter or digit, hold only those and '-', and have at most {MAX_LABEL} "
-                          "characters")  # fmt: skip
+        raise DeployError(
+            f"{what} {given or label!r} cannot name Kubernetes objects: a DNS label must {starts}end "
+            f"with a lower-case letter or digit, hold only those and '-', and have at most {MAX_LABEL} "
+            "characters"
+        )
     return label
 
 
@@ -219,8 +221,9 @@ class Names:
 
 def names(cfg: RunConfig, options: K8sOptions) -> Names:
     """The deployment's names, refused in one line when one cannot be a DNS label (or two islands would share one)."""
-    prefix = dns_label(options.prefix or cfg.run.name, "--prefix" if options.prefix else "run.name (or --prefix)",
-                       DNS_1035_LABEL)  # fmt: skip
+    prefix = dns_label(
+        options.prefix or cfg.run.name, "--prefix" if options.prefix else "run.name (or --prefix)", DNS_1035_LABEL
+    )
     labels: dict[str, str] = {}
     for island in cfg.islands.island_names:
         label = dns_label(island, "island name")
@@ -232,8 +235,10 @@ def names(cfg: RunConfig, options: K8sOptions) -> Names:
     hostname_room = MAX_LABEL - len(f"-{cfg.islands.processes - 1}")  # pod hostnames are <job>-<index>
     for island in labels:
         if len(out.island(island)) > hostname_room:
-            raise DeployError(f"the island name {out.island(island)!r} is too long for its pods' hostnames "
-                              f"(at most {hostname_room} characters): choose a shorter --prefix")  # fmt: skip
+            raise DeployError(
+                f"the island name {out.island(island)!r} is too long for its pods' hostnames "
+                f"(at most {hostname_room} characters): choose a shorter --prefix"
+            )
     check_label(options.namespace, "--namespace")  # not rewritten: the user types it in every kubectl command
     return out
 
@@ -268,20 +273,26 @@ def secret_refs(cfg: RunConfig) -> dict[str, SecretRef]:
 
     refs = cfg.network.secrets
     if not refs:
-        raise DeployError("network.secrets is empty: pods authenticate islands with one secret each; run `diloco "
-                          "certs` and set network.secrets = [\"file:kit/secrets/NAME\", ...] (configs/two-region.toml)")
+        raise DeployError(
+            "network.secrets is empty: pods authenticate islands with one secret each; run `diloco "
+            'certs` and set network.secrets = ["file:kit/secrets/NAME", ...] (configs/two-region.toml)'
+        )
     out: dict[str, SecretRef] = {}
     for i, (island, ref) in enumerate(zip(cfg.islands.island_names, refs, strict=True)):
         if not is_secret_reference(ref):
-            raise DeployError(f"network.secrets[{i}] is a literal secret: pods read secrets from Kubernetes Secrets, "
-                              "so write env:VAR or file:PATH")  # fmt: skip
+            raise DeployError(
+                f"network.secrets[{i}] is a literal secret: pods read secrets from Kubernetes Secrets, "
+                "so write env:VAR or file:PATH"
+            )
         kind, _, where = ref.partition(":")
         if kind == "env":
             out[island] = SecretRef(env=where)
             continue
         if where.startswith("~") or not where:
-            raise DeployError(f"network.secrets[{i}] = {ref!r}: a pod has no home directory to expand; write a path "
-                              f"relative to the image's {WORKDIR} (file:kit/secrets/{island}) or an absolute one")
+            raise DeployError(
+                f"network.secrets[{i}] = {ref!r}: a pod has no home directory to expand; write a path "
+                f"relative to the image's {WORKDIR} (file:kit/secrets/{island}) or an absolute one"
+            )
         path = posixpath.normpath(posixpath.join(WORKDIR, where))  # an absolute `where` stays itself
         out[island] = SecretRef(path=path)
     paths = [r.path for r in out.values() if r.path]
@@ -314,8 +325,11 @@ def _meta(name: str, options: K8sOptions, labels: dict[str, str]) -> Obj:
 
 
 def _labels(n: Names, component: str, island: str | None = None) -> dict[str, str]:
-    labels = {"app.kubernetes.io/name": "diloco", "app.kubernetes.io/instance": n.prefix,
-              "app.kubernetes.io/component": component}  # fmt: skip
+    labels = {
+        "app.kubernetes.io/name": "diloco",
+        "app.kubernetes.io/instance": n.prefix,
+        "app.kubernetes.io/component": component,
+    }
     if island is not None:
         labels["diloco/island"] = n.islands[island]
     return labels
@@ -323,18 +337,21 @@ def _labels(n: Names, component: str, island: str | None = None) -> dict[str, st
 
 def _claim(name: str, labels: dict[str, str], options: K8sOptions, shared: bool) -> Obj:
     """A run-directory volume; `shared` (ReadWriteMany) when several pods of an island write it at once."""
-    spec: Obj = {"accessModes": ["ReadWriteMany" if shared else "ReadWriteOnce"],
-                 "resources": {"requests": {"storage": options.storage}}}  # fmt: skip
+    spec: Obj = {
+        "accessModes": ["ReadWriteMany" if shared else "ReadWriteOnce"],
+        "resources": {"requests": {"storage": options.storage}},
+    }
     if options.storage_class:
         spec["storageClassName"] = options.storage_class
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _meta(name, options, labels),
-            "spec": spec}  # fmt: skip
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _meta(name, options, labels), "spec": spec}
 
 
 def _secret_volume(volume: str, secret: str, keys: Sequence[str]) -> Obj:
     """A Secret as a volume; group-readable (0440) because the pod's user reads it through fsGroup."""
-    return {"name": volume, "secret": {"secretName": secret, "defaultMode": 0o440,
-                                       "items": [{"key": k, "path": k} for k in keys]}}  # fmt: skip
+    return {
+        "name": volume,
+        "secret": {"secretName": secret, "defaultMode": 0o440, "items": [{"key": k, "path": k} for k in keys]},
+    }
 
 
 def _secret_mount(volume: str, ref: SecretRef) -> list[Obj]:
@@ -357,8 +374,10 @@ def _container_security() -> Obj:
 
 def _common_volumes(n: Names, owner: str) -> list[Obj]:
     """The config (ConfigMap) and the run-directory volume of `owner` (its Deployment or Job)."""
-    return [{"name": "config", "configMap": {"name": n.config}},
-            {"name": "run", "persistentVolumeClaim": {"claimName": n.volume_claim(owner)}}]  # fmt: skip
+    return [
+        {"name": "config", "configMap": {"name": n.config}},
+        {"name": "run", "persistentVolumeClaim": {"claimName": n.volume_claim(owner)}},
+    ]
 
 
 def _common_mounts() -> list[Obj]:
@@ -366,15 +385,32 @@ def _common_mounts() -> list[Obj]:
 
 
 def config_map(cfg: RunConfig, n: Names, options: K8sOptions) -> Obj:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(n.config, options, _labels(n, "config")),
-            "data": {"config.toml": pod_config(cfg)}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(n.config, options, _labels(n, "config")),
+        "data": {"config.toml": pod_config(cfg)},
+    }
 
 
 def coordinator_args(options: K8sOptions, metrics: int) -> list[str]:
     """`diloco coordinator` in its pod (README's step 2, with the pod's paths)."""
-    args = ["coordinator", CONFIG_PATH, "--run-dir", RUN_DIR, "--listen", f"0.0.0.0:{options.port}",
-            "--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key", "--tls-ca", f"{TLS_DIR}/ca.crt",
-            "--log-format", "json"]  # fmt: skip
+    args = [
+        "coordinator",
+        CONFIG_PATH,
+        "--run-dir",
+        RUN_DIR,
+        "--listen",
+        f"0.0.0.0:{options.port}",
+        "--tls-cert",
+        f"{TLS_DIR}/tls.crt",
+        "--tls-key",
+        f"{TLS_DIR}/tls.key",
+        "--tls-ca",
+        f"{TLS_DIR}/ca.crt",
+        "--log-format",
+        "json",
+    ]
     if metrics:
         args += ["--metrics-port", str(metrics)]
     return args
@@ -382,9 +418,23 @@ def coordinator_args(options: K8sOptions, metrics: int) -> list[str]:
 
 def probe_args(options: K8sOptions, island: str) -> list[str]:
     """`diloco status` against the coordinator in its own pod, as `island` over mutual TLS: exit 0 when it serves."""
-    return ["status", f"127.0.0.1:{options.port}", "--json", "--log-level", "error", "--name", island,
-            "--secret", f"file:{PROBE_DIR}/secret", "--tls-ca", f"{PROBE_DIR}/ca.crt",
-            "--tls-cert", f"{PROBE_DIR}/tls.crt", "--tls-key", f"{PROBE_DIR}/tls.key"]  # fmt: skip
+    return [
+        "status",
+        f"127.0.0.1:{options.port}",
+        "--json",
+        "--log-level",
+        "error",
+        "--name",
+        island,
+        "--secret",
+        f"file:{PROBE_DIR}/secret",
+        "--tls-ca",
+        f"{PROBE_DIR}/ca.crt",
+        "--tls-cert",
+        f"{PROBE_DIR}/tls.crt",
+        "--tls-key",
+        f"{PROBE_DIR}/tls.key",
+    ]
 
 
 def coordinator_objects(cfg: RunConfig, n: Names, options: K8sOptions) -> list[Obj]:
@@ -393,8 +443,10 @@ def coordinator_objects(cfg: RunConfig, n: Names, options: K8sOptions) -> list[O
     refs = secret_refs(cfg)
     metrics = metrics_ports(cfg)[None]
     first = cfg.islands.island_names[0]
-    volumes = [*_common_volumes(n, n.coordinator), _secret_volume("tls", n.coordinator_tls,
-                                                                  ["ca.crt", "tls.crt", "tls.key"])]  # fmt: skip
+    volumes = [
+        *_common_volumes(n, n.coordinator),
+        _secret_volume("tls", n.coordinator_tls, ["ca.crt", "tls.crt", "tls.key"]),
+    ]
     mounts = [*_common_mounts(), {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}]
     env: list[Obj] = [{"name": "JAX_PLATFORMS", "value": "cpu"}]  # the coordinator's outer step and eval run on CPU
     for island, ref in refs.items():
@@ -409,29 +461,57 @@ def coordinator_objects(cfg: RunConfig, n: Names, options: K8sOptions) -> list[O
     if metrics:
         ports.append({"name": "metrics", "containerPort": metrics})
     container = {
-        "name": "coordinator", "image": options.image, "workingDir": WORKDIR,
-        "args": coordinator_args(options, metrics), "env": env, "ports": ports,
-        "resources": {"requests": {"cpu": options.coordinator_cpu, "memory": options.coordinator_memory},
-                      "limits": {"memory": options.coordinator_memory}},
-        "readinessProbe": {"exec": {"command": ["diloco", *probe_args(options, first)]},
-                           "periodSeconds": 30, "timeoutSeconds": 10, "failureThreshold": 2},
-        "livenessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 20, "timeoutSeconds": 5,
-                          "failureThreshold": 3},
-        "volumeMounts": mounts, "securityContext": _container_security(),
-    }  # fmt: skip
-    deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(n.coordinator, options, labels),
-        "spec": {
-            "replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {
-                "securityContext": _pod_security(),
-                "terminationGracePeriodSeconds": 60,  # SIGTERM: it checkpoints its last committed round
-                "containers": [container], "volumes": volumes}},
+        "name": "coordinator",
+        "image": options.image,
+        "workingDir": WORKDIR,
+        "args": coordinator_args(options, metrics),
+        "env": env,
+        "ports": ports,
+        "resources": {
+            "requests": {"cpu": options.coordinator_cpu, "memory": options.coordinator_memory},
+            "limits": {"memory": options.coordinator_memory},
         },
-    }  # fmt: skip
+        "readinessProbe": {
+            "exec": {"command": ["diloco", *probe_args(options, first)]},
+            "periodSeconds": 30,
+            "timeoutSeconds": 10,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "tcpSocket": {"port": "grpc"},
+            "periodSeconds": 20,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(n.coordinator, options, labels),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "securityContext": _pod_security(),
+                    "terminationGracePeriodSeconds": 60,  # SIGTERM: it checkpoints its last committed round
+                    "containers": [container],
+                    "volumes": volumes,
+                },
+            },
+        },
+    }
     service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in ports]
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(n.coordinator, options, labels),
-               "spec": {"type": options.service_type, "selector": labels, "ports": service_ports}}  # fmt: skip
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(n.coordinator, options, labels),
+        "spec": {"type": options.service_type, "selector": labels, "ports": service_ports},
+    }
     return [_claim(n.volume_claim(n.coordinator), labels, options, shared=False), service, deployment]
 
 
@@ -443,16 +523,37 @@ def coordinator_address(n: Names, options: K8sOptions) -> str:
 def island_args(cfg: RunConfig, island: str, n: Names, options: K8sOptions, accelerator: str) -> list[str]:
     """`diloco island` in its pod (README's step 3, with the pod's paths); with several processes, this pod's
     process index comes from the Job ($(JOB_COMPLETION_INDEX), expanded by the kubelet)."""
-    args = ["island", CONFIG_PATH, "--name", island, "--coordinator", coordinator_address(n, options),
-            "--run-dir", RUN_DIR, "--tls-ca", f"{TLS_DIR}/ca.crt", "--tls-cert", f"{TLS_DIR}/tls.crt",
-            "--tls-key", f"{TLS_DIR}/tls.key", "--log-format", "json"]  # fmt: skip
+    args = [
+        "island",
+        CONFIG_PATH,
+        "--name",
+        island,
+        "--coordinator",
+        coordinator_address(n, options),
+        "--run-dir",
+        RUN_DIR,
+        "--tls-ca",
+        f"{TLS_DIR}/ca.crt",
+        "--tls-cert",
+        f"{TLS_DIR}/tls.crt",
+        "--tls-key",
+        f"{TLS_DIR}/tls.key",
+        "--log-format",
+        "json",
+    ]
     metrics = metrics_ports(cfg)[island]
     if metrics:
         args += ["--metrics-port", str(metrics)]
     processes = cfg.islands.processes
     if processes > 1:
-        args += ["--process-id", "$(JOB_COMPLETION_INDEX)", "--num-processes", str(processes),
-                 "--island-coordinator", f"{n.island(island)}-0.{n.island(island)}:{ISLAND_COORDINATOR_PORT}"]
+        args += [
+            "--process-id",
+            "$(JOB_COMPLETION_INDEX)",
+            "--num-processes",
+            str(processes),
+            "--island-coordinator",
+            f"{n.island(island)}-0.{n.island(island)}:{ISLAND_COORDINATOR_PORT}",
+        ]
     if accelerator == "pathways":
         args.append("islands.backend=pathways")  # a per-process key (not in the shared config.toml)
     return args
@@ -472,20 +573,26 @@ def island_resources(cfg: RunConfig, accelerator: str, options: K8sOptions) -> O
 def _check_tpu(cfg: RunConfig, island: str, accelerator: str, options: K8sOptions) -> None:
     """A TPU island needs its slice named, and the slice's chips must be the island's devices: one pod per host,
     each taking every chip of its host (islands.devices), islands.processes hosts."""
-    slice_type = ("--tpu-type", options.tpu_type) if accelerator == "tpu" else ("--pathways-machine-type",
-                                                                                 options.pathways_machine_type)
+    slice_type = (
+        ("--tpu-type", options.tpu_type)
+        if accelerator == "tpu"
+        else ("--pathways-machine-type", options.pathways_machine_type)
+    )
     for flag, value in (slice_type, ("--tpu-topology", options.tpu_topology)):
         if not value:
             raise DeployError(f"island {island} runs on {accelerator}: {flag} is required")
     if accelerator == "pathways" and not options.pathways_dir.startswith("gs://"):
-        raise DeployError(f"island {island} runs on Pathways: --pathways-dir must be a gs:// location "
-                          f"(got {options.pathways_dir!r})")  # fmt: skip
+        raise DeployError(
+            f"island {island} runs on Pathways: --pathways-dir must be a gs:// location (got {options.pathways_dir!r})"
+        )
     chips = tpu_chips(options.tpu_topology)
     devices = cfg.islands.devices * (cfg.islands.processes if accelerator == "tpu" else 1)
     if devices != chips:
         what = "islands.devices × islands.processes" if accelerator == "tpu" else "islands.devices"
-        raise DeployError(f"--tpu-topology {options.tpu_topology} has {chips} chips but {what} is {devices}: an "
-                          "island's mesh is its whole slice")  # fmt: skip
+        raise DeployError(
+            f"--tpu-topology {options.tpu_topology} has {chips} chips but {what} is {devices}: an "
+            "island's mesh is its whole slice"
+        )
 
 
 def island_pod(cfg: RunConfig, island: str, n: Names, options: K8sOptions, placement: Placement) -> Obj:
@@ -493,10 +600,15 @@ def island_pod(cfg: RunConfig, island: str, n: Names, options: K8sOptions, place
     labels = _labels(n, "island", island)
     ref = secret_refs(cfg)[island]
     secret = n.island_secret(island)
-    volumes = [*_common_volumes(n, n.island(island)),
-               _secret_volume("island", secret, ["ca.crt", "tls.crt", "tls.key", "secret"])]  # fmt: skip
-    mounts = [*_common_mounts(), {"name": "island", "mountPath": TLS_DIR, "readOnly": True},
-              *_secret_mount("island", ref)]  # fmt: skip
+    volumes = [
+        *_common_volumes(n, n.island(island)),
+        _secret_volume("island", secret, ["ca.crt", "tls.crt", "tls.key", "secret"]),
+    ]
+    mounts = [
+        *_common_mounts(),
+        {"name": "island", "mountPath": TLS_DIR, "readOnly": True},
+        *_secret_mount("island", ref),
+    ]
     env = _secret_env(secret, ref)
     platform = JAX_PLATFORM.get(placement.accelerator)
     if platform is not None:
@@ -512,18 +624,29 @@ def island_pod(cfg: RunConfig, island: str, n: Names, options: K8sOptions, place
     if cfg.islands.processes > 1:
         ports.append({"name": "jax", "containerPort": ISLAND_COORDINATOR_PORT})
     container = {
-        "name": ISLAND_CONTAINER, "image": placement.image, "workingDir": WORKDIR,
-        "args": island_args(cfg, island, n, options, placement.accelerator), "env": env, "ports": ports,
+        "name": ISLAND_CONTAINER,
+        "image": placement.image,
+        "workingDir": WORKDIR,
+        "args": island_args(cfg, island, n, options, placement.accelerator),
+        "env": env,
+        "ports": ports,
         "resources": island_resources(cfg, placement.accelerator, options),
-        "volumeMounts": mounts, "securityContext": _container_security(),
-    }  # fmt: skip
-    spec: Obj = {"restartPolicy": "Never", "securityContext": _pod_security(), "containers": [container],
-                 "volumes": volumes}  # fmt: skip
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+    }
+    spec: Obj = {
+        "restartPolicy": "Never",
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": volumes,
+    }
     if cfg.islands.processes > 1:
         spec["subdomain"] = n.island(island)  # with the Job's hostname <job>-<index>: <job>-0.<service> is process 0
     if placement.accelerator == "tpu":
-        spec["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": options.tpu_type,
-                                "cloud.google.com/gke-tpu-topology": options.tpu_topology}  # fmt: skip
+        spec["nodeSelector"] = {
+            "cloud.google.com/gke-tpu-accelerator": options.tpu_type,
+            "cloud.google.com/gke-tpu-topology": options.tpu_topology,
+        }
     return {"metadata": {"labels": labels}, "spec": spec}
 
 
@@ -534,35 +657,57 @@ def island_objects(cfg: RunConfig, island: str, n: Names, options: K8sOptions) -
         _check_tpu(cfg, island, placement.accelerator, options)
     processes = cfg.islands.processes
     if placement.accelerator == "pathways" and processes != 1:
-        raise DeployError(f"island {island} runs on Pathways, which drives the slice from one process: "
-                          "islands.processes must be 1")  # fmt: skip
+        raise DeployError(
+            f"island {island} runs on Pathways, which drives the slice from one process: islands.processes must be 1"
+        )
     labels = _labels(n, "island", island)
     pod = island_pod(cfg, island, n, options, placement)
     out = [_claim(n.volume_claim(n.island(island)), labels, options, shared=processes > 1)]
     if processes > 1:
-        out.append({"apiVersion": "v1", "kind": "Service", "metadata": _meta(n.island(island), options, labels),
-                    "spec": {"clusterIP": "None", "selector": labels,
-                             # process 0's name resolves before its pod is ready: the others dial it at start
-                             "publishNotReadyAddresses": True,
-                             "ports": [{"name": "jax", "port": ISLAND_COORDINATOR_PORT, "targetPort": "jax"}]}})
+        out.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": _meta(n.island(island), options, labels),
+                "spec": {
+                    "clusterIP": "None",
+                    "selector": labels,
+                    # process 0's name resolves before its pod is ready: the others dial it at start
+                    "publishNotReadyAddresses": True,
+                    "ports": [{"name": "jax", "port": ISLAND_COORDINATOR_PORT, "targetPort": "jax"}],
+                },
+            }
+        )
     if processes > 1:
         out.append(island_network_policy(cfg, island, n, options))
     if placement.accelerator == "pathways":
         out.append(pathways_job(island, n, options, pod))
         return out
     job_spec = {
-        "completionMode": "Indexed", "completions": processes, "parallelism": processes,
+        "completionMode": "Indexed",
+        "completions": processes,
+        "parallelism": processes,
         "backoffLimit": ISLAND_POD_RESTARTS * processes,
-        "podFailurePolicy": {"rules": [
-            {"action": "FailJob", "onExitCodes": {"containerName": ISLAND_CONTAINER, "operator": "In",
-                                                  "values": [USER_ERROR_EXIT]}},
-            # the API of Kubernetes 1.34 and older requires status (1.35 makes it optional)
-            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-        ]},
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": ISLAND_CONTAINER, "operator": "In", "values": [USER_ERROR_EXIT]},
+                },
+                # the API of Kubernetes 1.34 and older requires status (1.35 makes it optional)
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]
+        },
         "template": pod,
-    }  # fmt: skip
-    out.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(n.island(island), options, labels),
-                "spec": job_spec})  # fmt: skip
+    }
+    out.append(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": _meta(n.island(island), options, labels),
+            "spec": job_spec,
+        }
+    )
     return out
 
 
@@ -574,9 +719,12 @@ def island_network_policy(cfg: RunConfig, island: str, n: Names, options: K8sOpt
     ingress: list[Obj] = [{"from": [{"podSelector": {"matchLabels": labels}}]}]
     if metrics_ports(cfg)[island]:
         ingress.append({"ports": [{"protocol": "TCP", "port": "metrics"}]})
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": _meta(n.island(island), options, labels),
-            "spec": {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"], "ingress": ingress}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(n.island(island), options, labels),
+        "spec": {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
 
 
 def pathways_job(island: str, n: Names, options: K8sOptions, pod: Obj) -> Obj:
@@ -584,14 +732,16 @@ def pathways_job(island: str, n: Names, options: K8sOptions, pod: Obj) -> Obj:
     controller starts the Pathways resource manager and proxy beside it, sets JAX_PLATFORMS=proxy and
     JAX_BACKEND_TARGET in the main container, and runs the TPU workers (a JobSet restarted up to maxRestarts)."""
     return {
-        "apiVersion": "pathways-job.pathways.domain/v1", "kind": "PathwaysJob",
+        "apiVersion": "pathways-job.pathways.domain/v1",
+        "kind": "PathwaysJob",
         "metadata": _meta(n.island(island), options, pod["metadata"]["labels"]),
         "spec": {
-            "maxRestarts": PATHWAYS_MAX_RESTARTS, "pathwaysDir": options.pathways_dir,
+            "maxRestarts": PATHWAYS_MAX_RESTARTS,
+            "pathwaysDir": options.pathways_dir,
             "workers": [{"type": options.pathways_machine_type, "topology": options.tpu_topology, "numSlices": 1}],
             "controller": {"deploymentMode": "default", "mainContainerName": ISLAND_CONTAINER, "template": pod},
         },
-    }  # fmt: skip
+    }
 
 
 def render(cfg: RunConfig, options: K8sOptions) -> dict[str, list[Obj]]:
@@ -606,8 +756,9 @@ def render(cfg: RunConfig, options: K8sOptions) -> dict[str, list[Obj]]:
     n = names(cfg, options)
     files: dict[str, list[Obj]] = {}
     if options.namespace != "default":
-        files["00-namespace.yaml"] = [{"apiVersion": "v1", "kind": "Namespace",
-                                       "metadata": {"name": options.namespace}}]  # fmt: skip
+        files["00-namespace.yaml"] = [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": options.namespace}}
+        ]
     files["10-config.yaml"] = [config_map(cfg, n, options)]
     files["20-coordinator.yaml"] = coordinator_objects(cfg, n, options)
     for island in cfg.islands.island_names:
@@ -671,12 +822,24 @@ def secrets_script(cfg: RunConfig, options: K8sOptions) -> str:
     ]
     if options.namespace != "default":
         lines.append(f"kubectl create namespace {ns} --dry-run=client -o yaml | kubectl apply --server-side -f -")
-    lines.append(create(["coordinator"], n.coordinator_tls,
-                        {"ca.crt": "ca.crt", "tls.crt": "server.crt", "tls.key": "server.key"}))  # fmt: skip
+    lines.append(
+        create(
+            ["coordinator"], n.coordinator_tls, {"ca.crt": "ca.crt", "tls.crt": "server.crt", "tls.key": "server.key"}
+        )
+    )
     for island in islands:
-        lines.append(create(["coordinator", island], n.island_secret(island),
-                            {"ca.crt": "ca.crt", "tls.crt": f"client-{island}.crt", "tls.key": f"client-{island}.key",
-                             "secret": f"secrets/{island}"}))  # fmt: skip
+        lines.append(
+            create(
+                ["coordinator", island],
+                n.island_secret(island),
+                {
+                    "ca.crt": "ca.crt",
+                    "tls.crt": f"client-{island}.crt",
+                    "tls.key": f"client-{island}.key",
+                    "secret": f"secrets/{island}",
+                },
+            )
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -705,14 +868,29 @@ def options_from(args: argparse.Namespace, cfg: RunConfig) -> K8sOptions:
     accelerators = per_island(args.accelerator, islands, "--accelerator", default_accelerator)
     for island, accelerator in accelerators.items():
         if accelerator not in ACCELERATORS:
-            raise DeployError(f"--accelerator for island {island} must be one of {', '.join(ACCELERATORS)} "
-                              f"(got {accelerator!r})")  # fmt: skip
+            raise DeployError(
+                f"--accelerator for island {island} must be one of {', '.join(ACCELERATORS)} (got {accelerator!r})"
+            )
     default_image = next((v for v in reversed(args.image) if "=" not in v), K8sOptions.image)
     images = per_island(args.image, islands, "--image", default_image)
     placements = {island: Placement(accelerators[island], images[island]) for island in islands}
-    keys = ("namespace", "prefix", "port", "coordinator_address", "service_type", "cpu", "memory", "coordinator_cpu",
-            "coordinator_memory", "storage", "storage_class", "tpu_type", "tpu_topology", "pathways_machine_type",
-            "pathways_dir")  # fmt: skip
+    keys = (
+        "namespace",
+        "prefix",
+        "port",
+        "coordinator_address",
+        "service_type",
+        "cpu",
+        "memory",
+        "coordinator_cpu",
+        "coordinator_memory",
+        "storage",
+        "storage_class",
+        "tpu_type",
+        "tpu_topology",
+        "pathways_machine_type",
+        "pathways_dir",
+    )
     return K8sOptions(image=default_image, placements=placements, **{k: getattr(args, k) for k in keys})
 
 
@@ -721,40 +899,77 @@ def add_deploy_parser(sub: Any) -> tuple[argparse.ArgumentParser, argparse.Argum
     the `deploy` parser and its `k8s` subcommand's (the one that takes the common options)."""
     deploy = sub.add_parser("deploy", help="manifests to run a federation elsewhere (Kubernetes)")
     kinds = deploy.add_subparsers(dest="target", required=True)
-    k8s = kinds.add_parser("k8s", help="Kubernetes manifests: coordinator Deployment, island Jobs, secrets.sh",
-                           epilog="Trailing section.key=value arguments override the config.")  # fmt: skip
+    k8s = kinds.add_parser(
+        "k8s",
+        help="Kubernetes manifests: coordinator Deployment, island Jobs, secrets.sh",
+        epilog="Trailing section.key=value arguments override the config.",
+    )
     k8s.set_defaults(accepts_overrides=True)
     d = K8sOptions()
     k8s.add_argument("config", help="TOML run config (the one `diloco certs` made the secrets of)")
     k8s.add_argument("--out", type=Path, required=True, help="directory to write the manifests to (new or empty)")
     k8s.add_argument("--namespace", default=d.namespace, help="Kubernetes namespace of every object")
     k8s.add_argument("--prefix", default=d.prefix, help="start of every object's name (default: run.name)")
-    k8s.add_argument("--image", action="append", default=[], metavar="[ISLAND=]IMAGE",
-                     help=f"container image (built from the Dockerfile; default {d.image}); ISLAND=IMAGE for one "
-                          "island (a CUDA or TPU build of JAX)")  # fmt: skip
-    k8s.add_argument("--accelerator", action="append", default=[], metavar="[ISLAND=]KIND",
-                     help=f"what islands run on: {', '.join(ACCELERATORS)} (default cpu, or pathways with "
-                          "islands.backend = 'pathways'); ISLAND=KIND for one island")  # fmt: skip
+    k8s.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="[ISLAND=]IMAGE",
+        help=f"container image (built from the Dockerfile; default {d.image}); ISLAND=IMAGE for one "
+        "island (a CUDA or TPU build of JAX)",
+    )
+    k8s.add_argument(
+        "--accelerator",
+        action="append",
+        default=[],
+        metavar="[ISLAND=]KIND",
+        help=f"what islands run on: {', '.join(ACCELERATORS)} (default cpu, or pathways with "
+        "islands.backend = 'pathways'); ISLAND=KIND for one island",
+    )
     k8s.add_argument("--port", type=int, default=d.port, help="the coordinator's gRPC port")
-    k8s.add_argument("--coordinator-address", default=d.coordinator_address, metavar="HOST:PORT",
-                     help="what islands dial (default: the coordinator Service's in-cluster name); "
-                          "`diloco certs --host` must name HOST")  # fmt: skip
-    k8s.add_argument("--service-type", default=d.service_type, choices=SERVICE_TYPES,
-                     help="the coordinator Service's type (LoadBalancer: islands in other clusters)")  # fmt: skip
+    k8s.add_argument(
+        "--coordinator-address",
+        default=d.coordinator_address,
+        metavar="HOST:PORT",
+        help="what islands dial (default: the coordinator Service's in-cluster name); "
+        "`diloco certs --host` must name HOST",
+    )
+    k8s.add_argument(
+        "--service-type",
+        default=d.service_type,
+        choices=SERVICE_TYPES,
+        help="the coordinator Service's type (LoadBalancer: islands in other clusters)",
+    )
     k8s.add_argument("--cpu", default=d.cpu, help="CPU request of each island process")
     k8s.add_argument("--memory", default=d.memory, help="memory of each island process")
     k8s.add_argument("--coordinator-cpu", default=d.coordinator_cpu, help="CPU request of the coordinator")
     k8s.add_argument("--coordinator-memory", default=d.coordinator_memory, help="memory of the coordinator")
     k8s.add_argument("--storage", default=d.storage, help="size of each run-directory volume")
     k8s.add_argument("--storage-class", default=d.storage_class, help="storageClassName of the volumes")
-    k8s.add_argument("--tpu-type", default=d.tpu_type, metavar="ACCELERATOR",
-                     help="TPU islands: cloud.google.com/gke-tpu-accelerator (e.g. tpu-v5-lite-podslice)")
-    k8s.add_argument("--tpu-topology", default=d.tpu_topology, metavar="AxB",
-                     help="TPU and Pathways islands: the slice topology (e.g. 2x4)")
-    k8s.add_argument("--pathways-machine-type", default=d.pathways_machine_type, metavar="TYPE",
-                     help="Pathways islands: the TPU workers' machine type (e.g. ct5lp-hightpu-4t)")
-    k8s.add_argument("--pathways-dir", default=d.pathways_dir, metavar="gs://...",
-                     help="Pathways islands: the PathwaysJob's pathwaysDir (a gs:// location)")
+    k8s.add_argument(
+        "--tpu-type",
+        default=d.tpu_type,
+        metavar="ACCELERATOR",
+        help="TPU islands: cloud.google.com/gke-tpu-accelerator (e.g. tpu-v5-lite-podslice)",
+    )
+    k8s.add_argument(
+        "--tpu-topology",
+        default=d.tpu_topology,
+        metavar="AxB",
+        help="TPU and Pathways islands: the slice topology (e.g. 2x4)",
+    )
+    k8s.add_argument(
+        "--pathways-machine-type",
+        default=d.pathways_machine_type,
+        metavar="TYPE",
+        help="Pathways islands: the TPU workers' machine type (e.g. ct5lp-hightpu-4t)",
+    )
+    k8s.add_argument(
+        "--pathways-dir",
+        default=d.pathways_dir,
+        metavar="gs://...",
+        help="Pathways islands: the PathwaysJob's pathwaysDir (a gs:// location)",
+    )
     return deploy, k8s
 
 
@@ -777,8 +992,10 @@ def deploy_k8s(cfg: RunConfig, options: K8sOptions, out: Path, config_name: str)
     """Write the manifests and secrets.sh into `out` (refused when it holds anything: stale manifests of another
     render would be applied too); return what the user runs next."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DeployError(f"--out {out} is not an empty directory: render into a new one (kubectl apply -f DIR "
-                          "would apply stale manifests too)")  # fmt: skip
+        raise DeployError(
+            f"--out {out} is not an empty directory: render into a new one (kubectl apply -f DIR "
+            "would apply stale manifests too)"
+        )
     files = render(cfg, options)
     script = secrets_script(cfg, options)
     out.mkdir(parents=True, exist_ok=True)
@@ -792,10 +1009,14 @@ def deploy_k8s(cfg: RunConfig, options: K8sOptions, out: Path, config_name: str)
     (out / "secrets.sh").chmod(0o700)
     host = coordinator_address(names(cfg, options), options).rpartition(":")[0]
     return {
-        "out": str(out), "files": [*files, "secrets.sh"],
-        "next": [f"diloco certs {config_name} --out kit --host {host}", f"sh {out / 'secrets.sh'} kit",
-                 f"kubectl apply -f {out}"],
-    }  # fmt: skip
+        "out": str(out),
+        "files": [*files, "secrets.sh"],
+        "next": [
+            f"diloco certs {config_name} --out kit --host {host}",
+            f"sh {out / 'secrets.sh'} kit",
+            f"kubectl apply -f {out}",
+        ],
+    }
 
 
 def run_deploy(args: argparse.Namespace) -> int:

@@ -88,8 +88,7 @@ def _private_key(name: str, path: str) -> Any:
         raise TlsSetupError(f"{_key(name)}: {path} is not a PEM private key") from None
     mode = os.stat(Path(path).expanduser()).st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("%s: %s is readable by other users (mode %o); chmod 600 it", _key(name), path,
-                    stat.S_IMODE(mode))  # fmt: skip
+        log.warning("%s: %s is readable by other users (mode %o); chmod 600 it", _key(name), path, stat.S_IMODE(mode))
     return key
 
 
@@ -280,11 +279,15 @@ def make_local_pki(
 
     def sign(cn: str, key: Any, issuer: x509.Name, issuer_key: Any, ca: bool, extensions: list[Any]) -> Any:
         b = (
-            x509.CertificateBuilder().subject_name(name(cn)).issuer_name(issuer).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
-        )  # fmt: skip
+        )
         for ext in extensions:
             b = b.add_extension(ext, critical=False)
         return b.sign(issuer_key, hashes.SHA256())
@@ -293,8 +296,9 @@ def make_local_pki(
         crt, pem = directory / f"{stem}.crt", directory / f"{stem}.key"
         _write(crt, cert.public_bytes(serialization.Encoding.PEM), private=False)
         if key is not None:
-            raw = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())  # fmt: skip
+            raw = key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
             _write(pem, raw, private=True)
         return crt, pem
 
@@ -303,15 +307,23 @@ def make_local_pki(
     ca_cert = sign(issuer, ca_key, ca_name, ca_key, True, [])
     ca_path, _ = save("ca", ca_cert, None)
     server_key = ec.generate_private_key(ec.SECP256R1())
-    san = x509.SubjectAlternativeName([
-        x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-        x509.IPAddress(ipaddress.ip_address("::1")), *(_san(host) for host in hosts),
-    ])  # fmt: skip
-    server = sign("localhost", server_key, ca_name, ca_key, False,
-                  [san, x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH])])  # fmt: skip
+    san = x509.SubjectAlternativeName(
+        [
+            x509.DNSName("localhost"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            x509.IPAddress(ipaddress.ip_address("::1")),
+            *(_san(host) for host in hosts),
+        ]
+    )
+    server = sign(
+        "localhost", server_key, ca_name, ca_key, False, [san, x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH])]
+    )
     server_cert, server_key_path = save("server", server, server_key)
     for client in clients:
         key = ec.generate_private_key(ec.SECP256R1())
-        save(f"client-{client}", sign(client, key, ca_name, ca_key, False,
-                          [x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])]), key)  # fmt: skip
+        save(
+            f"client-{client}",
+            sign(client, key, ca_name, ca_key, False, [x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])]),
+            key,
+        )
     return LocalPki(ca=ca_path, server_cert=server_cert, server_key=server_key_path, directory=directory)

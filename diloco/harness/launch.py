@@ -104,8 +104,15 @@ def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = Tr
     # Children stay in launch's process group: a Ctrl+C in the terminal reaches every one of them at once. Ctrl+C
     # and SIGTERM interrupt launch itself even when it was started with SIGINT ignored (a background job).
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    fed = Federation(config, child_overrides(overrides, len(names)), run_dir, supervise=True, quiet=False,
-                     new_session=False, hide_env=_hidden_variables(cfg))  # fmt: skip
+    fed = Federation(
+        config,
+        child_overrides(overrides, len(names)),
+        run_dir,
+        supervise=True,
+        quiet=False,
+        new_session=False,
+        hide_env=_hidden_variables(cfg),
+    )
     finished = False
     try:
         try:
@@ -116,8 +123,7 @@ def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = Tr
         for i, name in enumerate(fed.names):
             var = SECRET_VAR.format(i)
             # --tls-server-name: the certificate names localhost, whatever network.tls_server_name the config has.
-            fed.start_island(name, args=[*pki.client_args(name), "--tls-server-name", "localhost"],
-                             env={var: env[var]})  # fmt: skip
+            fed.start_island(name, args=[*pki.client_args(name), "--tls-server-name", "localhost"], env={var: env[var]})
         # The live display asks Status as island 0 (launch holds every secret anyway), over mutual TLS.
         _follow(fed, progress, (names[0], values[0]), pki.client_tls(names[0]))
         finished = True

@@ -209,9 +209,13 @@ class Federation:
         self.killed.discard(name)
         with log.open("ab") as out:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(
-                self.wrap([sys.executable, "-m", "diloco.cli", *argv]), env={**self.env, **(env or {})},
-                stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd, start_new_session=self.new_session,
-            )  # fmt: skip
+                self.wrap([sys.executable, "-m", "diloco.cli", *argv]),
+                env={**self.env, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.cwd,
+                start_new_session=self.new_session,
+            )
         if name == COORDINATOR:
             self.coordinator = proc
         elif name in self.names:
@@ -226,10 +230,19 @@ class Federation:
         processes = self.cfg.islands.processes
         group = self.group_args(name, processes) if processes > 1 and "--num-processes" not in args else []
         return [
-            "island", self.config, "--name", name, "--coordinator", self.address,
-            "--run-dir", str(self.island_dir(name)), *group, *args, *([] if supervised else ["--no-supervise"]),
+            "island",
+            self.config,
+            "--name",
+            name,
+            "--coordinator",
+            self.address,
+            "--run-dir",
+            str(self.island_dir(name)),
+            *group,
+            *args,
+            *([] if supervised else ["--no-supervise"]),
             *self.overrides,
-        ]  # fmt: skip
+        ]
 
     def group_args(self, name: str, processes: int) -> list[str]:
         """`diloco island` flags that make island `name` a group of `processes` processes on this host, joined on
@@ -340,9 +353,12 @@ class Federation:
         """Every current process ends by itself with exit code 0 (the run completed); raise otherwise."""
         procs = self.processes()
         self.wait_for(
-            lambda: all(p.poll() is not None for p in procs.values()), timeout_s, "every process to finish",
-            poll_s=0.1, coordinator_needed=False,
-        )  # fmt: skip
+            lambda: all(p.poll() is not None for p in procs.values()),
+            timeout_s,
+            "every process to finish",
+            poll_s=0.1,
+            coordinator_needed=False,
+        )
         codes = {name: p.poll() for name, p in procs.items()}
         if any(code != 0 for code in codes.values()):
             raise FederationError(f"exit codes {codes}\n{self.logs()}")

@@ -184,8 +184,9 @@ def _sha256(path: Path) -> str:
 def _check_out(out: Path) -> None:
     for name in (META_FILE, TOKENS_FILE):
         if (out / name).exists():
-            raise DataError(f"--out {str(out)!r} already holds a prepared corpus ({name}): choose another directory "
-                            "or delete it")  # fmt: skip
+            raise DataError(
+                f"--out {str(out)!r} already holds a prepared corpus ({name}): choose another directory or delete it"
+            )
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {str(out)!r} is a file, not a directory")
 
@@ -199,9 +200,13 @@ class _Bar:
 
         console = Console(file=sys.stderr)
         self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-            console=console, disable=not (enabled and console.is_terminal),
-        )  # fmt: skip
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not (enabled and console.is_terminal),
+        )
 
     def task(self, description: str, total: int) -> Callable[[int], None]:
         task = self.progress.add_task(description, total=total)
@@ -227,8 +232,10 @@ def prepare(
     if (train_vocab is None) == (tokenizer_file is None):
         raise DataError("diloco data prepare needs exactly one of --train-vocab N and --tokenizer FILE")
     if train_vocab is not None and train_vocab < MIN_VOCAB:
-        raise DataError(f"--train-vocab must be at least {MIN_VOCAB}: a byte-level vocabulary starts with the 256 "
-                        f"bytes (got {train_vocab})")  # fmt: skip
+        raise DataError(
+            f"--train-vocab must be at least {MIN_VOCAB}: a byte-level vocabulary starts with the 256 "
+            f"bytes (got {train_vocab})"
+        )
     if train_vocab is not None and train_vocab > MAX_VOCAB:
         raise DataError(f"--train-vocab must be at most {MAX_VOCAB}, what uint32 token ids hold (got {train_vocab})")
     _tokenizers()  # a missing extra is one line before any file is read
@@ -295,8 +302,12 @@ def _write(
         raise DataError(f"the corpus encodes to no tokens ({len(files)} file(s), {total} bytes): check the tokenizer")
     os.replace(partial, out / TOKENS_FILE)
     source = {"requested_vocab": train_vocab} if train_vocab is not None else {"from": str(tokenizer_file)}
-    tokenizer_meta = {"file": TOKENIZER_FILE, "sha256": _sha256(out / TOKENIZER_FILE),
-                      "trained": train_vocab is not None, **source}  # fmt: skip
+    tokenizer_meta = {
+        "file": TOKENIZER_FILE,
+        "sha256": _sha256(out / TOKENIZER_FILE),
+        "trained": train_vocab is not None,
+        **source,
+    }
     return {"vocab_size": vocab_size, "token_dtype": dtype, "tokens": count, "tokenizer": tokenizer_meta}, seconds
 
 
@@ -308,8 +319,9 @@ def summary(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
     wanted = meta["tokenizer"].get("requested_vocab")
     note = (
         {"note": f"the corpus allowed {meta['vocab_size']} ids of the {wanted} asked for (too few merges)"}
-        if wanted and meta["vocab_size"] < wanted else {}
-    )  # fmt: skip
+        if wanted and meta["vocab_size"] < wanted
+        else {}
+    )
     return {
         "out": str(out),
         "tokens": meta["tokens"],

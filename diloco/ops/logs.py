@@ -57,9 +57,12 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
         line: dict[str, Any] = {
-            "t": stamp, "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage(),
+            "t": stamp,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
             **getattr(record, "fields", {}),
-        }  # fmt: skip
+        }
         if record.exc_info:
             line["traceback"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
@@ -91,5 +94,6 @@ def configure(fmt: str | None = None, level: str | None = None) -> None:
     # diloco's own lines at the chosen level; the libraries' (orbax, absl, jax) at warning or louder, unless debug:
     # their info lines are many and not the operator's business.
     logging.getLogger("diloco").setLevel(level.upper())
-    root.setLevel(level.upper() if level in ("debug", "error") else max(logging.WARNING, logging.getLevelName(
-        level.upper())))
+    root.setLevel(
+        level.upper() if level in ("debug", "error") else max(logging.WARNING, logging.getLevelName(level.upper()))
+    )

@@ -85,8 +85,10 @@ def metrics_port(cfg: RunConfig, island: str | None = None, flag: int | None = N
         return base
     port = base + 1 + cfg.islands.island_names.index(island)
     if port > 65535:
-        raise MetricsError(f"island {island}'s metrics port network.metrics_port + 1 + {port - base - 1} = {port} "
-                           "is beyond 65535; lower network.metrics_port")  # fmt: skip
+        raise MetricsError(
+            f"island {island}'s metrics port network.metrics_port + 1 + {port - base - 1} = {port} "
+            "is beyond 65535; lower network.metrics_port"
+        )
     return port
 
 
@@ -131,30 +133,57 @@ class CoordinatorMetrics:
         self.islands = (*sorted(self.names), UNKNOWN)
         self.registry = r = CollectorRegistry()
         self.round = Gauge("diloco_round", "The open round (= rounds committed so far)", registry=r)
-        self.open_round_age = Gauge("diloco_open_round_age_seconds", "Seconds since the open round opened",
-                                    registry=r)  # fmt: skip
+        self.open_round_age = Gauge("diloco_open_round_age_seconds", "Seconds since the open round opened", registry=r)
         self.alive = Gauge("diloco_islands_alive", "Islands holding a lease", registry=r)
-        self.joined = Counter("diloco_islands_joined_total", "Islands that joined (rejoins after a loss count)",
-                              registry=r)  # fmt: skip
-        self.lost = Counter("diloco_islands_lost_total", "Islands dropped without a Leave (presence call broken, "
-                            "or lease expired)", registry=r)  # fmt: skip
-        self.pushes = Counter("diloco_pushes_total", "Push RPCs by island and outcome (accepted or the gRPC code)",
-                              ["island", "outcome"], registry=r)  # fmt: skip
-        self.pulls = Counter("diloco_pulls_total", "Pulls answered by island and kind (update, full, wait, ...)",
-                             ["island", "kind"], registry=r)  # fmt: skip
+        self.joined = Counter(
+            "diloco_islands_joined_total", "Islands that joined (rejoins after a loss count)", registry=r
+        )
+        self.lost = Counter(
+            "diloco_islands_lost_total",
+            "Islands dropped without a Leave (presence call broken, or lease expired)",
+            registry=r,
+        )
+        self.pushes = Counter(
+            "diloco_pushes_total",
+            "Push RPCs by island and outcome (accepted or the gRPC code)",
+            ["island", "outcome"],
+            registry=r,
+        )
+        self.pulls = Counter(
+            "diloco_pulls_total",
+            "Pulls answered by island and kind (update, full, wait, ...)",
+            ["island", "kind"],
+            registry=r,
+        )
         self.rejected = Counter("diloco_rejected_total", "Refused calls by gRPC status code", ["reason"], registry=r)
-        self.bytes_up = Counter("diloco_bytes_up_total", "Pseudo-gradient payload bytes accepted, by island",
-                                ["island"], registry=r)  # fmt: skip
-        self.bytes_down = Counter("diloco_bytes_down_total", "Update and parameter payload bytes served, by island",
-                                  ["island"], registry=r)  # fmt: skip
-        self.rpc = Histogram("diloco_rpc_duration_seconds", "Server-side RPC duration, admission to last byte",
-                             ["method"], buckets=RPC_BUCKETS, registry=r)  # fmt: skip
-        self.round_duration = Histogram("diloco_round_duration_seconds", "Seconds from a round's opening to its commit",
-                                        buckets=ROUND_BUCKETS, registry=r)  # fmt: skip
-        self.outer_step = Histogram("diloco_outer_step_seconds", "Seconds of a commit (aggregate, outer step, encode)",
-                                    buckets=STEP_BUCKETS, registry=r)  # fmt: skip
-        self.checkpoint = Histogram("diloco_checkpoint_seconds", "Seconds to save a checkpoint",
-                                    buckets=SAVE_BUCKETS, registry=r)  # fmt: skip
+        self.bytes_up = Counter(
+            "diloco_bytes_up_total", "Pseudo-gradient payload bytes accepted, by island", ["island"], registry=r
+        )
+        self.bytes_down = Counter(
+            "diloco_bytes_down_total", "Update and parameter payload bytes served, by island", ["island"], registry=r
+        )
+        self.rpc = Histogram(
+            "diloco_rpc_duration_seconds",
+            "Server-side RPC duration, admission to last byte",
+            ["method"],
+            buckets=RPC_BUCKETS,
+            registry=r,
+        )
+        self.round_duration = Histogram(
+            "diloco_round_duration_seconds",
+            "Seconds from a round's opening to its commit",
+            buckets=ROUND_BUCKETS,
+            registry=r,
+        )
+        self.outer_step = Histogram(
+            "diloco_outer_step_seconds",
+            "Seconds of a commit (aggregate, outer step, encode)",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.checkpoint = Histogram(
+            "diloco_checkpoint_seconds", "Seconds to save a checkpoint", buckets=SAVE_BUCKETS, registry=r
+        )
         self.eval_loss = Gauge("diloco_eval_loss", "Eval loss of the newest kept global model", registry=r)
         self.eval_loss.set(float("nan"))
         self.tally: dict[str, dict[str, int]] = {n: {"bytes_up": 0, "bytes_down": 0} for n in self.islands}
@@ -239,19 +268,30 @@ class IslandMetrics:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.registry = r = CollectorRegistry()
-        self.step_seconds = Histogram("diloco_island_inner_step_seconds", "Mean seconds of an inner step, per run",
-                                      buckets=STEP_BUCKETS, registry=r)  # fmt: skip
-        self.tokens_per_second = Gauge("diloco_island_tokens_per_second", "Tokens per second of the last run",
-                                       registry=r)  # fmt: skip
+        self.step_seconds = Histogram(
+            "diloco_island_inner_step_seconds",
+            "Mean seconds of an inner step, per run",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.tokens_per_second = Gauge(
+            "diloco_island_tokens_per_second", "Tokens per second of the last run", registry=r
+        )
         self.loss = Gauge("diloco_island_loss", "Training loss of the last inner step", registry=r)
-        self.utilization = Gauge("diloco_island_compute_utilization",
-                                 "Inner-step seconds / wall seconds since the previous run (0 to 1)",
-                                 registry=r)  # fmt: skip
-        self.retries = Counter("diloco_island_retries_total",
-                               "RPCs tried again because the coordinator did not answer", registry=r)  # fmt: skip
-        self.digest_checks = Counter("diloco_island_digest_checks_total",
-                                     "Parameter digests checked after a pull, by result", ["result"],
-                                     registry=r)  # fmt: skip
+        self.utilization = Gauge(
+            "diloco_island_compute_utilization",
+            "Inner-step seconds / wall seconds since the previous run (0 to 1)",
+            registry=r,
+        )
+        self.retries = Counter(
+            "diloco_island_retries_total", "RPCs tried again because the coordinator did not answer", registry=r
+        )
+        self.digest_checks = Counter(
+            "diloco_island_digest_checks_total",
+            "Parameter digests checked after a pull, by result",
+            ["result"],
+            registry=r,
+        )
         self.round = Gauge("diloco_island_round", "The round of this island's copy of the global model", registry=r)
         self.round.set(-1)
         self.loss.set(float("nan"))

@@ -157,9 +157,12 @@ def _commit_points(events: list[dict[str, Any]], cfg: RunConfig) -> list[Point]:
             continue
         position = commit_position(e["event"], e, fragments)
         by_position[position] = Point(
-            steps=(position + 1) * per_commit, tokens=int(e.get("tokens", 0)),
-            bytes=int(e.get("bytes_up", 0)) + int(e.get("bytes_down", 0)), wall=float(e.get("t", 0.0)), eval_loss=loss,
-        )  # fmt: skip
+            steps=(position + 1) * per_commit,
+            tokens=int(e.get("tokens", 0)),
+            bytes=int(e.get("bytes_up", 0)) + int(e.get("bytes_down", 0)),
+            wall=float(e.get("t", 0.0)),
+            eval_loss=loss,
+        )
     return [by_position[s] for s in sorted(by_position)]
 
 
@@ -237,8 +240,13 @@ def _save(fig: Any, out: Path) -> None:
         raise PlotError(f"cannot write '{out}' ({exc.strerror or exc})") from None
 
 
-def plot(run_dirs: Sequence[Path], out: Path | None = None, axis: str | None = None, labels: Sequence[str] = (),
-         title: str | None = None) -> list[Path]:  # fmt: skip
+def plot(
+    run_dirs: Sequence[Path],
+    out: Path | None = None,
+    axis: str | None = None,
+    labels: Sequence[str] = (),
+    title: str | None = None,
+) -> list[Path]:
     """`diloco plot`: read every run directory (all checked before anything is drawn), write the figure, return the
     files written. With `axis` one panel against it, else the 2x2 grid of X_AXES."""
     curves = read_curves(run_dirs, labels)

@@ -99,8 +99,12 @@ def show_status(
     if watch and as_json:
         raise StatusError("--watch and --json do not go together (--json prints one snapshot)")
     if watch:
-        return _watch(lambda: GrpcTransport(address, island or "status", secret, config=WATCH_CONFIG, tls=tls),
-                      address, secret, interval_s)  # fmt: skip
+        return _watch(
+            lambda: GrpcTransport(address, island or "status", secret, config=WATCH_CONFIG, tls=tls),
+            address,
+            secret,
+            interval_s,
+        )
     config = TransportConfig(max_attempts=2, rpc_timeout_s=5.0)
     with GrpcTransport(address, island or "status", secret, config=config, tls=tls) as client:
         health = health_of(client)
@@ -113,8 +117,12 @@ def show_status(
         reply = ask(client, secret)
     detail = json.loads(reply.detail_json or "{}")
     if as_json:
-        print(json.dumps({"run_id": reply.run_id, "round": reply.round, "state": reply.state, "health": health,
-                          **detail}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {"run_id": reply.run_id, "round": reply.round, "state": reply.state, "health": health, **detail},
+                indent=2,
+            )
+        )
         return 0
     Console().print(status_view(reply, detail, health))
     return 0

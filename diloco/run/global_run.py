@@ -132,7 +132,12 @@ class GlobalRun:
         return steps[-1] if steps else None
 
     def close_round(
-        self, *, losses: Sequence[float], seconds: float, deliveries: int = 0, reason: str | None = None,
+        self,
+        *,
+        losses: Sequence[float],
+        seconds: float,
+        deliveries: int = 0,
+        reason: str | None = None,
         annotations: dict[str, Any] | None = None,
     ) -> Commit:
         """Commit the open sync, evaluate, log its event and checkpoint it when due: `commit` then `settle`, as
@@ -157,7 +162,12 @@ class GlobalRun:
         return loss
 
     def commit(
-        self, *, losses: Sequence[float], seconds: float, deliveries: int = 0, reason: str | None = None,
+        self,
+        *,
+        losses: Sequence[float],
+        seconds: float,
+        deliveries: int = 0,
+        reason: str | None = None,
         annotations: dict[str, Any] | None = None,
     ) -> Settling:
         """The outer step of the open sync: θ_{s+1} is the global model from here on (pulls may serve it), and what
@@ -180,9 +190,16 @@ class GlobalRun:
             self.durations = [*self.durations, seconds][-self.cfg.quorum.history :]
         self.totals.bytes_down += sum(e.nbytes for e in commit.encoded) * deliveries
         return Settling(
-            commit=commit, before=before, state=self.loop.state, losses=tuple(float(x) for x in losses),
-            seconds=seconds, reason=reason, commit_s=commit_s, round_closed=round_closed, annotations=annotations or {},
-        )  # fmt: skip
+            commit=commit,
+            before=before,
+            state=self.loop.state,
+            losses=tuple(float(x) for x in losses),
+            seconds=seconds,
+            reason=reason,
+            commit_s=commit_s,
+            round_closed=round_closed,
+            annotations=annotations or {},
+        )
 
     def settle(self, pending: Settling, eval_loss: float) -> None:
         """The rest of a commit, given the evaluation of its θ: `record` it, then `save` it when due."""
@@ -209,18 +226,28 @@ class GlobalRun:
         t.final_eval_loss = eval_loss
         streaming = (
             {"fragment": commit.fragment, "fragment_digest": commit.fragment_digest}
-            if self.loop.fragments.count > 1 else {}
-        )  # fmt: skip
+            if self.loop.fragments.count > 1
+            else {}
+        )
         close_s = {"commit": round(pending.commit_s, 4), "eval": round(pending.eval_s, 4)}
         losses, reason = pending.losses, pending.reason
         self.rd.log(
-            "round" if pending.round_closed else "sync", round=commit.round, **streaming,
+            "round" if pending.round_closed else "sync",
+            round=commit.round,
+            **streaming,
             loss=float(np.mean(losses)) if len(losses) else None,
-            eval_loss=t.final_eval_loss, tokens=t.tokens, bytes_up=t.bytes_up, bytes_down=t.bytes_down,
-            islands=list(commit.islands), digest=commit.digest, seconds=round(pending.seconds, 4), close_s=close_s,
-            **({"reason": reason} if reason else {}), **({"kept": commit.reduced} if commit.reduced else {}),
+            eval_loss=t.final_eval_loss,
+            tokens=t.tokens,
+            bytes_up=t.bytes_up,
+            bytes_down=t.bytes_down,
+            islands=list(commit.islands),
+            digest=commit.digest,
+            seconds=round(pending.seconds, 4),
+            close_s=close_s,
+            **({"reason": reason} if reason else {}),
+            **({"kept": commit.reduced} if commit.reduced else {}),
             **pending.annotations,
-        )  # fmt: skip
+        )
         if self.store is None or not pending.round_closed or not checkpoint_due(self.cfg, t.rounds):
             return None
         return self.checkpoint_meta()
@@ -250,14 +277,20 @@ class GlobalRun:
         inner_blew_up = any(diverged_reason(x, self.totals.initial_eval_loss, self.divergence_factor) for x in losses)
         outer = self.cfg.outer
         advice = (
-            divergence_advice(self.cfg.inner) if inner_blew_up or not island_losses
+            divergence_advice(self.cfg.inner)
+            if inner_blew_up or not island_losses
             else f"lower outer.lr ({outer.lr:g}) or outer.momentum ({outer.momentum:g})"
-        )  # fmt: skip
+        )
         islands = f"; islands' last loss up to {worst:.4g}" if island_losses else ""
         self.rd.log(
-            "diverged", round=commit.round, eval_loss=eval_loss, initial_eval_loss=self.totals.initial_eval_loss,
-            loss=worst if island_losses else None, islands=list(commit.islands), reason=why,
-        )  # fmt: skip
+            "diverged",
+            round=commit.round,
+            eval_loss=eval_loss,
+            initial_eval_loss=self.totals.initial_eval_loss,
+            loss=worst if island_losses else None,
+            islands=list(commit.islands),
+            reason=why,
+        )
         self.diverged = DivergedError(
             f"the global model diverged at round {commit.round} and was not kept: {why}{islands}; {advice}"
         )
@@ -265,9 +298,12 @@ class GlobalRun:
 
     def summary(self) -> dict:
         return summary(
-            self.cfg, self.totals, wall_s=self.rd.elapsed(), param_count=self.param_count,
+            self.cfg,
+            self.totals,
+            wall_s=self.rd.elapsed(),
+            param_count=self.param_count,
             params_digest=self.params_digest,
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         if self.store is not None:

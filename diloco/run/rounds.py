@@ -178,8 +178,9 @@ class OuterLoop:
         if round != self.state.round or fragment != self.fragment:
             sent, open_ = (
                 (f"round {round} fragment {fragment}", f"round {self.round} fragment {self.fragment}")
-                if self.fragments.count > 1 else (f"round {round}", f"round {self.round}")
-            )  # fmt: skip
+                if self.fragments.count > 1
+                else (f"round {round}", f"round {self.round}")
+            )
             raise RoundError(f"island {island} sent a pseudo-gradient for {sent}; {open_} is open")
         if island in self._pending:
             raise RoundError(f"island {island} already contributed to round {round}")

@@ -292,8 +292,11 @@ class RunDir:
         if differing and self._never_started():
             # A run refused at start (a step too big for memory, a bad data path found late) saved nothing to resume:
             # the corrected command may take its directory, as it could before the first attempt made it.
-            log.warning("run dir '%s' holds a run that saved nothing (it differs in: %s); starting afresh with this "
-                        "config", self.path, ", ".join(differing[:8]))  # fmt: skip
+            log.warning(
+                "run dir '%s' holds a run that saved nothing (it differs in: %s); starting afresh with this config",
+                self.path,
+                ", ".join(differing[:8]),
+            )
             self.config_path.write_text(dump_toml(to_dict(cfg)))
             self.metrics_path.unlink(missing_ok=True)
             return
@@ -329,8 +332,10 @@ class RunDir:
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
-                raise DiskFullError(f"no disk space left to write {self.metrics_path}; free some space, then run "
-                                    "the same command again: it resumes from the last complete checkpoint") from None
+                raise DiskFullError(
+                    f"no disk space left to write {self.metrics_path}; free some space, then run "
+                    "the same command again: it resumes from the last complete checkpoint"
+                ) from None
         for observe in self.observers:
             observe(event, fields)
 

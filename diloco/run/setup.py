@@ -56,8 +56,9 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         i = names.index(name)
         streams[name] = BatchStream(shards[i], cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=i)
     model = build_model(cfg.model)
-    stack = eval_chunks(eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len),
-                        cfg.train.microbatch)  # fmt: skip
+    stack = eval_chunks(
+        eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len), cfg.train.microbatch
+    )
     params = model.init(jax.random.key(cfg.run.seed))
     sizes = {name: int(np.size(leaf)) for name, leaf in flatten_named(params).items()}
     try:

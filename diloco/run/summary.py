@@ -14,10 +14,24 @@ from typing import Any
 from diloco.config import RunConfig
 
 SUMMARY_KEYS: tuple[str, ...] = (
-    "mode", "rounds", "rounds_planned", "inner_steps_per_island", "syncs", "initial_eval_loss", "final_eval_loss",
-    "tokens", "bytes_up", "bytes_down", "wall_s", "compute_utilization", "islands_joined", "islands_lost", "rejected",
-    "param_count", "params_digest",
-)  # fmt: skip
+    "mode",
+    "rounds",
+    "rounds_planned",
+    "inner_steps_per_island",
+    "syncs",
+    "initial_eval_loss",
+    "final_eval_loss",
+    "tokens",
+    "bytes_up",
+    "bytes_down",
+    "wall_s",
+    "compute_utilization",
+    "islands_joined",
+    "islands_lost",
+    "rejected",
+    "param_count",
+    "params_digest",
+)
 
 
 @dataclass

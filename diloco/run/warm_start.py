@@ -147,8 +147,9 @@ def check_model(cfg: RunConfig, source: Source) -> None:
         raise WarmStartError(f"init.from: '{path}' does not load ({exc})") from None
     why = model_difference(theirs, to_dict(cfg.model))
     if why is not None:
-        raise WarmStartError(f"init.from: '{source.run_dir}' trained another model ({why}); a warm start needs the "
-                             "same [model]")
+        raise WarmStartError(
+            f"init.from: '{source.run_dir}' trained another model ({why}); a warm start needs the same [model]"
+        )
 
 
 def locate(cfg: RunConfig) -> Source:

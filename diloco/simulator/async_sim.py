@@ -149,9 +149,11 @@ def run_async(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
             loss = float(push.run.losses[-1])
             vtime = float(order[u].time)
             commit = world.close_round(
-                losses=[loss], seconds=seconds, deliveries=tau + 1,
+                losses=[loss],
+                seconds=seconds,
+                deliveries=tau + 1,
                 annotations={"island": island.name, "staleness": tau, "weight": round(weight, 6), "vtime": vtime},
-            )  # fmt: skip
+            )
             island.set_params(world.loop.params)  # it pulls the new θ and starts its next H steps
             if stores and checkpoint_due(cfg, world.loop.round):
                 save_islands(stores, list(islands.values()), world.loop.round)

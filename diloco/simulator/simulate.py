@@ -92,9 +92,14 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
     totals = world.totals
     H = cfg.train.inner_steps
     lockstep = Lockstep(
-        islands, world.loop, H, cfg.stream, step=world.loop.round * H, budget_s=cfg.train.round_seconds,
+        islands,
+        world.loop,
+        H,
+        cfg.stream,
+        step=world.loop.round * H,
+        budget_s=cfg.train.round_seconds,
         vectorize=vectorize,
-    )  # fmt: skip
+    )
     progress = Progress(cfg.train.rounds, f"{cfg.run.name} diloco x{len(names)}", show_progress)
     t_sync = time.monotonic()
 
@@ -232,9 +237,15 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
             seconds = time.monotonic() - t_round
             totals.island_wall_s += seconds
             rd.log(
-                "round", round=r, loss=float(run.losses[-1]), eval_loss=totals.final_eval_loss, tokens=totals.tokens,
-                bytes_up=totals.bytes_up, bytes_down=totals.bytes_down, seconds=round(seconds, 4),
-            )  # fmt: skip
+                "round",
+                round=r,
+                loss=float(run.losses[-1]),
+                eval_loss=totals.final_eval_loss,
+                tokens=totals.tokens,
+                bytes_up=totals.bytes_up,
+                bytes_down=totals.bytes_down,
+                seconds=round(seconds, 4),
+            )
             progress.update(r + 1, float(run.losses[-1]), totals.final_eval_loss, run.tokens / seconds)
             if stores and checkpoint_due(cfg, r + 1):
                 save_state(stores[0], r + 1, island.state, {"totals": totals.to_meta()})
@@ -242,5 +253,6 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
         progress.close()
         for store in stores:
             store.close()
-    return summary(cfg, totals, wall_s=rd.elapsed(), param_count=setup.n_params,
-                   params_digest=tree_digest(island.state.params))  # fmt: skip
+    return summary(
+        cfg, totals, wall_s=rd.elapsed(), param_count=setup.n_params, params_digest=tree_digest(island.state.params)
+    )

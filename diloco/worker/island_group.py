@@ -110,8 +110,10 @@ def check_group(cfg: RunConfig, process_id: int | None, num_processes: int | Non
     if n == 1:
         return ONE_PROCESS
     if not coordinator:
-        raise ConfigError(f"--num-processes {n}: --island-coordinator HOST:PORT is needed (where process 0 serves "
-                          "jax.distributed to the island's processes)")  # fmt: skip
+        raise ConfigError(
+            f"--num-processes {n}: --island-coordinator HOST:PORT is needed (where process 0 serves "
+            "jax.distributed to the island's processes)"
+        )
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--island-coordinator must be HOST:PORT (got {coordinator!r})")
@@ -128,8 +130,10 @@ def check_supported(cfg: RunConfig, processes: int) -> None:
     ]
     for what, bad in refused:
         if bad and processes > 1:
-            raise ConfigError(f"{what} is not supported with islands.processes > 1 ({processes} processes): a "
-                              "multi-process island runs plain or time-budgeted DiLoCo rounds")  # fmt: skip
+            raise ConfigError(
+                f"{what} is not supported with islands.processes > 1 ({processes} processes): a "
+                "multi-process island runs plain or time-budgeted DiLoCo rounds"
+            )
 
 
 def lock_name(process_id: int) -> str:
@@ -154,10 +158,13 @@ def join(group: Group) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     local = is_loopback(split_host(group.coordinator))
     jax.distributed.initialize(
-        coordinator_address=group.coordinator, num_processes=group.num_processes, process_id=group.process_id,
-        heartbeat_timeout_seconds=HEARTBEAT_S, shutdown_timeout_seconds=SHUTDOWN_S,
+        coordinator_address=group.coordinator,
+        num_processes=group.num_processes,
+        process_id=group.process_id,
+        heartbeat_timeout_seconds=HEARTBEAT_S,
+        shutdown_timeout_seconds=SHUTDOWN_S,
         coordinator_bind_address=group.coordinator if local else None,
-    )  # fmt: skip
+    )
 
 
 # -- the channel -----------------------------------------------------------------------------------------------

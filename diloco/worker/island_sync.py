@@ -151,15 +151,21 @@ class IslandSync:
         where = {"round": meta.round, "island": self.who["island"], **self.fragment_field(meta.fragment)}
         t0 = time.perf_counter()
         try:
-            reply = retry_forever(lambda: self.client.push(meta, push.sent.encoded, on_sent), "push", self.give_up_s,
-                                  self._on_retry)  # fmt: skip
+            reply = retry_forever(
+                lambda: self.client.push(meta, push.sent.encoded, on_sent), "push", self.give_up_s, self._on_retry
+            )
         except TransportError as exc:
             if exc.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                 raise
             self.rd.log("push_dropped", **where, reason=exc.reason)
             return None
-        self.rd.log("pushed", **where, bytes_up=push.sent.payload_nbytes, loss=meta.loss,
-                    push_s=round(time.perf_counter() - t0, 4))  # fmt: skip
+        self.rd.log(
+            "pushed",
+            **where,
+            bytes_up=push.sent.payload_nbytes,
+            loss=meta.loss,
+            push_s=round(time.perf_counter() - t0, 4),
+        )
         return reply
 
     def encode(self, taken: TakenDelta) -> Future[RoundPush]:

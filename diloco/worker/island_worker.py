@@ -127,8 +127,9 @@ class IslandWorker:
         # An asynchronous island's schedule spans the steps `simulate` would give it (diloco/simulator/async_sim.py).
         steps = (
             planned_steps(async_order(cfg), cfg.islands.island_names, cfg.train.inner_steps)[name]
-            if self.asynchronous else None
-        )  # fmt: skip
+            if self.asynchronous
+            else None
+        )
         island = make_island(cfg, name, setup.model, setup.streams[name], n_devices, total_steps=steps)
         self.island: Island | LeaderIsland = LeaderIsland(island, Channel()) if group.multiple else island
         store = CheckpointStore(rd.checkpoints) if cfg.train.checkpoint_every else None
@@ -140,8 +141,9 @@ class IslandWorker:
         self.step = 0
         """Inner steps of the schedule (outer_optimizer/fragments.py); may run τ steps ahead of the global copy."""
         self.sync = IslandSync(client, rd, self.who, self.P, self.give_up_s, self._prepare, self.metrics.retried)
-        self.presence = IslandPresence(client, rd, self.who, lambda: (self.round, self.island.state.step),
-                                       lambda: self._join_request(self.round))  # fmt: skip
+        self.presence = IslandPresence(
+            client, rd, self.who, lambda: (self.round, self.island.state.step), lambda: self._join_request(self.round)
+        )
         self.contributed = 0
         self.spent = SyncSpent()
         """Where the training thread's time between two runs of inner steps went (reported by train_start)."""
@@ -162,8 +164,12 @@ class IslandWorker:
     def _stop_now(self) -> None:
         """The stop's grace ran out: exit at once (exit code 0: it was asked to stop). A checkpoint save cut short
         leaves the previous step restorable (diloco/run/checkpoint.py), so a restart resumes from there."""
-        self.rd.log("stopped", round=self.round, island=self.name,
-                    reason=f"{self.stop_reason} (forced after {STOP_GRACE_S:g} s: not at a sync point)")  # fmt: skip
+        self.rd.log(
+            "stopped",
+            round=self.round,
+            island=self.name,
+            reason=f"{self.stop_reason} (forced after {STOP_GRACE_S:g} s: not at a sync point)",
+        )
         os._exit(0)
 
     @property
@@ -408,8 +414,9 @@ class IslandWorker:
         the full θ; a full θ that does not is an error."""
         moved = self.copy.apply(payload, ready)
         if moved is None and payload.kind == "update":  # should never happen; recover with the full parameters
-            self.rd.log("digest_mismatch", round=payload.round, island=self.name,
-                        **self.sync.fragment_field(payload.fragment))  # fmt: skip
+            self.rd.log(
+                "digest_mismatch", round=payload.round, island=self.name, **self.sync.fragment_field(payload.fragment)
+            )
             payload = self.sync.pull(-1, full=True)
             moved = self.copy.apply(payload)
         if moved is None:
@@ -419,8 +426,9 @@ class IslandWorker:
         # With streaming, a `synced` event says the fragment it moved (an update) and the copy's sync position.
         moved_fragment = {"fragment": (moved.position - 1) % self.P} if update else {}
         where = {**moved_fragment, "position": moved.position} if self.P > 1 else {}
-        self.rd.log("synced", round=self.round, island=self.name, kind=payload.kind, **where,
-                    digest=payload.param_digest.hex())  # fmt: skip
+        self.rd.log(
+            "synced", round=self.round, island=self.name, kind=payload.kind, **where, digest=payload.param_digest.hex()
+        )
         return update
 
     def _restart_from_global(self) -> None:
@@ -434,18 +442,25 @@ class IslandWorker:
         """What a push says about itself: where Δ was taken from (its round, or with async the update b, and the
         fragment's digest in the global copy), its token weight, loss and time."""
         return pb.PushMeta(
-            **self.who, round=round_, fragment=fragment, tokens=run.tokens, inner_steps=len(run.losses),
-            loss=float(run.losses[-1]), compute_s=run.seconds, wall_s=time.perf_counter() - cycle_from,
+            **self.who,
+            round=round_,
+            fragment=fragment,
+            tokens=run.tokens,
+            inner_steps=len(run.losses),
+            loss=float(run.losses[-1]),
+            compute_s=run.seconds,
+            wall_s=time.perf_counter() - cycle_from,
             base_digest=bytes.fromhex(self.copy.digests[fragment]),
-        )  # fmt: skip
+        )
 
     def _log_train_start(self, round_: int, steps_ended: float | None) -> None:
         """sync_s: from the end of the last inner step to now (at a round boundary without overlap: encode, push,
         the wait for the round to close, pull, checkpoint; diloco bench sync), and where the training thread's time
         went since the last `train_start` (`SyncSpent`)."""
         sync = {"sync_s": round(time.perf_counter() - steps_ended, 4)} if steps_ended is not None else {}
-        self.rd.log("train_start", round=round_, island=self.name, step=self.island.state.step,
-                    **self.spent.fields(), **sync)  # fmt: skip
+        self.rd.log(
+            "train_start", round=round_, island=self.name, step=self.island.state.step, **self.spent.fields(), **sync
+        )
         self.spent = SyncSpent()
 
 

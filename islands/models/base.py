@@ -21,6 +21,7 @@ Params = Any
 Metrics = dict[str, jax.Array]
 """Scalar metrics reported next to the loss; always holds at least `ce` (cross-entropy)."""
 
+
 @dataclass(frozen=True)
 class Model:
     """A trainable model as two pure, jit-friendly functions."""
