@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from diloco.harness import faults
+from diloco import faults
 from diloco.ops.logs import configure as configure_logging
 from floor.errors import UserError
 

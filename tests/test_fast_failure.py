@@ -2,7 +2,7 @@
 
 Real processes: a coordinator, a survivor and a supervised victim (`diloco island` without --no-supervise). The
 victim's *worker* is SIGKILLed where it stopped after training round 1, before its push (a named point,
-diloco/harness/faults.py), once the survivor's push of that round is in; its supervisor sees the death, sends a Leave with the island's own
+diloco/faults.py), once the survivor's push of that round is in; its supervisor sees the death, sends a Leave with the island's own
 credentials, and restarts the worker. The lease is 120 s, and so is the grace a broken presence call gets
 (transport/presence.py: the worker's death breaks it too; tests/test_presence.py and test_federation.py test that
 path), so a round that closes in seconds closed because of that Leave.
@@ -23,7 +23,7 @@ from tests.conftest import JAX_CACHE, JAX_CACHE_ENV, REPO
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 H = 4
-"""Inner steps per round: tiny, the victim waits at a named point for its kill (diloco/harness/faults.py)."""
+"""Inner steps per round: tiny, the victim waits at a named point for its kill (diloco/faults.py)."""
 ENV = {
     "JAX_PLATFORMS": "cpu",
     "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -1,4 +1,4 @@
-"""Fault injection at named points (diloco/harness/faults.py): the spec as a table, and a pause as a thread sees it."""
+"""Fault injection at named points (diloco/faults.py): the spec as a table, and a pause as a thread sees it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import TypeVar
 
 import pytest
 
-from diloco.harness import faults
-from diloco.harness.faults import FaultSpecError, Pause, Pauses, from_env, parse
+from diloco import faults
+from diloco.faults import FaultSpecError, Pause, Pauses, from_env, parse
 from tests.conftest import fails
 
 WAIT_S = 30.0

@@ -8,7 +8,7 @@ across its own restart); every committed round holds exactly the pseudo-gradient
 (DiLoCo's bit-identical θ, arXiv 2311.08105). Scenarios are combined into few launches because each process
 start costs seconds of JAX import and compilation; a persistent XLA compilation cache shared by the session's
 children (tests/conftest.py) makes the restarts cheap, and the one `diloco launch` (7) is the session's shared one,
-which test_secure_defaults reads too. Every kill lands at a named point (diloco/harness/faults.py): the process stops
+which test_secure_defaults reads too. Every kill lands at a named point (diloco/faults.py): the process stops
 there, the test waits for its marker and SIGKILLs it, so what the kill interrupts is what the test says, on any
 machine at any load. Waits poll the run directories' metrics.jsonl and the pause markers with generous timeouts.
 """
@@ -74,7 +74,7 @@ def jax_cache() -> Path:
 def federation(tmp_path: Path, tiny_config: Path, jax_cache: Path) -> Iterator[Callable[..., Federation]]:
     """Federations of the tiny config (diloco.harness.procs, the harness `launch` uses), each child in its own process
     group (cleanup reaches a supervisor's worker too) and all sharing one persistent XLA compilation cache;
-    `pause_at` names where processes stop and wait for the test (diloco/harness/faults.py: WHO:POINT:ROUND)."""
+    `pause_at` names where processes stop and wait for the test (diloco/faults.py: WHO:POINT:ROUND)."""
     made: list[Federation] = []
 
     def make(*overrides: str, pause_at: Sequence[str] = ()) -> Federation:
@@ -462,7 +462,7 @@ def _finished_checkpoints(fed: Federation, name: str) -> list[str]:
 @pytest.mark.parametrize("seed", [int(os.environ.get("DILOCO_CHAOS_SEED", "7"))])
 def test_chaos_random_kills(federation: Callable[..., Federation], seed: int, n_kills: int, fragments: int) -> None:
     """3 islands, min 2 per round, 18 rounds; `n_kills` seeded islands SIGKILLed at a named point each (before
-    their push of a seeded round in the first half, or the first round they reach after it: diloco/harness/faults.py), and
+    their push of a seeded round in the first half, or the first round they reach after it: diloco/faults.py), and
     restarted at once or once the coordinator counted them lost (seeded). Depending on how the kills fall, a round
     closes without the dead island once it is lost or at the adaptive deadline, waits below quorum when two are
     dead, or the island is back in time. No island pushes the last round before every island reached it: the run

@@ -26,7 +26,7 @@ from tests.test_federation import ENV, FAST, _finished_checkpoints, check_run
 
 ROUNDS = 3
 KILL_AT = "island-0:before_push:1"
-"""island-0's leader stops after training round 1, before its push (diloco/harness/faults.py), and the follower's SIGKILL
+"""island-0's leader stops after training round 1, before its push (diloco/faults.py), and the follower's SIGKILL
 lands there once round 1's checkpoint is complete on disk: the restarted island redoes the same round from that
 checkpoint on the same batches, and the curve stays simulate's."""
 RUN = [*FAST, "quorum.min_islands=2", f"train.rounds={ROUNDS}", "codec.uplink=fp32", "codec.downlink=fp32"]

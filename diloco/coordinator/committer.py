@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from diloco import faults
 from diloco.config import RunConfig
 from diloco.coordinator.commit_window import CommitWindow
 from diloco.coordinator.membership import Action, decide
@@ -24,7 +25,6 @@ from diloco.coordinator.push_admission import Admitted, PushAdmission
 from diloco.coordinator.rejections import clip
 from diloco.coordinator.roster import Roster
 from diloco.coordinator.settler import Job, Settler
-from diloco.harness import faults
 from diloco.run.global_run import GlobalRun, Settling, diverged_reason
 from diloco.run.rundir import RunDir
 from floor.codec import CodecError

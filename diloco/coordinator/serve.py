@@ -25,8 +25,8 @@ from diloco.run.rundir import RunDir
 from diloco.run.setup import build_setup
 from diloco.run.warm_start import check_fresh
 from floor.errors import UserError
-from transport.auth import Authenticator, resolve_secret
-from transport.grpc_server import start_server
+from transport.auth import Authenticator, TlsConfig, resolve_secret
+from transport.grpc_server import RunningServer, start_server
 from transport.service import DilocoService
 
 log = logging.getLogger("diloco.coordinator.serve")
@@ -87,6 +87,49 @@ def serve(
     secrets = island_secrets(cfg)
     check_fresh(cfg, run_dir)
     rd = RunDir(run_dir, cfg)
+    server, metrics_server, coordinator = _start(cfg, rd, listen, tls, secrets, metrics_port_flag)
+    _announce(run_dir, rd, server, coordinator)
+    stop = threading.Event()
+    stopped_by: list[str] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stopped_by.append(signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _tick_until_done(coordinator, stop, progress, linger_s)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        server.stop(grace_s=1.0)
+        coordinator.settled(timeout_s=120.0)  # the last commits' evaluations and checkpoints
+        if stopped_by and not coordinator.done:
+            # The open round is abandoned (its pushes come again after a restart); the last committed one is kept.
+            coordinator.flush()
+            rd.log("stopped", round=coordinator.loop.round, reason=stopped_by[0])
+        summary = coordinator.world.summary()
+        if coordinator.done:
+            rd.write_summary(summary)
+        coordinator.close()
+        rd.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def _start(
+    cfg: RunConfig,
+    rd: RunDir,
+    listen: str,
+    tls: TlsConfig | None,
+    secrets: dict[str, str] | None,
+    metrics_port_flag: int | None,
+) -> tuple[RunningServer, MetricsServer | None, Coordinator]:
+    """Listen (health NOT_SERVING), serve /metrics, restore the coordinator, then attach it (health SERVING). A
+    failure on the way stops what was started and closes the run directory."""
+    net = cfg.network
     metrics = CoordinatorMetrics(cfg.islands.island_names)
     transport = cfg.transport.for_islands(cfg.islands.count, cfg.stream.fragments)
     try:
@@ -96,13 +139,9 @@ def serve(
         raise ListenError(f"cannot listen on {listen} ({exc}); is the port already in use?") from None
     metrics_server: MetricsServer | None = None
     try:
-        metrics_server = serve_metrics(
-            metrics.registry,
-            listen.rpartition(":")[0],
-            metrics_port(cfg, None, metrics_port_flag),
-            certfile=net.tls_cert,
-            keyfile=net.tls_key,
-        )
+        port = metrics_port(cfg, None, metrics_port_flag)
+        host = listen.rpartition(":")[0]
+        metrics_server = serve_metrics(metrics.registry, host, port, certfile=net.tls_cert, keyfile=net.tls_key)
         coordinator = Coordinator(cfg, rd, build_setup(cfg, islands=()), metrics=metrics)
     except BaseException:
         server.stop(0)
@@ -122,7 +161,12 @@ def serve(
         uplink=cfg.codec.spec("uplink"),
     )
     server.attach(service)  # health: SERVING
-    # Written whole or not at all (a rename): whoever polls for the file never reads it half-written, empty.
+    return server, metrics_server, coordinator
+
+
+def _announce(run_dir: Path, rd: RunDir, server: RunningServer, coordinator: Coordinator) -> None:
+    """Say where the coordinator listens: coordinator.addr (written whole or not at all, by a rename, so whoever
+    polls for it never reads it half-written), the run directory's lock, and a log line."""
     partial = run_dir / "coordinator.addr.tmp"
     partial.write_text(server.address)
     partial.replace(run_dir / "coordinator.addr")
@@ -130,65 +174,47 @@ def serve(
     log.info(
         "diloco coordinator listening on %s (run %s, round %d)",
         server.address,
-        cfg.run.name,
+        coordinator.run_id,
         coordinator.loop.round,
         extra={"fields": {"address": server.address, "round": coordinator.loop.round}},
     )
-    stop = threading.Event()
-    stopped_by: list[str] = []
 
-    def on_signal(signum: int, frame: Any) -> None:
-        stopped_by.append(signal.Signals(signum).name)
-        stop.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+def _tick_until_done(coordinator: Coordinator, stop: threading.Event, progress: bool, linger_s: float) -> None:
+    """Tick every 0.1 s until a signal stops the coordinator or the run is done and its islands left (or lingered
+    `linger_s`); a diverged run or a checkpoint that could not be written ends it with its error."""
     last_line = 0.0
     done_at: float | None = None
-    try:
-        while not stop.is_set():
-            coordinator.tick()
-            if coordinator.world.diverged is not None:  # a commit blew up (undone): stop rather than serve on
-                raise coordinator.world.diverged
-            failure = coordinator.committer.settler.failure
-            if failure is not None:  # a checkpoint could not be written: stop, the last one is intact
-                raise failure
-            now = time.monotonic()
-            if progress and now - last_line > 5:
-                last_line = now
-                s = coordinator.live_status()
-                fields = {k: s[k] for k in ("rounds", "final_eval_loss", "bytes_up", "bytes_down", "rejected")}
-                log.info(
-                    "round %d/%d alive %d eval %.4f up %s B down %s B rejected %d",
-                    s["rounds"],
-                    cfg.train.rounds,
-                    len(s["islands_alive"]),
-                    s["final_eval_loss"],
-                    f"{s['bytes_up']:,}",
-                    f"{s['bytes_down']:,}",
-                    s["rejected"],
-                    extra={"fields": fields},
-                )
-            if coordinator.done:
-                done_at = done_at or now
-                # Islands collect the last update and leave; do not wait for ever on one that died.
-                if not coordinator.roster or now - done_at > linger_s:
-                    break
-            stop.wait(0.1)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        server.stop(grace_s=1.0)
-        coordinator.settled(timeout_s=120.0)  # the last commits' evaluations and checkpoints
-        if stopped_by and not coordinator.done:
-            # The open round is abandoned (its pushes come again after a restart); the last committed one is kept.
-            coordinator.flush()
-            rd.log("stopped", round=coordinator.loop.round, reason=stopped_by[0])
-        summary = coordinator.world.summary()
+    while not stop.is_set():
+        coordinator.tick()
+        if coordinator.world.diverged is not None:  # a commit blew up (undone): stop rather than serve on
+            raise coordinator.world.diverged
+        failure = coordinator.committer.settler.failure
+        if failure is not None:  # a checkpoint could not be written: stop, the last one is intact
+            raise failure
+        now = time.monotonic()
+        if progress and now - last_line > 5:
+            last_line = now
+            _log_progress(coordinator)
         if coordinator.done:
-            rd.write_summary(summary)
-        coordinator.close()
-        rd.close()
-        if metrics_server is not None:
-            metrics_server.stop()
-    print(json.dumps(summary), flush=True)
-    return summary
+            done_at = done_at or now
+            # Islands collect the last update and leave; do not wait for ever on one that died.
+            if not coordinator.roster or now - done_at > linger_s:
+                return
+        stop.wait(0.1)
+
+
+def _log_progress(coordinator: Coordinator) -> None:
+    s = coordinator.live_status()
+    fields = {k: s[k] for k in ("rounds", "final_eval_loss", "bytes_up", "bytes_down", "rejected")}
+    log.info(
+        "round %d/%d alive %d eval %.4f up %s B down %s B rejected %d",
+        s["rounds"],
+        coordinator.cfg.train.rounds,
+        len(s["islands_alive"]),
+        s["final_eval_loss"],
+        f"{s['bytes_up']:,}",
+        f"{s['bytes_down']:,}",
+        s["rejected"],
+        extra={"fields": fields},
+    )

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from diloco.harness import faults
+from diloco import faults
 from diloco.run.global_run import GlobalRun, Settling
 from diloco.run.rundir import DiskFullError
 

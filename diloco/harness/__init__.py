@@ -1,2 +1,2 @@
-"""Processes on one machine: `diloco launch`, the process harness tests use, kernel-shaped links, and fault
-injection at named points."""
+"""Processes on one machine: `diloco launch`, the process harness that tests and benchmarks drive, and
+kernel-shaped links."""

@@ -15,7 +15,7 @@ so that a final SIGKILL also reaches what it started (a supervisor's worker); `h
 process that no child may inherit (launch: secrets, so that each process gets only its own). Per process,
 `start_coordinator` and `start_island` take extra arguments (`--secret`, `--tls-*`) and environment (a secret,
 `devices_env(1)`: a restart on fewer devices); a coordinator restarted after a kill listens on the address it
-had, so its islands find it again. `pause_at` names the points where processes stop and wait (diloco/harness/faults.py,
+had, so its islands find it again. `pause_at` names the points where processes stop and wait (diloco/faults.py,
 WHO:POINT:ROUND): a test waits for one (`paused`), then SIGKILLs the process there or lets it go on (`release`).
 An island of several processes (islands.processes, or `group_args` for one island) runs as one supervised group on
 a port of its own for jax.distributed (diloco/worker/island_group.py).
@@ -35,9 +35,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from diloco import faults
 from diloco.config import RunConfig, load_config
-from diloco.harness import faults
-from diloco.harness.faults import Pauses
+from diloco.faults import Pauses
 from diloco.run.rundir import read_events
 
 T = TypeVar("T")
@@ -140,7 +140,7 @@ class Federation:
                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
             }
         self.pauses = Pauses(Path(extra.get(faults.ENV_DIR) or os.environ.get(faults.ENV_DIR) or run_dir / "pauses"))
-        """Where its processes stop at the named points of `pause_at` (diloco/harness/faults.py): wait for one with
+        """Where its processes stop at the named points of `pause_at` (diloco/faults.py): wait for one with
         `paused`, then kill the process or `release` it."""
         extra[faults.ENV_DIR] = str(self.pauses.directory)
         if pause_at:

@@ -44,9 +44,8 @@ from typing import Any
 import grpc
 import jax
 
-from diloco import RELEASE
+from diloco import RELEASE, faults
 from diloco.config import RunConfig, config_digest, require_federated, to_dict
-from diloco.harness import faults
 from diloco.ops.metrics import IslandMetrics, metrics_port, serve_metrics
 from diloco.run.checkpoint import CheckpointStore
 from diloco.run.rundir import RunDir
