@@ -32,7 +32,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from diloco.bench.errors import BenchError
-from floor.codec import DTYPES, KINDS, CodecError, EncodedTensor, decode
+from floor.codec import DTYPES, KINDS, CodecError, CodecSpec, EncodedTensor, decode
 from transport import diloco_pb2 as pb
 from transport.chunking import Reassembler, check_header
 from transport.errors import Rejected
@@ -63,6 +63,10 @@ class _Bytes:
 
     def rest(self) -> bytes:
         return self.data[self.pos :]
+
+
+FP32 = CodecSpec(kind="fp32")
+"""The uplink codec push_meta checks against: a push of int8 tensors is refused for it."""
 
 
 def codec_target(data: bytes) -> None:
@@ -102,7 +106,7 @@ def chunk_target(data: bytes) -> None:
 def push_meta_target(data: bytes) -> None:
     try:
         meta = pb.PushMeta.FromString(data)
-        check_push_meta(meta, [pb.TensorMeta(name="w", codec="int8")], {"w": ((4,), "float32")}, "fp32")
+        check_push_meta(meta, [pb.TensorMeta(name="w", codec="int8")], {"w": ((4,), "float32")}, FP32)
     except EXPECTED:
         pass
 
