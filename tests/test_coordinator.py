@@ -278,6 +278,7 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
     assert coordinator.pulls.arriving == {}
 
 
+@pytest.mark.slow
 def test_a_commit_is_evaluated_once_its_islands_are_done_with_it(
     coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -59,6 +59,7 @@ def test_registry_covers_every_kind():
     assert set(MODELS) == set(KINDS)
 
 
+@pytest.mark.slow
 def test_transformer_shapes_and_param_count():
     cfg, _, params = tiny("transformer")
     assert params["embed"]["tok"].shape == (cfg.vocab_size, cfg.d_model)
@@ -75,6 +76,7 @@ def test_transformer_shapes_and_param_count():
     assert aux.shape == (cfg.n_layers,) and float(jnp.abs(aux).sum()) == 0.0
 
 
+@pytest.mark.slow
 def test_moe_shapes():
     cfg, _, params = tiny("moe")
     ff = params["blocks"][1]["ff"]

@@ -137,6 +137,7 @@ def _stable_kept(rows: np.ndarray, t: int) -> np.ndarray:
     return counts / size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [3, 4, 9, 17, 33, 40])  # one word of uint8, uint16, uint32; two words
 def test_trimmed_mean_kept_counts_the_masks(n: int) -> None:
     rng = np.random.default_rng(n)
@@ -265,6 +266,7 @@ def test_order_statistics_stay_in_the_honest_range(
     assert np.all(value >= stack.min(axis=0) - tiny) and np.all(value <= stack.max(axis=0) + tiny)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(HONEST, min_size=3, max_size=3),
@@ -325,6 +327,7 @@ def rule_digests() -> dict[str, str]:
     return {rule: tree_digest(make_rule(rule, 2.0, 0.25)(deltas, [3, 1, 2, 5]).delta) for rule in RULES}
 
 
+@pytest.mark.slow
 def test_rules_are_bit_identical_across_processes() -> None:
     """The coordinator and `simulate` are different processes: the same Δs must give the same bits in both."""
     code = "import json; from tests.test_robust_aggregation import rule_digests; print(json.dumps(rule_digests()))"

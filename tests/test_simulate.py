@@ -165,6 +165,7 @@ def test_custom_model_trains_through_simulate(tiny_config: Path, tmp_path: Path)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
+@pytest.mark.slow
 def test_moe_trains_through_simulate(tiny_config: Path, tmp_path: Path) -> None:
     overrides = ["model.kind=moe", "model.n_experts=4", "model.top_k=2", "train.rounds=2", "train.checkpoint_every=0"]
     summary = run_simulation(load_config(tiny_config, overrides), tmp_path / "m", show_progress=False)

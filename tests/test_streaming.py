@@ -130,6 +130,7 @@ STREAM = [
 ]
 
 
+@pytest.mark.slow
 def test_streaming_simulate_resumes_bit_identically(tiny_config: Path, tmp_path: Path) -> None:
     """Checkpoints are taken at round ends, where fragment P-1's merge is still τ steps away: a resumed run must
     rebuild that pending merge from the schedule, with the per-fragment outer states and residuals restored."""
@@ -148,6 +149,7 @@ def test_streaming_simulate_resumes_bit_identically(tiny_config: Path, tmp_path:
     assert resumed["syncs"] == reference["syncs"] == 6
 
 
+@pytest.mark.slow
 def test_the_streaming_bench_measures_each_sync_sending_only_its_fragment(tiny_config: Path, tmp_path: Path) -> None:
     """`diloco bench streaming`, one round: fp32 is 4 bytes per element, so the fragments' syncs of a round add up to
     one plain sync, and each is smaller (not half: this tiny model's token embedding weighs as much as a block)."""

@@ -35,6 +35,7 @@ def test_a_slow_island_fits_fewer_steps_in_the_same_budget(tiny_config: Path) ->
     assert slow.state.step == len(slow_run.losses)
 
 
+@pytest.mark.slow
 def test_simulate_weighs_each_island_by_what_it_trained_in_its_budget(tiny_config: Path, tmp_path: Path) -> None:
     overrides = [
         f"train.inner_steps={H}",
@@ -54,6 +55,7 @@ def test_simulate_weighs_each_island_by_what_it_trained_in_its_budget(tiny_confi
     assert result["tokens"] == (2 * H + steps["island-1"]) * 8 * 16
 
 
+@pytest.mark.slow
 def test_a_device_bound_step_lasts_its_floor_and_leaves_the_results_alone(tiny_config: Path) -> None:
     """islands.device_step_s: each step lasts at least the floor (the island sleeps the rest), the floor counts as
     the run's compute seconds, and what the steps compute does not change. The floor (0.25 s) is far above a tiny

@@ -166,6 +166,7 @@ def _poisoned(params: PyTree) -> PyTree:
     return jax.tree.unflatten(treedef, [jnp.full_like(leaves[0], jnp.nan), *leaves[1:]])
 
 
+@pytest.mark.slow
 def test_a_diverged_island_is_named_and_the_ones_before_it_keep_their_steps(tiny_config: Path) -> None:
     islands = _islands(tiny_config)
     good, bad = islands
