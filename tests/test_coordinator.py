@@ -240,7 +240,6 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
     holds that pull while the push is still on its way, and while it streams in (`receiving`), instead of answering
     "push first"; a pull without the flag, or one whose push never lands, still hears "push first"."""
     import threading
-    import time
 
     def pull(island: str, after_push: bool):
         req = pb.PullRequest(run_id=coordinator.run_id, island=island, have_round=0, after_push=after_push)
@@ -258,8 +257,11 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
         return thread
 
     monkeypatch.setattr(pull_answers_module, "PUSH_LANDING_S", 30.0)
+    asked = threading.Event()
+    answer = pull_answers_module.answer_pull
+    monkeypatch.setattr(pull_answers_module, "answer_pull", lambda view: (asked.set(), answer(view))[1])
     first = pull_in_background("island-0")  # asks before its push lands
-    time.sleep(0.1)
+    assert asked.wait(30), "the pull never asked"  # under the lock: the push below lands once the pull waits
     push(coordinator, "island-0", 1e-3)
     first.join(timeout=0.2)
     assert first.is_alive(), "the push landed, the round is still open: the pull waits for the commit"

@@ -318,7 +318,7 @@ def test_status_watch_ends_on_sigint_with_exit_code_0() -> None:
         )
         try:
             assert statuses.wait(60), "the watch never asked for Status"
-            time.sleep(0.3)
+            assert proc.stdout is not None and proc.stdout.readline(), "the watch drew no frame"  # it is in its loop
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=30)
         finally:
