@@ -230,28 +230,7 @@ def run_recovery_bench(
             f"a round committed without {victim}",
         )
         restarted_round = len(fed.rounds())
-        seen = len(fed.events(island=victim))
-        first_seen: dict[str, float] = {}
-
-        def new_event_times() -> dict[str, float] | None:
-            now = time.monotonic()
-            for e in fed.events(island=victim)[seen:]:
-                first_seen.setdefault(e["event"], now)
-            return first_seen if "train_start" in first_seen else None
-
-        t_restart = time.monotonic()
-        fed.start_island(victim)
-        try:
-            fed.wait_for(new_event_times, timeout_s, f"{victim}'s first train_start after its restart", poll_s=0.02)
-        except FederationError:
-            if fed.coordinator is not None and fed.coordinator.poll() == 0:  # the run ended without it
-                raise BenchError(
-                    f"{victim} did not train again within the run's {plan.rounds} rounds, which leave room for a "
-                    f"restart of {plan.restart_window_s:.1f} s ({RESTART_ROOM:g} x the bound {bound_s:.1f} s): "
-                    f"it took longer (logs: {run_dir / 'logs'})"
-                ) from None
-            raise
-        after = fed.events(island=victim)[seen:]
+        t_restart, first_seen, after = _restart_and_time(fed, victim, timeout_s, plan, bound_s, run_dir)
         summary = fed.wait_done(timeout_s)
         rejoined_rounds = _rounds_with(fed, victim, after_round=restarted_round - 1)
     figure_s = first_seen["train_start"] - t_restart
@@ -285,6 +264,35 @@ def run_recovery_bench(
     }
 
 
+def _restart_and_time(
+    fed: Federation, victim: str, timeout_s: float, plan: RecoveryPlan, bound_s: float, run_dir: Path
+) -> tuple[float, dict[str, float], list[dict[str, Any]]]:
+    """Restart the victim and watch its events until it trains again: when it restarted, when each of its events
+    was first seen, and the events since the restart."""
+    seen = len(fed.events(island=victim))
+    first_seen: dict[str, float] = {}
+
+    def new_event_times() -> dict[str, float] | None:
+        now = time.monotonic()
+        for e in fed.events(island=victim)[seen:]:
+            first_seen.setdefault(e["event"], now)
+        return first_seen if "train_start" in first_seen else None
+
+    t_restart = time.monotonic()
+    fed.start_island(victim)
+    try:
+        fed.wait_for(new_event_times, timeout_s, f"{victim}'s first train_start after its restart", poll_s=0.02)
+    except FederationError:
+        if fed.coordinator is not None and fed.coordinator.poll() == 0:  # the run ended without it
+            raise BenchError(
+                f"{victim} did not train again within the run's {plan.rounds} rounds, which leave room for a "
+                f"restart of {plan.restart_window_s:.1f} s ({RESTART_ROOM:g} x the bound {bound_s:.1f} s): "
+                f"it took longer (logs: {run_dir / 'logs'})"
+            ) from None
+        raise
+    return t_restart, first_seen, fed.events(island=victim)[seen:]
+
+
 # -- failover -----------------------------------------------------------------------------------------------------
 
 
@@ -300,17 +308,8 @@ def run_failover_bench(
 ) -> dict[str, Any]:
     """Kill or freeze a supervised, slower island (`FAILURES`) while the others wait for it; time their stall
     (docstring)."""
-    if kill_after < 1 or factor < 1.0:
-        raise BenchError(f"--kill-after must be >= 1 and --factor >= 1 (got {kill_after}, {factor})")
-    if how not in FAILURES:
-        raise BenchError(f"--how must be one of {', '.join(FAILURES)} (got {how!r})")
     cfg = load_config(config_path, overrides)
-    if how == "freeze" and not cfg.transport.keepalive_s:
-        raise BenchError(
-            "--how freeze needs transport.keepalive_s > 0: only the coordinator's keepalive pings "
-            "notice a frozen host before its lease (off by default; e.g. transport.keepalive_s=1)"
-        )
-    _check_can_lose_one(cfg, restarts=False)
+    _check_failover(cfg, kill_after, factor, how)
     victim = _pick_victim(cfg, victim, by_link=False)
     survivors = [n for n in cfg.islands.island_names if n != victim]
     run_overrides = [
@@ -339,11 +338,7 @@ def run_failover_bench(
         )
         if pushed(victim):
             raise BenchError(f"{victim} pushed round {open_round} before the others: raise --factor (got {factor:g})")
-        if how == "worker":
-            os.kill(int((fed.island_dir(victim) / "worker.pid").read_text()), signal.SIGKILL)
-        else:  # the supervisor leads the victim's process group (a session of its own), its worker is in it
-            os.killpg(fed.islands[victim].pid, signal.SIGKILL if how == "host" else signal.SIGSTOP)
-            fed.killed.add(victim)
+        _strike(fed, victim, how)
         killed = time.monotonic()
         seen: dict[str, float] = {}
 
@@ -384,6 +379,29 @@ def run_failover_bench(
         "lease_s": FAILOVER_LEASE_S,
         "wall_s": round(time.monotonic() - t0, 1),
     }
+
+
+def _check_failover(cfg: RunConfig, kill_after: int, factor: float, how: str) -> None:
+    """The failover bench's arguments, and a config that can lose its victim, or one BenchError line."""
+    if kill_after < 1 or factor < 1.0:
+        raise BenchError(f"--kill-after must be >= 1 and --factor >= 1 (got {kill_after}, {factor})")
+    if how not in FAILURES:
+        raise BenchError(f"--how must be one of {', '.join(FAILURES)} (got {how!r})")
+    if how == "freeze" and not cfg.transport.keepalive_s:
+        raise BenchError(
+            "--how freeze needs transport.keepalive_s > 0: only the coordinator's keepalive pings "
+            "notice a frozen host before its lease (off by default; e.g. transport.keepalive_s=1)"
+        )
+    _check_can_lose_one(cfg, restarts=False)
+
+
+def _strike(fed: Federation, victim: str, how: str) -> None:
+    """The failure `how` names: SIGKILL of the worker, SIGKILL or SIGSTOP of the whole island."""
+    if how == "worker":
+        os.kill(int((fed.island_dir(victim) / "worker.pid").read_text()), signal.SIGKILL)
+    else:  # the supervisor leads the victim's process group (a session of its own), its worker is in it
+        os.killpg(fed.islands[victim].pid, signal.SIGKILL if how == "host" else signal.SIGSTOP)
+        fed.killed.add(victim)
 
 
 # -- convergence under faults ------------------------------------------------------------------------------------

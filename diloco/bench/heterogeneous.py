@@ -126,15 +126,19 @@ def _rounded(losses: Mapping[str, float | None]) -> dict[str, float | None]:
     return {key: None if v is None else round(v, 4) for key, v in losses.items()}
 
 
-def run_heterogeneous_bench(
-    cfg: RunConfig, run_dir: Path, rounds: int, islands: int = 3, factor: float = 2.0, target: float = 1.02
-) -> dict[str, Any]:
-    """The three runs (resumed when already in `run_dir`) and the figures that compare them (module docstring)."""
+def _check_args(rounds: int, islands: int, factor: float, target: float) -> None:
     if rounds < 1 or islands < 2 or not factor >= 1 or not target >= 1:
         raise BenchError(
             "bench heterogeneous: --rounds must be >= 1, --islands >= 2, --factor >= 1 and --target >= 1 "
             f"(got {rounds}, {islands}, {factor}, {target})"
         )
+
+
+def run_heterogeneous_bench(
+    cfg: RunConfig, run_dir: Path, rounds: int, islands: int = 3, factor: float = 2.0, target: float = 1.02
+) -> dict[str, Any]:
+    """The three runs (resumed when already in `run_dir`) and the figures that compare them (module docstring)."""
+    _check_args(rounds, islands, factor, target)
     names = list(cfg.islands.names[:islands]) if len(cfg.islands.names) >= islands else []
     base = _variant(
         cfg,
