@@ -284,7 +284,7 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
 def test_a_commit_is_evaluated_once_its_islands_are_done_with_it(
     coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The evaluation yields to the commit's islands (`Coordinator._yield_to_islands`): it waits until every island
+    """The evaluation yields to the commit's islands (`Settler._yield_to_islands`): it waits until every island
     that contributed has been sent the commit (the transport calls `PullPayload.on_done`) and, with plain rounds, says
     by heartbeat that it trains on the next round; or EVAL_YIELD_S. Both pulls share one serialized stream."""
 

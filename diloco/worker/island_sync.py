@@ -225,7 +225,7 @@ class IslandSync:
         """Wait for sync `sync`'s commit once its push went out (the worker takes the result at its merge).
 
         Each push leaves on its fragment's lane as soon as it is encoded, beside the other fragments' (`lanes`);
-        the coordinator holds a push for a later fragment's sync until that sync opens (`Coordinator.early`), and
+        the coordinator holds a push for a later fragment's sync until that sync opens (`PushAdmission.early`), and
         the pulls wait for their commits side by side, so a sync's round trip never holds up the next fragment's
         push. The pull goes out as soon as the push is on the wire (`on_wire`), not once its reply is back: its
         request crosses the link beside the push's last bytes, which saves one round trip a sync (the push's
