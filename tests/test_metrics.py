@@ -305,8 +305,8 @@ def test_status_watch_redraws_until_ctrl_c(monkeypatch: pytest.MonkeyPatch, caps
 
 @pytest.mark.timeout(120)
 def test_status_watch_ends_on_sigint_with_exit_code_0() -> None:
-    statuses = threading.Event()
-    with reference_server(lambda method, *_: statuses.set() if method == "Status" else None) as (server, service):
+    statuses = threading.Semaphore(0)
+    with reference_server(lambda method, *_: statuses.release() if method == "Status" else None) as (server, service):
         server.attach(service)
         proc = subprocess.Popen(
             [sys.executable, "-m", "diloco.cli", "status", server.address, "--watch"],
@@ -317,8 +317,8 @@ def test_status_watch_ends_on_sigint_with_exit_code_0() -> None:
             cwd=REPO,
         )
         try:
-            assert statuses.wait(60), "the watch never asked for Status"
-            assert proc.stdout is not None and proc.stdout.readline(), "the watch drew no frame"  # it is in its loop
+            # A second Status call: the watch drew its first frame and is in its loop.
+            assert statuses.acquire(timeout=60) and statuses.acquire(timeout=60), "the watch never asked twice"
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=30)
         finally:
