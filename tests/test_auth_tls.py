@@ -17,7 +17,7 @@ from cryptography.x509.oid import NameOID
 
 from tests.reference_handler import ReferenceHandler, fp32_tensor
 from transport import diloco_pb2 as pb
-from transport.auth import Authenticator, SecretError, TlsConfig, resolve_secret
+from transport.auth import CERTIFIED_KEY, Authenticator, SecretError, TlsConfig, call_metadata, resolve_secret
 from transport.config import TransportConfig
 from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport
@@ -89,9 +89,9 @@ def _write(path: Path, cert, key=None) -> None:
         )
 
 
-def make_test_pki(d: Path) -> Path:
-    """ca.crt, server.crt/.key (localhost, 127.0.0.1), client.crt/.key in `d`: made here, independently of the
-    product's own generator (diloco/deploy/tls.py), so that each checks the other."""
+def make_test_pki(d: Path, island: str = "i0") -> Path:
+    """ca.crt, server.crt/.key (localhost, 127.0.0.1), client.crt/.key (issued to `island`) in `d`: made here,
+    independently of the product's own generator (diloco/deploy/tls.py), so that each checks the other."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _cert(_name("diloco-test-ca"), _name("diloco-test-ca"), ca_key, ca_key, ca=True)
     _write(d / "ca", ca)
@@ -99,7 +99,7 @@ def make_test_pki(d: Path) -> Path:
     san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     _write(d / "server", _cert(_name("localhost"), ca.subject, srv_key, ca_key, san=san), srv_key)
     cli_key = ec.generate_private_key(ec.SECP256R1())
-    _write(d / "client", _cert(_name("island-i0"), ca.subject, cli_key, ca_key), cli_key)
+    _write(d / "client", _cert(_name(island), ca.subject, cli_key, ca_key), cli_key)
     return d
 
 
@@ -269,5 +269,60 @@ def test_local_pki_is_private_and_gives_mutual_tls(tmp_path):
             with pytest.raises(TransportError) as info:
                 c.status()
             assert info.value.code == grpc.StatusCode.UNAVAILABLE  # no client certificate: no handshake
+    finally:
+        srv.stop(0)
+
+
+def test_a_client_certificate_is_accepted_for_its_own_island_only(tmp_path):
+    """Under mutual TLS a certificate names its island (launch's and deploy's PKI: the common name): another
+    island's secret over it is PERMISSION_DENIED, and a client cannot claim a certificate name in its metadata."""
+    from diloco.deploy.tls import make_local_pki, server_tls
+
+    pki = make_local_pki(tmp_path / "tls", ["i0", "i1"])
+    h = ReferenceHandler(RUN, {"w": np.zeros(4, np.float32)})
+    svc = DilocoService(h, RUN, h.model_spec(), authenticator=Authenticator({"i0": "s0", "i1": "s1"}), config=CFG)
+    srv = start_server(svc, "127.0.0.1:0", tls=server_tls(*(str(p) for p in (pki.server_cert, pki.server_key, pki.ca))))
+    target = f"127.0.0.1:{srv.port}"
+    try:
+        with GrpcTransport(target, "i0", "s0", config=CFG, tls=pki.client_tls("i1")) as c:
+            with pytest.raises(TransportError) as info:
+                _push(c)
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "client certificate issued to 'i1'" in info.value.reason, info.value.reason
+        tls = pki.client_tls("i1")
+        creds = grpc.ssl_channel_credentials(
+            Path(tls.ca_file).read_bytes(), Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes()
+        )
+        with grpc.secure_channel(target, creds) as channel:
+            join = channel.stream_unary(
+                "/diloco.v1.Diloco/Join",
+                request_serializer=pb.JoinRequest.SerializeToString,
+                response_deserializer=pb.JoinReply.FromString,
+            )
+            forged = (*call_metadata("i0", "s0"), (CERTIFIED_KEY, "i0"))
+            with pytest.raises(grpc.RpcError) as refused:
+                join(iter([pb.JoinRequest(run_id=RUN, island="i0")]), metadata=forged, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
+        with GrpcTransport(target, "i1", "s1", config=CFG, tls=pki.client_tls("i1")) as c:
+            assert _push(c, island="i1").accepted
+        assert h.applied == [("i1", 0, 0, 1)] and len(h.members) == 0
+    finally:
+        srv.stop(0)
+
+
+def test_a_certified_name_in_plaintext_metadata_is_dropped():
+    """Without TLS there is no certificate: an entry of the certified-name key the client sent is dropped by the
+    server, so it neither admits nor refuses anyone."""
+    h, srv = _serve(None)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            join = channel.stream_unary(
+                "/diloco.v1.Diloco/Join",
+                request_serializer=pb.JoinRequest.SerializeToString,
+                response_deserializer=pb.JoinReply.FromString,
+            )
+            claimed = (*call_metadata("i0", "s0"), (CERTIFIED_KEY, "i1"))
+            reply = join(iter([pb.JoinRequest(run_id=RUN, island="i0")]), metadata=claimed, timeout=30)
+        assert reply.run_id == RUN and h.members == {"i0": 0}
     finally:
         srv.stop(0)

@@ -122,7 +122,7 @@ def test_open_coordinator_exits_2_unless_insecure(tiny_config: Path, tmp_path: P
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_mutual_tls_and_status_credentials_from_config_keys(tiny_config: Path, tmp_path: Path, stopped: list) -> None:
-    pki = make_test_pki(tmp_path)
+    pki = make_test_pki(tmp_path, island="island-0")
     for key in pki.glob("*.key"):
         key.chmod(0o600)
     config = tmp_path / "tls.toml"

@@ -75,6 +75,35 @@ def resolve_secret(ref: str) -> str:
     return ref
 
 
+CERTIFIED_KEY = "x-diloco-certified-island"
+"""A name the caller's TLS client certificate carries (its common name, or one of its subject alternative names),
+as the gRPC server adds it to the call's metadata for the service, one entry per name. The server drops any entry
+of this key the client sent itself, so only a verified certificate can put one there (mutual TLS)."""
+
+
+def certified_names(metadata: Iterable[tuple[str, str | bytes]] | None) -> frozenset[str]:
+    """The names the caller's verified client certificate carries (`CERTIFIED_KEY`); empty without mutual TLS."""
+    return frozenset(
+        value.decode(errors="replace") if isinstance(value, bytes) else value
+        for key, value in metadata or ()
+        if key == CERTIFIED_KEY
+    )
+
+
+def check_certified(island: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> None:
+    """Under mutual TLS a client certificate is one island's: a call for another island is PERMISSION_DENIED, so
+    one island's certificate cannot carry another island's secret. Without a client certificate nothing is
+    checked here (the secret is the credential)."""
+    names = certified_names(metadata)
+    if names and island not in names:
+        shown = ", ".join(repr(n[:64]) for n in sorted(names)[:4])
+        raise Rejected(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"island {island!r} called with a client certificate issued to {shown}: each island presents its own "
+            "certificate, whose common name (or a subject alternative name) is the island's name",
+        )
+
+
 def call_metadata(island: str, secret: str | None) -> tuple[tuple[str, str], ...]:
     """Metadata a client attaches to every RPC."""
     if secret is None:

@@ -47,7 +47,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from transport import diloco_pb2 as pb
 from transport.admission import PRESENCE, STREAM, UNARY, Admission, Slot, lanes_of
-from transport.auth import TlsConfig
+from transport.auth import CERTIFIED_KEY, TlsConfig
 from transport.config import TransportConfig
 from transport.errors import Rejected
 from transport.service import DilocoService, Metadata, claimed_island
@@ -108,7 +108,7 @@ class _Servicer:
         thread until its handler has unwound, so releasing on gRPC's end-of-call callback would admit more
         calls than there are threads. (A pull whose generator gRPC drops is closed by its last reference.)
         """
-        md = context.invocation_metadata()
+        md = call_metadata_of(context)
         with self._service.answering(md):
             slot = self.admission.take(lane, caller(md))
         expired = lambda reason: self._service.report(md, Rejected(grpc.StatusCode.DEADLINE_EXCEEDED, reason))
@@ -199,6 +199,15 @@ class _Servicer:
                             ended.wait()  # the call ends: the island went, a newer call replaced it, or we stop
             except Exception as e:
                 self._end(context, e)
+
+
+def call_metadata_of(context: grpc.ServicerContext) -> Metadata:
+    """The call's metadata as the service reads it: what the client sent, less any entry claiming `CERTIFIED_KEY`,
+    plus one `CERTIFIED_KEY` entry per name of the client certificate the TLS handshake verified (mutual TLS)."""
+    sent = [(k, v) for k, v in context.invocation_metadata() or () if k != CERTIFIED_KEY]
+    auth = context.auth_context() or {}
+    names = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
+    return (*sent, *((CERTIFIED_KEY, n.decode(errors="replace")) for n in names))
 
 
 def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:

@@ -38,7 +38,7 @@ import numpy as np
 
 from floor.codec import CodecSpec
 from transport import diloco_pb2 as pb
-from transport.auth import ISLAND_KEY, Authenticator
+from transport.auth import ISLAND_KEY, Authenticator, check_certified
 from transport.chunking import ByteBudget, Reassembler, build_header, check_header, iter_trailed_views
 from transport.config import TransportConfig
 from transport.errors import Rejected
@@ -187,6 +187,7 @@ class DilocoService:
             raise Rejected(grpc.StatusCode.UNAUTHENTICATED, f"no island name in the call metadata ({ISLAND_KEY})")
         if self.islands is not None and name not in self.islands:
             raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {name!r} is not an island of this run")
+        check_certified(name, metadata)
         return name
 
     def status_caller(self, metadata: Metadata) -> str:
