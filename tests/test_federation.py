@@ -224,10 +224,10 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     # rather than closing without it until the run ends; while it is lost, rounds close on island-0 alone at once.
     # A long lease: an island is lost here only because its presence call broke (transport/presence.py), at its
     # death or, with the coordinator's keepalive pings on, when it froze.
-    # island-0 waits before its first push until island-1 has joined, so that both train from round 0 (rounds
-    # then wait for both: min_deadline_s); island-1 is killed before its push of round 2; island-0 is frozen
-    # before its push of round 3, once round 2 has closed without island-1.
-    pauses = ["island-0:before_push:0", "island-1:before_push:2", "island-0:before_push:3"]
+    # Both islands wait before their push of round 0 until the other is there too, so that both train from round 0
+    # whichever process starts faster (rounds then wait for both: min_deadline_s); island-1 is killed before its
+    # push of round 2; island-0 is frozen before its push of round 3, once round 2 has closed without island-1.
+    pauses = ["island-0:before_push:0", "island-1:before_push:0", "island-1:before_push:2", "island-0:before_push:3"]
     fed = federation(
         f"train.rounds={rounds}",
         "quorum.min_islands=1",
@@ -240,9 +240,10 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     fed.start_coordinator()
     fed.start_island("island-0", args=["--secret", "s0"])
     fed.start_island("island-1", args=["--secret", "s1"])
-    fed.paused("island-0:before_push:0", WAIT_S)
-    fed.wait_for(lambda: fed.events("joined", island="island-1"), WAIT_S, "island-1 to join")
-    fed.release("island-0:before_push:0")
+    for entry in ("island-0:before_push:0", "island-1:before_push:0"):
+        fed.paused(entry, WAIT_S)
+    for entry in ("island-0:before_push:0", "island-1:before_push:0"):
+        fed.release(entry)
 
     # SIGKILL island-1 after it trained round 2, before its push, once a checkpoint of it is complete (islands save
     # on a background thread, which goes on while the island waits at the point).
@@ -643,10 +644,10 @@ def test_sigterm_stops_an_island_and_the_coordinator_cleanly(federation: Callabl
     rounds = 8
     # A long lease: only a Leave can tell the coordinator that the stopped island is gone. The coordinator's own
     # checkpoint is due only at the end (every 100 rounds), so a stop mid-run has to save one of its own.
-    # island-0 waits before its first push until island-1 has joined (min_islands=1: else it may commit rounds
-    # alone first); island-1 is stopped before its push of round 2 (or the first it reaches after, should a round
+    # Both islands wait before their push of round 0 until the other is there too (min_islands=1: else the faster to
+    # start may commit rounds alone first); island-1 is stopped before its push of round 2 (or the first it reaches after, should a round
     # close without it), once it has a checkpoint; the coordinator once island-0 waits to push round 6.
-    pauses = ["island-0:before_push:0", "island-1:before_push:2+", "island-0:before_push:6"]
+    pauses = ["island-0:before_push:0", "island-1:before_push:0", "island-1:before_push:2+", "island-0:before_push:6"]
     fed = federation(
         f"train.rounds={rounds}",
         "train.checkpoint_every=100",
@@ -657,9 +658,10 @@ def test_sigterm_stops_an_island_and_the_coordinator_cleanly(federation: Callabl
     fed.start_coordinator()
     for name in ("island-0", "island-1"):
         fed.start_island(name)
-    fed.paused("island-0:before_push:0", WAIT_S)
-    fed.wait_for(lambda: fed.events("joined", island="island-1"), WAIT_S, "island-1 to join")
-    fed.release("island-0:before_push:0")
+    for entry in ("island-0:before_push:0", "island-1:before_push:0"):
+        fed.paused(entry, WAIT_S)
+    for entry in ("island-0:before_push:0", "island-1:before_push:0"):
+        fed.release(entry)
 
     fed.paused("island-1:before_push:2+", WAIT_S)
     fed.wait_for(

@@ -36,6 +36,7 @@ import signal
 import threading
 import time
 from collections import deque
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -256,7 +257,7 @@ class IslandWorker:
         else:  # the coordinator may be stopping too (launch stops every process at once): do not wait on it long
             self.rd.log("stopped", round=self.round, island=self.name, reason=self.stop_reason)
             with Serial("leave") as leaving:  # a daemon: a Leave blocked on an absent coordinator is left behind
-                leaving.submit(self._leave, f"stopped: {self.stop_reason}").exception(timeout=LEAVE_WAIT_S)
+                futures.wait([leaving.submit(self._leave, f"stopped: {self.stop_reason}")], timeout=LEAVE_WAIT_S)
         self.presence.end()
         return self.contributed
 
