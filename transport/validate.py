@@ -116,18 +116,20 @@ def check_push_meta(
         _check_number(key, getattr(meta, key), sys.float_info.min, nonnegative=True, most=MAX_SECONDS)
     if model_spec is not None:
         spec_for(model_spec, meta.fragment)
-    for t in tensors if uplink is not None else ():
-        sent = _codec_of(t.codec, t.block_size, t.zstd_level)
-        expected = _codec_of(uplink.kind, uplink.block_size if uplink.blockwise else 0, uplink.zstd_level)
+    if uplink is None:
+        return
+    expected = (uplink.kind, uplink.block_size if uplink.blockwise else 0, uplink.zstd_level)
+    for t in tensors:
+        sent = (t.codec, t.block_size, t.zstd_level)
         if sent != expected:
             raise Rejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"tensor {t.name!r} is {sent}; this run's islands send {expected} (codec.uplink, codec.block_size, "
-                "codec.zstd_level)",
+                f"tensor {t.name!r} is {_codec_name(*sent)}; this run's islands send {_codec_name(*expected)} "
+                "(codec.uplink, codec.block_size, codec.zstd_level)",
             )
 
 
-def _codec_of(kind: str, block_size: int, zstd_level: int) -> str:
+def _codec_name(kind: str, block_size: int, zstd_level: int) -> str:
     """How a refusal names a tensor's encoding: "int8 (blocks of 256, zstd level 3)", "fp32 (no zstd)"."""
     blocks = f"blocks of {block_size}, " if block_size else ""
     return f"{kind!r} ({blocks}{f'zstd level {zstd_level}' if zstd_level else 'no zstd'})"

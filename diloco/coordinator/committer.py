@@ -26,6 +26,7 @@ from diloco.coordinator.rejections import clip
 from diloco.coordinator.roster import Roster
 from diloco.coordinator.settler import Job, Settler
 from diloco.run.global_run import GlobalRun, Settling, diverged_reason
+from diloco.run.rounds import OuterLoop
 from diloco.run.rundir import RunDir
 from floor.codec import CodecError
 from islands.island import DivergedError
@@ -67,7 +68,7 @@ class Committer:
         self.settler = Settler(cond, world, self.keep, self.islands_done)
 
     @property
-    def loop(self) -> Any:
+    def loop(self) -> OuterLoop:
         return self.world.loop
 
     def tick(self) -> None:

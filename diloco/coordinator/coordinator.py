@@ -99,7 +99,7 @@ class Coordinator:
             rule = AsyncUpdates(cfg.outer.max_staleness, cfg.outer.staleness_exponent)
             self.base_digest = lambda m: self.window.digests.get(m.round)
         self.cond = threading.Condition()
-        self.roster = Roster(self.names)
+        self.roster = Roster()
         self.admission = PushAdmission(
             rule,
             max_tokens=cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len,

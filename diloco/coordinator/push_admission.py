@@ -204,7 +204,7 @@ class AcceptedPushes:
 
 @dataclass(frozen=True)
 class Held:
-    """A contribution in a sync: its push's key and its content digest (and, while early, its Δ and weight)."""
+    """A contribution in a sync: its push's key and its content digest (and, while early, its Δ and token weight)."""
 
     key: PushKey
     content: bytes
@@ -301,20 +301,22 @@ class PushAdmission:
             del self.dropped[next(iter(self.dropped))]
         self.dropped[held.content] = clip(why)
 
-    def opened(self, loop: OuterLoop) -> Iterator[tuple[str, str]]:
+    def opened(self, loop: OuterLoop) -> list[tuple[str, str]]:
         """A commit opened the loop's next sync: the old sync's bookkeeping goes, and the pushes that arrived early
-        for the new one join it (yields each island whose early push could not, and why, after dropping it)."""
+        for the new one join it. Returns each island whose early push could not, and why (it is dropped)."""
         self.dropped.clear()
         self.pending.clear()
+        refused = []
         for island, held in sorted(self.early.pop(loop.sync, {}).items()):
             assert held.delta is not None
             try:
                 loop.submit(island, loop.round, held.delta, held.tokens, fragment=loop.fragment)
             except RoundError as exc:  # checked at its push already; never let it stop a commit
                 self.accepted.forget(held.key)
-                yield island, str(exc)
+                refused.append((island, str(exc)))
                 continue
             self.pending[island] = Held(held.key, held.content)
+        return refused
 
     def snapshot(self) -> tuple[dict[str, Held], dict[bytes, str]]:
         """The open sync's contributions and drops, for `undo_to` should the commit that closes it be undone."""

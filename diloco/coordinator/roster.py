@@ -16,8 +16,7 @@ from diloco.coordinator.membership import RoundView
 class Roster:
     """Members by the time each was last heard from, with their broken presence calls, rounds and losses."""
 
-    def __init__(self, names: Sequence[str]) -> None:
-        self.names = tuple(names)
+    def __init__(self) -> None:
         self.last_seen: dict[str, float] = {}
         self.broken: dict[str, float] = {}
         """Member -> when its presence call broke (transport/presence.py), until it is heard from again."""
