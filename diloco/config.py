@@ -32,7 +32,7 @@ from islands.data import DataConfig
 from islands.models.config import ModelConfig
 from outer_optimizer.config import OuterConfig
 from outer_optimizer.fragments import LAYOUTS, check_schedule
-from transport.auth import REDACTED_SECRET, is_secret_reference, redact_secret
+from transport.auth import REDACTED_SECRET, is_island_name, is_secret_reference, redact_secret
 from transport.config import TransportConfig
 
 
@@ -205,6 +205,15 @@ class IslandsConfig:
     devices. Process 0 talks to the coordinator, the others replay its calls. `diloco island` takes it as the
     default of --num-processes. Per island (per process, not in the config digest): islands of one run may span
     different numbers of hosts."""
+    max: int = 64
+    """The most islands the run's roster may hold at once: the configured ones plus those an operator admits while
+    it runs (`diloco admit`, diloco/coordinator/enrollment.py), less the retired. Bounds what admissions can make
+    the coordinator hold."""
+    admissions_per_minute: int = 10
+    """At most this many admissions in any 60 s: more are refused (RESOURCE_EXHAUSTED) until the minute passes."""
+    retire_after_s: float = 0.0
+    """An island gone (lost or left) this long is retired: its credentials are refused from then on and its data
+    goes back to the pool. 0: never (an island gone for good is retired by `diloco retire NAME`)."""
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -213,8 +222,10 @@ class IslandsConfig:
             raise ValueError(f"islands.names has {len(self.names)} names but islands.count is {self.count}")
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"islands.names must be unique (got {list(self.names)})")
-        if any(not n or not n.replace("-", "").replace("_", "").isalnum() for n in self.names):
-            raise ValueError(f"islands.names must be non-empty [A-Za-z0-9_-] names (got {list(self.names)})")
+        if any(not is_island_name(n) for n in self.names):
+            raise ValueError(
+                f"islands.names must be [A-Za-z0-9_-] names of 1 to 64 characters (got {list(self.names)})"
+            )
         if self.devices < 1:
             raise ValueError(f"islands.devices must be >= 1 (got {self.devices})")
         if self.processes < 1:
@@ -227,6 +238,12 @@ class IslandsConfig:
             raise ValueError(
                 "islands.backend = 'pathways' drives a whole slice from one process: islands.processes must be 1"
             )
+        if self.max < self.count:
+            raise ValueError(f"islands.max ({self.max}) must be >= islands.count ({self.count})")
+        if self.admissions_per_minute < 1:
+            raise ValueError(f"islands.admissions_per_minute must be >= 1 (got {self.admissions_per_minute})")
+        if not 0 <= self.retire_after_s < math.inf:
+            raise ValueError(f"islands.retire_after_s must be >= 0 seconds (got {self.retire_after_s})")
         self.slowdowns()  # refuse a malformed entry when the config loads, not when an island starts
 
     def slowdowns(self) -> dict[str, float]:
@@ -311,6 +328,11 @@ class NetworkConfig:
     """Prometheus /metrics (diloco/ops/metrics.py): the coordinator serves on this port and island i (its index in
     islands.names) on metrics_port + 1 + i, so one config gives every process of a host its own; `--metrics-port`
     gives one process its port instead. 0: no metrics endpoint. Per process (not part of the run's identity)."""
+    operator_secret: str = field(default="", metadata=LOCAL)
+    """The operator's credential, written "env:VAR" or "file:PATH": with it, `diloco admit` and `diloco retire`
+    change the roster of a live run; without it the coordinator refuses every admission and retirement but an
+    island's own (diloco/coordinator/enrollment.py). Per process: only the coordinator and the operator's
+    commands read it; it is never written to the run dir or sent to an island."""
     metrics_host: str = field(default="127.0.0.1", metadata=LOCAL)
     """Where an island's /metrics listens (the coordinator's listens on the host of its --listen). Per process."""
 
@@ -322,6 +344,11 @@ class NetworkConfig:
             raise ValueError("network.tls_cert and network.tls_key must be set together")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"network.metrics_port must be a port number, 0 (off) to 65535 (got {self.metrics_port})")
+        if self.operator_secret and not is_secret_reference(self.operator_secret):
+            raise ValueError(
+                "network.operator_secret must be env:VAR or file:PATH (a reference: the secret itself is never "
+                "written in a config or on a command line)"
+            )
 
 
 @dataclass(frozen=True)
@@ -376,7 +403,7 @@ class RunConfig:
         why = check_schedule(self.train.inner_steps, self.stream.fragments, self.stream.overlap_steps)
         if why is not None:
             raise ValueError(why)
-        if self.quorum.min_islands > self.islands.count:
+        if isinstance(self.quorum.min_islands, int) and self.quorum.min_islands > self.islands.count:
             raise ValueError(
                 f"quorum.min_islands ({self.quorum.min_islands}) exceeds islands.count ({self.islands.count})"
             )
@@ -434,6 +461,8 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if set(args) == {int, float}:  # a count or a fraction (quorum.min_islands): TOML's 2 and 0.5 say which
+            return value if isinstance(value, float) else _check_type(value, int, key)
         return _check_type(value, args[0], key)
     if origin is tuple:
         if not isinstance(value, list | tuple):

@@ -73,7 +73,7 @@ def refused(call, code: grpc.StatusCode, words: str) -> str:
 
 def test_a_push_must_belong_to_the_run_and_to_theta_r(coordinator: Coordinator) -> None:
     before = coordinator.world.params_digest
-    refused(lambda: push(coordinator, "stranger", 1e-3), grpc.StatusCode.PERMISSION_DENIED, "not in this run")
+    refused(lambda: push(coordinator, "stranger", 1e-3), grpc.StatusCode.PERMISSION_DENIED, "not on this run's roster")
     refused(
         lambda: push(coordinator, "island-0", 1e-3, base_digest=b"\0" * 16),
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -329,7 +329,7 @@ def test_a_push_dropped_at_commit_leaves_its_island_free_to_push_a_new_delta(coo
     encoded), is refused when its bytes come again, and a new Δ of that island for the same round is heard and
     counted. Duplicates and drops are decided in one place (diloco/coordinator/push_admission.py), so no cached "accepted"
     outlives the drop and locks the island out of the round."""
-    service = DilocoService(coordinator, coordinator.run_id, coordinator.model_spec, islands=coordinator.names)
+    service = DilocoService(coordinator, coordinator.run_id, coordinator.model_spec, islands=coordinator.enrollment)
 
     def push_through(island: str, fill: float) -> pb.PushReply:
         named = {k: np.full(np.shape(v), fill, np.float32) for k, v in flatten_named(coordinator.loop.params).items()}

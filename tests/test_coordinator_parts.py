@@ -205,5 +205,21 @@ def test_the_roster_applies_joins_beats_breaks_leaves_and_losses() -> None:
     assert roster.moved_past("i0", 3) and not roster.moved_past("i0", 4)
     roster.pushed("i1", 2.5, 5.0)
     assert roster.live == ["i0", "i1"] and roster.losses(["i0", "i1"]) == [2.5]
-    roster.lose(["i1"])
-    assert "i1" not in roster and roster.leave("i0") and not roster.leave("i0") and len(roster) == 0
+    roster.lose(["i1"], 5.0)
+    assert "i1" not in roster and roster.leave("i0", 6.0) and not roster.leave("i0", 6.0) and len(roster) == 0
+    assert roster.gone == {"i1": 5.0, "i0": 6.0}, "whoever stops being a member is gone from then on"
+
+
+def test_the_roster_knows_who_joined_a_sync_late_and_who_is_gone_for_retirement() -> None:
+    roster = Roster()
+    roster.expect(["a", "b", "c"], 0.0)
+    assert roster.gone == {"a": 0.0, "b": 0.0, "c": 0.0}
+    roster.join("a", 1.0)
+    roster.join("b", 2.0, late_for=7)  # arrived in sync 7 without θ_7
+    assert roster.round_view(0.0, (), (), sync=7).late == {"b"}
+    assert roster.round_view(0.0, (), (), sync=8).late == frozenset(), "only the sync it arrived in"
+    roster.join("b", 3.0)  # a join that holds the open sync's θ is waited for again
+    assert roster.round_view(0.0, (), (), sync=7).late == frozenset()
+    assert roster.gone == {"c": 0.0}
+    assert not roster.retire("c") and roster.gone == {}, "a retired island is not gone: it is no island any more"
+    assert roster.retire("a") and "a" not in roster and "a" not in roster.gone

@@ -115,6 +115,38 @@ def test_decide(now, seen, broken, pushed, durations, action, reason, lost) -> N
         assert why in d.lost[name], (name, d.lost[name])
 
 
+FIVE = {n: 99.0 for n in "abcde"}
+
+
+@pytest.mark.parametrize(
+    ("min_islands", "seen", "pushed", "late", "action", "reason"),
+    [
+        # a fraction of the live islands, rounded up: half of 5 live is 3
+        (0.5, FIVE, {"a", "b"}, set(), Action.WAIT, "2 of 3 (min_islands=0.5 of 5 live) pushed"),
+        (0.5, FIVE, {"a", "b", "c"}, set(), Action.WAIT, "waiting for d, e (deadline in"),
+        # the same fraction of a roster that shrank to 2: one push is enough once the other is not waited for
+        (0.5, {"a": 99.0, "b": 99.0}, {"a"}, {"b"}, Action.CLOSE, "all 2 live islands pushed (1 contributions)"),
+        # 1.0 is everyone live, however many that is
+        (1.0, FIVE, {"a", "b", "c", "d"}, set(), Action.WAIT, "4 of 5 (min_islands=1.0 of 5 live) pushed"),
+        # a count stays a count
+        (2, FIVE, {"a", "b"}, set(), Action.WAIT, "waiting for c, d, e"),
+        # a joiner that arrived without the round's θ is not waited for ...
+        (2, FIVE, {"a", "b", "c", "d"}, {"e"}, Action.CLOSE, "all 5 live islands pushed (4 contributions)"),
+        # ... though its push counts toward the quorum if it comes
+        (2, {"a": 99.0, "e": 99.0}, {"a", "e"}, {"e"}, Action.CLOSE, "all 2 live islands pushed (2 contributions)"),
+        # ... and the quorum still waits for pushes, naming the late ones when nobody else is left to wait for
+        (2, {"a": 99.0, "e": 99.0}, {"a"}, {"e"}, Action.WAIT, "1 of min_islands=2 pushed; waiting for e"),
+    ],
+)
+def test_quorum_scales_with_the_live_roster_and_never_waits_for_a_joiner(
+    min_islands, seen, pushed, late, action, reason
+) -> None:
+    cfg = QuorumConfig(min_islands=min_islands, max_deadline_s=600)
+    view = RoundView(opened_at=0.0, last_seen=seen, pushed=frozenset(pushed), late=frozenset(late))
+    d = decide(100.0, view, cfg)
+    assert (d.action, reason in d.reason) == (action, True), d.reason
+
+
 def test_deadline_is_clamped_and_robust_to_one_outlier() -> None:
     assert adaptive_deadline([1, 1, 1, 1], CFG) == 5  # min clamp
     assert adaptive_deadline([500, 600, 700], CFG) == 100  # max clamp
@@ -124,6 +156,9 @@ def test_deadline_is_clamped_and_robust_to_one_outlier() -> None:
 def test_quorum_config_validation() -> None:
     with pytest.raises(ValueError, match="quorum.min_islands must be >= 1"):
         QuorumConfig(min_islands=0)
+    for fraction in (0.0, 1.5, -0.5):
+        with pytest.raises(ValueError, match=r"as a fraction of the live islands must be in \(0, 1\]"):
+            QuorumConfig(min_islands=fraction)
     with pytest.raises(ValueError, match="max_deadline_s must be >= quorum.min_deadline_s"):
         QuorumConfig(min_deadline_s=10, max_deadline_s=5)
 

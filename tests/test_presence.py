@@ -178,7 +178,7 @@ def test_a_non_member_is_told_to_join_and_an_unknown_island_is_refused(server) -
     try:
         assert client.attend(pb.AttendRequest(run_id=RUN, island="i0")).wait() == NOT_A_MEMBER
         why = stranger.attend(pb.AttendRequest(run_id=RUN, island="mallory")).wait()
-        assert why.startswith(grpc.StatusCode.PERMISSION_DENIED.name) and "not an island of this run" in why, why
+        assert why.startswith(grpc.StatusCode.PERMISSION_DENIED.name) and "not on this run's roster" in why, why
         forged = client.attend(pb.AttendRequest(run_id=RUN, island="i1")).wait()  # i0's call naming i1
         assert forged.startswith(grpc.StatusCode.PERMISSION_DENIED.name), forged
         assert handler.absences == [] and service.presences.attending() == frozenset()

@@ -13,9 +13,10 @@ replaced by `REDACTED_SECRET` (`redact_secret`), which `resolve_secret` refuses.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,21 @@ from transport.errors import Rejected
 
 ISLAND_KEY = "x-diloco-island"
 SECRET_KEY = "x-diloco-secret"
+OPERATOR_KEY = "x-diloco-operator"
+"""The operator's secret, on `diloco admit` and `diloco retire` calls (`check_operator`)."""
+
+MAX_NAME_LENGTH = 64
+
+
+def is_island_name(name: str) -> bool:
+    """An island name: 1 to 64 characters of [A-Za-z0-9_-] (configured or admitted alike)."""
+    return 0 < len(name) <= MAX_NAME_LENGTH and name.isascii() and name.replace("-", "").replace("_", "").isalnum()
+
+
+def secret_digest(secret: str | bytes) -> bytes:
+    """SHA-256 of a secret: what a coordinator keeps of an admitted island's secret (diloco/coordinator/enrollment.py).
+    An island's secret is 256 random bits (`diloco admit`), so a plain hash cannot be reversed or guessed."""
+    return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).digest()
 
 
 REDACTED_SECRET = "<literal secret redacted>"
@@ -112,35 +128,62 @@ def call_metadata(island: str, secret: str | None) -> tuple[tuple[str, str], ...
 
 
 class Authenticator:
-    """Checks call metadata against the configured ``{island: secret}``; ``None`` disables auth."""
+    """Checks call metadata against the configured ``{island: secret}`` (``None``: configured islands are not
+    authenticated) and, through ``admitted``, against the SHA-256 digests of islands admitted while the run goes on
+    (`secret_digest`; None for a name that is not admitted). An admitted island always authenticates."""
 
-    def __init__(self, secrets: Mapping[str, str] | None) -> None:
+    def __init__(
+        self, secrets: Mapping[str, str] | None, admitted: Callable[[str], bytes | None] | None = None
+    ) -> None:
         self._secrets = None if secrets is None else {k: v.encode() for k, v in secrets.items()}
+        self._admitted = admitted or (lambda island: None)
 
     @property
     def enabled(self) -> bool:
-        """Whether credentials are required."""
+        """Whether credentials are required of the configured islands."""
         return self._secrets is not None
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-        """The authenticated island name (``None`` when auth is off). Raises UNAUTHENTICATED."""
+        """The authenticated island name (``None`` when auth is off for it). Raises UNAUTHENTICATED."""
         md: dict[str, str | bytes] = {}
         for key, value in metadata or ():
             md.setdefault(key, value)
         island = md.get(ISLAND_KEY)
         island = island.decode(errors="replace") if isinstance(island, bytes) else island
-        if self._secrets is None:
+        admitted = self._admitted(island) if island else None
+        if self._secrets is None and admitted is None:
             return None
         secret = md.get(SECRET_KEY)
         if not island or secret is None:
             raise Rejected(grpc.StatusCode.UNAUTHENTICATED, "missing island credentials in call metadata")
         given = secret.encode() if isinstance(secret, str) else secret
-        # Compare against a dummy for unknown islands too, so timing does not reveal which names exist.
-        expected = self._secrets.get(island)
-        ok = hmac.compare_digest(given, expected if expected is not None else b"\0" * len(given))
-        if expected is None or not ok:
-            raise Rejected(grpc.StatusCode.UNAUTHENTICATED, f"bad credentials for island {island!r}")
+        if admitted is not None:
+            ok = hmac.compare_digest(secret_digest(given), admitted)
+        else:
+            # Compare against a dummy for unknown islands too, so timing does not reveal which names exist.
+            expected = (self._secrets or {}).get(island)
+            ok = hmac.compare_digest(given, expected if expected is not None else b"\0" * len(given))
+            ok = ok and expected is not None
+        if not ok:
+            raise Rejected(grpc.StatusCode.UNAUTHENTICATED, f"bad credentials for island {island[:64]!r}")
         return island
+
+
+def check_operator(metadata: Iterable[tuple[str, str | bytes]] | None, operator: bytes | None) -> None:
+    """An operator's call (admit, retire) carries the operator's secret (`OPERATOR_KEY`), checked against the
+    SHA-256 `operator` of `network.operator_secret` in constant time; without one configured, none is accepted."""
+    if operator is None:
+        raise Rejected(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this coordinator takes no operator calls: start it with network.operator_secret (env:VAR or file:PATH)",
+        )
+    given = next((v for k, v in metadata or () if k == OPERATOR_KEY), None)
+    if given is None:
+        raise Rejected(
+            grpc.StatusCode.UNAUTHENTICATED, f"missing operator credentials in call metadata ({OPERATOR_KEY})"
+        )
+    if not hmac.compare_digest(secret_digest(given), operator):
+        raise Rejected(grpc.StatusCode.UNAUTHENTICATED, "bad operator credentials")
 
 
 class TlsError(UserError, ValueError):

@@ -228,6 +228,46 @@ class PullChunk(_message.Message):
     digest: bytes
     def __init__(self, index: _Optional[int] = ..., header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
+class AdmitRequest(_message.Message):
+    __slots__ = ("run_id", "island", "secret_sha256")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    SECRET_SHA256_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    island: str
+    secret_sha256: bytes
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., secret_sha256: _Optional[bytes] = ...) -> None: ...
+
+class AdmitReply(_message.Message):
+    __slots__ = ("ok", "round", "detail")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    round: int
+    detail: str
+    def __init__(self, ok: _Optional[bool] = ..., round: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class RetireRequest(_message.Message):
+    __slots__ = ("run_id", "island", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    island: str
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RetireReply(_message.Message):
+    __slots__ = ("ok", "round", "detail")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    round: int
+    detail: str
+    def __init__(self, ok: _Optional[bool] = ..., round: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -69,6 +69,16 @@ class DilocoStub:
                 request_serializer=diloco__pb2.AttendRequest.SerializeToString,
                 response_deserializer=diloco__pb2.AttendReply.FromString,
                 _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/diloco.v1.Diloco/Admit',
+                request_serializer=diloco__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=diloco__pb2.AdmitReply.FromString,
+                _registered_method=True)
+        self.Retire = channel.unary_unary(
+                '/diloco.v1.Diloco/Retire',
+                request_serializer=diloco__pb2.RetireRequest.SerializeToString,
+                response_deserializer=diloco__pb2.RetireReply.FromString,
+                _registered_method=True)
 
 
 class DilocoServicer:
@@ -116,6 +126,18 @@ class DilocoServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Admit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Retire(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DilocoServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +175,16 @@ def add_DilocoServicer_to_server(servicer, server):
                     servicer.Attend,
                     request_deserializer=diloco__pb2.AttendRequest.FromString,
                     response_serializer=diloco__pb2.AttendReply.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=diloco__pb2.AdmitRequest.FromString,
+                    response_serializer=diloco__pb2.AdmitReply.SerializeToString,
+            ),
+            'Retire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retire,
+                    request_deserializer=diloco__pb2.RetireRequest.FromString,
+                    response_serializer=diloco__pb2.RetireReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +376,60 @@ class Diloco:
             '/diloco.v1.Diloco/Attend',
             diloco__pb2.AttendRequest.SerializeToString,
             diloco__pb2.AttendReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Diloco/Admit',
+            diloco__pb2.AdmitRequest.SerializeToString,
+            diloco__pb2.AdmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Diloco/Retire',
+            diloco__pb2.RetireRequest.SerializeToString,
+            diloco__pb2.RetireReply.FromString,
             options,
             channel_credentials,
             insecure,

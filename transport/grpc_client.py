@@ -174,3 +174,45 @@ class _GrpcPresence:
     def close(self) -> None:
         """See ``Presence.close``."""
         self._call.cancel()
+
+
+class OperatorClient:
+    """The operator's calls to a live coordinator (`diloco admit`, `diloco retire`): one channel, the operator's
+    secret (or, for an island retiring itself, the island's credentials) as call metadata, one attempt per call:
+    the answer says what happened, and a repeated admission would only be told the island is already enrolled."""
+
+    def __init__(
+        self,
+        target: str,
+        metadata: Sequence[tuple[str, str]],
+        tls: TlsConfig | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self._metadata = tuple(metadata)
+        self._timeout_s = timeout_s
+        if tls is None:
+            self._channel = grpc.insecure_channel(target)
+        else:
+            self._channel = grpc.secure_channel(target, tls.channel_credentials(), options=tls.channel_options())
+        self._stub = pb_grpc.DilocoStub(self._channel)
+
+    def __enter__(self) -> OperatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._channel.close()
+
+    def _call(self, method: Callable[..., T], request: Any) -> T:
+        try:
+            return method(request, timeout=self._timeout_s, metadata=self._metadata, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise TransportError(exc.code(), exc.details() or "no reason given") from None
+
+    def admit(self, req: pb.AdmitRequest) -> pb.AdmitReply:
+        return self._call(self._stub.Admit, req)
+
+    def retire(self, req: pb.RetireRequest) -> pb.RetireReply:
+        return self._call(self._stub.Retire, req)
+
+    def status(self) -> pb.StatusReply:
+        return self._call(self._stub.Status, pb.StatusRequest())

@@ -135,13 +135,13 @@ class _Servicer:
         expected: type,
         method: str,
         answer: Callable[[DilocoService, Metadata, Any], T],
-        status: bool = False,
+        identify: Callable[[DilocoService], Caller] = lambda s: s.authenticate,
     ) -> T:
+        """One request, one reply; ``identify`` picks the service's check of who calls (an island by default)."""
         with self._observed(method, context):
             service = self._ready(context)
-            caller = service.status_caller if status else service.authenticate
             try:
-                md, slot, watch = self._open(context, UNARY, caller)
+                md, slot, watch = self._open(context, UNARY, identify(service))
                 with slot, watch:
                     request = service.first_message(md, watch.receive(requests, self._config), expected)
                     return answer(service, md, request)
@@ -157,8 +157,20 @@ class _Servicer:
     def Leave(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.LeaveReply:  # noqa: N802
         return self._unary(requests, context, pb.LeaveRequest, "Leave", lambda s, md, r: s.leave(md, r))
 
+    def Admit(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.AdmitReply:  # noqa: N802
+        return self._unary(
+            requests, context, pb.AdmitRequest, "Admit", lambda s, md, r: s.admit(md, r), lambda s: s.operator_caller
+        )
+
+    def Retire(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.RetireReply:  # noqa: N802
+        return self._unary(
+            requests, context, pb.RetireRequest, "Retire", lambda s, md, r: s.retire(md, r), lambda s: s.retiring_caller
+        )
+
     def Status(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.StatusReply:  # noqa: N802
-        return self._unary(requests, context, pb.StatusRequest, "Status", lambda s, md, _: s.status(md), status=True)
+        return self._unary(
+            requests, context, pb.StatusRequest, "Status", lambda s, md, _: s.status(md), lambda s: s.status_caller
+        )
 
     def PushPseudoGrad(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PushReply:  # noqa: N802
         with self._observed("PushPseudoGrad", context):
@@ -228,6 +240,8 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
             "Heartbeat": unary(servicer.Heartbeat, pb.HeartbeatRequest),
             "Leave": unary(servicer.Leave, pb.LeaveRequest),
             "Status": unary(servicer.Status, pb.StatusRequest),
+            "Admit": unary(servicer.Admit, pb.AdmitRequest),
+            "Retire": unary(servicer.Retire, pb.RetireRequest),
             "PushPseudoGrad": grpc.stream_unary_rpc_method_handler(
                 servicer.PushPseudoGrad,
                 request_deserializer=tolerant(parse_push_chunk, "PushChunk"),

@@ -123,3 +123,12 @@ class CoordinatorHandler(Protocol):
     def status(self) -> pb.StatusReply:
         """A snapshot for `diloco status`."""
         ...
+
+    def admit(self, req: pb.AdmitRequest) -> pb.AdmitReply:
+        """The operator admits an island (its secret's SHA-256) into the live run, durably, or `Rejected` says why."""
+        ...
+
+    def retire(self, req: pb.RetireRequest, by: str) -> pb.RetireReply:
+        """Retire an island for good (``by``: the operator, or the island itself): it stops counting at once and its
+        credentials are refused from then on."""
+        ...

@@ -38,7 +38,7 @@ import numpy as np
 
 from floor.codec import CodecSpec
 from transport import diloco_pb2 as pb
-from transport.auth import ISLAND_KEY, Authenticator, check_certified
+from transport.auth import ISLAND_KEY, OPERATOR_KEY, Authenticator, check_certified, check_operator
 from transport.chunking import ByteBudget, Reassembler, build_header, check_header, iter_trailed_views
 from transport.config import TransportConfig
 from transport.errors import Rejected
@@ -61,6 +61,8 @@ from transport.wire import PULL_DATA_FIELD, Undecodable, encode_data_chunk, seri
 Metadata = Iterable[tuple[str, str | bytes]] | None
 T = TypeVar("T")
 LOG = logging.getLogger(__name__)
+OPERATOR = "(operator)"
+"""The caller of an operator's call (Admit, Retire with the operator's credentials)."""
 ANONYMOUS = "(anonymous)"
 """The caller of a Status that needs no credentials (its admission slots are shared by all such callers)."""
 INTERNAL_REASON = "internal error while answering this call (the server logged it)"
@@ -118,9 +120,12 @@ class DilocoService:
         status_requires_auth: bool = False,
         islands: Collection[str] | None = None,
         uplink: CodecSpec | None = None,
+        operator: bytes | None = None,
     ) -> None:
-        """``islands``: the run's island names (None: any name, for tests); ``uplink``: the one codec pushes
-        may use (None: any known one)."""
+        """``islands``: the run's island names, read at every call (the coordinator's `Enrollment`, which admissions
+        and retirements change; None: any name, for tests); ``uplink``: the one codec pushes may use (None: any
+        known one); ``operator``: SHA-256 of the operator's secret (None: no Admit, no Retire but an island's own).
+        """
         self.handler = handler
         self.run_id = run_id
         self.model_spec = model_spec
@@ -128,7 +133,8 @@ class DilocoService:
         self.config = config or TransportConfig()
         self.on_rejected = on_rejected
         self.status_requires_auth = status_requires_auth
-        self.islands = frozenset(islands) if islands is not None else None
+        self.islands = islands
+        self.operator = operator
         self.uplink = uplink
         self.budget = ByteBudget(self.config.max_buffered_bytes)
         self.presences = Presences(self._absent)
@@ -186,7 +192,10 @@ class DilocoService:
         if not name:
             raise Rejected(grpc.StatusCode.UNAUTHENTICATED, f"no island name in the call metadata ({ISLAND_KEY})")
         if self.islands is not None and name not in self.islands:
-            raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {name!r} is not an island of this run")
+            raise Rejected(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"island {name[:64]!r} is not on this run's roster (never admitted, or retired)",
+            )
         check_certified(name, metadata)
         return name
 
@@ -270,6 +279,34 @@ class DilocoService:
         with self.answering(metadata):
             self.status_caller(metadata)
             return self.handler.status()
+
+    # -- the roster: operator calls -------------------------------------------------------------------
+
+    def operator_caller(self, metadata: Metadata) -> str:
+        """`OPERATOR` when the call carries the operator's credentials (`transport.auth.check_operator`)."""
+        check_operator(metadata, self.operator)
+        return OPERATOR
+
+    def retiring_caller(self, metadata: Metadata) -> str:
+        """Who asks for a retirement: the operator (any island), or an island for itself."""
+        if any(key == OPERATOR_KEY for key, _ in metadata or ()):
+            return self.operator_caller(metadata)
+        return self.authenticate(metadata)
+
+    def admit(self, metadata: Metadata, req: pb.AdmitRequest) -> pb.AdmitReply:
+        """The operator admits an island into the live run (the handler decides: name, credential, limits)."""
+        with self.answering(metadata):
+            self.operator_caller(metadata)
+            check_run_and_island(req.run_id, req.island, self.run_id, None)
+            return self.handler.admit(req)
+
+    def retire(self, metadata: Metadata, req: pb.RetireRequest) -> pb.RetireReply:
+        """An island leaves the run for good: the operator retires any island, an island only itself."""
+        with self.answering(metadata):
+            caller = self.retiring_caller(metadata)
+            check_run_and_island(req.run_id, req.island, self.run_id, None if caller == OPERATOR else caller)
+            check_leave(req)
+            return self.handler.retire(req, caller)
 
     # -- push -----------------------------------------------------------------------------------------
 

@@ -148,8 +148,8 @@ def check_join(req: pb.JoinRequest) -> None:
         )
 
 
-def check_leave(req: pb.LeaveRequest) -> None:
-    """A leave's reason is a short note (the coordinator writes it to its metrics)."""
+def check_leave(req: pb.LeaveRequest | pb.RetireRequest) -> None:
+    """A leave's or retirement's reason is a short note (the coordinator writes it to its events)."""
     if len(req.reason) > MAX_TEXT:
         raise Rejected(
             grpc.StatusCode.INVALID_ARGUMENT, f"leave reason is {len(req.reason)} characters, at most {MAX_TEXT}"

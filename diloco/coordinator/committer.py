@@ -76,9 +76,9 @@ class Committer:
         if self.world.done:
             return
         now = self.clock()
-        view = self.roster.round_view(self.opened_at, self.loop.pending, self.world.durations)
+        view = self.roster.round_view(self.opened_at, self.loop.pending, self.world.durations, self.loop.sync)
         decision = decide(now, view, self.cfg.quorum)
-        self.roster.lose(decision.lost)
+        self.roster.lose(decision.lost, now)
         for name, why in sorted(decision.lost.items()):
             self.world.totals.islands_lost += 1
             self.rd.log("island_lost", round=self.loop.round, island=name, reason=why)

@@ -4,6 +4,8 @@ It implements `transport.handler.CoordinatorHandler`, so the same object serves 
 coordinator`, `diloco launch`) or in-process. It holds one lock (a condition variable) and wires parts that each
 have one job and their own state:
 
+  `Enrollment` (enrollment.py)        who may take part: the config's islands, the admitted, less the retired
+                                      (durable in RUN_DIR/roster.json)
   `Roster` (roster.py)                who is a member and what each last said; `membership.decide` (pure) says
                                       when a round closes and who is lost
   `PushAdmission` (push_admission.py)  whether a push joins a sync: its round, its base θ, duplicates, dropped
@@ -43,6 +45,7 @@ from diloco import RELEASE
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
 from diloco.coordinator.commit_window import CommitWindow
 from diloco.coordinator.committer import Committer, refuse_if_diverged
+from diloco.coordinator.enrollment import AdmissionLimits, Enrollment, overdue
 from diloco.coordinator.membership import REJOIN
 from diloco.coordinator.pull_answers import PullAnswers
 from diloco.coordinator.push_admission import AsyncUpdates, PushAdmission, RoundRule, SyncRounds
@@ -75,8 +78,12 @@ class Coordinator:
         self.cfg = cfg
         self.rd = rd
         self.clock = clock
-        self.names = cfg.islands.island_names
-        self.metrics = metrics or CoordinatorMetrics(self.names)
+        self.enrollment = Enrollment(
+            cfg.islands.island_names, rd.path, AdmissionLimits(cfg.islands.max, cfg.islands.admissions_per_minute)
+        )
+        self.metrics = metrics or CoordinatorMetrics(cfg.islands.island_names)
+        for name in self.enrollment:
+            self.metrics.enroll(name)
         """Prometheus metrics (diloco/ops/metrics.py), fed by this run dir's events from here on (restore's too)."""
         rd.observers.append(self.metrics.on_event)
         self.digest = bytes.fromhex(config_digest(cfg))
@@ -84,7 +91,9 @@ class Coordinator:
         self.world = GlobalRun(cfg, rd, setup, durable=True)
         self.world.start(self.world.latest_step())
         # Compile the commit's functions while islands start and train, off the lock (OuterLoop.warm_up).
-        threading.Thread(target=self.world.loop.warm_up, args=(len(self.names),), name="warm-up", daemon=True).start()
+        threading.Thread(
+            target=self.world.loop.warm_up, args=(len(self.enrollment),), name="warm-up", daemon=True
+        ).start()
         whole = {name: (tuple(a.shape), "float32") for name, a in flatten_named(setup.init_params).items()}
         fragments = self.loop.fragments
         self.model_spec: ModelSpec = whole if fragments.count == 1 else (lambda p: fragments.select(p, whole))
@@ -100,6 +109,7 @@ class Coordinator:
             self.base_digest = lambda m: self.window.digests.get(m.round)
         self.cond = threading.Condition()
         self.roster = Roster()
+        self.roster.expect(self.enrollment, clock())
         self.admission = PushAdmission(
             rule,
             max_tokens=cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len,
@@ -149,9 +159,12 @@ class Coordinator:
         return "training" if len(self.roster) >= self.cfg.quorum.min_islands else "waiting_quorum"
 
     def join(self, req: pb.JoinRequest) -> pb.JoinReply:
-        check_joiner(req, self.names, self.digest, self.config_dict)
         with self.cond:
-            if self.roster.join(req.island, self.clock()):
+            check_joiner(req, self.enrollment, self.digest, self.config_dict)
+            # From the second round on, a joiner without the open round's θ pulls it and trains H steps first: the
+            # round does not wait for it (diloco/coordinator/membership.py).
+            late = self.loop.round > 0 and req.last_round != self.loop.round
+            if self.roster.join(req.island, self.clock(), self.loop.sync if late else None):
                 self.world.totals.islands_joined += 1
                 if self.events.membership_logged(self.clock(), "island_joined", self.loop.round, req.island):
                     self.rd.log("island_joined", round=self.loop.round, island=req.island, devices=req.devices)
@@ -192,11 +205,44 @@ class Coordinator:
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         with self.cond:
-            left = self.roster.leave(req.island)
+            left = self.roster.leave(req.island, self.clock())
             if left and self.events.membership_logged(self.clock(), "island_left", self.loop.round, req.island):
                 self.rd.log("island_left", round=self.loop.round, island=req.island, reason=req.reason)
             self.committer.tick()
         return pb.LeaveReply(ok=True)
+
+    # -- the roster ----------------------------------------------------------------------------------------------
+
+    def admit(self, req: pb.AdmitRequest) -> pb.AdmitReply:
+        """The operator admits an island: enrolled durably (roster.json) before the reply; it joins when it comes,
+        at the next sync point, and is never waited for by the round open when it arrives."""
+        with self.cond:
+            self.enrollment.admit(req.island, bytes(req.secret_sha256), self.loop.round, self.clock())
+            self.roster.expect([req.island], self.clock())
+            self.metrics.enroll(req.island)
+            self.world.totals.islands_admitted += 1
+            self.rd.log("island_admitted", round=self.loop.round, island=req.island, enrolled=len(self.enrollment))
+            detail = f"island {req.island} admitted at round {self.loop.round}; {len(self.enrollment)} enrolled"
+            return pb.AdmitReply(ok=True, round=self.loop.round, detail=detail)
+
+    def retire(self, req: pb.RetireRequest, by: str) -> pb.RetireReply:
+        """Retire an island for good: quorum and deadline stop counting it at once, its credentials are refused
+        from then on. A push it made to the open sync still counts (it is valid work)."""
+        with self.cond:
+            if req.island not in self.enrollment:
+                gone = self.enrollment.retirement(req.island)
+                why = f"was retired {gone}" if gone else "is not on this run's roster"
+                raise Rejected(grpc.StatusCode.NOT_FOUND, f"island {clip(req.island, 64)!r} {why}")
+            self._retire(req.island, req.reason or f"asked by {by}")
+            self.committer.tick()
+            return pb.RetireReply(ok=True, round=self.loop.round, detail=f"island {req.island} retired")
+
+    def _retire(self, island: str, reason: str) -> None:
+        self.enrollment.retire(island, self.loop.round, reason)
+        self.roster.retire(island)
+        self.world.totals.islands_retired += 1
+        self.rd.log("island_retired", round=self.loop.round, island=island, reason=clip(reason))
+        self.cond.notify_all()
 
     # -- pushes and pulls --------------------------------------------------------------------------------------
 
@@ -216,9 +262,9 @@ class Coordinator:
         only once every check passed (`PushAdmission`), and is logged and counted only then."""
         with self.cond:
             refuse_if_diverged(self.world)
-            if meta.island not in self.names:
+            if meta.island not in self.enrollment:
                 who = clip(meta.island, 60)
-                raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {who!r} is not in this run")
+                raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island {who!r} is not on this run's roster")
             replayed = self.admission.replay(meta, payload_digest)
             if replayed is not None:
                 return replayed
@@ -269,7 +315,13 @@ class Coordinator:
 
     def tick(self) -> None:
         with self.cond:
-            self.events.flush(self.clock(), self.loop.round)
+            now = self.clock()
+            self.events.flush(now, self.loop.round)
+            for island in overdue(self.roster.gone, now, self.cfg.islands.retire_after_s):
+                gone_s = now - self.roster.gone[island]
+                self._retire(
+                    island, f"gone {gone_s:.0f}s (islands.retire_after_s = {self.cfg.islands.retire_after_s:g})"
+                )
             self.committer.tick()
 
     def on_rejected(self, island: str, reason: str) -> None:
@@ -292,7 +344,7 @@ class Coordinator:
                     last_seen_s=self.roster.seen_ago(name, now),
                     state=("pushed" if name in self.loop.pending else "training") if name in self.roster else "absent",
                 )
-                for name in self.names
+                for name in self.enrollment.names
             ]
             return pb.StatusReply(
                 run_id=self.run_id,
@@ -308,18 +360,23 @@ class Coordinator:
             **self.world.summary(),
             "islands_alive": self.roster.live,
             "last_losses": dict(self.roster.last_loss),
-            "island_bytes": {n: dict(t) for n, t in self.metrics.tally.items() if n in self.names},
+            "island_bytes": {n: dict(t) for n, t in self.metrics.tally.items() if n in self.enrollment},
+            "roster": self.enrollment.summary(),
             "rejected_by_code": dict(self.metrics.reasons),
         }
 
 
-def check_joiner(req: pb.JoinRequest, names: Sequence[str], digest: bytes, config: dict[str, Any]) -> None:
-    """A join names one of the run's islands, runs this release, and holds this run's config (Rejected otherwise,
-    naming what differs)."""
-    if req.island not in names:
+def check_joiner(req: pb.JoinRequest, enrollment: Enrollment, digest: bytes, config: dict[str, Any]) -> None:
+    """A join names one of the run's enrolled islands, runs this release, and holds this run's config (Rejected
+    otherwise, naming what differs)."""
+    if req.island not in enrollment:
+        retired = enrollment.retirement(req.island)
+        if retired is not None:
+            raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"island '{req.island}' was retired {retired}")
+        shown = ", ".join(enrollment.names[:16]) + (", ..." if len(enrollment) > 16 else "")
         raise Rejected(
             grpc.StatusCode.NOT_FOUND,
-            f"island '{req.island}' is not in this run's config (islands.names: {', '.join(names)})",
+            f"island '{clip(req.island, 64)}' is not on this run's roster (islands.names and admitted: {shown})",
         )
     if req.release != RELEASE:
         theirs = f"diloco {clip(req.release, 40)}" if req.release else "an older diloco (its join names no release)"

@@ -6,7 +6,11 @@ holds no state and reads no clock, so every branch is table-tested. Rules:
   * an island is live while its lease (renewed by heartbeats and pushes) has not expired, and its presence call
     has not broken (process, host or link gone: transport/presence.py) more than `reconnect_grace_s` ago
     without it being heard from since;
-  * a round closes as soon as every live island has pushed, provided `min_islands` have;
+  * a round closes as soon as every live island it waits for has pushed, provided `min_islands` have; it does
+    not wait for a joiner that arrived without the open round's θ after the run's first round (it must pull θ and
+    train H steps first: a joiner never blocks the round that is open when it arrives), though it takes its push
+    should one come before the close;
+  * `min_islands` is a count, or a fraction of the live islands (a float: 0.5 = half of them, rounded up);
   * otherwise it closes at the deadline once `min_islands` have pushed, dropping the late ones;
   * the deadline adapts to observed round times: median + k·MAD of recent rounds, clamped to
     [min_deadline_s, max_deadline_s], so nobody has to guess a constant for their WAN;
@@ -15,6 +19,7 @@ holds no state and reads no clock, so every branch is table-tested. Rules:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +28,10 @@ from enum import Enum
 
 @dataclass(frozen=True)
 class QuorumConfig:
-    min_islands: int = 1
-    """A round never closes with fewer pseudo-gradients than this."""
+    min_islands: int | float = 1
+    """A round never closes with fewer pseudo-gradients than this: a count (an integer, e.g. 2), or a fraction of
+    the live islands (a float in (0, 1], e.g. 0.5: half of them, rounded up, at least one), so the quorum scales with
+    a roster that grows and shrinks (`required`)."""
     lease_s: float = 15.0
     """An island that has not been heard from (heartbeat or push) for this long is considered lost."""
     reconnect_grace_s: float = 1.0
@@ -40,7 +47,12 @@ class QuorumConfig:
     """How many recent round durations the deadline is computed from."""
 
     def __post_init__(self) -> None:
-        if self.min_islands < 1:
+        if isinstance(self.min_islands, float) and not 0 < self.min_islands <= 1:
+            raise ValueError(
+                f"quorum.min_islands as a fraction of the live islands must be in (0, 1] (got {self.min_islands}); "
+                "a count is an integer"
+            )
+        if isinstance(self.min_islands, int) and self.min_islands < 1:
             raise ValueError(f"quorum.min_islands must be >= 1 (got {self.min_islands})")
         for key in ("lease_s", "reconnect_grace_s", "min_deadline_s", "max_deadline_s"):
             if not getattr(self, key) > 0:
@@ -49,6 +61,12 @@ class QuorumConfig:
             raise ValueError("quorum.max_deadline_s must be >= quorum.min_deadline_s")
         if self.deadline_k < 0 or self.history < 1:
             raise ValueError("quorum.deadline_k must be >= 0 and quorum.history >= 1")
+
+    def required(self, live: int) -> int:
+        """How many pushes a round needs with `live` islands live: the count, or the fraction of them rounded up."""
+        if isinstance(self.min_islands, float):
+            return max(1, math.ceil(self.min_islands * live - 1e-9))
+        return self.min_islands
 
 
 REJOIN = "rejoin"
@@ -74,6 +92,8 @@ class RoundView:
     """Durations of recently closed rounds, oldest first."""
     broken: Mapping[str, float] = field(default_factory=dict)
     """Member -> when its presence call broke, for those not heard from since."""
+    late: frozenset[str] = frozenset()
+    """Members that joined during this round without its θ: not waited for (a push from one still counts)."""
 
 
 @dataclass(frozen=True)
@@ -111,16 +131,21 @@ def decide(now: float, view: RoundView, cfg: QuorumConfig) -> Decision:
     live = frozenset(reasons) - frozenset(lost)
     deadline = adaptive_deadline(view.durations, cfg)
     pushed = view.pushed
-    waiting_for = sorted(live - pushed)
+    waiting_for = sorted(live - pushed - view.late)
     elapsed = now - view.opened_at
 
     def out(action: Action, reason: str) -> Decision:
         return Decision(action, reason, live, lost, deadline)
 
-    if len(pushed) < cfg.min_islands:
+    needed = cfg.required(len(live))
+    if len(pushed) < needed:
+        of = f"min_islands={cfg.min_islands}"
+        if isinstance(cfg.min_islands, float):
+            of = f"{needed} ({of} of {len(live)} live)"
+        others = sorted(live - pushed)
         return out(
             Action.WAIT,
-            f"{len(pushed)} of min_islands={cfg.min_islands} pushed; waiting for {', '.join(waiting_for) or 'islands'}",
+            f"{len(pushed)} of {of} pushed; waiting for {', '.join(waiting_for or others) or 'islands'}",
         )
     if not waiting_for:
         return out(Action.CLOSE, f"all {len(live)} live islands pushed ({len(pushed)} contributions)")

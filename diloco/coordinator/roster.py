@@ -24,6 +24,11 @@ class Roster:
         """The round each island last said (by heartbeat) it is training on."""
         self.last_loss: dict[str, float] = {}
         """Each island's loss in its last push (kept after it leaves: the divergence vote reads it)."""
+        self.late: dict[str, int] = {}
+        """Member -> the sync it joined during without that sync's θ: that sync does not wait for it."""
+        self.gone: dict[str, float] = {}
+        """Island that is no member -> since when (it left, was lost, or has not come since the coordinator started):
+        what retirement after `islands.retire_after_s` reads. Forgotten when it joins or is retired."""
 
     def __contains__(self, island: str) -> bool:
         return island in self.last_seen
@@ -41,10 +46,22 @@ class Roster:
         self.last_seen[island] = now
         self.broken.pop(island, None)
 
-    def join(self, island: str, now: float) -> bool:
-        """The island joins (or rejoins); True when it was not a member."""
+    def expect(self, islands: Iterable[str], now: float) -> None:
+        """Islands that may join and have not yet: gone since `now` as far as retirement is concerned."""
+        for island in islands:
+            if island not in self.last_seen:
+                self.gone.setdefault(island, now)
+
+    def join(self, island: str, now: float, late_for: int | None = None) -> bool:
+        """The island joins (or rejoins); True when it was not a member. `late_for`: the sync it arrives during
+        without that sync's θ (it is not waited for there)."""
         new = island not in self.last_seen
         self.heard_from(island, now)
+        self.gone.pop(island, None)
+        if late_for is None:
+            self.late.pop(island, None)
+        else:
+            self.late[island] = late_for
         return new
 
     def beat(self, island: str, round_: int, now: float) -> bool:
@@ -64,25 +81,37 @@ class Roster:
         if island in self.last_seen:
             self.broken[island] = now
 
-    def leave(self, island: str) -> bool:
+    def leave(self, island: str, now: float) -> bool:
         """The island leaves; True when it was a member."""
         self.broken.pop(island, None)
-        return self.last_seen.pop(island, None) is not None
+        self.late.pop(island, None)
+        if self.last_seen.pop(island, None) is None:
+            return False
+        self.gone[island] = now
+        return True
 
-    def lose(self, lost: Iterable[str]) -> None:
+    def lose(self, lost: Iterable[str], now: float) -> None:
         """The members `decide` counts lost."""
         for island in lost:
-            del self.last_seen[island]
-            self.broken.pop(island, None)
+            self.leave(island, now)
 
-    def round_view(self, opened_at: float, pushed: Iterable[str], durations: Sequence[float]) -> RoundView:
-        """What `decide` reads about the open round."""
+    def retire(self, island: str) -> bool:
+        """The island is retired: no member any more, and nothing of it is waited for; True when it was a member."""
+        member = self.leave(island, 0.0)
+        self.gone.pop(island, None)
+        return member
+
+    def round_view(
+        self, opened_at: float, pushed: Iterable[str], durations: Sequence[float], sync: int = -1
+    ) -> RoundView:
+        """What `decide` reads about the open sync (`sync`: its position, to know who joined it late)."""
         return RoundView(
             opened_at=opened_at,
             last_seen=dict(self.last_seen),
             pushed=frozenset(pushed),
             durations=durations,
             broken=dict(self.broken),
+            late=frozenset(n for n, s in self.late.items() if s == sync),
         )
 
     def moved_past(self, island: str, round_: int) -> bool:

@@ -25,7 +25,7 @@ from diloco.run.rundir import RunDir
 from diloco.run.setup import build_setup
 from diloco.run.warm_start import check_fresh
 from floor.errors import UserError
-from transport.auth import Authenticator, TlsConfig, resolve_secret
+from transport.auth import Authenticator, TlsConfig, resolve_secret, secret_digest
 from transport.grpc_server import RunningServer, start_server
 from transport.service import DilocoService
 
@@ -40,6 +40,12 @@ def island_secrets(cfg: RunConfig) -> dict[str, str] | None:
     if not cfg.network.secrets:
         return None
     return {name: resolve_secret(ref) for name, ref in zip(cfg.islands.island_names, cfg.network.secrets, strict=True)}
+
+
+def operator_digest(cfg: RunConfig) -> bytes | None:
+    """SHA-256 of network.operator_secret (None without one: the coordinator takes no operator calls)."""
+    ref = cfg.network.operator_secret
+    return secret_digest(resolve_secret(ref)) if ref else None
 
 
 def check_listen(listen: str) -> None:
@@ -85,6 +91,7 @@ def serve(
     tls = server_tls(net.tls_cert, net.tls_key, net.tls_ca)
     check_exposure(listen, authenticated=bool(net.secrets), encrypted=tls is not None, insecure=insecure)
     secrets = island_secrets(cfg)
+    operator_digest(cfg)  # an operator secret that does not resolve is one line now, not after the restore
     check_fresh(cfg, run_dir)
     rd = RunDir(run_dir, cfg)
     server, metrics_server, coordinator = _start(cfg, rd, listen, tls, secrets, metrics_port_flag)
@@ -131,7 +138,8 @@ def _start(
     failure on the way stops what was started and closes the run directory."""
     net = cfg.network
     metrics = CoordinatorMetrics(cfg.islands.island_names)
-    transport = cfg.transport.for_islands(cfg.islands.count, cfg.stream.fragments)
+    # Sized for a full roster: admitted islands are honest islands too (islands.max bounds them).
+    transport = cfg.transport.for_islands(cfg.islands.max, cfg.stream.fragments)
     try:
         server = start_server(None, listen, tls=tls, config=transport, on_call=metrics.call)
     except (OSError, RuntimeError, ValueError) as exc:
@@ -153,12 +161,13 @@ def _start(
         coordinator,
         cfg.run.name,
         coordinator.model_spec,
-        authenticator=Authenticator(secrets),
+        authenticator=Authenticator(secrets, admitted=coordinator.enrollment.secret_of),
         config=transport,
         on_rejected=coordinator.on_rejected,
         status_requires_auth=secrets is not None,
-        islands=cfg.islands.island_names,
+        islands=coordinator.enrollment,
         uplink=cfg.codec.spec("uplink"),
+        operator=operator_digest(cfg),
     )
     server.attach(service)  # health: SERVING
     return server, metrics_server, coordinator

@@ -21,7 +21,7 @@ Ports (one rule in every process, so `launch` and diloco.harness.procs.Federatio
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -59,8 +59,12 @@ class Present(Protocol):
     loop: Any
     """Its outer loop (diloco.run.rounds.OuterLoop): `loop.round` is the round in progress."""
     clock: Callable[[], float]
-    opened_at: float
-    last_seen: Mapping[str, float]
+    committer: Any
+    """`committer.opened_at`: when the open round opened."""
+    roster: Sized
+    """The members now."""
+    enrollment: Sized
+    """The islands that may take part."""
 
 
 class MetricsError(UserError, OSError):
@@ -143,6 +147,11 @@ class CoordinatorMetrics:
             "Islands dropped without a Leave (presence call broken, or lease expired)",
             registry=r,
         )
+        self.admitted = Counter(
+            "diloco_islands_admitted_total", "Islands an operator admitted into the live run", registry=r
+        )
+        self.retired = Counter("diloco_islands_retired_total", "Islands retired from the run", registry=r)
+        self.enrolled = Gauge("diloco_islands_enrolled", "Islands on the run's roster (may take part)", registry=r)
         self.pushes = Counter(
             "diloco_pushes_total",
             "Push RPCs by island and outcome (accepted or the gRPC code)",
@@ -193,12 +202,21 @@ class CoordinatorMetrics:
         self._events: Mapping[str, Callable[[dict[str, Any]], None]] = {
             "island_joined": lambda f: self.joined.inc(),
             "island_lost": lambda f: self.lost.inc(),
+            "island_admitted": lambda f: self.admitted.inc(),
+            "island_retired": lambda f: self.retired.inc(),
             "push": self._on_push,
             "round": self._on_round,
             "sync": self._on_commit,
             "eval": lambda f: self._set_loss(f.get("eval_loss")),
             "checkpoint": lambda f: self.checkpoint.observe(float(f.get("seconds", 0.0))),
         }
+
+    def enroll(self, name: str) -> None:
+        """`name` joins the run's islands (configured, or admitted: bounded by islands.max) and gets its own label."""
+        if name not in self.names:
+            self.names = self.names | {name}
+            self.islands = (*sorted(self.names), UNKNOWN)
+            self.tally[name] = {"bytes_up": 0, "bytes_down": 0}
 
     def island(self, name: str) -> str:
         """The `island` label of `name`: itself when it is one of the run's islands, else "unknown"."""
@@ -209,6 +227,7 @@ class CoordinatorMetrics:
         self.round.set_function(lambda: coordinator.loop.round)
         self.open_round_age.set_function(lambda: max(0.0, coordinator.clock() - coordinator.committer.opened_at))
         self.alive.set_function(lambda: len(coordinator.roster))
+        self.enrolled.set_function(lambda: len(coordinator.enrollment))
 
     # -- fed by metrics.jsonl events (RunDir.observers) --------------------------------------------------------
 

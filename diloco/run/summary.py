@@ -28,6 +28,8 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "compute_utilization",
     "islands_joined",
     "islands_lost",
+    "islands_admitted",
+    "islands_retired",
     "rejected",
     "param_count",
     "params_digest",
@@ -54,6 +56,10 @@ class Totals:
     """Island wall seconds of the same cycles (train, push, wait for the round, pull, checkpoint)."""
     islands_joined: int = 0
     islands_lost: int = 0
+    islands_admitted: int = 0
+    """Islands an operator admitted while the run went on (`diloco admit`)."""
+    islands_retired: int = 0
+    """Islands retired (`diloco retire`, an island's own retirement, or `islands.retire_after_s`)."""
     rejected: int = 0
     """Messages the coordinator refused (bad credentials, config, round, tensors ...)."""
     initial_eval_loss: float | None = None
@@ -99,6 +105,8 @@ def summary(cfg: RunConfig, totals: Totals, *, wall_s: float, param_count: int, 
         "compute_utilization": compute_utilization(totals),
         "islands_joined": totals.islands_joined,
         "islands_lost": totals.islands_lost,
+        "islands_admitted": totals.islands_admitted,
+        "islands_retired": totals.islands_retired,
         "rejected": totals.rejected,
         "param_count": param_count,
         "params_digest": params_digest,
