@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from diloco import faults
 from diloco.ops.logs import configure as configure_logging
@@ -154,6 +154,31 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--secret", default=None, help="that island's secret: env:VAR, file:PATH (or a literal)")
     _add_tls(st, server=False)
 
+    adm = sub.add_parser("admit", help="admit a new island into a live run (the operator's credential)")
+    _add_common(adm)
+    adm.add_argument("name", help="the new island's name ([A-Za-z0-9_-], not yet on the roster)")
+    adm.add_argument("--coordinator", required=True, help="HOST:PORT of the live coordinator")
+    adm.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="where the island's credentials are written (0600)"
+    )
+    adm.add_argument("--operator-secret", default=None, help="env:VAR or file:PATH (default: network.operator_secret)")
+    adm.add_argument(
+        "--ca-dir",
+        type=Path,
+        default=None,
+        help="a `diloco certs --keep-ca-key` directory: also issue the island's client certificate (mutual TLS)",
+    )
+    _add_tls(adm, server=False)
+
+    ret = sub.add_parser("retire", help="retire an island of a live run for good (operator, or the island itself)")
+    _add_common(ret)
+    ret.add_argument("name", help="the island to retire")
+    ret.add_argument("--coordinator", required=True, help="HOST:PORT of the live coordinator")
+    ret.add_argument("--reason", default="", help="a short note for the run's events")
+    ret.add_argument("--operator-secret", default=None, help="env:VAR or file:PATH (default: network.operator_secret)")
+    ret.add_argument("--secret", default=None, help="the island's own secret instead: an island retires itself")
+    _add_tls(ret, server=False)
+
     ce = sub.add_parser("certs", help="TLS certificates and island secrets for a federation across machines")
     ce.add_argument("config", help="TOML run config: its islands.names get a certificate and a secret each")
     ce.add_argument("--out", type=Path, required=True, help="directory to write them to (created 0700)")
@@ -165,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a name or address islands dial the coordinator by (repeat; localhost is in)",
     )
     ce.add_argument("--days", type=int, default=365, help="validity of the certificates")
+    ce.add_argument(
+        "--keep-ca-key",
+        action="store_true",
+        help="keep the CA's key (ca.key, 0600) so `diloco admit --ca-dir` can certify islands admitted later",
+    )
 
     from diloco.ops.plot import X_AXES  # no matplotlib, no JAX: imported when a plot is drawn or a run dir read
 
@@ -311,11 +341,17 @@ def _island(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     names = cfg.islands.island_names
-    if args.name not in names:
-        raise IslandError(f"island '{args.name}' is not in the config's islands.names ({', '.join(names)})")
+    if args.name not in names and not args.secret:
+        raise IslandError(
+            f"island '{args.name}' is not in the config's islands.names ({', '.join(names)}); an island admitted into "
+            "a live run (diloco admit) gives the --secret that admit wrote"
+        )
     from diloco.ops.metrics import metrics_port
 
-    metrics_port(cfg, args.name, args.metrics_port)  # a bad port is one line here, not a worker failing at each restart
+    if args.name in names:
+        metrics_port(
+            cfg, args.name, args.metrics_port
+        )  # a bad port is one line here, not a worker failing at each restart
     from islands.backend import check_backend
 
     check_backend(cfg.islands.backend)  # likewise a missing pathways extra or proxy environment
@@ -368,7 +404,7 @@ def _certs(args: argparse.Namespace) -> int:
     if args.out.exists() and any(args.out.iterdir()):
         raise TlsSetupError(f"--out {args.out} is not empty: certificates and secrets are never overwritten")
     names = load_config(args.config, []).islands.island_names
-    kit = make_federation_kit(args.out, names, args.host, args.days)
+    kit = make_federation_kit(args.out, names, args.host, args.days, keep_ca_key=args.keep_ca_key)
     islands = {
         name: {
             "cert": str(kit.client(name)[0]),
@@ -389,6 +425,47 @@ def _certs(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _operator_client_tls(cfg: RunConfig, address: str, args: argparse.Namespace, sends_secret: bool) -> Any:
+    from diloco.deploy.tls import check_client_exposure, client_tls
+
+    net = cfg.network
+    tls = client_tls(net.tls_ca, net.tls_cert, net.tls_key, net.tls_server_name)
+    check_client_exposure(address, sends_secret=sends_secret, encrypted=tls is not None, insecure=args.insecure)
+    return tls
+
+
+def _admit(args: argparse.Namespace) -> int:
+    from diloco.ops.roster_ops import admit_island
+
+    cfg = _load(args)
+    operator = args.operator_secret or cfg.network.operator_secret
+    _warn_if_literal(args.operator_secret, "--operator-secret")
+    tls = _operator_client_tls(cfg, args.coordinator, args, sends_secret=True)
+    kit = admit_island(args.coordinator, cfg.run.name, args.name, operator, args.out, tls, args.ca_dir)
+    print(json.dumps(kit, indent=2), flush=True)
+    return 0
+
+
+def _retire(args: argparse.Namespace) -> int:
+    from diloco.ops.roster_ops import retire_island
+
+    cfg = _load(args)
+    _warn_if_literal(args.operator_secret, "--operator-secret")
+    _warn_if_literal(args.secret, "--secret")
+    operator = args.operator_secret or ("" if args.secret else cfg.network.operator_secret)
+    tls = _operator_client_tls(cfg, args.coordinator, args, sends_secret=True)
+    done = retire_island(args.coordinator, cfg.run.name, args.name, args.reason, tls, operator, args.secret or "")
+    print(json.dumps(done), flush=True)
+    return 0
+
+
+def _warn_if_literal(ref: str | None, flag: str) -> None:
+    from transport.auth import is_secret_reference
+
+    if ref and not is_secret_reference(ref):
+        _warn_literal([flag])
 
 
 def _deploy(args: argparse.Namespace) -> int:
@@ -421,6 +498,8 @@ COMMANDS = {
     "island": _island,
     "status": _status,
     "certs": _certs,
+    "admit": _admit,
+    "retire": _retire,
     "bench": _bench,
     "plot": _plot,
     "deploy": _deploy,

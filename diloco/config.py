@@ -579,7 +579,7 @@ def _refuse_literal_secrets(data: dict[str, Any], path: Path) -> None:
             )
 
 
-SECRET_FLAGS = ("--secret",)
+SECRET_FLAGS = ("--secret", "--operator-secret")
 """Command-line options whose value is a secret reference (or, discouraged, a literal secret)."""
 
 

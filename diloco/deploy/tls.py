@@ -232,13 +232,15 @@ def _san(host: str) -> Any:
         return x509.DNSName(host)
 
 
-def make_federation_kit(directory: Path, islands: Sequence[str], hosts: Sequence[str], days: int = 365) -> LocalPki:
+def make_federation_kit(
+    directory: Path, islands: Sequence[str], hosts: Sequence[str], days: int = 365, keep_ca_key: bool = False
+) -> LocalPki:
     """`diloco certs`: what a federation across machines needs, in `directory`: the CA, the coordinator's
     certificate for `hosts`, a client certificate per island, and a fresh secret per island in
     `directory/secrets/NAME` (0600) for `network.secrets = ["file:..."]`. Nothing is printed but paths."""
     import secrets
 
-    pki = make_local_pki(directory, islands, days, hosts=hosts, issuer="diloco federation CA")
+    pki = make_local_pki(directory, islands, days, hosts=hosts, issuer="diloco federation CA", keep_ca_key=keep_ca_key)
     (directory / "secrets").mkdir(mode=0o700, exist_ok=True)
     for name in islands:
         _write(directory / "secrets" / name, secrets.token_hex(32).encode(), private=True)
@@ -255,57 +257,83 @@ def _write(path: Path, data: bytes, private: bool) -> None:
         f.write(data)
 
 
+def _subject(cn: str) -> Any:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _sign(cn: str, key: Any, issuer: Any, issuer_key: Any, ca: bool, extensions: list[Any], days: int) -> Any:
+    """A P-256 certificate for common name `cn`, valid from 5 minutes ago for `days`."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    now = datetime.datetime.now(datetime.UTC)
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_subject(cn))
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+    )
+    for ext in extensions:
+        b = b.add_extension(ext, critical=False)
+    return b.sign(issuer_key, hashes.SHA256())
+
+
+def _save(directory: Path, stem: str, cert: Any, key: Any | None) -> tuple[Path, Path]:
+    """`stem`.crt (public) and, when given, `stem`.key (0600, written so from its first byte)."""
+    from cryptography.hazmat.primitives import serialization
+
+    crt, pem = directory / f"{stem}.crt", directory / f"{stem}.key"
+    _write(crt, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    if key is not None:
+        raw = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        _write(pem, raw, private=True)
+    return crt, pem
+
+
+def _client_certificate(directory: Path, client: str, ca_name: Any, ca_key: Any, days: int) -> tuple[Path, Path]:
+    """client-`client`.crt/.key in `directory`: a client certificate whose common name is the island's name."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    usage = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])
+    return _save(directory, f"client-{client}", _sign(client, key, ca_name, ca_key, False, [usage], days), key)
+
+
 def make_local_pki(
     directory: Path,
     clients: Sequence[str],
     days: int = 365,
     hosts: Sequence[str] = (),
     issuer: str = "diloco launch CA",
+    keep_ca_key: bool = False,
 ) -> LocalPki:
     """A fresh CA, a server certificate for this machine's loopback (and `hosts`: the names or addresses islands
-    dial) and one client certificate per name, in `directory` (0700; keys 0600). Certificates are P-256 ECDSA; the
-    CA key stays in memory and is discarded, so no one can issue another certificate from it later."""
+    dial) and one client certificate per name, in `directory` (0700; keys 0600). Certificates are P-256 ECDSA. The
+    CA key stays in memory and is discarded, so no one can issue another certificate from it later, unless
+    `keep_ca_key` writes it to ca.key (0600): then the operator can issue certificates for islands admitted later
+    (`issue_client_certificate`, `diloco admit --ca-dir`)."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID
 
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(directory, 0o700)
-    now = datetime.datetime.now(datetime.UTC)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def sign(cn: str, key: Any, issuer: x509.Name, issuer_key: Any, ca: bool, extensions: list[Any]) -> Any:
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(name(cn))
-            .issuer_name(issuer)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
-        )
-        for ext in extensions:
-            b = b.add_extension(ext, critical=False)
-        return b.sign(issuer_key, hashes.SHA256())
-
-    def save(stem: str, cert: Any, key: Any | None) -> tuple[Path, Path]:
-        crt, pem = directory / f"{stem}.crt", directory / f"{stem}.key"
-        _write(crt, cert.public_bytes(serialization.Encoding.PEM), private=False)
-        if key is not None:
-            raw = key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-            _write(pem, raw, private=True)
-        return crt, pem
-
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = name(issuer)
-    ca_cert = sign(issuer, ca_key, ca_name, ca_key, True, [])
-    ca_path, _ = save("ca", ca_cert, None)
+    ca_name = _subject(issuer)
+    ca_path, _ = _save(
+        directory, "ca", _sign(issuer, ca_key, ca_name, ca_key, True, [], days), ca_key if keep_ca_key else None
+    )
     server_key = ec.generate_private_key(ec.SECP256R1())
     san = x509.SubjectAlternativeName(
         [
@@ -315,15 +343,32 @@ def make_local_pki(
             *(_san(host) for host in hosts),
         ]
     )
-    server = sign(
-        "localhost", server_key, ca_name, ca_key, False, [san, x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH])]
-    )
-    server_cert, server_key_path = save("server", server, server_key)
+    usage = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH])
+    server = _sign("localhost", server_key, ca_name, ca_key, False, [san, usage], days)
+    server_cert, server_key_path = _save(directory, "server", server, server_key)
     for client in clients:
-        key = ec.generate_private_key(ec.SECP256R1())
-        save(
-            f"client-{client}",
-            sign(client, key, ca_name, ca_key, False, [x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])]),
-            key,
-        )
+        _client_certificate(directory, client, ca_name, ca_key, days)
     return LocalPki(ca=ca_path, server_cert=server_cert, server_key=server_key_path, directory=directory)
+
+
+def issue_client_certificate(ca_dir: Path, client: str, out: Path, days: int = 365) -> tuple[Path, Path]:
+    """A client certificate for island `client`, signed by the CA in `ca_dir` (ca.crt and the ca.key that
+    `diloco certs --keep-ca-key` kept), written to `out`: (certificate, key)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    ca_cert, ca_key = ca_dir / "ca.crt", ca_dir / "ca.key"
+    for path in (ca_cert, ca_key):
+        if not path.is_file():
+            raise TlsSetupError(
+                f"--ca-dir {ca_dir}: {path.name} not found (a CA directory made by diloco certs --keep-ca-key)"
+            )
+    try:
+        issuer = x509.load_pem_x509_certificate(ca_cert.read_bytes()).subject
+        key = serialization.load_pem_private_key(ca_key.read_bytes(), password=None)
+    except ValueError as exc:
+        raise TlsSetupError(f"--ca-dir {ca_dir}: cannot load the CA ({exc})") from None
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if (out / f"client-{client}.key").exists():
+        raise TlsSetupError(f"{out / f'client-{client}.key'} exists: an island's credentials are never overwritten")
+    return _client_certificate(out, client, issuer, key, days)

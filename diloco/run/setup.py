@@ -7,6 +7,7 @@ evaluation set is defined once. An island process builds only its own data strea
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,11 +51,14 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
     names = cfg.islands.island_names
     wanted = names if islands is None else tuple(islands)
     streams: dict[str, BatchStream] = {}
-    only = None if islands is None else {names.index(name) for name in wanted}
+    only = None if islands is None else {names.index(name) for name in wanted if name in names}
     shards, val = load_sources(cfg.data, len(names), cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len, only)
     for name in wanted:
-        i = names.index(name)
-        streams[name] = BatchStream(shards[i], cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=i)
+        if name in names:
+            i = names.index(name)
+            streams[name] = BatchStream(shards[i], cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=i)
+        else:
+            streams[name] = admitted_stream(cfg, name)
     model = build_model(cfg.model)
     stack = eval_chunks(
         eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len), cfg.train.microbatch
@@ -66,6 +70,24 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
     except FragmentError as exc:
         raise ConfigError(str(exc)) from None
     return Setup(model, streams, stack, params, fragments)
+
+
+def admitted_stream(cfg: RunConfig, name: str) -> BatchStream:
+    """The batches of an island admitted into a live run (not in islands.names, so it has no shard of its own):
+    windows drawn over the whole training split, with a stream of its own named by its name. With data.paths (one
+    source per configured island) an admitted island has no source: refused in one line."""
+    if cfg.data.paths:
+        raise ConfigError(
+            f"island {name!r} is not in islands.names and data.paths gives one source per configured island: an "
+            "admitted island trains on an IID corpus (data.path); list it in islands.names and data.paths instead"
+        )
+    (train,), _ = load_sources(cfg.data, 1, cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len)
+    stream_id = ADMITTED_STREAMS + zlib.crc32(name.encode())
+    return BatchStream(train, cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=stream_id)
+
+
+ADMITTED_STREAMS = 1 << 32
+"""Admitted islands' stream ids start here, beyond any configured island's index."""
 
 
 def eval_chunks(batches: list[np.ndarray], microbatch: int) -> np.ndarray:

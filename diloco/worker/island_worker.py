@@ -64,7 +64,7 @@ from islands.island import DivergedError, InnerRun, Island, RoundPush
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
 from pytrees.naming import flatten_named
 from transport import diloco_pb2 as pb
-from transport.auth import TlsConfig
+from transport.auth import TlsConfig, is_island_name
 from transport.client import IslandClient
 from transport.errors import TransportError
 from transport.grpc_client import GrpcTransport
@@ -104,10 +104,8 @@ class IslandWorker:
     def __init__(self, cfg: RunConfig, name: str, client: IslandClient, rd: RunDir, group: Group = ONE_PROCESS) -> None:
         """`group`: this process's place in a multi-process island (diloco/worker/island_group.py); the worker runs on
         its leader, process 0, and tells the other processes every call it makes on the island's engine."""
-        if name not in cfg.islands.island_names:
-            raise IslandError(
-                f"island '{name}' is not in the config's islands.names ({', '.join(cfg.islands.island_names)})"
-            )
+        if not is_island_name(name):
+            raise IslandError(f"island name {name[:64]!r} must be 1 to 64 characters of [A-Za-z0-9_-]")
         require_federated(cfg, "island")
         self.cfg, self.name, self.client, self.rd = cfg, name, client, rd
         self.who = {"run_id": cfg.run.name, "island": name}
@@ -126,7 +124,7 @@ class IslandWorker:
         self.asynchronous = cfg.train.mode == "async"
         # An asynchronous island's schedule spans the steps `simulate` would give it (diloco/simulator/async_sim.py).
         steps = (
-            planned_steps(async_order(cfg), cfg.islands.island_names, cfg.train.inner_steps)[name]
+            planned_steps(async_order(cfg), cfg.islands.island_names, cfg.train.inner_steps).get(name)
             if self.asynchronous
             else None
         )

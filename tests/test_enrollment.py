@@ -1,0 +1,250 @@
+"""Who may take part in a run: the pure admission and retirement rules, the durable roster, and the operator's calls
+over real gRPC against a real coordinator (diloco/coordinator/enrollment.py, diloco/ops/roster_ops.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+import diloco.coordinator.settler as settler_module
+from diloco import RELEASE
+from diloco.config import config_digest, load_config
+from diloco.coordinator.coordinator import Coordinator
+from diloco.coordinator.enrollment import (
+    AdmissionLimits,
+    Enrollment,
+    EnrollmentView,
+    RosterFileError,
+    admission_refusal,
+    overdue,
+)
+from diloco.coordinator.serve import _start
+from diloco.ops.roster_ops import admit_island, retire_island
+from diloco.run.rundir import RunDir, read_events
+from diloco.run.setup import build_setup
+from transport import diloco_pb2 as pb
+from transport.auth import OPERATOR_KEY
+from transport.config import TransportConfig
+from transport.errors import Rejected, TransportError
+from transport.grpc_client import GrpcTransport, OperatorClient
+
+pytestmark = pytest.mark.timeout(120)
+
+D1, D2 = hashlib.sha256(b"one").digest(), hashlib.sha256(b"two").digest()
+LIMITS = AdmissionLimits(max_islands=3, per_minute=2)
+EMPTY = EnrollmentView(frozenset({"a"}), frozenset(), {}, frozenset(), ())
+C = grpc.StatusCode
+
+
+@pytest.mark.parametrize(
+    ("name", "digest", "view", "code", "words"),
+    [
+        ("b", D1, EMPTY, None, ""),
+        ("", D1, EMPTY, C.INVALID_ARGUMENT, "1 to 64 characters"),
+        ("x" * 65, D1, EMPTY, C.INVALID_ARGUMENT, "1 to 64 characters"),
+        ("b/../c", D1, EMPTY, C.INVALID_ARGUMENT, "[A-Za-z0-9_-]"),
+        ("b", b"short", EMPTY, C.INVALID_ARGUMENT, "secret_sha256 must be 32 bytes (got 5)"),
+        ("a", D1, EMPTY, C.ALREADY_EXISTS, "'a' is already on the roster (configured)"),
+        # a replayed admission of an island retired since: its credential is never taken again
+        ("b", D1, EnrollmentView(frozenset({"a"}), frozenset(), {"b": "r"}, frozenset({D1}), ()), C.PERMISSION_DENIED,
+         "belonged to a retired island"),
+        # ... but the same name with a new credential is welcome back
+        ("b", D2, EnrollmentView(frozenset({"a"}), frozenset(), {"b": "r"}, frozenset({D1}), ()), None, ""),
+        ("c", D1, EnrollmentView(frozenset({"a"}), frozenset({"b", "x"}), {}, frozenset(), ()), C.RESOURCE_EXHAUSTED,
+         "the roster is full: 3 islands enrolled, islands.max = 3"),
+        # a retired island makes room
+        ("c", D1, EnrollmentView(frozenset({"a"}), frozenset({"b", "x"}), {"x": "r"}, frozenset(), ()), None, ""),
+        # a flood: 2 admissions in the last minute is the limit ...
+        ("c", D1, EnrollmentView(frozenset({"a"}), frozenset(), {}, frozenset(), (50.0, 90.0)), C.RESOURCE_EXHAUSTED,
+         "2 admissions in the last minute (islands.admissions_per_minute = 2); try again in 10s"),
+        # ... and an admission older than a minute no longer counts
+        ("c", D1, EnrollmentView(frozenset({"a"}), frozenset(), {}, frozenset(), (39.0, 90.0)), None, ""),
+    ],
+)  # fmt: skip
+def test_admission_rules(name: str, digest: bytes, view: EnrollmentView, code: grpc.StatusCode | None, words: str):
+    refusal = admission_refusal(name, digest, view, 100.0, LIMITS)
+    if code is None:
+        assert refusal is None
+    else:
+        assert refusal is not None and refusal[0] == code and words in refusal[1], refusal
+
+
+def test_islands_gone_past_the_limit_are_retired_and_zero_means_never() -> None:
+    gone = {"a": 0.0, "b": 50.0, "c": 91.0}
+    assert overdue(gone, 100.0, 50.0) == ["a", "b"]
+    assert overdue(gone, 100.0, 0.0) == []
+
+
+def test_the_roster_is_durable_private_and_keeps_no_secret(tmp_path: Path) -> None:
+    book = Enrollment(["a", "b"], tmp_path, LIMITS)
+    book.admit("c", D1, 3, 10.0)
+    assert book.retire("b", 4, "operator") and not book.retire("b", 5, "again")
+    path = tmp_path / "roster.json"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert b"one" not in path.read_bytes(), "only the digest of a secret is kept"
+    again = Enrollment(["a", "b"], tmp_path, LIMITS)  # a restarted coordinator
+    assert again.names == ("a", "c") and "b" not in again and again.secret_of("c") == D1
+    assert again.retirement("b") == "at round 4: operator" and again.secret_of("a") is None
+    assert again.retire("c", 6, "operator")
+    with pytest.raises(Rejected, match="belonged to a retired island"):
+        again.admit("c", D1, 6, 11.0)
+    path.write_text('{"version": 1, "admitted": {"x": {"secret_sha256": "zz", "round": 0}}}')
+    with pytest.raises(RosterFileError, match="roster.json: cannot read the run's roster"):
+        Enrollment(["a"], tmp_path, LIMITS)
+
+
+# -- the operator's calls, over real gRPC ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def live(tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Coordinator, str]]:
+    """A coordinator of a 2-island run as `diloco coordinator` starts it (serve._start), with island secrets and an
+    operator secret, listening on a free loopback port."""
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    monkeypatch.setenv("TEST_OPERATOR", "operator-secret")
+    for name in ("i0", "i1"):
+        (tmp_path / name).write_text(f"secret-of-{name}")
+    overrides = [
+        'islands.names=["i0","i1"]',
+        f'network.secrets=["file:{tmp_path / "i0"}","file:{tmp_path / "i1"}"]',
+        "network.operator_secret=env:TEST_OPERATOR",
+        "islands.max=3",
+        "islands.admissions_per_minute=5",
+        "train.checkpoint_every=0",
+    ]
+    cfg = load_config(tiny_config, overrides)
+    rd = RunDir(tmp_path / "run", cfg)
+    secrets = {"i0": "secret-of-i0", "i1": "secret-of-i1"}
+    server, _, coordinator = _start(cfg, rd, "127.0.0.1:0", None, secrets, 0)
+    yield coordinator, server.address
+    server.stop(0)
+    coordinator.close()
+    rd.close()
+
+
+def _join(coordinator: Coordinator, address: str, island: str, secret: str) -> pb.JoinReply:
+    cfg = coordinator.cfg
+    client = GrpcTransport(address, island, secret, config=TransportConfig(max_attempts=1, rpc_timeout_s=10))
+    try:
+        return client.join(
+            pb.JoinRequest(
+                run_id=cfg.run.name,
+                island=island,
+                last_round=-1,
+                config_digest=bytes.fromhex(config_digest(cfg)),
+                release=RELEASE,
+            )
+        )
+    finally:
+        client.close()
+
+
+def test_an_operator_admits_an_island_that_joins_with_its_own_credential(
+    live: tuple[Coordinator, str], tmp_path: Path
+) -> None:
+    coordinator, address = live
+    run = coordinator.run_id
+    kit = admit_island(address, run, "sa-east", "env:TEST_OPERATOR", tmp_path / "kit", None)
+    secret_file = tmp_path / "kit" / "sa-east.secret"
+    assert kit["secret"] == f"file:{secret_file}" and stat.S_IMODE(os.stat(secret_file).st_mode) == 0o600
+    assert secret_file.read_text() not in (tmp_path / "run" / "roster.json").read_text()
+    reply = _join(coordinator, address, "sa-east", secret_file.read_text())
+    assert reply.needs_full_params and "sa-east" in coordinator.roster
+    # another island's secret does not open the admitted island's door, nor the other way round
+    for island, secret in (("sa-east", "secret-of-i0"), ("i0", secret_file.read_text())):
+        with pytest.raises(TransportError) as info:
+            _join(coordinator, address, island, secret)
+        assert info.value.code == C.UNAUTHENTICATED
+    events = [e for e in read_events(tmp_path / "run" / "metrics.jsonl") if e["event"] == "island_admitted"]
+    assert [e["island"] for e in events] == ["sa-east"]
+    detail = json.loads(coordinator.status().detail_json)
+    assert detail["roster"]["admitted"] == ["sa-east"] and detail["roster"]["enrolled"] == ["i0", "i1", "sa-east"]
+
+
+def test_forged_replayed_and_flooding_admissions_are_refused_and_leave_nothing(
+    live: tuple[Coordinator, str], tmp_path: Path
+) -> None:
+    coordinator, address = live
+    run = coordinator.run_id
+    forged = tmp_path / "forged"
+    with pytest.raises(TransportError) as info:
+        admit_island(address, run, "x1", "wrong-operator-secret", forged, None)
+    assert info.value.code == C.UNAUTHENTICATED and "bad operator credentials" in info.value.reason
+    assert not (forged / "x1.secret").exists(), "a refused admission leaves no credential behind"
+    with pytest.raises(TransportError) as info:  # an island's own credential is no operator's
+        with OperatorClient(address, [("x-diloco-island", "i0"), ("x-diloco-secret", "secret-of-i0")]) as client:
+            client.admit(pb.AdmitRequest(run_id=run, island="x1", secret_sha256=D1))
+    assert info.value.code == C.UNAUTHENTICATED and "missing operator credentials" in info.value.reason
+    # a replayed admission (the same request again) is told the island is already there, and changes nothing
+    request = pb.AdmitRequest(run_id=run, island="x1", secret_sha256=D1)
+    with OperatorClient(address, [(OPERATOR_KEY, "operator-secret")]) as client:
+        assert client.admit(request).ok
+        with pytest.raises(TransportError) as info:
+            client.admit(request)
+        assert info.value.code == C.ALREADY_EXISTS
+        # the roster is full at islands.max = 3
+        with pytest.raises(TransportError) as info:
+            client.admit(pb.AdmitRequest(run_id=run, island="x2", secret_sha256=D2))
+        assert info.value.code == C.RESOURCE_EXHAUSTED and "islands.max = 3" in info.value.reason
+        for bad, words in ((pb.AdmitRequest(run_id="other", island="x3", secret_sha256=D2), "does not match"),
+                           (pb.AdmitRequest(run_id=run, island="x3", secret_sha256=b"\0" * 7), "32 bytes")):  # fmt: skip
+            with pytest.raises(TransportError) as info:
+                client.admit(bad)
+            assert words in info.value.reason
+    assert coordinator.enrollment.names == ("i0", "i1", "x1")
+
+
+def test_a_retired_island_stops_counting_at_once_and_its_credential_is_refused(
+    live: tuple[Coordinator, str], tmp_path: Path
+) -> None:
+    coordinator, address = live
+    run = coordinator.run_id
+    _join(coordinator, address, "i0", "secret-of-i0")
+    _join(coordinator, address, "i1", "secret-of-i1")
+    # an island may retire only itself, with its own credential
+    with pytest.raises(TransportError) as info:
+        retire_island(address, run, "i0", "", None, island_secret_ref="secret-of-i1")
+    assert info.value.code == C.UNAUTHENTICATED
+    with pytest.raises(TransportError) as info:
+        with OperatorClient(address, [("x-diloco-island", "i1"), ("x-diloco-secret", "secret-of-i1")]) as client:
+            client.retire(pb.RetireRequest(run_id=run, island="i0"))
+    assert info.value.code == C.PERMISSION_DENIED and "cannot act as island 'i0'" in info.value.reason
+    done = retire_island(address, run, "i1", "region closed", None, island_secret_ref="secret-of-i1")
+    assert "retired" in done["detail"] and "i1" not in coordinator.roster and coordinator.roster.live == ["i0"]
+    with pytest.raises(TransportError) as info:
+        _join(coordinator, address, "i1", "secret-of-i1")
+    assert info.value.code == C.PERMISSION_DENIED and "not on this run's roster" in info.value.reason
+    with pytest.raises(TransportError) as info:
+        retire_island(address, run, "i1", "", None, operator_ref="env:TEST_OPERATOR")
+    assert info.value.code == C.NOT_FOUND and "was retired at round 0: region closed" in info.value.reason
+    retired = [e for e in read_events(tmp_path / "run" / "metrics.jsonl") if e["event"] == "island_retired"]
+    assert [(e["island"], e["reason"]) for e in retired] == [("i1", "region closed")]
+    assert coordinator.world.totals.islands_retired == 1
+
+
+def test_an_island_gone_longer_than_retire_after_s_is_retired(tiny_config: Path, tmp_path: Path) -> None:
+    now = [0.0]
+    cfg = load_config(tiny_config, ["islands.retire_after_s=30", "train.checkpoint_every=0"])
+    rd = RunDir(tmp_path / "run", cfg)
+    coordinator = Coordinator(cfg, rd, build_setup(cfg, ()), clock=lambda: now[0])
+    try:
+        names = coordinator.enrollment.names
+        coordinator.join(pb.JoinRequest(run_id=cfg.run.name, island=names[0], last_round=-1,
+                                        config_digest=coordinator.digest, release=RELEASE))  # fmt: skip
+        now[0] = 29.0
+        coordinator.tick()
+        assert coordinator.enrollment.names == names, "not yet"
+        now[0] = 31.0
+        coordinator.tick()
+        assert coordinator.enrollment.names == names[:1], "the island that never came is retired; the member is not"
+        assert "islands.retire_after_s = 30" in (coordinator.enrollment.retirement(names[1]) or "")
+    finally:
+        coordinator.close()
+        rd.close()
