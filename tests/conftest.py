@@ -10,12 +10,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from diloco.harness.procs import Federation
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -314,3 +316,59 @@ def shared_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedLa
             simulate.returncode,
             simulate_err.read(),
         )
+
+
+# -- federations of real processes (tests/test_federation.py, tests/test_elastic.py) ----------------------------
+
+H = 4
+"""Inner steps per round: tiny, the tests are about the protocol, not the loss."""
+TOKENS = 8 * 16 * H
+"""Tokens one island trains on per round (batch 8 x seq_len 16 x H): the aggregation weight."""
+FAST = [
+    f"train.inner_steps={H}",
+    "train.checkpoint_every=1",
+    "quorum.lease_s=3",
+    "quorum.min_deadline_s=1",
+    "quorum.max_deadline_s=20",
+    "network.pull_wait_s=2",
+    "transport.max_attempts=3",
+    "transport.backoff_max_s=1",
+    "network.coordinator_wait_s=60",
+    "network.connect_timeout_s=120",
+    "codec.uplink=int8",
+    "codec.downlink=int8",
+]
+"""Short leases and deadlines so faults are detected in seconds, retries that give up late."""
+WAIT_S = 150.0
+"""How long any single condition may take to come true on a slow, loaded machine."""
+ENV = {
+    "JAX_PLATFORMS": "cpu",
+    "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    "PYTHONWARNINGS": JAX_CACHE_ENV["PYTHONWARNINGS"],
+}
+"""The children import this checkout's diloco and run JAX on the CPU (sharing the session's XLA cache)."""
+
+
+@pytest.fixture
+def federation(tmp_path: Path, tiny_config: Path) -> Iterator[Callable[..., Federation]]:
+    """Federations of the tiny config (diloco.harness.procs, the harness `launch` uses), each child in its own process
+    group (cleanup reaches a supervisor's worker too) and all sharing one persistent XLA compilation cache;
+    `pause_at` names where processes stop and wait for the test (diloco/faults.py: WHO:POINT:ROUND)."""
+    made: list[Federation] = []
+
+    def make(*overrides: str, pause_at: Sequence[str] = ()) -> Federation:
+        fed = Federation(
+            tiny_config,
+            [*FAST, *overrides],
+            tmp_path / f"fed{len(made)}",
+            cwd=REPO,
+            env=ENV,
+            jax_cache=JAX_CACHE,
+            pause_at=pause_at,
+        )
+        made.append(fed)
+        return fed
+
+    yield make
+    for fed in made:
+        fed.stop(grace_s=0.0)

@@ -21,7 +21,7 @@ import os
 import random
 import signal
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,68 +31,9 @@ import pytest
 from diloco.harness.procs import Federation, devices_env
 from diloco.run.rundir import read_events
 from diloco.run.summary import SUMMARY_KEYS
-from tests.conftest import JAX_CACHE, JAX_CACHE_ENV, REPO, SharedLaunch
+from tests.conftest import FAST, TOKENS, WAIT_S, H, SharedLaunch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-H = 4
-"""Inner steps per round: tiny, the tests are about the protocol, not the loss."""
-TOKENS = 8 * 16 * H
-"""Tokens one island trains on per round (batch 8 x seq_len 16 x H): the aggregation weight."""
-FAST = [
-    f"train.inner_steps={H}",
-    "train.checkpoint_every=1",
-    "quorum.lease_s=3",
-    "quorum.min_deadline_s=1",
-    "quorum.max_deadline_s=20",
-    "network.pull_wait_s=2",
-    "transport.max_attempts=3",
-    "transport.backoff_max_s=1",
-    "network.coordinator_wait_s=60",
-    "network.connect_timeout_s=120",
-    "codec.uplink=int8",
-    "codec.downlink=int8",
-]
-"""Short leases and deadlines so faults are detected in seconds, retries that give up late."""
-WAIT_S = 150.0
-"""How long any single condition may take to come true on a slow, loaded machine."""
-ENV = {
-    "JAX_PLATFORMS": "cpu",
-    "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    "PYTHONWARNINGS": JAX_CACHE_ENV["PYTHONWARNINGS"],
-}
-"""The children import this checkout's diloco and run JAX on the CPU (sharing `jax_cache`)."""
-
-
-@pytest.fixture(scope="module")
-def jax_cache() -> Path:
-    """The session's persistent XLA compilation cache (tests/conftest.py), shared by every child."""
-    return JAX_CACHE
-
-
-@pytest.fixture
-def federation(tmp_path: Path, tiny_config: Path, jax_cache: Path) -> Iterator[Callable[..., Federation]]:
-    """Federations of the tiny config (diloco.harness.procs, the harness `launch` uses), each child in its own process
-    group (cleanup reaches a supervisor's worker too) and all sharing one persistent XLA compilation cache;
-    `pause_at` names where processes stop and wait for the test (diloco/faults.py: WHO:POINT:ROUND)."""
-    made: list[Federation] = []
-
-    def make(*overrides: str, pause_at: Sequence[str] = ()) -> Federation:
-        fed = Federation(
-            tiny_config,
-            [*FAST, *overrides],
-            tmp_path / f"fed{len(made)}",
-            cwd=REPO,
-            env=ENV,
-            jax_cache=jax_cache,
-            pause_at=pause_at,
-        )
-        made.append(fed)
-        return fed
-
-    yield make
-    for fed in made:
-        fed.stop(grace_s=0.0)
 
 
 def check_run(

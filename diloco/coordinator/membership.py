@@ -10,7 +10,8 @@ holds no state and reads no clock, so every branch is table-tested. Rules:
     not wait for a joiner that arrived without the open round's θ after the run's first round (it must pull θ and
     train H steps first: a joiner never blocks the round that is open when it arrives), though it takes its push
     should one come before the close;
-  * `min_islands` is a count, or a fraction of the live islands (a float: 0.5 = half of them, rounded up);
+  * `min_islands` is a count, or a fraction of the live islands the round waits for (a float: 0.5 = half of them,
+    rounded up; a joiner that arrived late is not counted in it);
   * otherwise it closes at the deadline once `min_islands` have pushed, dropping the late ones;
   * the deadline adapts to observed round times: median + k·MAD of recent rounds, clamped to
     [min_deadline_s, max_deadline_s], so nobody has to guess a constant for their WAN;
@@ -137,11 +138,12 @@ def decide(now: float, view: RoundView, cfg: QuorumConfig) -> Decision:
     def out(action: Action, reason: str) -> Decision:
         return Decision(action, reason, live, lost, deadline)
 
-    needed = cfg.required(len(live))
+    expected = live - view.late
+    needed = cfg.required(len(expected))
     if len(pushed) < needed:
         of = f"min_islands={cfg.min_islands}"
         if isinstance(cfg.min_islands, float):
-            of = f"{needed} ({of} of {len(live)} live)"
+            of = f"{needed} ({of} of {len(expected)} live)"
         others = sorted(live - pushed)
         return out(
             Action.WAIT,
