@@ -13,7 +13,9 @@ through `diloco.harness.procs.Federation`), then:
    field (NaN, infinite, huge finite and subnormal numbers, texts from empty to 1 MiB, JSON nested 100,000 deep,
    fragments and rounds that do not exist), malformed headers (sizes that do not match shapes, absurd totals and
    counts, unknown codecs), broken chunk streams (reordered, repeated, truncated, forged digests, bytes that are
-   not protobuf), and "insider" pushes that pass every wire check but carry huge finite or subnormal values;
+   not protobuf), "insider" pushes that pass every wire check but carry huge finite or subnormal values, and the
+   operator's calls (Admit, Retire) under the operator's real, a wrong, a missing or an island's credential, with
+   invented names, digests of every length and hostile reasons;
 3. starts the run's two real islands and waits for a round they push to be committed.
 
 Reported (JSON): per run the messages sent, the histogram of status codes (in all and per RPC), the UNKNOWN and
@@ -50,7 +52,7 @@ from diloco.config import RunConfig, config_digest, load_config
 from diloco.harness.procs import Federation, FederationError, log_lines
 from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
-from transport.auth import call_metadata
+from transport.auth import OPERATOR_KEY, call_metadata
 from transport.client_core import push_wire_chunks
 from transport.config import TransportConfig
 from transport.errors import TransportError
@@ -86,8 +88,17 @@ class Forge:
     """Makes hostile shots for one run: knows the run's names, secrets and model, as an attacker could learn them
     (an insider holds an island's secret and pulls θ; anyone can read a config's names)."""
 
-    def __init__(self, cfg: RunConfig, island_secrets: dict[str, str] | None, full: Any, rng: np.random.Generator):
-        self.cfg, self.secrets, self.rng = cfg, island_secrets, rng
+    def __init__(
+        self,
+        cfg: RunConfig,
+        island_secrets: dict[str, str] | None,
+        full: Any,
+        rng: np.random.Generator,
+        operator: str = "",
+    ):
+        """`operator`: the operator's secret, which the fuzzer holds as an insider would (it admits invented names
+        and retires names that are not the run's islands, so that the run's real islands still complete a round)."""
+        self.cfg, self.secrets, self.rng, self.operator = cfg, island_secrets, rng, operator
         self.names = list(cfg.islands.island_names)
         self.shapes = {t.name: tuple(t.shape) for t in full.tensors}
         self.base_digest, self.round = full.param_digest, full.round
@@ -151,9 +162,40 @@ class Forge:
                 "push_chunks",
                 "push_values",
                 "raw",
+                "admit",
+                "retire",
             ]
         )
         return getattr(self, f"_{kind}")()
+
+    def operator_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The operator's credential, a wrong one, none, or an island's in its place."""
+        roll = self.rng.random()
+        if roll < 0.5 and self.operator:
+            return ((OPERATOR_KEY, self.operator),)
+        if roll < 0.7:
+            return ((OPERATOR_KEY, "wrong-" + str(self.rng.integers(1e9))),)
+        if roll < 0.85:
+            return ()
+        return self.who()[1]
+
+    def invented(self) -> str:
+        """A name that is none of the run's islands, valid or not."""
+        return self.pick([f"joiner-{int(self.rng.integers(1e6))}", "", "x" * 65, "../../etc", "evil\x00", self.text()])
+
+    def _admit(self) -> Shot:
+        name = self.pick([self.invented(), self.pick(self.names)])
+        digest = self.pick([self.rng.bytes(32), b"", self.rng.bytes(int(self.rng.integers(1, 100))), b"\0" * 32])
+        req = pb.AdmitRequest(run_id=self.or_text(self.cfg.run.name), island=name, secret_sha256=digest)
+        return self._unary("Admit", req, f"admit digest[{len(digest)}]", self.operator_metadata())
+
+    def _retire(self) -> Shot:
+        md = self.operator_metadata()
+        operator = any(key == OPERATOR_KEY and value == self.operator for key, value in md)
+        # The operator's real credential retires only invented names; under anything else, any name is tried.
+        name = self.invented() if operator else self.pick([self.invented(), self.pick(self.names)])
+        req = pb.RetireRequest(run_id=self.or_text(self.cfg.run.name), island=name, reason=self.text())
+        return self._unary("Retire", req, f"retire reason[{len(req.reason)}]", md)
 
     def _unary(self, rpc: str, message: Any, label: str, md: tuple) -> Shot:
         return Shot(rpc, label, message.SerializeToString(), md)
@@ -307,7 +349,7 @@ class Forge:
 
     def _raw(self) -> Shot:
         _, md = self.who()
-        rpc = self.pick(["Join", "Heartbeat", "Leave", "Status", "PullGlobal", "PushPseudoGrad"])
+        rpc = self.pick(["Join", "Heartbeat", "Leave", "Status", "PullGlobal", "PushPseudoGrad", "Admit", "Retire"])
         data = [self.rng.bytes(int(self.rng.integers(0, 2000))) for _ in range(int(self.rng.integers(1, 4)))]
         return Shot(rpc, f"raw bytes to {rpc}", data if rpc == "PushPseudoGrad" else data[0], md)
 
@@ -430,7 +472,13 @@ def _run(mode: str, messages: int, seed: int, run_dir: Path, tmp: Path, threads:
         refs.append(f"file:{tmp / f'{mode}-secret-{i}'}")
     config = tmp / f"{mode}.toml"
     config.write_text(load_config_text(2, 1000, refs))
-    overrides = [*FUZZ_OVERRIDES, *(["network.secrets=[]"] if mode == "open" else [])]
+    operator = secrets.token_hex(16)
+    (tmp / f"{mode}-operator").write_text(operator)
+    overrides = [
+        *FUZZ_OVERRIDES,
+        f"network.operator_secret=file:{tmp / f'{mode}-operator'}",
+        *(["network.secrets=[]"] if mode == "open" else []),
+    ]
     cfg = load_config(config, overrides)
     known = island_secrets if mode == "auth" else None
     with _federation(config, overrides, run_dir / mode) as fed:
@@ -440,7 +488,7 @@ def _run(mode: str, messages: int, seed: int, run_dir: Path, tmp: Path, threads:
         insider = cfg.islands.island_names[0]
         with GrpcTransport(address, insider, known.get(insider) if known else None) as client:
             full = client.pull(pb.PullRequest(run_id=cfg.run.name, island=insider, have_round=-1, full=True))
-        forge = Forge(cfg, known, full, np.random.default_rng([seed, mode == "auth"]))
+        forge = Forge(cfg, known, full, np.random.default_rng([seed, mode == "auth"]), operator)
         before, metrics_before = proc_memory_kib(pid), _metrics_bytes(fed)
         with grpc.insecure_channel(address) as flood_channel:
             flood = Flood(flood_channel, forge)
