@@ -36,9 +36,8 @@ from diloco.run.rundir import RunDir
 from floor.codec import CodecSpec
 from pytrees.encode import encode_named
 from pytrees.naming import flatten_named
-from tests.conftest import JAX_CACHE, REPO, child_env
+from tests.conftest import ENV, FAST, JAX_CACHE, REPO, WAIT_S, child_env
 from tests.reference_handler import ReferenceHandler
-from tests.test_federation import ENV, FAST, WAIT_S
 from tests.wire_helpers import push_chunks
 from transport import diloco_pb2 as pb
 from transport.auth import call_metadata

@@ -21,8 +21,8 @@ import pytest
 from diloco.cli import main
 from diloco.harness.procs import Federation, devices_env
 from diloco.run.rundir import read_events
-from tests.conftest import JAX_CACHE, REPO, child_env
-from tests.test_federation import ENV, FAST, _finished_checkpoints, check_run
+from tests.conftest import ENV, FAST, JAX_CACHE, REPO, child_env
+from tests.test_federation import _finished_checkpoints, check_run
 
 ROUNDS = 3
 KILL_AT = "island-0:before_push:1"

@@ -19,8 +19,7 @@ from diloco.harness.procs import Federation
 from diloco.run.rundir import read_events
 from diloco.run.warm_start import WarmStartError, find_source, model_difference, tensor_difference
 from diloco.simulator.simulate import run_simulation
-from tests.conftest import JAX_CACHE, REPO, TINY_TOML, write_corpus
-from tests.test_federation import ENV, FAST
+from tests.conftest import ENV, FAST, JAX_CACHE, REPO, TINY_TOML, write_corpus
 
 
 @pytest.fixture(scope="module")

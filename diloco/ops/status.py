@@ -59,7 +59,8 @@ def ask(client: GrpcTransport, secret: str | None) -> pb.StatusReply:
 
 
 def status_view(reply: pb.StatusReply, detail: dict[str, Any], health: str) -> RenderableType:
-    """The whole view: a header line, one row per island (state, last seen, last loss, bytes), the totals."""
+    """The whole view: a header line, one row per enrolled island (state, last seen, last loss, bytes; an admitted
+    island marked so), the retired ones, the totals."""
     header = Text.from_markup(
         f"run [bold]{reply.run_id}[/] round {reply.round}/{detail.get('rounds_planned', '?')} state {reply.state} "
         f"health {health}"
@@ -67,12 +68,14 @@ def status_view(reply: pb.StatusReply, detail: dict[str, Any], health: str) -> R
     table = Table("island", "state", "last seen", "last loss", "bytes up", "bytes down")
     losses = detail.get("last_losses", {})
     per_island = detail.get("island_bytes", {})
+    roster = detail.get("roster") if isinstance(detail.get("roster"), dict) else {}
+    admitted = set(roster.get("admitted") or ())
     for isl in reply.islands:
         seen = f"{isl.last_seen_s:.1f}s ago" if isl.last_seen_s >= 0 else "-"
         loss = f"{losses[isl.name]:.4f}" if isinstance(losses.get(isl.name), int | float) else "-"
         nbytes = per_island.get(isl.name, {})
         up, down = (f"{nbytes[k]:,}" if isinstance(nbytes.get(k), int) else "-" for k in ("bytes_up", "bytes_down"))
-        table.add_row(isl.name, isl.state, seen, loss, up, down)
+        table.add_row(isl.name + (" (admitted)" if isl.name in admitted else ""), isl.state, seen, loss, up, down)
     ev = detail.get("final_eval_loss")
     by_code = detail.get("rejected_by_code") or {}
     codes = f" ({', '.join(f'{k} {v}' for k, v in sorted(by_code.items()))})" if by_code else ""
@@ -81,7 +84,12 @@ def status_view(reply: pb.StatusReply, detail: dict[str, Any], health: str) -> R
         + f"bytes up {detail.get('bytes_up', 0):,}  down {detail.get('bytes_down', 0):,}  "
         f"rejected {detail.get('rejected', 0)}{codes}  islands lost {detail.get('islands_lost', 0)}"
     )
-    return Group(header, table, totals)
+    retired = roster.get("retired") or {}
+    if not isinstance(retired, dict) or not retired:
+        return Group(header, table, totals)
+    shown = ", ".join(f"{n} (round {e.get('round')}: {e.get('reason')})" for n, e in list(retired.items())[:8])
+    more = f" and {len(retired) - 8} more" if len(retired) > 8 else ""
+    return Group(header, table, totals, Text(f"retired: {shown}{more}"))
 
 
 def show_status(
