@@ -397,7 +397,7 @@ def _island(args: argparse.Namespace) -> int:
 
 def _certs(args: argparse.Namespace) -> int:
     from diloco.config import load_config
-    from diloco.deploy.tls import TlsSetupError, make_federation_kit
+    from diloco.deploy.tls import OPERATOR_CLIENT, TlsSetupError, make_federation_kit
 
     if args.days < 1:
         raise TlsSetupError(f"--days must be >= 1 (got {args.days})")
@@ -413,17 +413,16 @@ def _certs(args: argparse.Namespace) -> int:
         }
         for name in names
     }
-    print(
-        json.dumps(
-            {
-                "ca": str(kit.ca),
-                "server_cert": str(kit.server_cert),
-                "server_key": str(kit.server_key),
-                "islands": islands,
-            },
-            indent=2,
-        )
-    )
+    out = {
+        "ca": str(kit.ca),
+        "server_cert": str(kit.server_cert),
+        "server_key": str(kit.server_key),
+        "islands": islands,
+    }
+    if args.keep_ca_key:
+        cert, key = kit.client(OPERATOR_CLIENT)
+        out |= {"ca_key": str(args.out / "ca.key"), "operator": {"cert": str(cert), "key": str(key)}}
+    print(json.dumps(out, indent=2))
     return 0
 
 

@@ -232,15 +232,24 @@ def _san(host: str) -> Any:
         return x509.DNSName(host)
 
 
+OPERATOR_CLIENT = "diloco-operator"
+"""The common name of the operator's client certificate (`diloco certs --keep-ca-key`): what `diloco admit` and
+`diloco retire` present to a mutual-TLS coordinator. The certificate opens the TLS door only; the operator's secret
+is the credential."""
+
+
 def make_federation_kit(
     directory: Path, islands: Sequence[str], hosts: Sequence[str], days: int = 365, keep_ca_key: bool = False
 ) -> LocalPki:
     """`diloco certs`: what a federation across machines needs, in `directory`: the CA, the coordinator's
     certificate for `hosts`, a client certificate per island, and a fresh secret per island in
-    `directory/secrets/NAME` (0600) for `network.secrets = ["file:..."]`. Nothing is printed but paths."""
+    `directory/secrets/NAME` (0600) for `network.secrets = ["file:..."]`. With `keep_ca_key` the CA's key stays in
+    ca.key (0600) and the operator gets a client certificate (`OPERATOR_CLIENT`) for `diloco admit` and `diloco
+    retire`. Nothing is printed but paths."""
     import secrets
 
-    pki = make_local_pki(directory, islands, days, hosts=hosts, issuer="diloco federation CA", keep_ca_key=keep_ca_key)
+    clients = [*islands, OPERATOR_CLIENT] if keep_ca_key else list(islands)
+    pki = make_local_pki(directory, clients, days, hosts=hosts, issuer="diloco federation CA", keep_ca_key=keep_ca_key)
     (directory / "secrets").mkdir(mode=0o700, exist_ok=True)
     for name in islands:
         _write(directory / "secrets" / name, secrets.token_hex(32).encode(), private=True)
