@@ -37,6 +37,15 @@ def test_load_smoke(tmp_path: Path, shared_jax_cache: Path) -> None:
     assert moved["down_clients"] == moved["down_coordinator"] == islands * (rounds + 1) * out["push_bytes"]
 
 
+def test_load_grows_the_roster_while_rounds_go_on(tmp_path: Path, shared_jax_cache: Path) -> None:
+    out = run_load_bench(2, 6, tmp_path / "load", admit=4)
+    assert out["rounds_committed"] == 6 and out["islands_admitted"] == 4 and out["digest_mismatched_rounds"] == []
+    assert out["islands_per_round"][0] == 2 and out["islands_per_round"][-1] == 6, out["islands_per_round"]
+    assert len(out["coordinator"]["rss_mib_per_round"]) == 6 and out["admit_s_stats"]["max"] > 0
+    # at most one push of each joiner comes too late for the round it joined during (refused as stale; it pulls on)
+    assert out["rejected"] <= 4 and out["coordinator_exit_code"] == 0
+
+
 @pytest.mark.bench  # ~2 minutes of process starts: outside README's test command, run with `pytest -m bench`
 @pytest.mark.slow
 @pytest.mark.multiprocess

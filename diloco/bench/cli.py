@@ -169,6 +169,12 @@ def _add_load(p: argparse.ArgumentParser) -> None:
     _with_own_config(p)
     p.add_argument("--islands", type=int, default=64, help="light islands (client threads) of the coordinator")
     p.add_argument("--rounds", type=int, default=20, help="rounds every island pushes to")
+    p.add_argument(
+        "--admit",
+        type=int,
+        default=0,
+        help="islands admitted while the run goes on (over the first half of the rounds)",
+    )
 
 
 def _add_soak(p: argparse.ArgumentParser) -> None:
@@ -249,7 +255,7 @@ def _faults(args: argparse.Namespace) -> Result:
 def _load(args: argparse.Namespace) -> Result:
     from diloco.bench.load import run_load_bench
 
-    return run_load_bench(args.islands, args.rounds, _run_dir(args), args.overrides)
+    return run_load_bench(args.islands, args.rounds, _run_dir(args), args.overrides, admit=args.admit)
 
 
 def _soak(args: argparse.Namespace) -> Result:

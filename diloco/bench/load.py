@@ -25,8 +25,15 @@ The islands retry exactly what a real island retries (`diloco.worker.island_sync
 a real one would lose (a call refused for good, e.g. RESOURCE_EXHAUSTED when more calls arrive at once than the
 server's transport.max_unary_calls / transport.max_streams admit) ends the benchmark with one line.
 
-Run: ``diloco bench load [--islands 64] [--rounds 20] [--run-dir DIR] [key=value ...]`` (JSON on stdout; a failure
-is one line); the overrides change the benchmark's config (e.g. transport.max_unary_calls=80).
+With ``--admit N`` the roster grows while the run goes on (docs/architecture.md, "Elastic federation"): the run
+starts with ``--islands`` islands, and N more are admitted over the first half of the rounds, a batch after each
+commit, through the operator's `Admit` call (each with a fresh secret of its own, of which the coordinator receives
+only the SHA-256); each admitted island then starts as a light client, joins during the open round (which does not
+wait for it) and pushes from then on. The quorum is every live island the round waits for (min_islands = 1.0).
+Reported beside the above: the admissions' latency and, per round, how many islands pushed.
+
+Run: ``diloco bench load [--islands 64] [--rounds 20] [--admit 0] [--run-dir DIR] [key=value ...]`` (JSON on stdout;
+a failure is one line); the overrides change the benchmark's config (e.g. transport.max_unary_calls=80).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,8 +61,9 @@ from diloco.harness.procs import Federation
 from diloco.worker.island_sync import retry_forever
 from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
+from transport.auth import OPERATOR_KEY, secret_digest
 from transport.errors import TransportError
-from transport.grpc_client import GrpcTransport
+from transport.grpc_client import GrpcTransport, OperatorClient
 from transport.handler import PullPayload
 
 CAPS_HINT = (
@@ -227,7 +235,18 @@ def light_island(address: str, cfg: RunConfig, name: str, secret: str, delta: Sh
                     **meta, round=round_, tokens=tokens, inner_steps=cfg.train.inner_steps, loss=1.0, base_digest=digest
                 )
                 trace.push_start[round_] = time.monotonic()
-                retry_forever(lambda: client.push(push, tensors), "push", CLIENT_GIVE_UP_S)  # noqa: B023
+                try:
+                    retry_forever(lambda: client.push(push, tensors), "push", CLIENT_GIVE_UP_S)  # noqa: B023
+                except TransportError as exc:
+                    if "is stale" not in exc.reason:
+                        raise
+                    # An admitted island that joined as its round closed: as a real island, it takes the newest θ.
+                    del trace.push_start[round_]
+                    full = retry_forever(lambda: client.pull(pb.PullRequest(**meta, have_round=-1, full=True)), "pull",
+                                         CLIENT_GIVE_UP_S)  # fmt: skip
+                    trace.bytes_down += _payload_bytes(full.tensors)
+                    round_, digest = full.round, full.param_digest
+                    continue
                 trace.push_end[round_] = time.monotonic()
                 trace.bytes_up += _payload_bytes(tensors)
                 pull = pb.PullRequest(**meta, have_round=round_)
@@ -253,7 +272,12 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
 
 
 def _watch(
-    fed: Federation, pid: int, threads: list[threading.Thread], traces: Sequence[ClientTrace], timeout_s: float
+    fed: Federation,
+    pid: int,
+    threads: Callable[[], Sequence[threading.Thread]],
+    traces: Sequence[ClientTrace],
+    timeout_s: float,
+    failed: Callable[[], bool] = lambda: False,
 ) -> dict[int, Sample]:
     """Sample the coordinator once after each new `round` event until every client thread is done and every round
     is logged, or one client failed (with every island in the quorum, the others would wait for it for ever).
@@ -266,9 +290,9 @@ def _watch(
         for r in fed.rounds():
             if r["round"] not in samples:
                 samples[r["round"]] = Sample.of(pid)
-        if any(t.error for t in traces):
+        if failed() or any(t.error for t in traces):
             return True
-        return not any(t.is_alive() for t in threads) and {r for t in traces for r in t.pull_end} <= samples.keys()
+        return not any(t.is_alive() for t in threads()) and {r for t in traces for r in t.pull_end} <= samples.keys()
 
     fed.wait_for(clients_done, timeout_s, "the light islands to finish every round", poll_s=0.02)
     return samples
@@ -296,15 +320,68 @@ class LoadRun:
     """The coordinator's, once the run was over (the benchmark fails earlier if it died)."""
     push_bytes: int
     wall_s: float
+    admit_s: list[float] = field(default_factory=list)
+    """How long each operator's `Admit` call took (--admit)."""
+
+
+class Admitter:
+    """The operator of a growing run: after each of the first commits, admits the next batch of islands (the
+    operator's `Admit` call, a fresh secret each) and starts each as a light client; what each admission took. A
+    commit is seen when the first configured island (`lead`) holds it (the `round` events come later, settled)."""
+
+    def __init__(
+        self, lead: ClientTrace, cfg: RunConfig, operator: str, names: Sequence[str], delta: SharedDelta
+    ) -> None:
+        self.lead, self.cfg, self.operator, self.delta = lead, cfg, operator, delta
+        self.names = list(names)
+        self.traces = {name: ClientTrace() for name in names}
+        self.threads: list[threading.Thread] = []
+        self.seconds: list[float] = []
+        """How long each `Admit` call took."""
+        self.error = ""
+
+    def run(self, address: str, batches: int) -> None:
+        if not self.names:
+            return
+        per_batch = -(-len(self.names) // max(batches, 1))
+        try:
+            with OperatorClient(address, [(OPERATOR_KEY, self.operator)]) as client:
+                for b in range(0, len(self.names), per_batch):
+                    committed = b // per_batch  # the round whose commit the lead island must hold first
+                    deadline = time.monotonic() + CLIENT_GIVE_UP_S
+                    while committed not in self.lead.pull_end and not self.lead.error:
+                        if time.monotonic() > deadline:
+                            raise BenchError(f"round {committed} was not committed in {CLIENT_GIVE_UP_S:.0f}s")
+                        time.sleep(0.01)
+                    for name in self.names[b : b + per_batch]:
+                        secret = secrets.token_hex(32)
+                        t0 = time.monotonic()
+                        request = pb.AdmitRequest(
+                            run_id=self.cfg.run.name, island=name, secret_sha256=secret_digest(secret)
+                        )
+                        client.admit(request)
+                        self.seconds.append(time.monotonic() - t0)
+                        args = (address, self.cfg, name, secret, self.delta, self.traces[name])
+                        thread = threading.Thread(target=light_island, args=args, name=f"light-{name}", daemon=True)
+                        thread.start()
+                        self.threads.append(thread)
+        except Exception as exc:  # reported by the main thread as the benchmark's one-line failure
+            self.error = f"admitting: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def run_load_bench(
-    islands: int, rounds: int, run_dir: Path, overrides: Sequence[str] = (), timeout_s: float = 900.0
+    islands: int,
+    rounds: int,
+    run_dir: Path,
+    overrides: Sequence[str] = (),
+    timeout_s: float = 900.0,
+    admit: int = 0,
 ) -> dict[str, Any]:
-    """Start the coordinator, run `islands` light islands for `rounds` rounds, and report what it cost.
-    `overrides` (key=value) change the benchmark's config, e.g. the server's limits (transport.*)."""
-    if islands < 1 or rounds < 1:
-        raise BenchError(f"--islands and --rounds must be >= 1 (got {islands} and {rounds})")
+    """Start the coordinator, run `islands` light islands for `rounds` rounds (and admit `admit` more over the first
+    half of them), and report what it cost. `overrides` (key=value) change the benchmark's config, e.g. the server's
+    limits (transport.*)."""
+    if islands < 1 or rounds < 1 or admit < 0:
+        raise BenchError(f"--islands and --rounds must be >= 1 and --admit >= 0 (got {islands}, {rounds}, {admit})")
     island_secrets = [secrets.token_hex(16) for _ in range(islands)]
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         refs = []
@@ -314,6 +391,15 @@ def run_load_bench(
             refs.append(f"file:{path}")
         config = Path(tmp) / "load.toml"
         config.write_text(load_config_text(islands, rounds, refs))
+        operator = secrets.token_hex(32)
+        (Path(tmp) / "operator").write_text(operator)
+        growing = [
+            f"network.operator_secret=file:{Path(tmp) / 'operator'}",
+            f"islands.max={islands + admit}",
+            f"islands.admissions_per_minute={max(10, admit)}",
+            "quorum.min_islands=1.0",
+        ]
+        overrides = [*(growing if admit else []), *overrides]
         cfg = load_config(config, overrides)
         t0 = time.monotonic()
         with _federation(config, overrides, run_dir) as fed:
@@ -332,11 +418,23 @@ def run_load_bench(
                 )
                 for name, secret in zip(cfg.islands.island_names, island_secrets, strict=True)
             ]
+            lead = traces[cfg.islands.island_names[0]]
+            admitter = Admitter(lead, cfg, operator, [f"joiner-{i}" for i in range(admit)], delta)
+            traces |= admitter.traces
+            operating = threading.Thread(target=admitter.run, args=(address, max(rounds // 2, 1)), daemon=True)
+            threads.append(operating)
             for thread in threads:
                 thread.start()
-            samples = _watch(fed, pid, threads, list(traces.values()), timeout_s)
+            samples = _watch(
+                fed,
+                pid,
+                lambda: [*threads, *admitter.threads],
+                list(traces.values()),
+                timeout_s,
+                lambda: bool(admitter.error),
+            )
             ended = Sample.of(pid)
-            errors = [t.error for t in traces.values() if t.error]
+            errors = [t.error for t in traces.values() if t.error] + ([admitter.error] if admitter.error else [])
             if errors:
                 hint = CAPS_HINT if any("RESOURCE_EXHAUSTED" in e for e in errors) else ""
                 raise BenchError(
@@ -357,6 +455,7 @@ def run_load_bench(
                 exit_code,
                 _payload_bytes(delta.tensors),
                 time.monotonic() - t0,
+                admitter.seconds,
             )
     return report(run)
 
@@ -365,7 +464,8 @@ def _push_to_commit(run: LoadRun) -> list[float]:
     """Per round: from the start of its last push to the first moment a client held the commit (module docstring)."""
     out = []
     for e in run.events:
-        r, traces = e["round"], run.traces.values()
+        r = e["round"]
+        traces = [t for t in run.traces.values() if r in t.push_start and r in t.pull_end]
         last_push_start = max(t.push_start[r] for t in traces)
         first_held = min(min(t.pull_end[r] for t in traces), max(t.push_end[r] for t in traces))
         out.append(first_held - last_push_start)
@@ -424,6 +524,9 @@ def report(run: LoadRun) -> dict[str, Any]:
             "down_coordinator": run.summary["bytes_down"],
         },
         "digest_mismatched_rounds": mismatched,
+        "islands_admitted": run.summary.get("islands_admitted", 0),
+        "admit_s_stats": _stats(run.admit_s),
+        "islands_per_round": [len([p for p in run.pushes if p["round"] == e["round"]]) for e in run.events],
         "coordinator_exit_code": run.exit_code,
         "islands_lost": run.summary["islands_lost"],
         "rejected": run.summary["rejected"],
