@@ -26,6 +26,7 @@ from typing import Any
 from diloco.coordinator.membership import QuorumConfig
 from floor.codec import CodecError, CodecSpec
 from floor.errors import UserError
+from floor.fields import LOCAL
 from islands.backend import BACKENDS
 from islands.config import InnerConfig
 from islands.data import DataConfig
@@ -38,12 +39,6 @@ from transport.config import TransportConfig
 
 class ConfigError(UserError, ValueError):
     """A user mistake in a config file or override; the message is one line naming the key."""
-
-
-LOCAL = {"local": True}
-"""Field metadata: a per-process setting (which TLS files this process uses), not part of the run's identity.
-`to_dict` leaves it out, so the coordinator and each island may set their own and still agree on the config
-digest, and rotating a certificate does not make a run directory "another run"."""
 
 
 @dataclass(frozen=True)

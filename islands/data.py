@@ -29,11 +29,12 @@ import glob
 import os
 import sysconfig
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from floor.errors import UserError
+from floor.fields import LOCAL
 from islands import prepared
 
 KINDS: tuple[str, ...] = ("text", "tokens", "synthetic")
@@ -104,6 +105,11 @@ class DataConfig:
     synthetic_tokens: int = 200_000
     """kind = "synthetic" only: length of the generated corpus (an order-2 Markov chain, see
     `synthetic_tokens`)."""
+
+    own_path: str = field(default="", metadata=LOCAL)
+    """An island admitted into a live run (`diloco admit`) that brings its own source trains on it: a path as
+    data.path takes (the same kind). Per process, not part of the run's identity: only that island reads it, and
+    the run's validation split stays the shared one. "": it trains on windows of the shared corpus."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -15,7 +15,7 @@ import pytest
 
 import diloco.coordinator.settler as settler_module
 from diloco import RELEASE
-from diloco.config import config_digest, load_config
+from diloco.config import config_digest, load_config, to_dict
 from diloco.coordinator.coordinator import Coordinator
 from diloco.coordinator.enrollment import (
     AdmissionLimits,
@@ -248,3 +248,21 @@ def test_an_island_gone_longer_than_retire_after_s_is_retired(tiny_config: Path,
     finally:
         coordinator.close()
         rd.close()
+
+
+def test_an_admitted_island_draws_from_the_shared_corpus_or_brings_its_own(tiny_config: Path, tmp_path: Path) -> None:
+    from diloco.config import ConfigError
+    from diloco.run.setup import admitted_stream
+
+    cfg = load_config(tiny_config)
+    one, other = admitted_stream(cfg, "sa-east"), admitted_stream(cfg, "af-south")
+    assert one.stream_id != other.stream_id and not (one.batch_at(0) == other.batch_at(0)).all()
+    own = tmp_path / "own.txt"
+    own.write_bytes(b"z" * 5000)
+    mine = admitted_stream(load_config(tiny_config, [f"data.own_path={own}"]), "sa-east")
+    assert set(mine.batch_at(0).ravel().tolist()) == {ord("z")}, "its own source, not the shared corpus"
+    cfg_own = load_config(tiny_config, [f"data.own_path={own}"])
+    assert "own_path" not in json.dumps(to_dict(cfg_own)), "per process: not part of the run's identity"
+    non_iid = load_config(tiny_config, [f'data.paths=["{own}", "{own}"]', 'data.path=""'])
+    with pytest.raises(ConfigError, match="give the admitted island its own source"):
+        admitted_stream(non_iid, "sa-east")

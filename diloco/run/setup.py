@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from diloco.config import ConfigError, RunConfig
-from islands.data import BatchStream, eval_batches, load_sources
+from islands.data import BatchStream, eval_batches, load_sources, open_source
 from islands.inner import make_eval_fn, make_inner_optimizer
 from islands.island import Batches, Island
 from islands.memory import Footprint, OutOfMemoryError, device_room, eval_advice, verdict
@@ -74,14 +74,21 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
 
 def admitted_stream(cfg: RunConfig, name: str) -> BatchStream:
     """The batches of an island admitted into a live run (not in islands.names, so it has no shard of its own):
-    windows drawn over the whole training split, with a stream of its own named by its name. With data.paths (one
-    source per configured island) an admitted island has no source: refused in one line."""
-    if cfg.data.paths:
+    windows drawn over its own source (data.own_path) or else over the whole shared training split, with a stream
+    of its own named by its name. With data.paths (one source per configured island) and no source of its own, an
+    admitted island has nothing to train on: refused in one line."""
+    data = cfg.data
+    if data.own_path:
+        own = open_source(data, data.own_path, f"data.own_path {data.own_path!r}", cfg.model.vocab_size, cfg.run.seed,
+                          "data.own_path")  # fmt: skip
+        train = own.train
+    elif data.paths:
         raise ConfigError(
-            f"island {name!r} is not in islands.names and data.paths gives one source per configured island: an "
-            "admitted island trains on an IID corpus (data.path); list it in islands.names and data.paths instead"
+            f"island {name!r} is not in islands.names and data.paths gives one source per configured island: "
+            "give the admitted island its own source (data.own_path=PATH on its command line)"
         )
-    (train,), _ = load_sources(cfg.data, 1, cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len)
+    else:
+        (train,), _ = load_sources(data, 1, cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len)
     stream_id = ADMITTED_STREAMS + zlib.crc32(name.encode())
     return BatchStream(train, cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=stream_id)
 
