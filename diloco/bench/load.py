@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 from diloco import RELEASE
@@ -238,9 +239,10 @@ def light_island(address: str, cfg: RunConfig, name: str, secret: str, delta: Sh
                 try:
                     retry_forever(lambda: client.push(push, tensors), "push", CLIENT_GIVE_UP_S)  # noqa: B023
                 except TransportError as exc:
-                    if "is stale" not in exc.reason:
+                    if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                         raise
-                    # An admitted island that joined as its round closed: as a real island, it takes the newest θ.
+                    # A push for a round that closed meanwhile (an admitted island that joined as its round closed):
+                    # as a real island does (IslandWorker), it loses that round and takes the newest θ.
                     del trace.push_start[round_]
                     full = retry_forever(lambda: client.pull(pb.PullRequest(**meta, have_round=-1, full=True)), "pull",
                                          CLIENT_GIVE_UP_S)  # fmt: skip
