@@ -19,12 +19,14 @@ def test_stubs_import_as_package_and_are_versioned():
     assert diloco_pb2.DESCRIPTOR.package == "diloco.v1"
     service = diloco_pb2.DESCRIPTOR.services_by_name["Diloco"]
     assert sorted(m.name for m in service.methods) == [
+        "Admit",
         "Attend",
         "Heartbeat",
         "Join",
         "Leave",
         "PullGlobal",
         "PushPseudoGrad",
+        "Retire",
         "Status",
     ]
     assert service.methods_by_name["PushPseudoGrad"].client_streaming
