@@ -1,6 +1,7 @@
 """The island's inner optimizer and its jitted train step (the H inner steps of DiLoCo).
 
-AdamW with linear warmup and cosine decay, global-norm gradient clipping, and gradient accumulation over
+AdamW with linear warmup and cosine decay (or warmup-stable-decay, whose shape does not depend on the run's
+length), global-norm gradient clipping, and gradient accumulation over
 `passes` micro-batches so that the island's batch is the same whatever its device count. The step is jitted
 with explicit shardings over the island's mesh and donates the parameters and optimizer state.
 """
@@ -25,6 +26,9 @@ LossFn = Callable[[PyTree, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 
 
 def learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Schedule:
+    """The inner learning rate at each inner step of a run of `total_steps` (inner.schedule)."""
+    if cfg.schedule == "wsd":
+        return warmup_stable_decay(cfg, total_steps)
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -35,10 +39,32 @@ def learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Schedule
     )
 
 
+def warmup_stable_decay(cfg: InnerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to lr over inner.warmup_steps, lr held, then from inner.decay_start_step (0: never) a linear
+    decay to lr * min_lr_ratio over inner.decay_steps (0: to `total_steps`), held there after.
+
+    Until the decay starts, the rate at a step depends on nothing but the step: a run planned for 8 rounds and
+    lengthened to 16 on resume, with the decay started then, trains exactly as one planned for 16 from the start.
+    """
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    start = cfg.decay_start_step
+    length = max(cfg.decay_steps or total_steps - start, 1)
+
+    def schedule(count: jax.Array) -> jax.Array:
+        step = jnp.asarray(count, jnp.float32)
+        warm = peak * jnp.minimum(step / max(cfg.warmup_steps, 1), 1.0) if cfg.warmup_steps else jnp.float32(peak)
+        if not start:
+            return warm
+        done = jnp.clip((step - start) / length, 0.0, 1.0)
+        return jnp.where(step < start, warm, peak + (floor - peak) * done)
+
+    return schedule
+
+
 @functools.lru_cache(maxsize=32)
 def make_inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW (after global-norm clipping) on the warmup-cosine schedule. Cached: the islands of one process get the
-    same transformation, so `make_train_step`'s cache (keyed by it) gives them one compiled step, not one each."""
+    """AdamW (after global-norm clipping) on the inner.schedule learning rate. Cached: the islands of one process get
+    the same transformation, so `make_train_step`'s cache (keyed by it) gives them one compiled step, not one each."""
     adamw = optax.adamw(
         learning_rate_schedule(cfg, total_steps),
         b1=cfg.b1,

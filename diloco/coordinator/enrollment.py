@@ -16,7 +16,6 @@ credentials remembered are capped at `RETIRED_KEPT`.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from floor.errors import UserError
+from floor.files import write_atomically
 from transport.auth import is_island_name
 from transport.errors import Rejected
 
@@ -211,14 +211,8 @@ class Enrollment:
 
 def _save(path: Path, book: _Book) -> None:
     """Replace roster.json whole (write, fsync, rename): a crash leaves the old roster or the new one."""
-    partial = path.with_suffix(".json.tmp")
     data = {"version": 1, "admitted": book.admitted, "retired": book.retired, "retired_digests": book.retired_digests}
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    partial.replace(path)
+    write_atomically(path, json.dumps(data, indent=1, sort_keys=True), mode=0o600)
 
 
 def _load(path: Path) -> _Book:

@@ -27,7 +27,9 @@ from typing import IO, Any
 
 from diloco.config import RunConfig, diff_keys, dump_toml, from_dict, to_dict
 from diloco.ops.tensorboard import open_tensorboard
+from diloco.run.resume_rules import ResumeRefused, resume_changes
 from floor.errors import UserError
+from floor.files import write_atomically
 
 log = logging.getLogger("diloco.run.rundir")
 
@@ -251,9 +253,8 @@ class RunDir:
         self.lock = RunDirLock(path, role)
         try:
             self.resuming = self.config_path.exists()
-            if self.resuming:
-                self._check_same_run(cfg)
-            else:
+            changes = self._check_same_run(cfg) if self.resuming else {}
+            if not self.resuming:
                 self.config_path.write_text(dump_toml(to_dict(cfg)))
             self.checkpoints.mkdir(exist_ok=True)
             self._t_offset = self._last_t()
@@ -265,6 +266,8 @@ class RunDir:
             both, so a metric and its event never disagree."""
             if self.tensorboard is not None:  # run.tensorboard: curves from the same events (diloco/ops/tensorboard.py)
                 self.observers.append(self.tensorboard.observe)
+            if changes:
+                self.log("config_changed", changes=changes)
         except BaseException:
             self.lock.release()
             raise
@@ -275,7 +278,9 @@ class RunDir:
         """Record where this run's coordinator listens, so that a refused second writer is told where it is."""
         self.lock.update(address=address)
 
-    def _check_same_run(self, cfg: RunConfig) -> None:
+    def _check_same_run(self, cfg: RunConfig) -> dict[str, list[Any]]:
+        """`{key: [old, new]}` of the keys a resumed config changes (diloco/run/resume_rules.py; config.toml is
+        rewritten with them); RunDirError naming the keys that may not change."""
         import tomllib
 
         try:
@@ -299,12 +304,17 @@ class RunDir:
             )
             self.config_path.write_text(dump_toml(to_dict(cfg)))
             self.metrics_path.unlink(missing_ok=True)
-            return
-        if differing:
+            return {}
+        try:
+            changes = resume_changes(stored, to_dict(cfg), differing)
+        except ResumeRefused as exc:
             raise RunDirError(
-                f"run dir '{self.path}' holds another run (config differs in: {', '.join(differing[:8])}); "
-                "use a new --run-dir"
-            )
+                f"run dir '{self.path}' holds another run (config differs in: {', '.join(exc.keys[:8])}); a resumed "
+                "run may not change these keys (README, 'What a resumed run may change'): use a new --run-dir"
+            ) from None
+        if changes:
+            write_atomically(self.config_path, dump_toml(to_dict(cfg)))
+        return changes
 
     def _never_started(self) -> bool:
         """Nothing here can be resumed: no checkpoint step, no summary and no committed round or sync event."""
