@@ -236,15 +236,34 @@ def test_an_island_gone_longer_than_retire_after_s_is_retired(tiny_config: Path,
     coordinator = Coordinator(cfg, rd, build_setup(cfg, ()), clock=lambda: now[0])
     try:
         names = coordinator.enrollment.names
-        coordinator.join(pb.JoinRequest(run_id=cfg.run.name, island=names[0], last_round=-1,
-                                        config_digest=coordinator.digest, release=RELEASE))  # fmt: skip
+        for name in names:
+            coordinator.join(pb.JoinRequest(run_id=cfg.run.name, island=name, last_round=-1,
+                                            config_digest=coordinator.digest, release=RELEASE))  # fmt: skip
+        coordinator.leave(pb.LeaveRequest(run_id=cfg.run.name, island=names[1], reason="host lost"))
         now[0] = 29.0
         coordinator.tick()
         assert coordinator.enrollment.names == names, "not yet"
         now[0] = 31.0
         coordinator.tick()
-        assert coordinator.enrollment.names == names[:1], "the island that never came is retired; the member is not"
+        assert coordinator.enrollment.names == names[:1], "the island gone 30 s is retired; the member is not"
         assert "islands.retire_after_s = 30" in (coordinator.enrollment.retirement(names[1]) or "")
+    finally:
+        coordinator.close()
+        rd.close()
+
+
+def test_an_island_that_never_came_is_not_retired(tiny_config: Path, tmp_path: Path) -> None:
+    """A region slow to start (a long compile, a host provisioned late) is not gone: it never took part."""
+    now = [0.0]
+    cfg = load_config(tiny_config, ["islands.retire_after_s=30", "train.checkpoint_every=0"])
+    rd = RunDir(tmp_path / "run", cfg)
+    coordinator = Coordinator(cfg, rd, build_setup(cfg, ()), clock=lambda: now[0])
+    try:
+        names = coordinator.enrollment.names
+        coordinator.admit(pb.AdmitRequest(run_id=cfg.run.name, island="sa-east", secret_sha256=bytes(32)))
+        now[0] = 3600.0
+        coordinator.tick()
+        assert coordinator.enrollment.names == (*names, "sa-east")
     finally:
         coordinator.close()
         rd.close()

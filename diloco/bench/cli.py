@@ -34,6 +34,7 @@ HELP = {
     "colocation": "islands sharing a host: inner-step time against their fair share of the cores (threads, pinning)",
     "utilization": "compute utilization over WAN links: plain DiLoCo vs its cost model vs Streaming with overlap",
     "heterogeneous": "one island 2x slower: plain vs time-budgeted vs async DiLoCo on one virtual time axis",
+    "elastic": "islands admitted, killed and back, retired, lost, then the run lengthened: digests, exactly-once, loss",
     "simulator": "simulate's islands stepped in turn vs as one program (train.vectorize): wall time, speedup, max |Δ|",
 }
 
@@ -136,6 +137,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "shared by all islands both ways; the user-space shaper off (root, ip and tc)",
     )
     _add_load(parsers["load"])
+    _with_config(parsers["elastic"])
     _add_soak(parsers["soak"])
     _add_heterogeneous(parsers["heterogeneous"])
     sim = parsers["simulator"]
@@ -258,6 +260,12 @@ def _load(args: argparse.Namespace) -> Result:
     return run_load_bench(args.islands, args.rounds, _run_dir(args), args.overrides, admit=args.admit)
 
 
+def _elastic(args: argparse.Namespace) -> Result:
+    from diloco.bench.elastic import run_elastic_bench
+
+    return run_elastic_bench(args.config, args.overrides, _run_dir(args))
+
+
 def _soak(args: argparse.Namespace) -> Result:
     from diloco.bench.soak import SoakPlan, run_soak_bench
 
@@ -352,6 +360,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "colocation": _colocation,
     "utilization": _utilization,
     "heterogeneous": _heterogeneous,
+    "elastic": _elastic,
     "simulator": _simulator,
 }
 

@@ -109,7 +109,8 @@ class Coordinator:
             self.base_digest = lambda m: self.window.digests.get(m.round)
         self.cond = threading.Condition()
         self.roster = Roster()
-        self.roster.expect(self.enrollment, clock())
+        if self.loop.round > 0:  # a resumed run: every enrolled island took part before (retire_after_s counts)
+            self.roster.expect(self.enrollment, clock())
         self.admission = PushAdmission(
             rule,
             max_tokens=cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len,
@@ -218,7 +219,6 @@ class Coordinator:
         at the next sync point, and is never waited for by the round open when it arrives."""
         with self.cond:
             self.enrollment.admit(req.island, bytes(req.secret_sha256), self.loop.round, self.clock())
-            self.roster.expect([req.island], self.clock())
             self.metrics.enroll(req.island)
             self.world.totals.islands_admitted += 1
             self.rd.log("island_admitted", round=self.loop.round, island=req.island, enrolled=len(self.enrollment))

@@ -101,7 +101,8 @@ def admission_refusal(
 
 
 def overdue(gone_since: Mapping[str, float], now: float, retire_after_s: float) -> list[str]:
-    """The islands gone (lost, left, or never come) for `retire_after_s` or more, to retire; none when it is 0."""
+    """The islands gone (lost, left, or not back after a coordinator restart) for `retire_after_s` or more, to retire;
+    none when it is 0."""
     if retire_after_s <= 0:
         return []
     return sorted(name for name, since in gone_since.items() if now - since >= retire_after_s)

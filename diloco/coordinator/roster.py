@@ -27,8 +27,10 @@ class Roster:
         self.late: dict[str, int] = {}
         """Member -> the sync it joined during without that sync's θ: that sync does not wait for it."""
         self.gone: dict[str, float] = {}
-        """Island that is no member -> since when (it left, was lost, or has not come since the coordinator started):
-        what retirement after `islands.retire_after_s` reads. Forgotten when it joins or is retired."""
+        """Island that took part and is no member -> since when (it left, was lost, or, for a coordinator that resumed
+        a run, has not come back since it started): what retirement after `islands.retire_after_s` reads. An island
+        that never came is not gone (a region slow to start is not retired for it). Forgotten when it joins or is
+        retired."""
 
     def __contains__(self, island: str) -> bool:
         return island in self.last_seen
@@ -47,7 +49,8 @@ class Roster:
         self.broken.pop(island, None)
 
     def expect(self, islands: Iterable[str], now: float) -> None:
-        """Islands that may join and have not yet: gone since `now` as far as retirement is concerned."""
+        """Islands that took part before (a resumed run's) and have not joined this coordinator yet: gone since `now`
+        as far as retirement is concerned."""
         for island in islands:
             if island not in self.last_seen:
                 self.gone.setdefault(island, now)

@@ -1,0 +1,281 @@
+"""`diloco bench elastic`: the elastic federation's scenario, end to end, over real processes and real gRPC.
+
+A federation starts with the config's two islands, A and B, and goes through every change of roster the system
+promises to survive (docs/architecture.md, "Elastic federation"), each at a named pause point of one of its
+processes (diloco/faults.py), so the scenario is the same on a fast machine and on a loaded one:
+
+    round 1   A stops before its push; the operator admits JOINERS[0] (`admit_island`, with the operator's
+              credential over gRPC); it starts with its own secret and joins while the round is open
+    round 2   the same for JOINERS[1]
+    round 3   B stops before its push and is SIGKILLed there; the round closes without it; B starts again,
+              resumes from its own checkpoint and rejoins
+    round 5   A stops; the operator retires JOINERS[0]: its process is refused and ends with code 2
+    round 6   A stops; JOINERS[1] is SIGKILLed for good and stays away: the coordinator retires it after
+              islands.retire_after_s
+    end       the run ends at train.rounds; it is then lengthened: coordinator, A and B start again on the same
+              run directories with train.rounds + EXTRA_ROUNDS and the warmup-stable-decay decay started over the
+              extra rounds (a change README's "What a resumed run may change" permits), and run to the new end
+
+What is checked, from the run's own records (the metrics.jsonl of the coordinator and of every island):
+
+* every round committed once, in order, across the lengthening;
+* every θ an island adopted (`synced`) has the digest of the coordinator's commit it came from, for all four islands
+  (the joiners, the one that came back) and in both phases;
+* the roster's history: two admitted, one retired by the operator, one by timeout; B's pushes after its return;
+* with `data.sampling = "chunks"`, every sequence the committed rounds consumed was consumed once (0 repeated) and
+  none leased to an island that left was lost (diloco/run/chunk_ledger.py: `audit_events`);
+* the final eval loss against a fixed-roster run (A and B, `diloco simulate`, no faults) of as many tokens with the
+  same schedule shape: within ELASTIC_TOLERANCE.
+
+Run: ``diloco bench elastic configs/elastic.toml [--run-dir DIR] [key=value ...]``; prints JSON. A process that fails
+or a wait that times out ends the benchmark with a BenchError naming the log directory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from diloco.bench.errors import BenchError
+from diloco.config import RunConfig, load_config
+from diloco.harness.procs import Federation, FederationError
+from diloco.ops.roster_ops import admit_island, retire_island
+
+JOINERS = ("sa-east", "af-south")
+"""The islands the operator admits while the run goes on (not in the config)."""
+EXTRA_ROUNDS = 4
+"""Rounds added when the run is lengthened on resume; the learning rate decays over them."""
+ELASTIC_TOLERANCE = 0.02
+"""The issue's bound on |L_elastic - L_fixed| / L_fixed, at the same total tokens."""
+WAIT_S = 300.0
+"""How long any one condition of the scenario may take to come true on a slow, loaded machine."""
+OPERATOR_ENV = "DILOCO_OPERATOR_SECRET"
+
+
+def _check_config(cfg: RunConfig) -> None:
+    names = cfg.islands.island_names
+    if len(names) != 2:
+        raise BenchError(f"bench elastic starts from 2 configured islands (islands.count = {len(names)})")
+    if cfg.train.rounds < 8:
+        raise BenchError(f"bench elastic acts up to round 6 and needs train.rounds >= 8 (got {cfg.train.rounds})")
+    if cfg.islands.max < 4 or cfg.islands.retire_after_s <= 0:
+        raise BenchError("bench elastic needs islands.max >= 4 and islands.retire_after_s > 0 (configs/elastic.toml)")
+    if cfg.inner.schedule != "wsd" or cfg.inner.decay_start_step:
+        raise BenchError('bench elastic lengthens the run: inner.schedule = "wsd" with its decay not started')
+    if cfg.network.operator_secret != f"env:{OPERATOR_ENV}":
+        raise BenchError(f"bench elastic gives the operator's secret in {OPERATOR_ENV}: network.operator_secret")
+
+
+def _decay(cfg: RunConfig, rounds: int, decay_rounds: int) -> list[str]:
+    """Overrides that end a run of `rounds` rounds with a decay over its last `decay_rounds`."""
+    H = cfg.train.inner_steps
+    return [
+        f"train.rounds={rounds}",
+        f"inner.decay_start_step={(rounds - decay_rounds) * H}",
+        f"inner.decay_steps={decay_rounds * H}",
+    ]
+
+
+class Scenario:
+    """The elastic run's processes and the operator's acts on them (the module docstring's timeline)."""
+
+    def __init__(self, config: str | Path, overrides: Sequence[str], run_dir: Path) -> None:
+        self.config, self.overrides, self.run_dir = str(config), list(overrides), run_dir
+        self.cfg = load_config(config, overrides)
+        self.a, self.b = self.cfg.islands.island_names
+        self.env = {OPERATOR_ENV: secrets.token_hex(32), "JAX_PLATFORMS": "cpu"}
+        self.kits = run_dir / "kits"
+        self.acts: dict[str, float] = {}
+        """Wall seconds of each act, from its pause to its effect being seen."""
+
+    def _federation(self, extra: Sequence[str], pause_at: Sequence[str] = ()) -> Federation:
+        return Federation(
+            self.config, [*self.overrides, *extra], self.run_dir / "elastic", env=self.env, pause_at=pause_at
+        )
+
+    def _admit(self, fed: Federation, name: str) -> None:
+        t0 = time.monotonic()
+        kit = admit_island(fed.address, fed.cfg.run.name, name, f"env:{OPERATOR_ENV}", self.kits, None)
+        fed.start_island(name, args=["--secret", kit["secret"]])
+        fed.wait_for(lambda: any(e["island"] == name for e in fed.events("island_joined")), WAIT_S, f"{name} joined")
+        self.acts[f"admit_{name}_s"] = round(time.monotonic() - t0, 2)
+
+    def _kill_and_return(self, fed: Federation, pause: str) -> None:
+        fed.paused(pause, WAIT_S)
+        t0 = time.monotonic()
+        joins = len(fed.events("island_joined"))  # B's join is the next one (the joiners have joined already)
+        fed.kill(self.b)
+        fed.start_island(self.b)
+        fed.wait_for(
+            lambda: any(e["island"] == self.b for e in fed.events("island_joined")[joins:]), WAIT_S, f"{self.b} back"
+        )
+        self.acts["kill_and_return_s"] = round(time.monotonic() - t0, 2)
+
+    def _retire(self, fed: Federation, name: str) -> None:
+        t0 = time.monotonic()
+        fed.killed.add(name)  # its refused process ends with code 2, as it should: no failure of the federation
+        retire_island(fed.address, fed.cfg.run.name, name, "region closed", None, f"env:{OPERATOR_ENV}")
+        proc = fed.others[name]
+        fed.wait_for(lambda: proc.poll() is not None, WAIT_S, f"{name} to stop once retired")
+        if proc.returncode != 2 or "not on this run's roster" not in fed.last_line(name):
+            raise BenchError(f"retired {name} ended with code {proc.returncode}: {fed.last_line(name)}")
+        self.acts["retire_s"] = round(time.monotonic() - t0, 2)
+
+    def _lose(self, fed: Federation, name: str) -> None:
+        t0 = time.monotonic()
+        fed.kill(name)
+        fed.wait_for(
+            lambda: any(e["island"] == name for e in fed.events("island_retired")), WAIT_S, f"{name} retired by timeout"
+        )
+        self.acts["lost_until_retired_s"] = round(time.monotonic() - t0, 2)
+
+    def first_phase(self) -> None:
+        """The run to train.rounds, with every change of roster at its round (the module docstring)."""
+        a, b = self.a, self.b
+        pauses = [f"{a}:before_push:1", f"{a}:before_push:2", f"{b}:before_push:3"]
+        pauses += [f"{a}:before_push:5", f"{a}:before_push:6"]
+        with self._federation([], pauses) as fed:
+            fed.start()
+            for joiner, pause in zip(JOINERS, pauses[:2], strict=True):
+                fed.paused(pause, WAIT_S)
+                self._admit(fed, joiner)
+                fed.release(pause)
+            self._kill_and_return(fed, pauses[2])
+            fed.paused(pauses[3], WAIT_S)
+            self._retire(fed, JOINERS[0])
+            fed.release(pauses[3])
+            fed.paused(pauses[4], WAIT_S)
+            self._lose(fed, JOINERS[1])
+            fed.release(pauses[4])
+            for name in JOINERS:
+                fed.others.pop(name)  # ended as the scenario meant: not part of the run's clean end
+            fed.wait_done(WAIT_S * 2)
+            fed.wait_exit(WAIT_S)
+
+    def lengthen(self) -> dict[str, Any]:
+        """Resume the finished run with EXTRA_ROUNDS more, the decay started over them; its summary."""
+        rounds = self.cfg.train.rounds + EXTRA_ROUNDS
+        with self._federation(_decay(self.cfg, rounds, EXTRA_ROUNDS)) as fed:
+            fed.start()
+            summary = fed.wait_done(WAIT_S * 2)
+            fed.wait_exit(WAIT_S)
+        return summary
+
+
+def _digests_checked(run_dir: Path, islands: Sequence[str]) -> dict[str, int]:
+    """For each island, how many θ it adopted (`synced`), each checked against the coordinator's commit."""
+    from diloco.run.rundir import read_events
+
+    after = {r["round"] + 1: r["digest"] for r in read_events(run_dir / "metrics.jsonl", "round")}
+    checked: dict[str, int] = {}
+    theta_0: set[str] = set()  # θ_0 is no commit: every island that pulled it must hold the same one
+    for name in islands:
+        synced = read_events(run_dir / "islands" / name / "metrics.jsonl", "synced")
+        theta_0 |= {s["digest"] for s in synced if s["round"] == 0}
+        wrong = [s for s in synced if s["round"] > 0 and s["digest"] != after.get(s["round"])]
+        if wrong:
+            raise BenchError(f"island {name} adopted θ that is not the coordinator's: {wrong[0]}")
+        checked[name] = len(synced)
+    if len(theta_0) > 1:
+        raise BenchError(f"the islands started from different θ_0: {sorted(theta_0)}")
+    return checked
+
+
+def _roster_history(run_dir: Path, a: str, b: str) -> dict[str, Any]:
+    from diloco.run.rundir import read_events
+
+    events = read_events(run_dir / "metrics.jsonl")
+    rounds = [e for e in events if e["event"] == "round"]
+    if [r["round"] for r in rounds] != list(range(len(rounds))):
+        raise BenchError(f"committed rounds are not 0..N-1 once each: {[r['round'] for r in rounds]}")
+    retired = {e["island"]: e["reason"] for e in events if e["event"] == "island_retired"}
+    admitted = [e["island"] for e in events if e["event"] == "island_admitted"]
+    changed = [e["changes"] for e in events if e["event"] == "config_changed"]
+    history = {
+        "rounds": len(rounds),
+        "islands_per_round": [len(r["islands"]) for r in rounds],
+        "admitted": admitted,
+        "retired": retired,
+        "config_changed": changed,
+        "b_back_in_rounds": [r["round"] for r in rounds if r["round"] > 3 and b in r["islands"]],
+        "a_in_every_round": all(a in r["islands"] for r in rounds),
+    }
+    problems = []
+    if admitted != list(JOINERS):
+        problems.append(f"admitted {admitted}")
+    if set(retired) != set(JOINERS) or "retire_after_s" not in retired.get(JOINERS[1], ""):
+        problems.append(f"retired {retired}")
+    if not history["b_back_in_rounds"]:
+        problems.append(f"{b} never pushed again after its return")
+    if not changed or changed[-1].get("train.rounds", [0, 0])[1] != len(rounds):
+        problems.append(f"the lengthening is not logged as config_changed: {changed}")
+    if problems:
+        raise BenchError("the elastic run's records disagree with the scenario: " + "; ".join(problems))
+    return history
+
+
+def _chunk_audit(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
+    """Exactly-once over the committed rounds, from the coordinator's events (None without chunked sampling)."""
+    if getattr(cfg.data, "sampling", "windows") != "chunks":
+        return None
+    from diloco.run.chunk_ledger import audit_events
+    from diloco.run.rundir import read_events
+
+    return audit_events(read_events(run_dir / "metrics.jsonl"))
+
+
+def _fixed_roster(config: str | Path, overrides: Sequence[str], run_dir: Path, tokens: int) -> dict[str, Any]:
+    """`simulate` of the config's two islands, no faults, for the rounds that come closest to `tokens`, the decay
+    over the same share of the run as the elastic one's."""
+    from diloco.simulator.simulate import run_simulation
+
+    cfg = load_config(config, overrides)
+    per_round = 2 * cfg.train.inner_steps * cfg.train.batch_size * cfg.model.seq_len
+    rounds = max(EXTRA_ROUNDS + 1, round(tokens / per_round))
+    decay_rounds = max(1, round(rounds * EXTRA_ROUNDS / (cfg.train.rounds + EXTRA_ROUNDS)))
+    return run_simulation(load_config(config, [*overrides, *_decay(cfg, rounds, decay_rounds)]), run_dir, False)
+
+
+def run_elastic_bench(config: str | Path, overrides: Sequence[str], run_dir: Path) -> dict[str, Any]:
+    """The scenario, its checks and the fixed-roster comparison, as one JSON-able dict."""
+    scenario = Scenario(config, overrides, run_dir)
+    _check_config(scenario.cfg)
+    t0 = time.monotonic()
+    try:
+        os.environ[OPERATOR_ENV] = scenario.env[OPERATOR_ENV]  # the operator's calls resolve the env: reference
+        scenario.first_phase()
+        summary = scenario.lengthen()
+    except FederationError as exc:
+        raise BenchError(f"the elastic federation failed ({run_dir / 'elastic' / 'logs'}): {exc}") from None
+    wall_s = time.monotonic() - t0
+    elastic_dir = run_dir / "elastic"
+    history = _roster_history(elastic_dir, scenario.a, scenario.b)
+    checked = _digests_checked(elastic_dir, [scenario.a, scenario.b, *JOINERS])
+    audit = _chunk_audit(elastic_dir, scenario.cfg)
+    fixed = _fixed_roster(config, overrides, run_dir / "fixed", summary["tokens"])
+    a, b = summary["final_eval_loss"], fixed["final_eval_loss"]
+    rel = abs(a - b) / abs(b) if b and math.isfinite(a) and math.isfinite(b) else math.inf
+    exactly_once = audit is None or (audit["repeated"] == 0 and audit["lost"] == 0)
+    return {
+        "bench": "elastic",
+        "config": str(config),
+        "overrides": list(overrides),
+        "wall_s": round(wall_s, 1),
+        "acts_s": scenario.acts,
+        **history,
+        "synced_checked": checked,
+        "chunks": audit,
+        "tokens": summary["tokens"],
+        "fixed_roster_rounds": fixed["rounds"],
+        "fixed_roster_tokens": fixed["tokens"],
+        "final_eval_loss_elastic": a,
+        "final_eval_loss_fixed": b,
+        "rel_diff": round(rel, 5),
+        "tolerance": ELASTIC_TOLERANCE,
+        "pass": rel <= ELASTIC_TOLERANCE and exactly_once,
+    }
