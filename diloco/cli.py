@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     isl.add_argument("--no-supervise", action="store_true", help="run the worker in this process, no restarts")
     isl.add_argument("--max-restarts", type=int, default=5)
     isl.add_argument(
+        "--retire-on-stop",
+        action="store_true",
+        help="a clean stop (SIGTERM, Ctrl+C) retires this island for good instead of only leaving: its credentials "
+        "are refused from then on (the island's own `diloco retire`)",
+    )
+    isl.add_argument(
         "--num-processes",
         type=int,
         default=None,
@@ -390,7 +396,9 @@ def _island(args: argparse.Namespace) -> int:
                 members(worker_argv, group, cfg.islands.devices), run_dir, args.max_restarts, on_death=gone
             )
         return supervise(worker_argv, run_dir, args.max_restarts, on_death=gone)
-    result = run_island_process(cfg, args.name, args.coordinator, run_dir, secret, args.metrics_port, group)
+    result = run_island_process(
+        cfg, args.name, args.coordinator, run_dir, secret, args.metrics_port, group, args.retire_on_stop
+    )
     print(json.dumps(result), flush=True)
     return 0
 

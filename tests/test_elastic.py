@@ -93,3 +93,22 @@ def test_an_island_admitted_into_a_live_run_joins_trains_and_is_retired(
     assert summary["islands_admitted"] == 1 and summary["islands_retired"] == 1, summary
     roster = json.loads((fed.run_dir / "roster.json").read_text())
     assert roster["retired"]["sa-east"]["reason"] == "region closed" and roster["admitted"] == {}, roster
+
+
+def test_an_island_that_stops_with_retire_on_stop_retires_itself(federation: Callable[..., Federation]) -> None:
+    import signal
+
+    fed = federation("train.rounds=6", "quorum.lease_s=60", pause_at=["island-1:before_push:1"])
+    fed.start_coordinator()
+    fed.start_island("island-0")
+    fed.start_island("island-1", args=["--retire-on-stop"])
+    fed.paused("island-1:before_push:1", WAIT_S)
+    fed.signal("island-1", signal.SIGTERM)  # a clean stop: it leaves at its next sync point, then retires itself
+    fed.release("island-1:before_push:1")
+    retired = fed.wait_for(lambda: fed.events("island_retired"), WAIT_S, "island-1 retired")
+    assert [(e["island"], e["reason"]) for e in retired] == [("island-1", "retired on stop: SIGTERM")], retired
+    fed.wait_exit(WAIT_S)  # island-1 stopped cleanly (exit 0); island-0 ends the run alone
+    assert '"retired": true' in fed.last_line("island-1"), fed.last_line("island-1")
+    assert all(r["islands"] == ["island-0"] for r in fed.rounds() if r["round"] >= 2), fed.rounds()
+    roster = json.loads((fed.run_dir / "roster.json").read_text())
+    assert roster["retired"]["island-1"]["reason"] == "retired on stop: SIGTERM", roster

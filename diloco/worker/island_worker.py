@@ -31,6 +31,7 @@ islands/ may not import; the engine it drives (Island, models, data, compression
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -64,12 +65,14 @@ from islands.island import DivergedError, InnerRun, Island, RoundPush
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
 from pytrees.naming import flatten_named
 from transport import diloco_pb2 as pb
-from transport.auth import TlsConfig, is_island_name
+from transport.auth import TlsConfig, call_metadata, is_island_name
 from transport.client import IslandClient
 from transport.errors import TransportError
-from transport.grpc_client import GrpcTransport
+from transport.grpc_client import GrpcTransport, OperatorClient
 from transport.handler import PullPayload
 from transport.shaper import LinkShaper, load_link_profiles, profile_for
+
+log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
 """How long a stop may take before the island exits wherever it is: a sync point normally comes within one run of
@@ -485,6 +488,22 @@ def say_gone(cfg: RunConfig, name: str, target: str, secret: str | None, tls: Tl
         pass
 
 
+def retire_self(cfg: RunConfig, name: str, target: str, secret: str | None, reason: str) -> bool:
+    """Retire island `name` for good with its own credentials (`diloco island --retire-on-stop`); False, with one
+    warning line, when the coordinator cannot be reached (the operator's `diloco retire` does it later)."""
+    from diloco.deploy.tls import client_tls
+
+    net = cfg.network
+    tls = client_tls(net.tls_ca, net.tls_cert, net.tls_key, net.tls_server_name)
+    try:
+        with OperatorClient(target, call_metadata(name, secret), tls) as client:
+            client.retire(pb.RetireRequest(run_id=cfg.run.name, island=name, reason=reason[:200]))
+    except TransportError as exc:
+        log.warning("island %s could not retire itself: %s", name, exc)
+        return False
+    return True
+
+
 def run_island_process(
     cfg: RunConfig,
     name: str,
@@ -493,12 +512,14 @@ def run_island_process(
     secret: str | None,
     metrics_port_flag: int | None = None,
     group: Group = ONE_PROCESS,
+    retire_on_stop: bool = False,
 ) -> dict:
     """`diloco island --no-supervise`: one worker until the run is done, or SIGTERM / Ctrl+C stops it cleanly
     (`IslandWorker.request_stop`; exit code 0: a stopped island is not restarted by its supervisor). With a metrics
     port (diloco/ops/metrics.py: network.metrics_port + 1 + the island's index, or `metrics_port_flag`) the worker
     serves /metrics on network.metrics_host. In a multi-process island (`group`) this is its leader, process 0: it joins
-    the island's JAX program first and, however it ends, tells the other processes to stop with its exit code."""
+    the island's JAX program first and, however it ends, tells the other processes to stop with its exit code. With
+    `retire_on_stop` a clean stop ends with the island retiring itself (`retire_self`), after its Leave."""
     initialize_backend(cfg.islands.backend)  # before anything asks JAX for a device (islands/backend.py)
     port = metrics_port(cfg, name, metrics_port_flag) if name in cfg.islands.island_names else 0
     rd = RunDir(run_dir, cfg)
@@ -519,6 +540,8 @@ def run_island_process(
             signal.signal(s, stop)
         contributed = worker.run()
         stopped = {"stopped": worker.stop_reason} if worker.stop_reason else {}
+        if worker.stop_reason and retire_on_stop:
+            stopped["retired"] = retire_self(cfg, name, target, secret, f"retired on stop: {worker.stop_reason}")
         return {"island": name, "rounds_contributed": contributed, "round": worker.round, **stopped}
     except BaseException as exc:
         ended = exc
