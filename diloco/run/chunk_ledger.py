@@ -331,6 +331,10 @@ class ConsumptionCheck:
                 for chunk, start, end in spans:
                     self._add(int(chunk), int(start), int(end))
 
+    def observe(self, event: str, fields: Mapping[str, Any]) -> None:
+        """`add`, as a `RunDir` observer: each record counted as it is written."""
+        self.add({"event": event, **fields})
+
     def _add(self, chunk: int, start: int, end: int) -> None:
         have = self._spans.setdefault(chunk, [])
         self.repeated += sum(max(0, min(end, e) - max(start, s)) for s, e in have)

@@ -106,6 +106,7 @@ class GlobalRun:
         if setup.layout is not None:
             per_round = cfg.train.inner_steps * cfg.train.batch_size
             self.chunks = ChunkLedger(setup.layout, cfg.islands.island_names, per_round)
+            rd.observers.append(self.consumption.observe)  # it counts the records as they are written
         self._digest_all()
 
     def _digest_all(self) -> None:
@@ -128,7 +129,7 @@ class GlobalRun:
             self.totals.initial_eval_loss = self.totals.final_eval_loss = self.evaluate(self.loop.params)
             self.rd.log("eval", step=0, eval_loss=self.totals.initial_eval_loss)
             if self.chunks is not None:
-                self._log_consumption("chunks_layout", **self.chunks.layout.to_meta())
+                self.rd.log("chunks_layout", **self.chunks.layout.to_meta())
             return
         self.loop.state, meta = restore_state(self.store, step, self.loop.state)
         self._digest_all()
@@ -248,7 +249,7 @@ class GlobalRun:
         close_s = {"commit": round(pending.commit_s, 4), "eval": round(pending.eval_s, 4)}
         if self.chunks is not None and pending.round_closed:
             spans = self.chunks.commit(commit.round, commit.islands)
-            self._log_consumption(
+            self.rd.log(
                 "chunks_consumed",
                 round=commit.round,
                 sequences=sum(s.length for got in spans.values() for s in got),
@@ -275,11 +276,6 @@ class GlobalRun:
         if self.store is None or not pending.round_closed or not checkpoint_due(self.cfg, t.rounds):
             return None
         return self.checkpoint_meta()
-
-    def _log_consumption(self, event: str, **fields: Any) -> None:
-        """Log a record of the chunk ledger and count it, as a checker reading metrics.jsonl would."""
-        self.rd.log(event, **fields)
-        self.consumption.add({"event": event, **fields})
 
     def checkpoint_meta(self) -> dict:
         """What a checkpoint stores beside the state: the totals, the deadline's history and (chunks) the ledger, as
