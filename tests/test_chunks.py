@@ -328,3 +328,99 @@ def test_windows_stay_the_default_and_their_digest(tiny_config: Path, tmp_path: 
     assert cfg.data.sampling == "windows"
     out = run_simulation(cfg, tmp_path / "w", show_progress=False)
     assert out["sequences_consumed"] is None and out["epochs"] is None
+
+
+# -- real processes ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_federation_reads_the_chunks_simulate_reads(federation, tiny_config: Path, tmp_path: Path) -> None:
+    from tests.conftest import FAST, WAIT_S
+
+    overrides = [*CHUNKS, "train.rounds=3", "quorum.min_islands=2"]  # every round holds both islands
+    fed = federation(*overrides)
+    fed.start()
+    fed.wait_exit(WAIT_S)
+    simulated = run_simulation(load_config(tiny_config, [*FAST, *overrides]), tmp_path / "sim", show_progress=False)
+    launched = json.loads((fed.run_dir / "summary.json").read_text())
+    assert launched["params_digest"] == simulated["params_digest"]
+
+    def spans(events: list[dict]) -> list[tuple[int, dict]]:
+        return [(e["round"], e["spans"]) for e in events if e["event"] == "chunks_consumed"]
+
+    assert spans(fed.events()) == spans(read_events(tmp_path / "sim" / "metrics.jsonl"))
+    got = consumption(fed.events())
+    assert (got.consumed, got.repeated, got.lost) == (3 * 2 * 32, 0, 0)
+    assert (launched["sequences_consumed"], launched["sequences_repeated"], launched["sequences_lost"]) == (192, 0, 0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_under_churn_every_sequence_is_consumed_once(federation, tmp_path: Path) -> None:
+    """island-1 is SIGKILLed before its push of round 1 (it read round 1's spans and pushed nothing) and comes back;
+    sa-east is admitted, trains, and is retired before the run ends. The coordinator's records show no sequence
+    consumed twice and none skipped, and the spans the killed and the retired island held are consumed by others."""
+    from tests.conftest import WAIT_S
+    from tests.test_elastic import OPERATOR, operator_command
+
+    rounds = 8
+    pauses = ["island-1:before_push:1", "island-0:before_push:3", "island-1:before_push:5"]
+    fed = federation(
+        *CHUNKS,
+        f"train.rounds={rounds}",
+        "quorum.min_islands=1.0",
+        "quorum.min_deadline_s=30",
+        "quorum.max_deadline_s=60",
+        "quorum.lease_s=60",
+        "network.operator_secret=env:DILOCO_TEST_OPERATOR",
+        "islands.max=3",
+        pause_at=pauses,
+    )
+    fed.env.update(OPERATOR)
+    fed.start()
+    fed.paused("island-1:before_push:1", WAIT_S)
+    fed.kill("island-1")  # it read round 1's spans; its presence call breaks, it is lost and its chunks go back
+    fed.wait_for(lambda: fed.events("island_lost"), WAIT_S, "island-1 lost")
+    fed.start_island("island-1")  # it comes back: its own checkpoint, a join, a new lease
+
+    fed.paused("island-0:before_push:3", WAIT_S)
+    kit = operator_command(fed, "admit", fed.config, "sa-east", "--out", str(tmp_path / "kit"))
+    fed.start_island("sa-east", args=["--secret", kit["secret"]])
+    fed.wait_for(lambda: fed.events("leased", island="sa-east"), WAIT_S, "sa-east to lease its chunks")
+    fed.release("island-0:before_push:3")
+    fed.wait_for(lambda: [r for r in fed.rounds() if "sa-east" in r["islands"]], WAIT_S, "a round with sa-east")
+
+    fed.paused("island-1:before_push:5", WAIT_S)
+    operator_command(fed, "retire", fed.config, "sa-east", "--reason", "region closed")
+    fed.release("island-1:before_push:5")
+    fed.wait_for(lambda: fed.others["sa-east"].poll() is not None, WAIT_S, "sa-east to stop")
+    fed.wait_exit(WAIT_S)
+
+    records = fed.events()
+    assert [r["round"] for r in fed.rounds()] == list(range(rounds))
+    got = consumption(records)
+    assert (got.repeated, got.lost) == (0, 0), got
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    assert (summary["sequences_consumed"], summary["sequences_repeated"], summary["sequences_lost"]) == (
+        got.consumed,
+        0,
+        0,
+    )
+    consumed = {
+        (chunk, seq)
+        for e in records
+        if e["event"] == "chunks_consumed"
+        for got_spans in e["spans"].values()
+        for chunk, start, end in got_spans
+        for seq in range(start, end)
+    }
+    assert got.consumed == len(consumed) == sum(e["sequences"] for e in records if e["event"] == "chunks_consumed")
+    # What the killed island read for round 1 and never pushed went back and was read again, once.
+    killed = next(e for e in fed.events("leased", island="island-1") if e["round"] == 1)["spans"]
+    assert all((c, s) in consumed for c, start, end in killed for s in range(start, end)), killed
+    # The retired island's chunks were leased again: every one of its chunks is consumed up to where it was read.
+    held = {c for e in fed.events("leased", island="sa-east") for c, _, _ in e["spans"]}
+    assert held and all(any(c == chunk for chunk, _ in consumed) for c in held), held
