@@ -396,7 +396,10 @@ def test_under_churn_every_sequence_is_consumed_once(federation, tmp_path: Path)
     fed.paused("island-1:before_push:5", WAIT_S)
     operator_command(fed, "retire", fed.config, "sa-east", "--reason", "region closed")
     fed.release("island-1:before_push:5")
-    fed.wait_for(lambda: fed.others["sa-east"].poll() is not None, WAIT_S, "sa-east to stop")
+    stopped = fed.wait_for(
+        lambda: fed.others["sa-east"].poll() is not None and fed.others.pop("sa-east"), WAIT_S, "sa-east to stop"
+    )
+    assert stopped.returncode == 2  # refused from then on, in one line: a user error its supervisor does not retry
     fed.wait_exit(WAIT_S)
 
     records = fed.events()
