@@ -38,6 +38,7 @@ from floor.fields import LOCAL
 from islands import prepared
 
 KINDS: tuple[str, ...] = ("text", "tokens", "synthetic")
+SAMPLINGS: tuple[str, ...] = ("windows", "chunks")
 TOKEN_DTYPES: tuple[str, ...] = ("uint16", "uint32")
 
 FULL_CHECK_TOKENS = 1 << 26
@@ -111,7 +112,29 @@ class DataConfig:
     data.path takes (the same kind). Per process, not part of the run's identity: only that island reads it, and
     the run's validation split stays the shared one. "": it trains on windows of the shared corpus."""
 
+    sampling: str = "windows"
+    """How an island draws its batches. "windows" (the default: existing runs reproduce bit for bit): random windows
+    of its own shard, a pure function of (seed, island, batch index), so over a run some windows repeat and some
+    tokens are never seen. "chunks": the training split as fixed-length sequences of model.seq_len + 1 tokens in a
+    seeded global order, cut into chunks of data.chunk_sequences that the coordinator leases to islands; every
+    sequence is trained on once per epoch, whatever islands join and leave (docs/architecture.md, "Chunked
+    sampling"). Plain DiLoCo rounds only (train.mode = "diloco", no streaming); not with data.paths (there is no
+    shared corpus to cut). An admitted island that brings its own source (data.own_path) keeps drawing windows of
+    it: the ledger covers the shared corpus."""
+
+    chunk_sequences: int = 64
+    """data.sampling = "chunks" only: sequences per chunk, the unit the coordinator leases. Many more chunks than
+    islands let joiners and re-leases find free ones; fewer keep the coordinator's ledger and its checkpoint small."""
+
     def __post_init__(self) -> None:
+        if self.sampling not in SAMPLINGS:
+            raise DataError(f"data.sampling must be one of {', '.join(SAMPLINGS)} (got {self.sampling!r})")
+        _check_count("data.chunk_sequences", self.chunk_sequences, 1)
+        if self.sampling == "chunks" and self.paths:
+            raise DataError(
+                "data.sampling = 'chunks' cuts one shared corpus (data.path) into chunks; data.paths gives each "
+                "island its own source: use data.sampling = 'windows' with it"
+            )
         if self.kind not in KINDS:
             raise DataError(f"data.kind must be one of {', '.join(KINDS)} (got {self.kind!r})")
         if not isinstance(self.path, str):

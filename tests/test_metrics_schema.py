@@ -22,9 +22,10 @@ RUNS = {
     "stream": ["train.rounds=2", "stream.fragments=2", "init.from={diloco}", "init.inner_state=true"],
     "async": ["train.mode=async", "train.rounds=3"],
     "sync": ["train.mode=sync", "train.rounds=2"],
+    "chunks": ["data.sampling=chunks", "train.rounds=2"],
 }
 """Tiny simulate runs between them writing every event `simulate` has: plain rounds, streaming `sync` commits, a
-warm start (θ_0 and inner states), async annotations, and the data-parallel baseline."""
+warm start (θ_0 and inner states), async annotations, the data-parallel baseline, and chunked sampling's records."""
 
 
 @dataclass
@@ -96,7 +97,7 @@ def test_simulate_events_are_documented(schema: Schema, tiny_config: Path, tmp_p
             missing.update(undocumented(record, schema))
     assert not missing, f"docs/metrics.md lacks: {sorted(missing)}"
     # The runs really wrote what this test is meant to cover.
-    assert {"eval", "round", "sync", "inner", "island_joined", "checkpoint", "warm_start"} <= seen
+    assert {"eval", "round", "sync", "inner", "island_joined", "checkpoint", "warm_start", "chunks_consumed"} <= seen
     for event in seen:
         assert "simulate" in schema.writers[event], f"docs/metrics.md: {event} is written by simulate too"
 

@@ -23,6 +23,7 @@ def test_stubs_import_as_package_and_are_versioned():
         "Attend",
         "Heartbeat",
         "Join",
+        "Lease",
         "Leave",
         "PullGlobal",
         "PushPseudoGrad",

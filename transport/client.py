@@ -1,6 +1,6 @@
 """What an island talks to the coordinator through: the `IslandClient` protocol.
 
-An island (``diloco.worker.island_worker``) only ever needs these eight calls, so it is written against this protocol
+An island (``diloco.worker.island_worker``) only ever needs these nine calls, so it is written against this protocol
 and not against a concrete client. Two implementations ship, and both move the same chunks through the same
 service checks, shaper charges and retries (``transport.client_core``):
 
@@ -66,6 +66,10 @@ class IslandClient(Protocol):
 
     def status(self) -> pb.StatusReply:
         """A snapshot of the coordinator (membership, round, losses, bytes)."""
+        ...
+
+    def lease(self, req: pb.LeaseRequest) -> pb.LeaseReply:
+        """The spans of the corpus's chunks this island reads next (data.sampling = "chunks")."""
         ...
 
     def attend(self, req: pb.AttendRequest) -> Presence:

@@ -135,7 +135,7 @@ class LeaveReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
 
 class PushMeta(_message.Message):
-    __slots__ = ("run_id", "island", "round", "fragment", "tokens", "inner_steps", "base_digest", "loss", "compute_s", "wall_s")
+    __slots__ = ("run_id", "island", "round", "fragment", "tokens", "inner_steps", "base_digest", "loss", "compute_s", "wall_s", "chunks")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class PushMeta(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     WALL_S_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island: str
     round: int
@@ -156,7 +157,38 @@ class PushMeta(_message.Message):
     loss: float
     compute_s: float
     wall_s: float
-    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., base_digest: _Optional[bytes] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., wall_s: _Optional[float] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkSpan]
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., base_digest: _Optional[bytes] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., chunks: _Optional[_Iterable[_Union[ChunkSpan, _Mapping]]] = ...) -> None: ...
+
+class ChunkSpan(_message.Message):
+    __slots__ = ("chunk", "start", "end")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    chunk: int
+    start: int
+    end: int
+    def __init__(self, chunk: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("run_id", "island", "round", "sequences")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    island: str
+    round: int
+    sequences: int
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., round: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
+
+class LeaseReply(_message.Message):
+    __slots__ = ("spans", "round")
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    spans: _containers.RepeatedCompositeFieldContainer[ChunkSpan]
+    round: int
+    def __init__(self, spans: _Optional[_Iterable[_Union[ChunkSpan, _Mapping]]] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("index", "meta", "header", "data", "digest")

@@ -79,6 +79,11 @@ class DilocoStub:
                 request_serializer=diloco__pb2.RetireRequest.SerializeToString,
                 response_deserializer=diloco__pb2.RetireReply.FromString,
                 _registered_method=True)
+        self.Lease = channel.unary_unary(
+                '/diloco.v1.Diloco/Lease',
+                request_serializer=diloco__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=diloco__pb2.LeaseReply.FromString,
+                _registered_method=True)
 
 
 class DilocoServicer:
@@ -138,6 +143,12 @@ class DilocoServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DilocoServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_DilocoServicer_to_server(servicer, server):
                     servicer.Retire,
                     request_deserializer=diloco__pb2.RetireRequest.FromString,
                     response_serializer=diloco__pb2.RetireReply.SerializeToString,
+            ),
+            'Lease': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=diloco__pb2.LeaseRequest.FromString,
+                    response_serializer=diloco__pb2.LeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class Diloco:
             '/diloco.v1.Diloco/Retire',
             diloco__pb2.RetireRequest.SerializeToString,
             diloco__pb2.RetireReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Diloco/Lease',
+            diloco__pb2.LeaseRequest.SerializeToString,
+            diloco__pb2.LeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -90,6 +90,10 @@ class GrpcTransport(RetryingClient):
         """See ``IslandClient.status``."""
         return self._unary(self._stub.Status, pb.StatusRequest())
 
+    def lease(self, req: pb.LeaseRequest) -> pb.LeaseReply:
+        """See ``IslandClient.lease``."""
+        return self._unary(self._stub.Lease, req)
+
     def attend(self, req: pb.AttendRequest) -> _GrpcPresence:
         """See ``IslandClient.attend``: no deadline, the call lasts as long as the island runs."""
         return _GrpcPresence(self._stub.Attend(req, metadata=self._metadata))

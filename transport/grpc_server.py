@@ -69,7 +69,7 @@ class _CheckOnly(health.HealthServicer):
 
 
 class _Servicer:
-    """The seven RPCs: admission, watch, read, answer; every outcome a status."""
+    """The RPCs: admission, watch, read, answer; every outcome a status."""
 
     def __init__(self, service: DilocoService | None, config: TransportConfig, on_call: CallObserver | None) -> None:
         self._service: DilocoService | None = service
@@ -157,6 +157,9 @@ class _Servicer:
     def Leave(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.LeaveReply:  # noqa: N802
         return self._unary(requests, context, pb.LeaveRequest, "Leave", lambda s, md, r: s.leave(md, r))
 
+    def Lease(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.LeaseReply:  # noqa: N802
+        return self._unary(requests, context, pb.LeaseRequest, "Lease", lambda s, md, r: s.lease(md, r))
+
     def Admit(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.AdmitReply:  # noqa: N802
         return self._unary(
             requests, context, pb.AdmitRequest, "Admit", lambda s, md, r: s.admit(md, r), lambda s: s.operator_caller
@@ -242,6 +245,7 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
             "Status": unary(servicer.Status, pb.StatusRequest),
             "Admit": unary(servicer.Admit, pb.AdmitRequest),
             "Retire": unary(servicer.Retire, pb.RetireRequest),
+            "Lease": unary(servicer.Lease, pb.LeaseRequest),
             "PushPseudoGrad": grpc.stream_unary_rpc_method_handler(
                 servicer.PushPseudoGrad,
                 request_deserializer=tolerant(parse_push_chunk, "PushChunk"),

@@ -78,6 +78,11 @@ class CoordinatorHandler(Protocol):
         """The island leaves cleanly."""
         ...
 
+    def lease(self, req: pb.LeaseRequest) -> pb.LeaseReply:
+        """The spans of the corpus's chunks the island reads next (data.sampling = "chunks"), or `Rejected` (not
+        that sampling, a count out of bounds, not a member)."""
+        ...
+
     def attend(self, req: pb.AttendRequest) -> pb.AttendReply:
         """The island opened its presence call (transport/presence.py): it is heard from, as by a heartbeat. A reply
         with ``member`` false (not a member now: join first) ends the call at once."""

@@ -50,6 +50,10 @@ class InProcessTransport(RetryingClient):
         """See ``IslandClient.status``."""
         return self._retried(lambda: self.service.status(self._metadata))
 
+    def lease(self, req: pb.LeaseRequest) -> pb.LeaseReply:
+        """See ``IslandClient.lease``."""
+        return self._retried(lambda: self.service.lease(self._metadata, req))
+
     def attend(self, req: pb.AttendRequest) -> _InProcessPresence:
         """See ``IslandClient.attend``: the same registration with the service; the call ends when it is closed
         or a newer one of the island replaces it."""

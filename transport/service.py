@@ -48,6 +48,7 @@ from transport.tensors import decoder, known_codecs
 from transport.validate import (
     ModelSpec,
     check_join,
+    check_lease,
     check_leave,
     check_push_meta,
     check_run_and_island,
@@ -238,6 +239,13 @@ class DilocoService:
             self._identify(metadata, req.run_id, req.island)
             check_leave(req)
             return self.handler.leave(req)
+
+    def lease(self, metadata: Metadata, req: pb.LeaseRequest) -> pb.LeaseReply:
+        """The chunks an island reads next (data.sampling = "chunks"; the handler's ledger decides)."""
+        with self.answering(metadata):
+            self._identify(metadata, req.run_id, req.island)
+            check_lease(req)
+            return self.handler.lease(req)
 
     @contextmanager
     def attending(

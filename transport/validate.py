@@ -39,6 +39,9 @@ MAX_CONFIG_JSON = 1 << 20
 """Longest config a join may carry (a resolved run config is a few KiB)."""
 MAX_SECONDS = 1e9
 """Longest compute or wall time a push may report (31 years): sums of them stay finite."""
+MAX_CHUNK_SPANS = 4096
+"""Most chunk spans a push may name (data.sampling = "chunks"); the coordinator's ledger bounds them to what one
+round can read, this only bounds what is parsed before it is asked."""
 _F32_TINY = float(np.finfo(np.float32).tiny)
 _SUBNORMAL_STEP = 1 << 18  # float32 values per block of the subnormal scan (bounded temporaries)
 
@@ -111,6 +114,11 @@ def check_push_meta(
     """
     if meta.tokens == 0:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be > 0 (it is the aggregation weight)")
+    if len(meta.chunks) > MAX_CHUNK_SPANS:
+        raise Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the push names {len(meta.chunks)} chunk spans, at most {MAX_CHUNK_SPANS}",
+        )
     _check_number("loss", meta.loss, _F32_TINY, nonnegative=False)
     for key in ("compute_s", "wall_s"):
         _check_number(key, getattr(meta, key), sys.float_info.min, nonnegative=True, most=MAX_SECONDS)
@@ -146,6 +154,12 @@ def check_join(req: pb.JoinRequest) -> None:
         raise Rejected(
             grpc.StatusCode.INVALID_ARGUMENT, f"release is {len(req.release)} characters, at most {MAX_TEXT}"
         )
+
+
+def check_lease(req: pb.LeaseRequest) -> None:
+    """A lease asks for at least one sequence (the coordinator bounds the most: one round's worth)."""
+    if req.sequences == 0:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "a lease asks for at least one sequence (got 0)")
 
 
 def check_leave(req: pb.LeaveRequest | pb.RetireRequest) -> None:

@@ -15,7 +15,10 @@ through `diloco.harness.procs.Federation`), then:
    counts, unknown codecs), broken chunk streams (reordered, repeated, truncated, forged digests, bytes that are
    not protobuf), "insider" pushes that pass every wire check but carry huge finite or subnormal values, and the
    operator's calls (Admit, Retire) under the operator's real, a wrong, a missing or an island's credential, with
-   invented names, digests of every length and hostile reasons;
+   invented names, digests of every length and hostile reasons; and the corpus's chunks (the run samples them:
+   data.sampling = "chunks"): leases for zero, a round's worth plus one and 2^64 - 1 sequences, and pushes whose
+   chunk spans claim another island's chunk (a lease claimed twice), run past a chunk's end, overlap what is
+   pending, name chunks that do not exist or thousands of spans, or disagree with their token weight;
 3. starts the run's two real islands and waits for a round they push to be committed.
 
 Reported (JSON): per run the messages sent, the histogram of status codes (in all and per RPC), the UNKNOWN and
@@ -69,6 +72,7 @@ FUZZ_OVERRIDES = [
     "network.pull_wait_s=1",  # a hostile pull of the open round waits this long for the commit
     "transport.first_message_timeout_s=3",  # the idle flood is cut during the run
     "transport.idle_timeout_s=3",
+    "data.sampling=chunks",  # the Lease RPC and the pushes' chunk spans meet a real ledger
 ]
 HUGE_JSON = "[" * 100_000 + "]" * 100_000
 NUMBERS = [math.nan, math.inf, -math.inf, 1e308, -1e308, 3.4e38, -3.4e38, 5e-324, 1e-40, -0.0, 0.0, -1.0, 1e9 + 1]
@@ -95,6 +99,7 @@ class Forge:
         full: Any,
         rng: np.random.Generator,
         operator: str = "",
+        leased: list[tuple[int, int, int]] = (),
     ):
         """`operator`: the operator's secret, which the fuzzer holds as an insider would (it admits invented names
         and retires names that are not the run's islands, so that the run's real islands still complete a round)."""
@@ -103,6 +108,9 @@ class Forge:
         self.shapes = {t.name: tuple(t.shape) for t in full.tensors}
         self.base_digest, self.round = full.param_digest, full.round
         self.digest = bytes.fromhex(config_digest(cfg))
+        self.leased = list(leased)
+        """The chunk spans the first island (an insider) was really leased: what its pushes claim, honestly or not."""
+        self.per_round = cfg.train.inner_steps * cfg.train.batch_size
 
     # -- fuzzed values -------------------------------------------------------------------------------------------
 
@@ -164,6 +172,8 @@ class Forge:
                 "raw",
                 "admit",
                 "retire",
+                "lease",
+                "push_spans",
             ]
         )
         return getattr(self, f"_{kind}")()
@@ -243,13 +253,56 @@ class Forge:
         )
         return self._unary("PullGlobal", req, f"pull fragment={req.fragment}", md)
 
+    def _lease(self) -> Shot:
+        name, md = self.who()
+        sequences = self.pick([0, 1, self.per_round, self.per_round + 1, 2**31, 2**64 - 1])
+        req = pb.LeaseRequest(
+            run_id=self.or_text(self.cfg.run.name), island=self.or_text(name), round=self.uint(64), sequences=sequences
+        )
+        return self._unary("Lease", req, f"lease sequences={sequences}", md)
+
+    def _spans(self) -> tuple[str, list[pb.ChunkSpan]]:
+        """Chunk spans a push claims: the insider's real lease, or a lie about it."""
+        real = [pb.ChunkSpan(chunk=c, start=s, end=e) for c, s, e in self.leased] or [pb.ChunkSpan(end=1)]
+        what = self.pick(["honest", "stolen", "beyond_end", "overlap", "bogus_chunk", "many", "none", "backwards"])
+        spans = [pb.ChunkSpan(chunk=x.chunk, start=x.start, end=x.end) for x in real]
+        if what == "beyond_end":
+            spans[-1].end = self.pick([spans[-1].end + 1, 2**32 - 1, 10**6])
+        elif what == "overlap":
+            spans.append(pb.ChunkSpan(chunk=spans[0].chunk, start=spans[0].start, end=spans[0].end))
+        elif what == "bogus_chunk":
+            spans[0].chunk = self.pick([2**64 - 1, 10**9, spans[0].chunk + 10**6])
+        elif what == "many":
+            spans = [pb.ChunkSpan(chunk=i, start=0, end=1) for i in range(int(self.pick([5, 4097, 20_000])))]
+        elif what == "none":
+            spans = []
+        elif what == "backwards":
+            spans[0].start, spans[0].end = spans[0].end, spans[0].start
+        return what, spans
+
+    def _push_spans(self) -> Shot:
+        """An insider's push whose chunk spans are its real lease or a lie about it; "stolen": another insider
+        claims the first one's chunks (a lease claimed twice)."""
+        what, spans = self._spans()
+        name = self.names[1 if what == "stolen" and len(self.names) > 1 else 0]
+        md = call_metadata(name, self.secrets.get(name) if self.secrets else None)
+        meta = self._meta(name)
+        del meta.chunks[:]
+        meta.chunks.extend(spans)
+        if self.rng.random() < 0.2:
+            meta.tokens = self.uint(64) or 1  # a token weight that does not match the spans
+        chunks = self._stream(meta, self._tensors(np.zeros))
+        return Shot("PushPseudoGrad", f"push spans {what}", self._bytes(chunks), md)
+
     def _meta(self, name: str) -> pb.PushMeta:
+        sequences = sum(e - s for _, s, e in self.leased) or 1
         return pb.PushMeta(
             run_id=self.cfg.run.name,
             island=name,
             round=self.round,
             fragment=0,
-            tokens=1000,
+            tokens=sequences * self.cfg.model.seq_len,
+            chunks=[pb.ChunkSpan(chunk=c, start=s, end=e) for c, s, e in self.leased],
             inner_steps=1,
             base_digest=self.base_digest,
             loss=1.0,
@@ -349,7 +402,9 @@ class Forge:
 
     def _raw(self) -> Shot:
         _, md = self.who()
-        rpc = self.pick(["Join", "Heartbeat", "Leave", "Status", "PullGlobal", "PushPseudoGrad", "Admit", "Retire"])
+        rpc = self.pick(
+            ["Join", "Heartbeat", "Leave", "Status", "PullGlobal", "PushPseudoGrad", "Admit", "Retire", "Lease"]
+        )
         data = [self.rng.bytes(int(self.rng.integers(0, 2000))) for _ in range(int(self.rng.integers(1, 4)))]
         return Shot(rpc, f"raw bytes to {rpc}", data if rpc == "PushPseudoGrad" else data[0], md)
 
@@ -488,7 +543,8 @@ def _run(mode: str, messages: int, seed: int, run_dir: Path, tmp: Path, threads:
         insider = cfg.islands.island_names[0]
         with GrpcTransport(address, insider, known.get(insider) if known else None) as client:
             full = client.pull(pb.PullRequest(run_id=cfg.run.name, island=insider, have_round=-1, full=True))
-        forge = Forge(cfg, known, full, np.random.default_rng([seed, mode == "auth"]), operator)
+            leased = _insiders_lease(client, cfg, insider)
+        forge = Forge(cfg, known, full, np.random.default_rng([seed, mode == "auth"]), operator, leased)
         before, metrics_before = proc_memory_kib(pid), _metrics_bytes(fed)
         with grpc.insecure_channel(address) as flood_channel:
             flood = Flood(flood_channel, forge)
@@ -507,6 +563,23 @@ def _run(mode: str, messages: int, seed: int, run_dir: Path, tmp: Path, threads:
         }
         result["legit_round"] = _legit_round(fed) if alive else {"committed": False, "why": "coordinator died"}
     return result
+
+
+def _insiders_lease(client: GrpcTransport, cfg: RunConfig, insider: str) -> list[tuple[int, int, int]]:
+    """The first island joins and leases a round's chunk spans, as an insider holding its secret can: its pushes
+    then claim real spans (or lies about them) against a ledger that has leased them."""
+    client.join(
+        pb.JoinRequest(
+            run_id=cfg.run.name,
+            island=insider,
+            config_digest=bytes.fromhex(config_digest(cfg)),
+            release=RELEASE,
+            last_round=-1,
+        )
+    )
+    per_round = cfg.train.inner_steps * cfg.train.batch_size
+    reply = client.lease(pb.LeaseRequest(run_id=cfg.run.name, island=insider, round=0, sequences=per_round))
+    return [(s.chunk, s.start, s.end) for s in reply.spans]
 
 
 def _legit_round(fed: Federation, timeout_s: float = 240.0) -> dict[str, Any]:

@@ -80,6 +80,8 @@ class Committer:
         decision = decide(now, view, self.cfg.quorum)
         self.roster.lose(decision.lost, now)
         for name, why in sorted(decision.lost.items()):
+            if self.world.chunks is not None:  # a lost island's chunks return to the pool (its pushes still count)
+                self.world.chunks.release(name)
             self.world.totals.islands_lost += 1
             self.rd.log("island_lost", round=self.loop.round, island=name, reason=why)
         if decision.action is Action.CLOSE and not self.asynchronous:
@@ -133,6 +135,8 @@ class Committer:
         culprit = self.loop.largest_contribution()
         self.loop.withdraw(culprit)
         self.admission.drop(culprit, why)
+        if self.world.chunks is not None:  # what it trained on was not consumed: its reader reads it again
+            self.world.chunks.drop(culprit, self.loop.round)
         self.rd.log("contribution_dropped", round=self.loop.round, island=culprit, reason=clip(why))
 
     def islands_done(self, pending: Settling) -> bool:

@@ -32,8 +32,9 @@ import numpy as np
 
 from diloco.config import RunConfig
 from diloco.run.checkpoint import CheckpointStore, restore_state, save_state
+from diloco.run.chunk_ledger import ChunkLedger, ConsumptionCheck
 from diloco.run.rounds import Commit, Contribution, GlobalState, OuterLoop, fragment_digests
-from diloco.run.rundir import RunDir
+from diloco.run.rundir import RunDir, read_events
 from diloco.run.setup import Evaluator, Setup
 from diloco.run.summary import Totals, summary
 from diloco.run.warm_start import initial_params
@@ -98,6 +99,14 @@ class GlobalRun:
         self.divergence_factor = DIVERGENCE_FACTOR
         self.diverged: DivergedError | None = None
         """Set when a commit diverged (and was undone): the run must stop; `close_round` raises it from then on."""
+        self.chunks: ChunkLedger | None = None
+        """data.sampling = "chunks": who reads which chunk, and what is consumed (diloco/run/chunk_ledger.py)."""
+        self.consumption = ConsumptionCheck()
+        """What this run's `chunks_consumed` records add up to (summary.json's `sequences_*`, `epochs`)."""
+        if setup.layout is not None:
+            per_round = cfg.train.inner_steps * cfg.train.batch_size
+            self.chunks = ChunkLedger(setup.layout, cfg.islands.island_names, per_round)
+            rd.observers.append(self.consumption.observe)  # it counts the records as they are written
         self._digest_all()
 
     def _digest_all(self) -> None:
@@ -119,12 +128,18 @@ class GlobalRun:
                 self._digest_all()
             self.totals.initial_eval_loss = self.totals.final_eval_loss = self.evaluate(self.loop.params)
             self.rd.log("eval", step=0, eval_loss=self.totals.initial_eval_loss)
+            if self.chunks is not None:
+                self.rd.log("chunks_layout", **self.chunks.layout.to_meta())
             return
         self.loop.state, meta = restore_state(self.store, step, self.loop.state)
         self._digest_all()
         self.totals = Totals.from_meta(meta["totals"])
         self.durations = list(meta.get("durations", []))
         self.rd.truncate_after_round(self.loop.round)
+        if self.chunks is not None:
+            self.chunks.restore(meta["chunks"])
+            for event in read_events(self.rd.metrics_path):  # the records kept: what the restored ledger holds
+                self.consumption.add(event)
         self.rd.log("resumed", round=self.loop.round, digest=self.params_digest)
 
     def latest_step(self) -> int | None:
@@ -219,6 +234,8 @@ class GlobalRun:
             # checkpoint), its sync is open again with its contributions.
             self.loop.rollback(pending.before)
             self._digest_all()
+            if self.chunks is not None:  # the later commits are undone; this round's spans stay, as its pushes do
+                self.chunks.undo_after(commit.round)
             self._diverge(commit, why, eval_loss, pending.losses)
         t = self.totals
         t.rounds = commit.round + (1 if pending.round_closed else 0)
@@ -230,6 +247,14 @@ class GlobalRun:
             else {}
         )
         close_s = {"commit": round(pending.commit_s, 4), "eval": round(pending.eval_s, 4)}
+        if self.chunks is not None and pending.round_closed:
+            spans = self.chunks.commit(commit.round, commit.islands)
+            self.rd.log(
+                "chunks_consumed",
+                round=commit.round,
+                sequences=sum(s.length for got in spans.values() for s in got),
+                spans={island: [s.as_list() for s in got] for island, got in spans.items()},
+            )
         losses, reason = pending.losses, pending.reason
         self.rd.log(
             "round" if pending.round_closed else "sync",
@@ -253,8 +278,10 @@ class GlobalRun:
         return self.checkpoint_meta()
 
     def checkpoint_meta(self) -> dict:
-        """What a checkpoint stores beside the state: the totals and the deadline's history, as they are now."""
-        return {"totals": self.totals.to_meta(), "durations": list(self.durations)}
+        """What a checkpoint stores beside the state: the totals, the deadline's history and (chunks) the ledger, as
+        they are now."""
+        chunks = {"chunks": self.chunks.to_meta()} if self.chunks is not None else {}
+        return {"totals": self.totals.to_meta(), "durations": list(self.durations), **chunks}
 
     def save(self, pending: Settling, meta: dict) -> None:
         """Checkpoint the state of a recorded commit (one caller at a time). The event was logged before: a kill in
@@ -303,6 +330,7 @@ class GlobalRun:
             wall_s=self.rd.elapsed(),
             param_count=self.param_count,
             params_digest=self.params_digest,
+            consumption=self.consumption.result() if self.chunks is not None else None,
         )
 
     def close(self) -> None:

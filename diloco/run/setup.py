@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from diloco.config import ConfigError, RunConfig
+from islands.chunks import ChunkLayout, ChunkStream, corpus_sequences
 from islands.data import BatchStream, eval_batches, load_sources, open_source
 from islands.inner import make_eval_fn, make_inner_optimizer
 from islands.island import Batches, Island
@@ -31,7 +32,7 @@ class Setup:
     """The model, the requested islands' data streams, the evaluation batches and θ_0."""
 
     model: Model
-    streams: dict[str, BatchStream]
+    streams: dict[str, BatchStream | ChunkStream]
     """Island name -> its batch stream, for the islands asked for (none for a coordinator)."""
     eval_stack: np.ndarray
     """int32 [chunks, sequences, seq_len + 1]: the fixed validation batches, train.eval_batches of train.batch_size
@@ -40,6 +41,8 @@ class Setup:
     """θ_0, the same in every process for one seed."""
     fragments: Fragments
     """Which leaves sync together (stream.fragments; one fragment of every leaf without streaming)."""
+    layout: ChunkLayout | None = None
+    """data.sampling = "chunks": the corpus's sequences and chunks (islands/chunks.py); None for windows."""
 
     @property
     def n_params(self) -> int:
@@ -50,11 +53,18 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
     """Build the model, θ_0, the validation batches and the data streams of `islands` (default: every island)."""
     names = cfg.islands.island_names
     wanted = names if islands is None else tuple(islands)
-    streams: dict[str, BatchStream] = {}
-    only = None if islands is None else {names.index(name) for name in wanted if name in names}
+    streams: dict[str, BatchStream | ChunkStream] = {}
+    layout = chunk_layout(cfg)
+    only = set() if layout is not None else None if islands is None else {names.index(n) for n in wanted if n in names}
     shards, val = load_sources(cfg.data, len(names), cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len, only)
+    whole = None
     for name in wanted:
-        if name in names:
+        if layout is not None and not (name not in names and cfg.data.own_path):
+            # Chunks of the shared training split, which every island reads whole (a memmap view of one file).
+            if whole is None:
+                (whole,), _ = load_sources(cfg.data, 1, cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len)
+            streams[name] = ChunkStream(whole, layout, cfg.train.batch_size, cfg.model.seq_len)
+        elif name in names:
             i = names.index(name)
             streams[name] = BatchStream(shards[i], cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=i)
         else:
@@ -69,7 +79,20 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         fragments = Fragments.split(sizes, cfg.stream.fragments, cfg.stream.layout)
     except FragmentError as exc:
         raise ConfigError(str(exc)) from None
-    return Setup(model, streams, stack, params, fragments)
+    return Setup(model, streams, stack, params, fragments, layout)
+
+
+def chunk_layout(cfg: RunConfig) -> ChunkLayout | None:
+    """The corpus as chunks under data.sampling = "chunks" (None for windows): counted from the training split's
+    size alone, so the coordinator reads no training token."""
+    data = cfg.data
+    if data.sampling != "chunks":
+        return None
+    where = (
+        f"data.synthetic_tokens ({data.synthetic_tokens})" if data.kind == "synthetic" else f"data.path {data.path!r}"
+    )
+    source = open_source(data, data.path, where, cfg.model.vocab_size, cfg.run.seed, tail_only=True)
+    return ChunkLayout(corpus_sequences(source.n_train, cfg.model.seq_len), data.chunk_sequences, cfg.run.seed)
 
 
 def admitted_stream(cfg: RunConfig, name: str) -> BatchStream:

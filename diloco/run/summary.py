@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco.config import RunConfig
+from diloco.run.chunk_ledger import CONSUMPTION_KEYS, Consumption
 
 SUMMARY_KEYS: tuple[str, ...] = (
     "mode",
@@ -33,6 +34,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "rejected",
     "param_count",
     "params_digest",
+    *CONSUMPTION_KEYS,
 )
 
 
@@ -84,8 +86,19 @@ def compute_utilization(totals: Totals) -> float:
     return round(totals.compute_s / totals.island_wall_s, 4) if totals.island_wall_s > 0 else 0.0
 
 
-def summary(cfg: RunConfig, totals: Totals, *, wall_s: float, param_count: int, params_digest: str) -> dict[str, Any]:
+def summary(
+    cfg: RunConfig,
+    totals: Totals,
+    *,
+    wall_s: float,
+    param_count: int,
+    params_digest: str,
+    consumption: Consumption | None = None,
+) -> dict[str, Any]:
     """summary.json's contents: exactly SUMMARY_KEYS.
+
+    `consumption` (data.sampling = "chunks"): what the run's `chunks_consumed` records add up to (the sequences
+    consumed, repeated and lost, and the epochs); None (windows) leaves those keys null: nothing is tracked.
 
     inner_steps_per_island: rounds × H; in the asynchronous mode, where a round is one island's H steps, their mean
     over the islands (a fast island trains more of them than a slow one)."""
@@ -110,6 +123,7 @@ def summary(cfg: RunConfig, totals: Totals, *, wall_s: float, param_count: int, 
         "rejected": totals.rejected,
         "param_count": param_count,
         "params_digest": params_digest,
+        **(consumption.summary() if consumption is not None else dict.fromkeys(CONSUMPTION_KEYS)),
     }
     assert tuple(out) == SUMMARY_KEYS
     return out

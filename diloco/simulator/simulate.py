@@ -38,6 +38,7 @@ from diloco.run.summary import Totals, summary
 from diloco.run.warm_start import check_fresh, initial_inner_state, initial_params
 from diloco.simulator.async_sim import run_async
 from diloco.simulator.local_islands import finish, island_stores, save_islands, start_islands
+from islands.chunks import ChunkStream, Span
 from islands.data import BatchStream
 from islands.island import InnerRun, Island, RoundPush
 from islands.mesh import accumulation_steps, build_mesh
@@ -99,6 +100,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
         step=world.loop.round * H,
         budget_s=cfg.train.round_seconds,
         vectorize=vectorize,
+        lease=world.chunks.lease if world.chunks is not None else None,
     )
     progress = Progress(cfg.train.rounds, f"{cfg.run.name} diloco x{len(names)}", show_progress)
     t_sync = time.monotonic()
@@ -114,6 +116,10 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
         # The islands take turns here (or, vectorized, step together): a sync's wall time is every island's.
         totals.island_wall_s += seconds
         losses = [float(push.run.losses[-1]) for push in pushes.values()]
+        if world.chunks is not None:  # what each island read, as its push would say (a refusal here is a bug)
+            for island in islands:
+                if isinstance(island.stream, ChunkStream):
+                    world.chunks.record(island.name, world.loop.round, island.stream.taken())
         commit = world.close_round(losses=losses, seconds=seconds, deliveries=len(pushes))
         if world.loop.fragment == 0:
             progress.update(world.loop.round, float(np.mean(losses)), totals.final_eval_loss, commit.tokens / seconds)
@@ -148,8 +154,12 @@ class Lockstep:
         step: int = 0,
         budget_s: float = 0.0,
         vectorize: bool = False,
+        lease: Callable[[str, int], list[Span]] | None = None,
     ) -> None:
+        """`lease(island, sequences)` (data.sampling = "chunks"): the spans an island reads next, asked at each
+        round's start for the islands whose stream is a `ChunkStream` (diloco/run/chunk_ledger.py)."""
         self.islands, self.loop = islands, loop
+        self.lease = lease
         self.H, self.P = inner_steps, stream.fragments
         self.tau, self.alpha = stream.overlap_steps, stream.merge_alpha
         self.step = step
@@ -165,6 +175,10 @@ class Lockstep:
     def advance(self, close: Callable[[dict[str, RoundPush]], Commit]) -> bool:
         """Train to the next event and handle it; True when a round ended here (its last fragment committed)."""
         target = next_event(self.step, self.H, self.P, self.tau)
+        if self.lease is not None and self.step % self.H == 0:
+            for island in self.islands:
+                if isinstance(island.stream, ChunkStream):
+                    island.stream.begin(self.lease(island.name, self.H * island.stream.batch_size))
         for island, run in zip(self.islands, self._train(target - self.step), strict=True):
             self._since_push[island.name].append(run)
         self.step = target

@@ -45,9 +45,10 @@ class IslandCheckpoints:
             return self.island.restore_checkpoint(self.store, step)
         return restore_checkpoint(self.store, self.island, step)
 
-    def save(self, round_: int) -> None:
-        """The island's state now, as the checkpoint of `round_`. A save that failed before (disk full,
-        permissions) stops the island here, with its error."""
+    def save(self, round_: int, **meta: Any) -> None:
+        """The island's state now, as the checkpoint of `round_` (with `meta` beside it: data.sampling = "chunks"
+        saves the chunk spans the island read). A save that failed before (disk full, permissions) stops the island
+        here, with its error."""
         self._raise_failed()
         if self.store is not None and isinstance(self.island, LeaderIsland):
             # In step with the followers (diloco/worker/island_group.py).
@@ -55,7 +56,7 @@ class IslandCheckpoints:
         elif self.store is not None:
             # A copy: the next inner step donates the state's buffers to XLA (islands/inner.py), deleting them.
             state = jax.tree.map(jnp.copy, self.island.state)
-            self._saving = self._saves.submit(partial(save_state, self.store, round_, state, {"round": round_}))
+            self._saving = self._saves.submit(partial(save_state, self.store, round_, state, {"round": round_, **meta}))
 
     def close(self) -> None:
         """Let the last save finish (its error, if any, is raised by `check`), then close the store."""

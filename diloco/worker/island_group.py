@@ -27,8 +27,8 @@ or JAX's distributed runtime, missing its heartbeats for HEARTBEAT_S, aborts eve
 exits non-zero and its supervisor restarts it (diloco/worker/supervisor.py restarts a group on one host as a whole). The
 island re-forms, resumes from its checkpoint and rejoins the coordinator like any restarted island.
 
-Streaming (stream.fragments > 1), asynchronous rounds and init.inner_state are refused with processes > 1
-(`check_group`): plain and time-budgeted DiLoCo rounds are what this replays.
+Streaming (stream.fragments > 1), asynchronous rounds, init.inner_state and data.sampling = "chunks" are refused
+with processes > 1 (`check_group`): plain and time-budgeted DiLoCo rounds are what this replays.
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ def check_supported(cfg: RunConfig, processes: int) -> None:
         ("stream.fragments > 1 (streaming)", cfg.stream.fragments > 1 or cfg.stream.overlap_steps > 0),
         ("train.mode = 'async'", cfg.train.mode == "async"),
         ("init.inner_state = true", cfg.init.inner_state),
+        ("data.sampling = 'chunks'", cfg.data.sampling == "chunks"),
     ]
     for what, bad in refused:
         if bad and processes > 1:

@@ -61,6 +61,7 @@ from diloco.worker.island_presence import IslandPresence
 from diloco.worker.island_sync import IslandSync, Serial, Synced, retry_forever
 from floor.errors import UserError
 from islands.backend import initialize_backend
+from islands.chunks import ChunkStream, Span
 from islands.island import DivergedError, InnerRun, Island, RoundPush
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
 from pytrees.naming import flatten_named
@@ -280,6 +281,7 @@ class IslandWorker:
                     in_flight.clear()
                 continue
             if self.step % self.H == 0:
+                self._lease_chunks(self.step // self.H)
                 self._log_train_start(self.step // self.H, steps_ended)
             target = next_event(self.step, self.H, self.P, stream.overlap_steps)
             run = self.island.train_for(self.cfg.train.round_seconds, target - self.step)
@@ -351,7 +353,7 @@ class IslandWorker:
         else:
             self._merge_fragment(done.ready)
         if self.copy.position % self.P == 0:
-            self.checkpoints.save(self.round)
+            self.checkpoints.save(self.round, **self._chunk_meta())
         faults.at(self.name, "after_adopt", self.round)
         return restarted
 
@@ -439,6 +441,31 @@ class IslandWorker:
         self.step = self.round * self.H + (self.copy.position % self.P) * (self.H // self.P)
         self.sync.drop_queued()
 
+    def _lease_chunks(self, round_: int) -> None:
+        """data.sampling = "chunks": ask the coordinator which sequences round `round_` reads (its ledger is the
+        authority: after a refused push, a resync or a restart the island is told where each of its chunks stands)
+        and read them. An island the coordinator no longer counts a member joins again first."""
+        stream = self.island.stream
+        if not isinstance(stream, ChunkStream):
+            return
+        req = pb.LeaseRequest(**self.who, round=round_, sequences=self.H * stream.batch_size)
+        for attempt in range(3):
+            try:
+                reply = retry_forever(lambda: self.client.lease(req), "lease", self.give_up_s, self.metrics.retried)
+                break
+            except TransportError as exc:
+                if exc.code != grpc.StatusCode.FAILED_PRECONDITION or attempt == 2:
+                    raise
+                self.rd.log("lease_refused", round=round_, island=self.name, reason=exc.reason)
+                self.join(self.round)
+        stream.begin([Span(int(s.chunk), int(s.start), int(s.end)) for s in reply.spans])
+        self.rd.log("leased", round=round_, island=self.name, spans=[s.as_list() for s in stream.plan])
+
+    def _chunk_meta(self) -> dict[str, Any]:
+        """What the island's checkpoint keeps of its chunks: the spans its last round read (its own record; where it
+        reads on is the coordinator's ledger's to say)."""
+        return {"chunks": [s.as_list() for s in self._taken()]} if isinstance(self.island.stream, ChunkStream) else {}
+
     def _push_meta(self, round_: int, fragment: int, run: InnerRun, cycle_from: float) -> pb.PushMeta:
         """What a push says about itself: where Δ was taken from (its round, or with async the update b, and the
         fragment's digest in the global copy), its token weight, loss and time."""
@@ -452,7 +479,13 @@ class IslandWorker:
             compute_s=run.seconds,
             wall_s=time.perf_counter() - cycle_from,
             base_digest=bytes.fromhex(self.copy.digests[fragment]),
+            chunks=[pb.ChunkSpan(chunk=s.chunk, start=s.start, end=s.end) for s in self._taken()],
         )
+
+    def _taken(self) -> list[Span]:
+        """The chunk spans the steps since the last lease read (data.sampling = "chunks"; none otherwise)."""
+        stream = self.island.stream
+        return stream.taken() if isinstance(stream, ChunkStream) else []
 
     def _log_train_start(self, round_: int, steps_ended: float | None) -> None:
         """sync_s: from the end of the last inner step to now (at a round boundary without overlap: encode, push,

@@ -1,0 +1,365 @@
+"""The chunk ledger: who reads which chunk of the corpus, and which sequences are consumed (data.sampling = "chunks").
+
+docs/architecture.md, "Chunked sampling". The corpus is cut into chunks of sequences (islands/chunks.py); the
+ledger, owned by whoever owns θ (`GlobalRun`: the coordinator, or `simulate`), leases chunks to islands and keeps,
+per chunk it has touched:
+
+    owner       the island that reads it now (None: nobody; it is free once nothing of it is pending)
+    committed   sequences [0, committed) are consumed: a round that trained on them is committed and kept
+    pending     spans of pushes accepted into rounds not yet kept, in reading order (round, island, start, end)
+
+A chunk is read in order, so its *position*, where its reader goes on, is committed plus what is pending. The rules:
+
+* `lease(island, n)`: the spans of n sequences the island reads next, from the chunks it holds (lowest id first),
+  taking new ones as it needs them: a chunk released by another island first (its remainder), then a fresh one of
+  its own *home* (chunk i's home is configured island i mod N, so without churn every process leases the same
+  chunks whatever the timing: a federation equals `simulate` bit for bit), then a fresh one of another home (taken
+  from the back of the fullest), then the next epoch's. Asking again before a push changes nothing.
+* `record(island, round, spans)` when a push is accepted: each span must be of a chunk leased to that island and
+  start exactly at its position (before it: those sequences are consumed or pending already; after it: the ones
+  between would be lost) and end within the chunk. All or nothing; `ChunkRefused` says why.
+* `commit(round, islands)` when a round is kept: those islands' spans of that round are consumed (returned, for
+  the round's record); any other span of that round is dropped.
+* `drop(island, round)`: a contribution that was not committed (dropped at commit, or its push undone): its spans
+  of that round and later rewind; `undo_after(round)`: every span of a later round rewinds (commits undone).
+* `release(island)`: a retired, lost or departed island's chunks go back to the pool; a chunk with spans still
+  pending waits for them to be committed or dropped, so a chunk never has two readers.
+
+Pure and JAX-free: plain values, no clock, no I/O. `to_meta`/`from_meta` save and restore it with the checkpoint of
+the global state; what is pending is not saved (a restarted coordinator reopens the round after its checkpoint, and
+the islands lease again, so they are told the positions it knows).
+
+`consumption` reads the events a run logged (`chunks_layout`, `chunks_consumed`) and says how many sequences were
+consumed, repeated and lost: exactly-once is checked from the run's records, not from these counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from islands.chunks import ChunkLayout, Span
+
+PendingSpan = tuple[int, str, int, int]
+"""(round, island, start, end): sequences of a chunk in a push accepted into `round` and not yet kept."""
+
+
+class ChunkRefused(ValueError):
+    """A lease or a claim the ledger refuses; `kind` says which rule (for the gRPC status), the message why."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+INVALID = "invalid"
+"""A malformed request: a count out of bounds, a span that is empty, a chunk that does not exist, one twice."""
+NOT_LEASED = "not_leased"
+"""A chunk that is not leased to the claiming island (another island's, or nobody's)."""
+OUT_OF_ORDER = "out_of_order"
+"""A span that does not start at its chunk's position: it overlaps what is consumed or pending, or skips some."""
+BEYOND_END = "beyond_end"
+"""A position beyond the end of its chunk."""
+
+
+@dataclass
+class _Chunk:
+    owner: str | None
+    committed: int = 0
+    pending: list[PendingSpan] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        return self.pending[-1][3] if self.pending else self.committed
+
+
+class ChunkLedger:
+    """Leases and consumption of the corpus's chunks (module docstring). The caller holds any lock."""
+
+    def __init__(self, layout: ChunkLayout, homes: Sequence[str], max_sequences: int) -> None:
+        """`homes`: the configured islands (islands.names), in order; `max_sequences`: the most one lease may ask for
+        (a round's H × batch_size), which bounds the chunks an island holds to ⌈max / chunk_sequences⌉ + 1."""
+        self.layout = layout
+        self.homes = tuple(homes)
+        self.max_sequences = max_sequences
+        self.max_spans = -(-max_sequences // layout.chunk_sequences) + 1
+        """The most spans a push may claim: what one lease can hand out."""
+        self.epoch = 0
+        """The newest epoch opened; older ones have no fresh chunk left."""
+        self._slots: list[list[int]] = self._fresh_slots()
+        """Per home h, the fresh chunks of `epoch` with that home: indices h + N·j for j in [lo, hi)."""
+        self._chunks: dict[int, _Chunk] = {}
+        """Every chunk leased, pending or partly consumed; a chunk absent here is fresh (in a slot) or consumed."""
+        self._returned: set[int] = set()
+        """Chunks whose reader went, with sequences left and nothing pending: leased before any fresh one."""
+        self.consumed = 0
+        """Sequences committed so far, all epochs (a counter; the records are what `consumption` reads)."""
+
+    def _fresh_slots(self) -> list[list[int]]:
+        n, chunks = len(self.homes), self.layout.chunks
+        return [[0, len(range(h, chunks, n))] for h in range(n)]
+
+    # -- reading -----------------------------------------------------------------------------------------------
+
+    def held(self, island: str) -> list[int]:
+        """The chunks `island` reads, with sequences left to read, lowest id first."""
+        return sorted(c for c, ch in self._chunks.items() if ch.owner == island and ch.position < self.size(c))
+
+    def size(self, chunk: int) -> int:
+        return self.layout.size(chunk)
+
+    def position(self, chunk: int) -> int:
+        """Where `chunk`'s reader goes on (a chunk never leased: 0)."""
+        ch = self._chunks.get(chunk)
+        return ch.position if ch is not None else 0
+
+    def owner(self, chunk: int) -> str | None:
+        ch = self._chunks.get(chunk)
+        return ch.owner if ch is not None else None
+
+    # -- leases ------------------------------------------------------------------------------------------------
+
+    def lease(self, island: str, sequences: int) -> list[Span]:
+        """The spans of the next `sequences` sequences `island` reads (module docstring); leases chunks as needed."""
+        if not 1 <= sequences <= self.max_sequences:
+            raise ChunkRefused(
+                INVALID,
+                f"a lease is for 1 to {self.max_sequences} sequences (a round's inner_steps x batch_size)"
+                f", not {sequences}",
+            )
+        plan, need = [], sequences
+        for c in self.held(island):
+            need = self._plan(plan, c, need)
+            if need == 0:
+                return plan
+        while need > 0:
+            need = self._plan(plan, self._take(island), need)
+        return plan
+
+    def _plan(self, plan: list[Span], chunk: int, need: int) -> int:
+        start = self.position(chunk)
+        n = min(need, self.size(chunk) - start)
+        plan.append(Span(chunk, start, start + n))
+        return need - n
+
+    def _take(self, island: str) -> int:
+        """A chunk for `island` to read: a returned one, a fresh one of its home, of the fullest other home, or the
+        next epoch's."""
+        if self._returned:
+            chunk = min(self._returned)
+            self._returned.discard(chunk)
+        else:
+            chunk = self._fresh(island)
+        self._chunks.setdefault(chunk, _Chunk(None)).owner = island
+        return chunk
+
+    def _fresh(self, island: str) -> int:
+        n = len(self.homes)
+        if all(lo == hi for lo, hi in self._slots):
+            self.epoch += 1
+            self._slots = self._fresh_slots()
+        home = self.homes.index(island) if island in self.homes else -1
+        if home >= 0 and self._slots[home][0] < self._slots[home][1]:
+            j = self._slots[home][0]
+            self._slots[home][0] += 1
+        else:  # a joiner, or a home used up: from the back of the fullest home, where its own island reads last
+            home = max(range(n), key=lambda h: (self._slots[h][1] - self._slots[h][0], -h))
+            self._slots[home][1] -= 1
+            j = self._slots[home][1]
+        return self.epoch * self.layout.chunks + home + n * j
+
+    # -- claims, commits and rewinds ---------------------------------------------------------------------------
+
+    def check(self, island: str, spans: Sequence[Span]) -> None:
+        """Refuse (`ChunkRefused`) spans that `record` would not take; changes nothing."""
+        if not spans:
+            raise ChunkRefused(INVALID, "the push names no chunk span: with data.sampling = 'chunks' every push does")
+        if len(spans) > self.max_spans:
+            raise ChunkRefused(
+                INVALID, f"the push names {len(spans)} chunk spans; one round reads at most {self.max_spans}"
+            )
+        seen: set[int] = set()
+        for span in spans:
+            c = span.chunk
+            if c in seen:
+                raise ChunkRefused(INVALID, f"chunk {c} is named twice")
+            seen.add(c)
+            if not 0 <= c < (self.epoch + 1) * self.layout.chunks:
+                raise ChunkRefused(INVALID, f"chunk {c} does not exist (epoch {self.epoch} ends at chunk "
+                                   f"{(self.epoch + 1) * self.layout.chunks - 1})")  # fmt: skip
+            owner = self.owner(c)
+            if owner != island:
+                whose = f"leased to island {owner}" if owner is not None else "leased to no island"
+                raise ChunkRefused(NOT_LEASED, f"chunk {c} is {whose}, not to {island}")
+            size, at = self.size(c), self.position(c)
+            if span.end > size:
+                raise ChunkRefused(BEYOND_END, f"position {span.end} is beyond the end of chunk {c} ({size} sequences)")
+            if span.start >= span.end:
+                raise ChunkRefused(INVALID, f"chunk {c}: the span [{span.start}, {span.end}) is empty")
+            if span.start < at:
+                raise ChunkRefused(
+                    OUT_OF_ORDER,
+                    f"chunk {c}: sequences from {span.start} on are consumed or pending already (its position is {at})",
+                )
+            if span.start > at:
+                raise ChunkRefused(OUT_OF_ORDER, f"chunk {c}: the span starts at {span.start}, skipping "
+                                   f"sequences {at} to {span.start - 1}")  # fmt: skip
+
+    def record(self, island: str, round_: int, spans: Sequence[Span]) -> None:
+        """A push of `island` into `round_` trained on `spans`: pending until that round is kept (all or nothing)."""
+        self.check(island, spans)
+        for span in spans:
+            self._chunks[span.chunk].pending.append((round_, island, span.start, span.end))
+
+    def commit(self, round_: int, islands: Iterable[str]) -> dict[str, list[Span]]:
+        """Round `round_` is kept with the contributions of `islands`: their spans of it are consumed; any other span
+        of that round (and what follows it in its chunk) is dropped. Returns the consumed spans by island."""
+        members = set(islands)
+        out: dict[str, list[Span]] = {}
+        for c in sorted(self._chunks):
+            ch = self._chunks[c]
+            left: list[PendingSpan] = []
+            for r, who, start, end in ch.pending:
+                if r != round_:
+                    left.append((r, who, start, end))
+                elif who in members and start == ch.committed:
+                    ch.committed = end
+                    self.consumed += end - start
+                    out.setdefault(who, []).append(Span(c, start, end))
+                else:  # not committed: it rewinds, with whatever was read after it
+                    break
+            ch.pending = left
+            self._settle(c)
+        return {who: out[who] for who in sorted(out)}
+
+    def drop(self, island: str, round_: int) -> None:
+        """`island`'s contribution to `round_` was not committed: its spans of that round and later ones rewind."""
+        self._rewind_where(lambda r, who: who == island and r >= round_)
+
+    def undo_after(self, round_: int) -> None:
+        """The commits after `round_` were undone: every span of a later round rewinds."""
+        self._rewind_where(lambda r, who: r > round_)
+
+    def release(self, island: str) -> None:
+        """`island` reads no more (retired, lost, gone): its chunks go back to the pool (`_settle`)."""
+        for c, ch in list(self._chunks.items()):
+            if ch.owner == island:
+                ch.owner = None
+                self._settle(c)
+
+    def _rewind_where(self, hit: Any) -> None:
+        for c in sorted(self._chunks):
+            ch = self._chunks[c]
+            first = next((i for i, (r, who, _, _) in enumerate(ch.pending) if hit(r, who)), None)
+            if first is not None:
+                self._rewind(c, first)
+                self._settle(c)
+
+    def _rewind(self, chunk: int, index: int) -> None:
+        """Drop `chunk`'s pending spans from `index` on: the ones after it were read past them, so they go too."""
+        del self._chunks[chunk].pending[index:]
+
+    def _settle(self, chunk: int) -> None:
+        """A chunk consumed to its end is forgotten; one without reader or pending span is returned to the pool."""
+        ch = self._chunks[chunk]
+        if ch.committed >= self.size(chunk):
+            del self._chunks[chunk]
+            self._returned.discard(chunk)
+        elif ch.owner is None and not ch.pending:
+            self._returned.add(chunk)
+
+    # -- durability --------------------------------------------------------------------------------------------
+
+    def to_meta(self) -> dict[str, Any]:
+        """The ledger as JSON values, without what is pending (module docstring)."""
+        return {
+            "epoch": self.epoch,
+            "slots": [list(s) for s in self._slots],
+            "chunks": [[c, ch.owner, ch.committed] for c, ch in sorted(self._chunks.items())],
+            "consumed": self.consumed,
+        }
+
+    def restore(self, meta: Mapping[str, Any]) -> None:
+        """Back to a state `to_meta` saved: pending spans are gone, so every position is the committed one."""
+        self.epoch = int(meta["epoch"])
+        self._slots = [[int(lo), int(hi)] for lo, hi in meta["slots"]]
+        self._chunks = {int(c): _Chunk(owner, int(committed)) for c, owner, committed in meta["chunks"]}
+        self._returned = {c for c, ch in self._chunks.items() if ch.owner is None}
+        self.consumed = int(meta["consumed"])
+
+
+# -- the check from the records ---------------------------------------------------------------------------------
+
+CONSUMPTION_KEYS: tuple[str, ...] = ("sequences_consumed", "sequences_repeated", "sequences_lost", "epochs")
+"""summary.json's keys of a `Consumption` (null under data.sampling = "windows")."""
+
+
+@dataclass(frozen=True)
+class Consumption:
+    """What a run's records say it consumed: summary.json's `sequences_*` and `epochs`."""
+
+    consumed: int
+    """Distinct sequences (per epoch) trained on in kept rounds."""
+    repeated: int
+    """Sequences trained on more than once in one epoch."""
+    lost: int
+    """Sequences skipped: never consumed while a later one of their chunk was (chunks are read in order)."""
+    epochs: float
+    """Passes over the corpus: consumed / sequences per epoch."""
+
+    def summary(self) -> dict[str, Any]:
+        return dict(zip(CONSUMPTION_KEYS, (self.consumed, self.repeated, self.lost, self.epochs), strict=True))
+
+
+class ConsumptionCheck:
+    """Reads `chunks_layout` and `chunks_consumed` events one at a time (`add`) and keeps every chunk's consumed
+    intervals; `result` says what they add up to. Knows nothing of the ledger: it checks the records."""
+
+    def __init__(self) -> None:
+        self.layout: dict[str, int] | None = None
+        self._spans: dict[int, list[tuple[int, int]]] = {}
+        self.repeated = 0
+
+    def add(self, event: Mapping[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "chunks_layout":
+            self.layout = {k: int(event[k]) for k in ("sequences", "chunk_sequences", "chunks")}
+        elif kind == "chunks_consumed":
+            for spans in event["spans"].values():
+                for chunk, start, end in spans:
+                    self._add(int(chunk), int(start), int(end))
+
+    def observe(self, event: str, fields: Mapping[str, Any]) -> None:
+        """`add`, as a `RunDir` observer: each record counted as it is written."""
+        self.add({"event": event, **fields})
+
+    def _add(self, chunk: int, start: int, end: int) -> None:
+        have = self._spans.setdefault(chunk, [])
+        self.repeated += sum(max(0, min(end, e) - max(start, s)) for s, e in have)
+        have.append((start, end))
+
+    def result(self) -> Consumption:
+        covered = lost = 0
+        for intervals in self._spans.values():
+            merged: list[list[int]] = []
+            for s, e in sorted(intervals):
+                if merged and s <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], e)
+                else:
+                    merged.append([s, e])
+            inside = sum(e - s for s, e in merged)
+            covered += inside
+            lost += merged[-1][1] - inside  # holes below the highest sequence consumed
+        sequences = self.layout["sequences"] if self.layout else 0
+        return Consumption(covered, self.repeated, lost, round(covered / sequences, 4) if sequences else 0.0)
+
+
+def consumption(events: Iterable[Mapping[str, Any]]) -> Consumption:
+    """Consumed, repeated and lost sequences by a run's `chunks_consumed` records (metrics.jsonl's events, in order):
+    what tests and `diloco bench` check exactly-once with."""
+    check = ConsumptionCheck()
+    for event in events:
+        check.add(event)
+    return check.result()

@@ -1,0 +1,153 @@
+"""The corpus as chunks of sequences (data.sampling = "chunks"): its layout, and an island's stream over its leases.
+
+The training split is cut into `sequences` = len(train) // (seq_len + 1) fixed-length sequences of seq_len + 1
+tokens (sequence s is tokens[s·(seq_len+1) : (s+1)·(seq_len+1)]; the tail that fills no sequence is never read).
+Each epoch e orders them by a seeded permutation, `order(e)`, and cuts that order into chunks of `chunk_sequences`
+(the last chunk of an epoch may be shorter). A chunk is named by one int, e·chunks + i, so chunk ids of later epochs
+follow those of earlier ones. Position p of chunk c is the p-th sequence of its slice of the epoch's order.
+
+Who reads which chunk is the coordinator's ledger's decision (diloco/run/chunk_ledger.py); an island only reads the
+spans it was leased, in order (`ChunkStream`). Both sides compute the same layout from the config alone, so a span
+(chunk, start, end) names the same sequences in every process. numpy only: no JAX, no transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from islands.data import DataError
+
+
+@dataclass(frozen=True)
+class Span:
+    """Sequences [start, end) of chunk `chunk`: what an island reads and what a push says it trained on."""
+
+    chunk: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    def as_list(self) -> list[int]:
+        """How a span travels in metrics.jsonl and checkpoints: [chunk, start, end]."""
+        return [self.chunk, self.start, self.end]
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How many sequences, chunks and epochs: a pure function of the corpus size, data.chunk_sequences and the seed."""
+
+    sequences: int
+    """Sequences of seq_len + 1 tokens in the training split (one epoch)."""
+    chunk_sequences: int
+    seed: int
+    _orders: dict[int, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.sequences < 1:
+            raise DataError(
+                "data.sampling = 'chunks': the training split holds no whole sequence of model.seq_len + 1 tokens"
+            )
+
+    @property
+    def chunks(self) -> int:
+        """Chunks per epoch."""
+        return -(-self.sequences // self.chunk_sequences)
+
+    def epoch(self, chunk: int) -> int:
+        return chunk // self.chunks
+
+    def size(self, chunk: int) -> int:
+        """Sequences in `chunk`: chunk_sequences, fewer for the last chunk of an epoch."""
+        i = chunk % self.chunks
+        return min(self.chunk_sequences, self.sequences - i * self.chunk_sequences)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s permutation of the sequences (cached: the two newest epochs)."""
+        got = self._orders.get(epoch)
+        if got is None:
+            got = np.random.default_rng((self.seed, 0xC4_0C5, epoch)).permutation(self.sequences)
+            for old in sorted(self._orders)[:-1]:
+                del self._orders[old]
+            self._orders[epoch] = got
+        return got
+
+    def sequence_ids(self, span: Span) -> np.ndarray:
+        """The corpus indices of the sequences `span` names, in reading order."""
+        first = (span.chunk % self.chunks) * self.chunk_sequences
+        return self.order(self.epoch(span.chunk))[first + span.start : first + span.end]
+
+    def to_meta(self) -> dict[str, int]:
+        """What the `chunks_layout` event records: enough for a checker to know every chunk's size."""
+        return {"sequences": self.sequences, "chunk_sequences": self.chunk_sequences, "chunks": self.chunks}
+
+
+def corpus_sequences(train_tokens: int, seq_len: int) -> int:
+    """Whole sequences of seq_len + 1 tokens in a training split of `train_tokens` tokens."""
+    return train_tokens // (seq_len + 1)
+
+
+class ChunkStream:
+    """An island's batches under data.sampling = "chunks": the spans the coordinator leased it (`begin`), read in
+    order, batch_size sequences a batch (an `islands.island.Batches`).
+
+    The cursor counts the batches drawn since the plan began; `taken` is what they read, which the island's push
+    reports and the coordinator's ledger checks against its leases. Nothing here decides what to read next."""
+
+    def __init__(self, tokens: np.ndarray, layout: ChunkLayout, batch_size: int, seq_len: int) -> None:
+        if np.ndim(tokens) != 1 or len(tokens) < layout.sequences * (seq_len + 1):
+            raise DataError(f"the training split ({len(tokens)} tokens) is shorter than the chunk layout's sequences")
+        self.tokens = tokens
+        self.layout = layout
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.cursor = 0
+        self.plan: tuple[Span, ...] = ()
+        self._window = np.arange(seq_len + 1)
+
+    def begin(self, plan: Sequence[Span]) -> None:
+        """Read `plan` from its start (the spans the coordinator leased for the next round)."""
+        self.plan = tuple(plan)
+        self.cursor = 0
+
+    @property
+    def planned(self) -> int:
+        return sum(s.length for s in self.plan)
+
+    def taken(self) -> list[Span]:
+        """The prefix of the plan that the batches drawn so far read, span by span."""
+        left, out = self.cursor * self.batch_size, []
+        for span in self.plan:
+            if left <= 0:
+                break
+            n = min(left, span.length)
+            out.append(Span(span.chunk, span.start, span.start + n))
+            left -= n
+        return out
+
+    def next(self) -> np.ndarray:
+        """int32 [batch_size, seq_len + 1]: the plan's next batch_size sequences; then advance the cursor."""
+        first = self.cursor * self.batch_size
+        if first + self.batch_size > self.planned:
+            raise DataError(
+                f"the chunks leased for this round hold {self.planned} sequences; batch {self.cursor} needs "
+                f"{first + self.batch_size}"
+            )
+        ids, skip, need = [], first, self.batch_size
+        for span in self.plan:
+            if skip >= span.length:
+                skip -= span.length
+                continue
+            n = min(need, span.length - skip)
+            ids.append(self.layout.sequence_ids(Span(span.chunk, span.start + skip, span.start + skip + n)))
+            skip, need = 0, need - n
+            if need == 0:
+                break
+        starts = np.concatenate(ids) * (self.seq_len + 1)
+        self.cursor += 1
+        return np.asarray(self.tokens[starts[:, None] + self._window], dtype=np.int32)

@@ -1,0 +1,429 @@
+"""Chunked sampling (data.sampling = "chunks"): the corpus consumed exactly once, whatever islands join and leave.
+
+The ledger's rules as tables of cases (diloco/run/chunk_ledger.py), the island's stream over its leases
+(islands/chunks.py), the checker over a run's records, the coordinator's refusals of hostile leases and claims, and
+whole runs: `simulate` (with a resume), and real processes where an island is SIGKILLed at a named point and comes
+back and another is retired, checked from the run's own metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+import diloco.coordinator.settler as settler_module
+from diloco.config import ConfigError, load_config
+from diloco.coordinator.coordinator import Coordinator
+from diloco.run.chunk_ledger import (
+    BEYOND_END,
+    INVALID,
+    NOT_LEASED,
+    OUT_OF_ORDER,
+    ChunkLedger,
+    ChunkRefused,
+    consumption,
+)
+from diloco.run.rundir import RunDir, read_events
+from diloco.run.setup import build_setup
+from diloco.simulator.simulate import run_simulation
+from floor.codec import CodecSpec
+from islands.chunks import ChunkLayout, ChunkStream, Span
+from islands.data import DataError
+from pytrees.encode import encode_named
+from pytrees.naming import flatten_named
+from tests.conftest import cut_after_round
+from transport import diloco_pb2 as pb
+from transport.chunking import payload_digest
+from transport.errors import Rejected
+
+CHUNKS = ["data.sampling=chunks", "data.chunk_sequences=20"]
+
+
+def ledger(sequences: int = 100, chunk: int = 10, homes: tuple[str, ...] = ("a", "b"), most: int = 25) -> ChunkLedger:
+    return ChunkLedger(ChunkLayout(sequences, chunk, seed=0), homes, most)
+
+
+def spans(*triples: tuple[int, int, int]) -> list[Span]:
+    return [Span(*t) for t in triples]
+
+
+# -- the layout and the stream ---------------------------------------------------------------------------------
+
+
+def test_the_layout_cuts_each_epochs_order_into_chunks() -> None:
+    layout = ChunkLayout(sequences=25, chunk_sequences=10, seed=3)
+    assert layout.chunks == 3 and [layout.size(c) for c in range(6)] == [10, 10, 5, 10, 10, 5]
+    epoch0 = np.concatenate([layout.sequence_ids(Span(c, 0, layout.size(c))) for c in range(3)])
+    epoch1 = np.concatenate([layout.sequence_ids(Span(c, 0, layout.size(c))) for c in range(3, 6)])
+    assert sorted(epoch0) == sorted(epoch1) == list(range(25)) and list(epoch0) != list(epoch1)
+    with pytest.raises(DataError, match="no whole sequence"):
+        ChunkLayout(0, 10, 0)
+
+
+def test_a_chunk_stream_reads_its_plan_in_order_and_says_what_it_took() -> None:
+    layout = ChunkLayout(sequences=30, chunk_sequences=10, seed=0)
+    tokens = np.arange(30 * 5, dtype=np.int32)  # seq_len 4: sequence s is tokens 5s .. 5s + 4
+    stream = ChunkStream(tokens, layout, batch_size=4, seq_len=4)
+    stream.begin(spans((0, 7, 10), (2, 0, 10)))
+    first, second = stream.next(), stream.next()
+    expected = np.concatenate([layout.sequence_ids(Span(0, 7, 10)), layout.sequence_ids(Span(2, 0, 5))])
+    assert [row[0] // 5 for row in np.concatenate([first, second])] == list(expected)
+    assert all((row == row[0] + np.arange(5)).all() for row in first)
+    assert stream.taken() == spans((0, 7, 10), (2, 0, 5))
+    stream.next()
+    with pytest.raises(DataError, match="hold 13 sequences"):
+        stream.next()
+
+
+# -- the ledger's rules ----------------------------------------------------------------------------------------
+
+
+def test_leases_take_home_chunks_then_others_then_the_next_epoch() -> None:
+    book = ledger(sequences=40, chunk=10, most=25)  # 4 chunks: a's home 0, 2; b's home 1, 3
+    assert book.lease("a", 25) == spans((0, 0, 10), (2, 0, 10), (3, 0, 5))  # a's home used up: b's, from the back
+    assert book.lease("a", 25) == spans((0, 0, 10), (2, 0, 10), (3, 0, 5))  # asking again changes nothing
+    assert book.lease("b", 10) == spans((1, 0, 10))
+    assert book.lease("joiner", 5) == spans((6, 0, 5))  # no fresh chunk left: epoch 1, from the back of a home
+    assert book.epoch == 1 and book.held("a") == [0, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("claim", "kind", "words"),
+    [
+        (spans((1, 0, 10)), NOT_LEASED, "leased to island b, not to a"),  # claimed twice: another island's chunk
+        (spans((3, 0, 5)), NOT_LEASED, "leased to no island"),
+        (spans((0, 0, 11)), BEYOND_END, "position 11 is beyond the end of chunk 0"),
+        (spans((0, 2, 5)), OUT_OF_ORDER, "skipping sequences 0 to 1"),
+        (spans((0, 0, 5), (0, 5, 6)), INVALID, "named twice"),
+        (spans((0, 3, 3)), INVALID, "is empty"),
+        (spans((99, 0, 1)), INVALID, "does not exist"),
+        ([], INVALID, "names no chunk span"),
+        (spans(*[(0, 0, 1)] * 5), INVALID, "at most 4"),
+    ],
+)
+def test_a_claim_is_refused_with_its_reason_and_changes_nothing(claim: list[Span], kind: str, words: str) -> None:
+    book = ledger(sequences=40, chunk=10, most=25)
+    book.lease("a", 20)
+    book.lease("b", 10)
+    before = book.to_meta()
+    with pytest.raises(ChunkRefused) as info:
+        book.record("a", 0, claim)
+    assert info.value.kind == kind and words in info.value.reason, info.value.reason
+    assert book.to_meta() == before and book.position(0) == 0
+
+
+def test_a_span_already_pending_or_consumed_is_refused() -> None:
+    book = ledger()
+    book.lease("a", 15)
+    book.record("a", 0, spans((0, 0, 10), (2, 0, 5)))
+    with pytest.raises(ChunkRefused, match="consumed or pending already") as info:
+        book.record("a", 0, spans((2, 0, 5)))  # the same push again: nothing counted twice
+    assert info.value.kind == OUT_OF_ORDER
+    assert book.commit(0, ["a"]) == {"a": spans((0, 0, 10), (2, 0, 5))} and book.consumed == 15
+    with pytest.raises(ChunkRefused, match="consumed or pending already"):
+        book.record("a", 1, spans((2, 4, 6)))
+
+
+@pytest.mark.parametrize(
+    ("after", "positions", "consumed", "next_read"),
+    [
+        ("commit", {0: 0, 2: 5}, 15, (2, 5, 10)),  # chunk 0 consumed whole: forgotten (its position reads 0)
+        ("drop", {0: 0, 2: 0}, 0, (0, 0, 5)),  # a dropped contribution: its reader reads the same sequences again
+        ("commit_without", {0: 0, 2: 0}, 0, (0, 0, 5)),  # a round kept without it
+        ("undo_later", {0: 10, 2: 5}, 0, (2, 5, 10)),  # a later round undone: round 0's spans stay pending
+    ],
+)
+def test_what_becomes_of_pending_spans(
+    after: str, positions: dict[int, int], consumed: int, next_read: tuple[int, int, int]
+) -> None:
+    book = ledger()
+    book.lease("a", 15)
+    book.record("a", 0, spans((0, 0, 10), (2, 0, 5)))
+    {
+        "commit": lambda: book.commit(0, ["a"]),
+        "drop": lambda: book.drop("a", 0),
+        "commit_without": lambda: book.commit(0, ["b"]),
+        "undo_later": lambda: book.undo_after(0),
+    }[after]()
+    assert {c: book.position(c) for c in (0, 2)} == positions and book.consumed == consumed
+    assert book.lease("a", 5) == spans(next_read)
+
+
+def test_a_released_island_s_chunks_go_to_the_next_reader_once_nothing_is_pending() -> None:
+    book = ledger()
+    book.lease("a", 15)  # chunks 0, 2
+    book.record("a", 0, spans((0, 0, 10), (2, 0, 3)))
+    book.release("a")  # retired: its push of round 0 still counts
+    assert book.lease("b", 10) == spans((1, 0, 10))  # chunk 2 waits for round 0
+    book.commit(0, ["a"])
+    assert book.lease("joiner", 10) == spans((2, 3, 10), (9, 0, 3))  # the remainder first, then fresh
+    with pytest.raises(ChunkRefused, match="leased to island joiner"):
+        book.record("a", 1, spans((2, 3, 5)))  # the retired island's stale claim
+
+
+def test_the_ledger_survives_a_restart_without_its_pending_spans() -> None:
+    book = ledger()
+    book.lease("a", 15)
+    book.record("a", 0, spans((0, 0, 10), (2, 0, 5)))
+    book.commit(0, ["a"])
+    book.record("a", 1, spans((2, 5, 10)))  # pending when the checkpoint is taken: not saved
+    again = ledger()
+    again.restore(json.loads(json.dumps(book.to_meta())))
+    assert again.lease("a", 5) == spans((2, 5, 10)) and again.consumed == 15
+
+
+@pytest.mark.parametrize(
+    ("records", "expected"),
+    [
+        ([[0, 0, 10], [1, 0, 5]], (15, 0, 0)),
+        ([[0, 0, 10], [0, 5, 12]], (12, 5, 0)),  # repeated
+        ([[0, 0, 4], [0, 6, 10]], (8, 0, 2)),  # a hole: lost
+        ([[3, 0, 10], [3, 0, 10]], (10, 10, 0)),
+    ],
+)
+def test_the_checker_counts_from_the_records(records: list[list[int]], expected: tuple[int, int, int]) -> None:
+    events = [
+        {"event": "chunks_layout", "sequences": 40, "chunk_sequences": 10, "chunks": 4},
+        *({"event": "chunks_consumed", "round": i, "spans": {"a": [r]}} for i, r in enumerate(records)),
+    ]
+    got = consumption(events)
+    assert (got.consumed, got.repeated, got.lost) == expected and got.epochs == round(expected[0] / 40, 4)
+
+
+def test_the_config_refuses_what_chunks_cannot_do(tiny_config: Path) -> None:
+    for extra, words in [
+        (["train.mode=async"], "train.mode = 'async'"),
+        (["stream.fragments=2"], "stream.fragments"),
+        (["data.chunk_sequences=0"], "data.chunk_sequences"),
+        (["data.sampling=tiles"], "data.sampling must be one of"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            load_config(tiny_config, [*CHUNKS, *extra])
+
+
+# -- the coordinator: hostile leases and claims ----------------------------------------------------------------
+
+
+@pytest.fixture
+def coordinator(tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    cfg = load_config(tiny_config, [*CHUNKS, "quorum.min_islands=2", "train.checkpoint_every=0"])
+    rd = RunDir(tmp_path / "run", cfg)
+    coord = Coordinator(cfg, rd, build_setup(cfg, islands=()))
+    for name in ("island-0", "island-1"):
+        coord.join(
+            pb.JoinRequest(
+                run_id=coord.run_id, island=name, last_round=-1, release=_release(), config_digest=coord.digest
+            )
+        )
+    yield coord
+    coord.close()
+    rd.close()
+
+
+def _release() -> str:
+    from diloco import RELEASE
+
+    return RELEASE
+
+
+def lease(coord: Coordinator, island: str, sequences: int = 32) -> list[Span]:
+    reply = coord.lease(
+        pb.LeaseRequest(run_id=coord.run_id, island=island, round=coord.loop.round, sequences=sequences)
+    )
+    return [Span(s.chunk, s.start, s.end) for s in reply.spans]
+
+
+def push(coord: Coordinator, island: str, claim: list[Span]) -> pb.PushReply:
+    named = {k: np.full(np.shape(v), 1e-3, np.float32) for k, v in flatten_named(coord.loop.params).items()}
+    tensors = encode_named(named, CodecSpec(kind="fp32"))
+    meta = pb.PushMeta(
+        run_id=coord.run_id,
+        island=island,
+        round=coord.loop.round,
+        tokens=sum(s.length for s in claim) * coord.cfg.model.seq_len or 1,
+        loss=1.0,
+        base_digest=bytes.fromhex(coord.world.params_digest),
+        chunks=[pb.ChunkSpan(chunk=s.chunk, start=s.start, end=s.end) for s in claim],
+    )
+    return coord.push(meta, tensors, named, payload_digest(tensors))
+
+
+def refused(call, code: grpc.StatusCode, words: str) -> None:
+    with pytest.raises(Rejected) as info:
+        call()
+    assert info.value.code == code and words in info.value.reason, info.value
+
+
+def test_hostile_leases_and_claims_are_refused_and_nothing_is_counted_twice(coordinator: Coordinator) -> None:
+    coord = coordinator
+    mine, theirs = lease(coord, "island-0"), lease(coord, "island-1")
+    refused(lambda: lease(coord, "island-0", 10**9), grpc.StatusCode.INVALID_ARGUMENT, "a lease is for 1 to 32")
+    refused(lambda: push(coord, "island-0", theirs), grpc.StatusCode.FAILED_PRECONDITION, "leased to island island-1")
+    end = Span(mine[0].chunk, mine[0].start, 10_000)
+    refused(lambda: push(coord, "island-0", [end]), grpc.StatusCode.OUT_OF_RANGE, "beyond the end")
+    refused(lambda: push(coord, "island-0", []), grpc.StatusCode.INVALID_ARGUMENT, "sequences of chunks")
+    assert coord.loop.pending == ()
+    assert push(coord, "island-0", mine).accepted
+    refused(lambda: push(coord, "island-1", mine), grpc.StatusCode.FAILED_PRECONDITION, "leased to island island-0")
+    assert push(coord, "island-1", theirs).accepted
+    assert coord.settled(60)
+    records = read_events(coord.rd.metrics_path, "chunks_consumed")
+    assert [r["spans"] for r in records] == [
+        {"island-0": [s.as_list() for s in mine], "island-1": [s.as_list() for s in theirs]}
+    ]
+    got = consumption(read_events(coord.rd.metrics_path))
+    assert (got.consumed, got.repeated, got.lost) == (64, 0, 0)
+
+
+def test_a_retired_islands_chunks_are_leased_again(coordinator: Coordinator) -> None:
+    coord = coordinator
+    first = lease(coord, "island-0", 10)
+    coord.retire(pb.RetireRequest(run_id=coord.run_id, island="island-0", reason="test"), by="(operator)")
+    again = lease(coord, "island-1", 32)
+    assert again[0] == Span(first[0].chunk, 0, 20), (first, again)  # its chunk first, read from where it stands
+
+
+def test_a_windows_run_has_nothing_to_lease(tiny_config: Path, tmp_path: Path) -> None:
+    cfg = load_config(tiny_config, ["train.checkpoint_every=0"])
+    rd = RunDir(tmp_path / "w", cfg)
+    coord = Coordinator(cfg, rd, build_setup(cfg, islands=()))
+    try:
+        refused(lambda: lease(coord, "island-0"), grpc.StatusCode.FAILED_PRECONDITION, "samples windows")
+    finally:
+        coord.close()
+        rd.close()
+
+
+# -- whole runs ------------------------------------------------------------------------------------------------
+
+
+def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: Path, tmp_path: Path) -> None:
+    cfg = load_config(tiny_config, [*CHUNKS, "train.rounds=4"])
+    whole = run_simulation(cfg, tmp_path / "whole", show_progress=False)
+    records = read_events(tmp_path / "whole" / "metrics.jsonl")
+    got = consumption(records)
+    assert (got.consumed, got.repeated, got.lost) == (4 * 2 * 4 * 8, 0, 0)
+    assert (whole["sequences_consumed"], whole["sequences_repeated"], whole["sequences_lost"]) == (256, 0, 0)
+    assert whole["epochs"] == got.epochs > 0
+    # Killed after round 2's checkpoint: the resumed run reads the same chunks and ends with the same θ.
+    run_simulation(cfg, tmp_path / "cut", show_progress=False)
+    cut_after_round(tmp_path / "cut", 2)
+    resumed = run_simulation(cfg, tmp_path / "cut", show_progress=False)
+    assert resumed["params_digest"] == whole["params_digest"]
+
+    def spans_by_round(run: str) -> list[tuple[int, dict]]:
+        return [(e["round"], e["spans"]) for e in read_events(tmp_path / run / "metrics.jsonl", "chunks_consumed")]
+
+    assert spans_by_round("cut") == spans_by_round("whole")
+    assert resumed["sequences_consumed"] == 256 and resumed["sequences_repeated"] == 0
+
+
+def test_windows_stay_the_default_and_their_digest(tiny_config: Path, tmp_path: Path) -> None:
+    cfg = load_config(tiny_config, ["train.rounds=1", "train.checkpoint_every=0"])
+    assert cfg.data.sampling == "windows"
+    out = run_simulation(cfg, tmp_path / "w", show_progress=False)
+    assert out["sequences_consumed"] is None and out["epochs"] is None
+
+
+# -- real processes ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_federation_reads_the_chunks_simulate_reads(federation, tiny_config: Path, tmp_path: Path) -> None:
+    from tests.conftest import FAST, WAIT_S
+
+    overrides = [*CHUNKS, "train.rounds=3", "quorum.min_islands=2"]  # every round holds both islands
+    fed = federation(*overrides)
+    fed.start()
+    fed.wait_exit(WAIT_S)
+    simulated = run_simulation(load_config(tiny_config, [*FAST, *overrides]), tmp_path / "sim", show_progress=False)
+    launched = json.loads((fed.run_dir / "summary.json").read_text())
+    assert launched["params_digest"] == simulated["params_digest"]
+
+    def spans(events: list[dict]) -> list[tuple[int, dict]]:
+        return [(e["round"], e["spans"]) for e in events if e["event"] == "chunks_consumed"]
+
+    assert spans(fed.events()) == spans(read_events(tmp_path / "sim" / "metrics.jsonl"))
+    got = consumption(fed.events())
+    assert (got.consumed, got.repeated, got.lost) == (3 * 2 * 32, 0, 0)
+    assert (launched["sequences_consumed"], launched["sequences_repeated"], launched["sequences_lost"]) == (192, 0, 0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_under_churn_every_sequence_is_consumed_once(federation, tmp_path: Path) -> None:
+    """island-1 is SIGKILLed before its push of round 1 (it read round 1's spans and pushed nothing) and comes back;
+    sa-east is admitted, trains, and is retired before the run ends. The coordinator's records show no sequence
+    consumed twice and none skipped, and the spans the killed and the retired island held are consumed by others."""
+    from tests.conftest import WAIT_S
+    from tests.test_elastic import OPERATOR, operator_command
+
+    rounds = 8
+    pauses = ["island-1:before_push:1", "island-0:before_push:3", "island-1:before_push:5"]
+    fed = federation(
+        *CHUNKS,
+        f"train.rounds={rounds}",
+        "quorum.min_islands=1.0",
+        "quorum.min_deadline_s=30",
+        "quorum.max_deadline_s=60",
+        "quorum.lease_s=60",
+        "network.operator_secret=env:DILOCO_TEST_OPERATOR",
+        "islands.max=3",
+        pause_at=pauses,
+    )
+    fed.env.update(OPERATOR)
+    fed.start()
+    fed.paused("island-1:before_push:1", WAIT_S)
+    fed.kill("island-1")  # it read round 1's spans; its presence call breaks, it is lost and its chunks go back
+    fed.wait_for(lambda: fed.events("island_lost"), WAIT_S, "island-1 lost")
+    fed.start_island("island-1")  # it comes back: its own checkpoint, a join, a new lease
+
+    fed.paused("island-0:before_push:3", WAIT_S)
+    kit = operator_command(fed, "admit", fed.config, "sa-east", "--out", str(tmp_path / "kit"))
+    fed.start_island("sa-east", args=["--secret", kit["secret"]])
+    fed.wait_for(lambda: fed.events("leased", island="sa-east"), WAIT_S, "sa-east to lease its chunks")
+    fed.release("island-0:before_push:3")
+    fed.wait_for(lambda: [r for r in fed.rounds() if "sa-east" in r["islands"]], WAIT_S, "a round with sa-east")
+
+    fed.paused("island-1:before_push:5", WAIT_S)
+    operator_command(fed, "retire", fed.config, "sa-east", "--reason", "region closed")
+    fed.release("island-1:before_push:5")
+    stopped = fed.wait_for(
+        lambda: fed.others["sa-east"].poll() is not None and fed.others.pop("sa-east"), WAIT_S, "sa-east to stop"
+    )
+    assert stopped.returncode == 2  # refused from then on, in one line: a user error its supervisor does not retry
+    fed.wait_exit(WAIT_S)
+
+    records = fed.events()
+    assert [r["round"] for r in fed.rounds()] == list(range(rounds))
+    got = consumption(records)
+    assert (got.repeated, got.lost) == (0, 0), got
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    assert (summary["sequences_consumed"], summary["sequences_repeated"], summary["sequences_lost"]) == (
+        got.consumed,
+        0,
+        0,
+    )
+    consumed = {
+        (chunk, seq)
+        for e in records
+        if e["event"] == "chunks_consumed"
+        for got_spans in e["spans"].values()
+        for chunk, start, end in got_spans
+        for seq in range(start, end)
+    }
+    assert got.consumed == len(consumed) == sum(e["sequences"] for e in records if e["event"] == "chunks_consumed")
+    # What the killed island read for round 1 and never pushed went back and was read again, once.
+    killed = next(e for e in fed.events("leased", island="island-1") if e["round"] == 1)["spans"]
+    assert all((c, s) in consumed for c, start, end in killed for s in range(start, end)), killed
+    # The retired island's chunks were leased again: every one of its chunks is consumed up to where it was read.
+    held = {c for e in fed.events("leased", island="sa-east") for c, _, _ in e["spans"]}
+    assert held and all(any(c == chunk for chunk, _ in consumed) for c in held), held
