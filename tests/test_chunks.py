@@ -25,6 +25,7 @@ from diloco.run.chunk_ledger import (
     OUT_OF_ORDER,
     ChunkLedger,
     ChunkRefused,
+    ConsumptionCheck,
     consumption,
 )
 from diloco.run.rundir import RunDir, read_events
@@ -192,6 +193,24 @@ def test_the_checker_counts_from_the_records(records: list[list[int]], expected:
     ]
     got = consumption(events)
     assert (got.consumed, got.repeated, got.lost) == expected and got.epochs == round(expected[0] / 40, 4)
+
+
+@pytest.mark.parametrize(
+    ("records", "complete"),
+    [
+        ([[0, 0, 10], [1, 0, 10], [2, 0, 10], [3, 0, 7]], 1),  # the last chunk of an epoch is shorter (37 = 3x10+7)
+        ([[0, 0, 10], [1, 0, 10], [2, 0, 10], [3, 0, 6]], 0),  # one sequence short
+        ([[0, 0, 10], [1, 0, 10], [2, 0, 4], [2, 4, 10], [3, 0, 7]], 1),  # a chunk read over two rounds
+        ([[0, 0, 10], [1, 0, 10], [2, 1, 10], [3, 0, 7]], 0),  # a hole at a chunk's start
+        ([[c, 0, 10 if c % 4 != 3 else 7] for c in range(8)], 2),  # chunk ids of epoch 1 follow epoch 0's
+    ],
+)
+def test_a_whole_pass_is_every_chunk_read_to_its_end(records: list[list[int]], complete: int) -> None:
+    check = ConsumptionCheck()
+    check.add({"event": "chunks_layout", "sequences": 37, "chunk_sequences": 10, "chunks": 4})
+    for i, r in enumerate(records):
+        check.add({"event": "chunks_consumed", "round": i, "spans": {"a": [r]}})
+    assert check.complete_epochs() == complete
 
 
 def test_the_config_refuses_what_chunks_cannot_do(tiny_config: Path) -> None:

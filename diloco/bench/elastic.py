@@ -22,8 +22,10 @@ What is checked, from the run's own records (the metrics.jsonl of the coordinato
 * every θ an island adopted (`synced`) has the digest of the coordinator's commit it came from, for all four islands
   (the joiners, the one that came back) and in both phases;
 * the roster's history: two admitted, one retired by the operator, one by timeout; B's pushes after its return;
-* with `data.sampling = "chunks"`, every sequence the committed rounds consumed was consumed once (0 repeated) and
-  none leased to an island that left was lost (diloco/run/chunk_ledger.py: `audit_events`);
+* with `data.sampling = "chunks"` (configs/elastic.toml), from the `chunks_consumed` records of the committed rounds
+  (diloco/run/chunk_ledger.py, `ConsumptionCheck`): no sequence consumed twice in a pass, none skipped (the spans
+  a killed island read and never pushed, and a retired or lost island's chunks, are read again by others), and the
+  first pass over the corpus read whole;
 * the final eval loss against a fixed-roster run (A and B, `diloco simulate`, no faults) of as many tokens with the
   same schedule shape: within ELASTIC_TOLERANCE.
 
@@ -220,13 +222,23 @@ def _roster_history(run_dir: Path, a: str, b: str) -> dict[str, Any]:
 
 
 def _chunk_audit(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
-    """Exactly-once over the committed rounds, from the coordinator's events (None without chunked sampling)."""
-    if getattr(cfg.data, "sampling", "windows") != "chunks":
+    """Exactly-once over the committed rounds, from the coordinator's `chunks_layout` and `chunks_consumed` records
+    (None without chunked sampling): consumed, repeated, lost, and the passes over the corpus read whole."""
+    if cfg.data.sampling != "chunks":
         return None
-    from diloco.run.chunk_ledger import audit_events
+    from diloco.run.chunk_ledger import ConsumptionCheck
     from diloco.run.rundir import read_events
 
-    return audit_events(read_events(run_dir / "metrics.jsonl"))
+    check = ConsumptionCheck()
+    for event in read_events(run_dir / "metrics.jsonl"):
+        check.add(event)
+    if check.layout is None:
+        raise BenchError("the run recorded no chunks_layout: its consumption cannot be checked")
+    return {
+        **check.result().summary(),
+        "sequences_per_epoch": check.layout["sequences"],
+        "complete_epochs": check.complete_epochs(),
+    }
 
 
 def _fixed_roster(config: str | Path, overrides: Sequence[str], run_dir: Path, tokens: int) -> dict[str, Any]:
@@ -260,7 +272,9 @@ def run_elastic_bench(config: str | Path, overrides: Sequence[str], run_dir: Pat
     fixed = _fixed_roster(config, overrides, run_dir / "fixed", summary["tokens"])
     a, b = summary["final_eval_loss"], fixed["final_eval_loss"]
     rel = abs(a - b) / abs(b) if b and math.isfinite(a) and math.isfinite(b) else math.inf
-    exactly_once = audit is None or (audit["repeated"] == 0 and audit["lost"] == 0)
+    exactly_once = audit is None or (
+        audit["sequences_repeated"] == 0 and audit["sequences_lost"] == 0 and audit["complete_epochs"] >= 1
+    )
     return {
         "bench": "elastic",
         "config": str(config),
@@ -270,6 +284,7 @@ def run_elastic_bench(config: str | Path, overrides: Sequence[str], run_dir: Pat
         **history,
         "synced_checked": checked,
         "chunks": audit,
+        "exactly_once": exactly_once,
         "tokens": summary["tokens"],
         "fixed_roster_rounds": fixed["rounds"],
         "fixed_roster_tokens": fixed["tokens"],

@@ -190,8 +190,9 @@ class Forge:
         return self.who()[1]
 
     def invented(self) -> str:
-        """A name that is none of the run's islands, valid or not."""
-        return self.pick([f"joiner-{int(self.rng.integers(1e6))}", "", "x" * 65, "../../etc", "evil\x00", self.text()])
+        """A name that is none of the run's islands, valid or not (a fuzzed text may be a real name: not here)."""
+        name = self.pick([f"joiner-{int(self.rng.integers(1e6))}", "", "x" * 65, "../../etc", "evil\x00", self.text()])
+        return f"not-{name}" if name in self.names else name
 
     def _admit(self) -> Shot:
         name = self.pick([self.invented(), self.pick(self.names)])
@@ -202,8 +203,10 @@ class Forge:
     def _retire(self) -> Shot:
         md = self.operator_metadata()
         operator = any(key == OPERATOR_KEY and value == self.operator for key, value in md)
-        # The operator's real credential retires only invented names; under anything else, any name is tried.
-        name = self.invented() if operator else self.pick([self.invented(), self.pick(self.names)])
+        # The operator's real credential retires only invented names, and an island's real one never its own island
+        # (both would retire a real island for good, as they should); under anything else, any name is tried.
+        others = [n for n in self.names if md != call_metadata(n, self.secrets.get(n) if self.secrets else None)]
+        name = self.invented() if operator else self.pick([self.invented(), self.pick(others)])
         req = pb.RetireRequest(run_id=self.or_text(self.cfg.run.name), island=name, reason=self.text())
         return self._unary("Retire", req, f"retire reason[{len(req.reason)}]", md)
 

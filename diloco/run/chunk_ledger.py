@@ -340,20 +340,45 @@ class ConsumptionCheck:
         self.repeated += sum(max(0, min(end, e) - max(start, s)) for s, e in have)
         have.append((start, end))
 
+    def complete_epochs(self) -> int:
+        """Epochs, from the first, whose every sequence the records consumed: a whole pass over the corpus."""
+        if self.layout is None:
+            return 0
+        layout = ChunkLayout(self.layout["sequences"], self.layout["chunk_sequences"], seed=0)
+        epochs = 0
+        while all(
+            _covered(self._spans.get(chunk, [])) == layout.size(chunk)
+            for chunk in range(epochs * layout.chunks, (epochs + 1) * layout.chunks)
+        ):
+            epochs += 1
+        return epochs
+
     def result(self) -> Consumption:
         covered = lost = 0
         for intervals in self._spans.values():
-            merged: list[list[int]] = []
-            for s, e in sorted(intervals):
-                if merged and s <= merged[-1][1]:
-                    merged[-1][1] = max(merged[-1][1], e)
-                else:
-                    merged.append([s, e])
+            merged = _merged(intervals)
             inside = sum(e - s for s, e in merged)
             covered += inside
             lost += merged[-1][1] - inside  # holes below the highest sequence consumed
         sequences = self.layout["sequences"] if self.layout else 0
         return Consumption(covered, self.repeated, lost, round(covered / sequences, 4) if sequences else 0.0)
+
+
+def _merged(intervals: Iterable[tuple[int, int]]) -> list[list[int]]:
+    """Half-open intervals merged where they touch or overlap, in order."""
+    merged: list[list[int]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def _covered(intervals: Iterable[tuple[int, int]]) -> int:
+    """Sequences of a chunk its intervals cover from 0 without a hole (all of it when read to its end)."""
+    merged = _merged(intervals)
+    return merged[0][1] if merged and merged[0][0] == 0 else 0
 
 
 def consumption(events: Iterable[Mapping[str, Any]]) -> Consumption:
