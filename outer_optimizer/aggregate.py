@@ -203,10 +203,19 @@ def _mask_dtype(n: int) -> jnp.dtype:
     return jnp.uint8 if n <= 8 else jnp.uint16 if n <= 16 else jnp.uint32
 
 
+PAIRWISE_MAX = 16
+"""Up to this many islands `_middle_mean` ranks by pairwise compares; above it, by a sort (`_middle_mean_sorted`)."""
+
+
 def _middle_mean(values: tuple[jax.Array, ...], t: int) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Per coordinate of n same-shaped arrays: the mean of the values ranked t .. n-t-1, and the masks of which
     islands' values those were (`Aggregated.masks`). Non-finite values count as 0; ties rank in the given (island)
-    order.
+    order. Both ways of ranking give bit-identical results."""
+    return (_middle_mean_pairwise if len(values) <= PAIRWISE_MAX else _middle_mean_sorted)(values, t)
+
+
+def _middle_mean_pairwise(values: tuple[jax.Array, ...], t: int) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """`_middle_mean` by pairwise compares.
 
     Ranks by comparing every pair once (n(n-1)/2 elementwise compares, fused by jit) rather than sorting: with a
     handful of islands that is one pass over memory, where XLA's CPU sort along the island axis is far slower.
@@ -231,6 +240,32 @@ def _middle_mean(values: tuple[jax.Array, ...], t: int) -> tuple[jax.Array, tupl
             words.append(bit)
         else:
             words[w] = words[w] | bit
+    return acc, tuple(words)
+
+
+def _middle_mean_sorted(values: tuple[jax.Array, ...], t: int) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """`_middle_mean` by a stable sort along the island axis: the same ranks (ties in island order), its program's
+    size independent of n. The pairwise compares are n(n-1)/2 operations to compile, and a roster that grows while
+    the run goes on compiles anew at every new island count: with tens of islands that compile stalls the round
+    (BENCHMARKS.md, "Elastic federation"), where a sort's compile does not grow with n."""
+    n = len(values)
+    share = 1.0 / (n - 2 * t)
+    stack = jnp.stack([jnp.where(jnp.isfinite(x), x, 0.0) for x in values])
+    order = jnp.argsort(stack, axis=0, stable=True)
+    places = jnp.broadcast_to(
+        jnp.arange(n, dtype=order.dtype).reshape(order.shape[:1] + (1,) * (stack.ndim - 1)), order.shape
+    )
+    rank = jnp.put_along_axis(jnp.zeros_like(order), order, places, axis=0, inplace=False)  # each value's rank
+    kept = (rank >= t) & (rank < n - t)
+    terms = jnp.where(kept, stack * share, 0.0)  # scaled before the sum: float32-max values cannot overflow it
+    acc = terms[0]
+    for i in range(1, n):  # in island order, as the pairwise path adds
+        acc = acc + terms[i]
+    words = []
+    for w in range(0, n, 32):
+        dtype = _mask_dtype(min(32, n - w))
+        shifts = jnp.arange(min(32, n - w), dtype=dtype).reshape((-1,) + (1,) * (stack.ndim - 1))
+        words.append(jnp.sum(kept[w : w + 32].astype(dtype) << shifts, axis=0, dtype=dtype))  # distinct bits: OR
     return acc, tuple(words)
 
 
