@@ -342,7 +342,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 def _island(args: argparse.Namespace) -> int:
     from diloco.deploy.tls import check_client_exposure, client_tls
     from diloco.worker.island_worker import IslandError, run_island_process, say_gone
-    from diloco.worker.supervisor import follow_supervisor, supervise
+    from diloco.worker.supervisor import REGROUP, follow_supervisor, supervise
     from transport.auth import is_secret_reference, resolve_secret
 
     cfg = _load(args)
@@ -400,7 +400,7 @@ def _island(args: argparse.Namespace) -> int:
         cfg, args.name, args.coordinator, run_dir, secret, args.metrics_port, group, args.retire_on_stop
     )
     print(json.dumps(result), flush=True)
-    return 0
+    return REGROUP if result.get("reform") else 0
 
 
 def _certs(args: argparse.Namespace) -> int:

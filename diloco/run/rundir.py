@@ -218,6 +218,24 @@ def busy_message(run_dir: Path, holder: dict[str, Any], name: str = LOCK_FILE) -
     return f"run dir '{run_dir}' is in use by {who}; stop it or use another --run-dir"
 
 
+def live_holder(path: Path) -> dict[str, Any] | None:
+    """What the lock file at `path` says about its holder while one holds it; None when the file is absent or its
+    lock is free (its content is then a dead process's). Writes nothing: the probe holds a free lock for an instant,
+    and a process taking it at that very moment waits for it (`RunDirLock`'s grace) instead of failing."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    with os.fdopen(fd, "r+") as file:
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return read_holder(path, wait_s=0.0)
+        except OSError:
+            return None  # a filesystem without locks: no holder can be told from a dead one
+        return None  # closing the file lets go of the probe's lock
+
+
 def check_free(run_dir: Path, name: str = LOCK_FILE) -> None:
     """Raise RunDirBusy when a live process holds `run_dir`; take nothing (the lock is let go at once).
 
