@@ -21,6 +21,7 @@ import pytest
 from diloco.cli import main
 from diloco.harness.procs import Federation, devices_env
 from diloco.run.rundir import read_events
+from diloco.worker.island_formation import FormationFiles
 from tests.conftest import ENV, FAST, JAX_CACHE, REPO, child_env
 from tests.test_federation import _finished_checkpoints, check_run
 
@@ -115,6 +116,91 @@ def test_two_process_island_trains_as_one_process_island_through_a_killed_follow
     worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
     print(f"killed in round {killed_in}; loss curves differ by at most {worst:.3g}")
     assert worst < 1e-4, (a, b)
+
+
+REFORM_ROUNDS = 4
+LOST_AT = "island-0:before_push:1"
+"""Both processes trained round 1; process 0 stops before its push, and process 1's host is lost there (its round-1
+checkpoint complete)."""
+ALONE_AT = "island-0:after_adopt:2"
+"""Process 0 alone trained round 1 again and adopted its commit: a process 1 of another config comes here."""
+BACK_AT = "island-0:after_adopt:3"
+"""Process 0 alone trained round 2 too: the lost process 1 comes back here, and the island re-forms as two."""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_an_island_goes_on_without_a_lost_process_and_grows_back(tmp_path: Path, tiny_config: Path, feds: list) -> None:
+    """island-0 as processes 0 and 1, each under its own supervisor as on two hosts. Process 1's host is lost for
+    good (supervisor and worker SIGKILLed): process 0 restarts, waits islands.regroup_wait_s for it in vain, and the
+    island goes on as one process on half the devices; its rounds commit. A process 1 of another config is refused
+    in one line. The real process 1 comes back: at the round's end the island re-forms as two and trains the last
+    round so. Every island's θ equals the coordinator's after every round."""
+    run = [*FAST, "quorum.min_islands=2", f"train.rounds={REFORM_ROUNDS}", "islands.regroup_wait_s=2"]
+    fed = Federation(
+        tiny_config,
+        [*run, "islands.devices=2"],
+        tmp_path / "fed",
+        cwd=REPO,
+        env=ENV,
+        jax_cache=JAX_CACHE,
+        pause_at=[LOST_AT, ALONE_AT, BACK_AT],
+    )
+    feds.append(fed)
+    fed.start_coordinator()
+    island = fed.island_dir("island-0")
+    group = fed.group_args("island-0", 2)
+    host_1 = fed.island_argv("island-0", [*group, "--process-id", "1"], supervised=True)
+    ready = FormationFiles(island, 2).candidates  # process 1, alive and ready to join
+
+    fed.spawn("island-0-host-1", host_1)
+    fed.wait_for(ready, WAIT_S, "process 1 ready")  # the island's first formation is whole, not a race
+    fed.start_island("island-0", args=[*group, "--process-id", "0"], supervised=True)
+    fed.start_island("island-1", env=devices_env(2))
+    fed.paused(LOST_AT, WAIT_S)
+    fed.wait_for(lambda: "1" in _finished_checkpoints(fed, "island-0"), WAIT_S, "island-0's checkpoint 1")
+    fed.kill("island-0-host-1", whole_group=True)
+    fed.release(LOST_AT)  # its next collective fails: process 0 ends and its supervisor starts it again
+
+    fed.paused(ALONE_AT, WAIT_S)
+    formed = fed.events("formed", island="island-0")
+    assert [(e["processes"], e["devices"]) for e in formed] == [([0, 1], 4), ([0], 2)], formed
+    assert "island-0" in fed.wait_rounds(2, WAIT_S)[1]["islands"]  # the round process 0 trained alone committed
+    other = [*fed.island_argv("island-0", [*group, "--process-id", "1"], supervised=False), "inner.lr=0.001"]
+    refused = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", *other], env=fed.env, cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        fed.wait_for(ready, WAIT_S, "the other process 1 ready")
+        fed.release(ALONE_AT)
+        _, err = refused.communicate(timeout=WAIT_S)
+    finally:
+        if refused.poll() is None:
+            refused.kill()
+            refused.communicate()
+    errors = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert refused.returncode == 2 and len(errors) == 1, err[-2000:]
+    assert "process 0 refuses this process: process 1's config differs from process 0's in: inner.lr" in errors[0]
+
+    fed.paused(BACK_AT, WAIT_S)
+    fed.spawn("island-0-host-1", host_1)  # the lost host is back
+    fed.wait_for(ready, WAIT_S, "process 1 ready again")
+    fed.release(BACK_AT)
+    fed.wait_done(WAIT_S)
+    fed.stop(linger_s=20.0)
+
+    check_run(fed, REFORM_ROUNDS, list(fed.names))  # every island's θ is the coordinator's after every round
+    assert all(sorted(r["islands"]) == ["island-0", "island-1"] for r in fed.rounds())
+    formed = fed.events("formed", island="island-0")
+    assert [(e["processes"], e["devices"]) for e in formed] == [([0, 1], 4), ([0], 2), ([0, 1], 4)], formed
+    assert [e["epoch"] for e in formed] == [1, 2, 3]
+    [refusal] = fed.events("process_refused", island="island-0")
+    assert refusal["process"] == 1 and "inner.lr" in refusal["reason"]
+    # The island re-formed at round 3's start, from its checkpoint of round 3, and joined the coordinator again.
+    assert [e["round"] for e in fed.events("resumed", island="island-0")] == [1, 3]
+    stopped = fed.events("stopped", island="island-0")
+    assert [e["reason"] for e in stopped] == ["re-forming: process 1 ready to join"], stopped
+    assert fed.processes()["island-0-host-1"].returncode == 0
 
 
 @pytest.mark.parametrize(

@@ -266,5 +266,5 @@ class Lead:
         for candidate in candidates:
             why = refused.get(candidate.nonce)
             if why is not None:
-                log.warning("island %s refuses %s", self.name, why)
+                log.warning("island %s refuses a process: %s", self.name, why)
                 self.log("process_refused", island=self.name, process=candidate.process, reason=why)

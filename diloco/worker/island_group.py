@@ -146,10 +146,12 @@ def members(worker_argv: list[str], group: Group, devices: int) -> list[Member]:
     """Every process of the island on this host, for the supervisor: `worker_argv` with its --process-id, and
     `devices` CPU devices each (XLA_FLAGS; on GPUs and TPUs each process takes what it finds)."""
     env = devices_env(devices)
-    return [
-        Member([*worker_argv, "--process-id", str(i)], env, "worker.pid" if i == 0 else f"process-{i}.pid")
-        for i in range(group.num_processes)
-    ]
+    return [Member([*worker_argv, "--process-id", str(i)], env, pid_name(i)) for i in range(group.num_processes)]
+
+
+def pid_name(process_id: int) -> str:
+    """Where a supervisor writes the worker's pid of process `process_id` (the leader's is the directory's own)."""
+    return "worker.pid" if process_id == 0 else f"process-{process_id}.pid"
 
 
 def join(group: Group, formation: Formation, rank: int) -> None:
