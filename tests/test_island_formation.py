@@ -129,7 +129,7 @@ def test_process_0_forms_with_those_ready_and_takes_one_back_at_a_rounds_end(tmp
     try:
         assert lead.returning() is None and lead.returning() is None  # refused, once
         with pytest.raises(FormationRefused) as refused:
-            take_place(files, other_nonce, "a", 1)
+            take_place(files, other, other_nonce, "a", 1)
     finally:
         other.release()
     reason = "process 1's config differs from process 0's in: inner.lr"
@@ -143,6 +143,7 @@ def test_process_0_forms_with_those_ready_and_takes_one_back_at_a_rounds_end(tmp
         again = Lead(files, CFG, "a", events)  # process 0 started again: the island re-forms as two at once
         formation = again.form(60.0)
         assert formation.epoch == 2 and formation.processes == (0, 1)
-        assert take_place(files, nonce, "a", 1) == (formation, 1)
+        assert take_place(files, back, nonce, "a", 1) == (formation, 1)
+        assert files.candidates() == []  # in the island now: no candidate of the next formation
     finally:
         back.release()

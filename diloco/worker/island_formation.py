@@ -14,8 +14,9 @@ that says so is a candidate, and a dead process's file is no one's (`live_holder
     process 0, at each start       waits up to islands.regroup_wait_s for its N - 1 followers to be candidates,
                                    forms the island of those present (`decide`), writes the formation (epoch + 1)
                                    and joins jax.distributed as rank 0 of that many processes
-    a follower, at each start      says it is ready, waits for a formation that names its nonce (`take_place`) and
-                                   joins as the rank of its place in it; refused, it stops with one line (exit 2)
+    a follower, at each start      says it is ready, waits for a formation that names its nonce (`take_place`), says
+                                   it no more and joins as the rank of its place in it; refused, it stops with one
+                                   line (exit 2)
     process 0, at each round's end a candidate outside the formation (a lost process back) makes the island re-form
                                    there (`Lead.returning`): the round's checkpoint is complete, every process exits
                                    with supervisor.REGROUP and is started again at once, and process 0's next start
@@ -192,9 +193,11 @@ def announce(lock: RunDirLock, process: int, cfg: RunConfig) -> str:
     return nonce
 
 
-def take_place(files: FormationFiles, nonce: str, name: str, process: int) -> tuple[Formation, int]:
-    """Wait until process 0 names this follower (`nonce`) in a formation; returns it and this process's rank there. A
-    refusal is one line (FormationRefused). No time limit: process 0 takes a returning follower at a round's end."""
+def take_place(files: FormationFiles, lock: RunDirLock, nonce: str, name: str, process: int) -> tuple[Formation, int]:
+    """Wait until process 0 names this follower (`nonce`, announced in `lock`) in a formation; returns it and this
+    process's rank there, and says in `lock` that it is no longer ready: a follower on its way out of this formation
+    (the island re-forming) is no candidate of the next, whose process 0 waits for its restart instead. A refusal is
+    one line (FormationRefused). No time limit: process 0 takes a returning follower at a round's end."""
     told = False
     while True:
         formation = files.read()
@@ -205,6 +208,7 @@ def take_place(files: FormationFiles, nonce: str, name: str, process: int) -> tu
             )
         rank = formation.rank(nonce) if formation is not None else None
         if formation is not None and rank is not None:
+            lock.update(ready=None)
             return formation, rank
         if not told:
             log.info("island %s process %d is ready; waiting for process 0 to take it in", name, process)

@@ -22,10 +22,20 @@ must be a filesystem all of them share (orbax saves from every process and commi
 command order on the main thread, not on a background thread as a one-process island's do: orbax's save itself
 synchronises the processes with collectives, which must never interleave with the training's.
 
+Formation: which processes the island runs on is process 0's word, decided at each of its starts before anyone joins
+jax.distributed (diloco/worker/island_formation.py): it waits up to islands.regroup_wait_s for its followers to say
+they are ready, and the island is those present, ranked by process id. A follower joins as its rank there.
+
 Failures: a process that dies takes its island down. A surviving peer's collective fails at once (the dead socket)
 or JAX's distributed runtime, missing its heartbeats for HEARTBEAT_S, aborts every process of the island; each
-exits non-zero and its supervisor restarts it (diloco/worker/supervisor.py restarts a group on one host as a whole). The
-island re-forms, resumes from its checkpoint and rejoins the coordinator like any restarted island.
+exits non-zero and its supervisor restarts it (diloco/worker/supervisor.py restarts a group on one host as a whole).
+The island forms again, resumes from its checkpoint and rejoins the coordinator like any restarted island. A process
+lost for good (its host gone) is not waited for beyond regroup_wait_s: the island goes on with those left, on fewer
+devices and with the same batch (islands/mesh.py), from the same checkpoint and data cursor. When it comes back, it
+says it is ready and waits; at the next round's end (its checkpoint written) process 0 ends the island's processes
+with supervisor.REGROUP, their supervisors start them again at once, and the island forms as a whole again. A process
+of another release or config is refused in one line. Process 0 lost for good is not covered: its followers wait for
+it.
 
 Streaming (stream.fragments > 1), asynchronous rounds, init.inner_state and data.sampling = "chunks" are refused
 with processes > 1 (`check_group`): plain and time-budgeted DiLoCo rounds are what this replays.
@@ -375,7 +385,7 @@ def run_follower(cfg: RunConfig, name: str, run_dir: Path, group: Group) -> int:
     store = None
     try:
         nonce = announce(lock, me, cfg)
-        formation, rank = take_place(FormationFiles(run_dir, group.num_processes), nonce, name, me)
+        formation, rank = take_place(FormationFiles(run_dir, group.num_processes), lock, nonce, name, me)
         log.info("island %s process %d joins formation %d as rank %d", name, me, formation.epoch, rank)
         join(group, formation, rank)
         setup = build_setup(cfg, islands=[name])
