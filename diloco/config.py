@@ -203,8 +203,9 @@ class IslandsConfig:
     regroup_wait_s: float = field(default=60.0, metadata=LOCAL)
     """How long process 0 of a multi-process island (processes > 1) waits at each start for its other processes
     before it forms the island with those present; one that comes later joins at a round's end, when the island
-    re-forms (diloco/worker/island_formation.py). Long enough for a crashed process's restart; shorter lets an
-    island that lost a host for good go on sooner. Per process, read by process 0."""
+    re-forms (diloco/worker/island_formation.py). Keep it longer than a process takes to start (or a pod to be
+    rescheduled): a process that is merely slow is otherwise left out and costs the island a re-forming, at each
+    start. Shorter lets an island that lost a host for good go on sooner. Per process, read by process 0."""
     max: int = 64
     """The most islands the run's roster may hold at once: the configured ones plus those an operator admits while
     it runs (`diloco admit`, diloco/coordinator/enrollment.py), less the retired. Bounds what admissions can make

@@ -33,8 +33,10 @@ CONFIG = to_dict(CFG)
 OTHER = to_dict(load_config(REPO / "configs" / "tiny.toml", ["inner.lr=0.001", "train.rounds=7"]))
 
 
-def ready(process: int, nonce: str = "", release: str = RELEASE, config: dict[str, Any] = CONFIG) -> Candidate:
-    return Candidate(process, nonce or f"n{process}", release, config)
+def ready(
+    process: int, nonce: str = "", release: str = RELEASE, config: dict[str, Any] = CONFIG, of: int = 3
+) -> Candidate:
+    return Candidate(process, nonce or f"n{process}", release, config, of)
 
 
 @pytest.mark.parametrize(
@@ -55,10 +57,15 @@ def ready(process: int, nonce: str = "", release: str = RELEASE, config: dict[st
             {"n1": "process 1's config differs from process 0's in: inner.lr, train.rounds"},
         ),
         ([ready(3)], [(0, "lead")], {"n3": "process 3 is not a follower of an island of 3 processes (1 .. 2)"}),
+        (
+            [ready(1, of=2)],
+            [(0, "lead")],
+            {"n1": "process 1 was started for an island of 2 processes, process 0 for 3"},
+        ),
         ([ready(0)], [(0, "lead")], {"n0": "process 0 is not a follower of an island of 3 processes (1 .. 2)"}),
         ([ready(1, "b"), ready(1, "a")], [(0, "lead"), (1, "a")], {}),  # one per process id, whatever the order
     ],
-    ids=["whole", "any-order", "one-lost", "alone", "release", "config", "beyond-n", "a-second-0", "twice"],
+    ids=["whole", "any-order", "one-lost", "alone", "release", "config", "beyond-n", "other-n", "a-second-0", "twice"],
 )
 def test_decide(candidates: list[Candidate], members: list[tuple[int, str]], refused: dict[str, str]) -> None:
     formation = decide(Formation(4, ((0, "old"),)), 3, "lead", candidates, CONFIG, RELEASE)
@@ -73,12 +80,13 @@ def test_decide(candidates: list[Candidate], members: list[tuple[int, str]], ref
         {},
         {"pid": 1},
         {"ready": 3},
-        {"ready": {"process": "1", "nonce": "n", "release": RELEASE, "config": {}}},
-        {"ready": {"process": 1, "nonce": "", "release": RELEASE, "config": {}}},
-        {"ready": {"process": 1, "nonce": "n" * 65, "release": RELEASE, "config": {}}},
-        {"ready": {"process": 1, "nonce": "n", "release": 5, "config": {}}},
-        {"ready": {"process": 1, "nonce": "n", "release": RELEASE, "config": []}},
-        {"ready": {"process": 1, "nonce": "n", "release": RELEASE}},
+        {"ready": {"process": "1", "of": 2, "nonce": "n", "release": RELEASE, "config": {}}},
+        {"ready": {"process": 1, "of": 2, "nonce": "", "release": RELEASE, "config": {}}},
+        {"ready": {"process": 1, "of": 2, "nonce": "n" * 65, "release": RELEASE, "config": {}}},
+        {"ready": {"process": 1, "of": 2, "nonce": "n", "release": 5, "config": {}}},
+        {"ready": {"process": 1, "of": 2, "nonce": "n", "release": RELEASE, "config": []}},
+        {"ready": {"process": 1, "of": 2, "nonce": "n", "release": RELEASE}},
+        {"ready": {"process": 1, "of": "2", "nonce": "n", "release": RELEASE, "config": {}}},
     ],
 )
 def test_a_malformed_lock_file_names_no_candidate(holder: dict[str, Any] | None) -> None:
@@ -97,7 +105,7 @@ def test_a_formation_reads_back_as_written(tmp_path: Path) -> None:
 
 def _follower(run_dir: Path, process: int, cfg: RunConfig = CFG) -> tuple[RunDirLock, str]:
     lock = RunDirLock(run_dir, role=f"island a process {process}", name=lock_name(process))
-    return lock, announce(lock, process, cfg)
+    return lock, announce(lock, process, 2, cfg)
 
 
 def test_a_candidate_is_a_live_lock_holder_that_said_it_is_ready(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ restart of all of them into a new formation, process 0's word, written before an
     RUN_DIR/formation.json   {"epoch": 3, "members": [[0, nonce], [1, nonce]], "refused": {nonce: reason}}
 
 A follower says that it is ready in its own lock file, RUN_DIR/process-I.lock (diloco/run/rundir.py: a flock the
-kernel drops however the process ends): a nonce new at each start, its release and its config. So a live lock holder
-that says so is a candidate, and a dead process's file is no one's (`live_holder`).
+kernel drops however the process ends): a nonce new at each start, its release, its config and its --num-processes.
+So a live lock holder that says so is a candidate, and a dead process's file is no one's (`live_holder`).
 
     process 0, at each start       waits up to islands.regroup_wait_s for its N - 1 followers to be candidates,
                                    forms the island of those present (`decide`), writes the formation (epoch + 1)
@@ -29,9 +29,9 @@ on the batches a full island would.
 
 The run directory is already a filesystem that every process of the island shares (its checkpoints), so the
 formation needs no socket of its own: no port to secure beyond jax.distributed's, and it outlives every restart. A
-candidate whose release or config differs from process 0's is refused (`refusal`): it would compute something else,
-and jax.distributed would join it all the same. Lock files are the island's own processes' words, but a malformed one
-only makes that process no candidate.
+candidate whose release, config or process count differs from process 0's is refused (`refusal`): it would compute
+something else, and jax.distributed would join it all the same. Lock files are the island's own processes' words, but
+a malformed one only makes that process no candidate.
 
 Process 0 is the formation's author and the island's voice to the coordinator: if it is lost, its followers wait for
 it to come back (no other process takes the island over). This module is JAX-free: it decides before JAX starts.
@@ -63,7 +63,8 @@ MAX_NONCE = 64
 
 
 class FormationRefused(UserError, ValueError):
-    """Process 0 refused this process (another release or config): one line, exit code 2, not restarted."""
+    """Process 0 refused this process (another release, config or process count): one line, exit code 2, not
+    restarted."""
 
 
 def lock_name(process_id: int) -> str:
@@ -74,13 +75,15 @@ def lock_name(process_id: int) -> str:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A follower ready to join, as its lock file says: its process id, its nonce (new at each start), release and
-    config (`to_dict`: the shared keys, none of a process's own)."""
+    """A follower ready to join, as its lock file says: its process id, its nonce (new at each start), release,
+    config (`to_dict`: the shared keys, none of a process's own) and the island's process count it was started for
+    (--num-processes)."""
 
     process: int
     nonce: str
     release: str
     config: Mapping[str, Any]
+    processes: int
 
     @classmethod
     def read(cls, holder: Mapping[str, Any] | None) -> Candidate | None:
@@ -89,12 +92,12 @@ class Candidate:
         ready = (holder or {}).get("ready")
         if not isinstance(ready, dict):
             return None
-        process, nonce, release, config = (ready.get(k) for k in ("process", "nonce", "release", "config"))
-        if not (isinstance(process, int) and isinstance(nonce, str) and 0 < len(nonce) <= MAX_NONCE):
+        process, nonce, release, config, n = (ready.get(k) for k in ("process", "nonce", "release", "config", "of"))
+        if not (isinstance(process, int) and isinstance(n, int) and isinstance(nonce, str)):
             return None
-        if not (isinstance(release, str) and isinstance(config, dict)):
+        if not (0 < len(nonce) <= MAX_NONCE and isinstance(release, str) and isinstance(config, dict)):
             return None
-        return cls(process, nonce, release, config)
+        return cls(process, nonce, release, config, n)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ def refusal(candidate: Candidate, n: int, config: Mapping[str, Any], release: st
     me = f"process {candidate.process}"
     if not 0 < candidate.process < n:
         return f"{me} is not a follower of an island of {n} processes (1 .. {n - 1})"
+    if candidate.processes != n:
+        return f"{me} was started for an island of {candidate.processes} processes, process 0 for {n}"
     if candidate.release != release:
         return f"{me} runs release {candidate.release[:40]!r}, process 0 runs {release!r}"
     differing = diff_keys(dict(candidate.config), dict(config))
@@ -186,10 +191,11 @@ class FormationFiles:
         return [c for i, c in enumerate(found, start=1) if c is not None and c.process == i]
 
 
-def announce(lock: RunDirLock, process: int, cfg: RunConfig) -> str:
-    """A follower (holding `lock`, its process-I.lock) says it is ready to join; returns its nonce."""
+def announce(lock: RunDirLock, process: int, n: int, cfg: RunConfig) -> str:
+    """A follower (holding `lock`, its process-I.lock) of an island of `n` processes says it is ready to join;
+    returns its nonce."""
     nonce = uuid.uuid4().hex
-    lock.update(ready={"process": process, "nonce": nonce, "release": RELEASE, "config": to_dict(cfg)})
+    lock.update(ready={"process": process, "of": n, "nonce": nonce, "release": RELEASE, "config": to_dict(cfg)})
     return nonce
 
 

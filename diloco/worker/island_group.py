@@ -384,7 +384,7 @@ def run_follower(cfg: RunConfig, name: str, run_dir: Path, group: Group) -> int:
     lock = RunDirLock(run_dir, role=f"island {name} process {me}", name=lock_name(me))
     store = None
     try:
-        nonce = announce(lock, me, cfg)
+        nonce = announce(lock, me, group.num_processes, cfg)
         formation, rank = take_place(FormationFiles(run_dir, group.num_processes), lock, nonce, name, me)
         log.info("island %s process %d joins formation %d as rank %d", name, me, formation.epoch, rank)
         join(group, formation, rank)
