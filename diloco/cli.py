@@ -342,7 +342,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 def _island(args: argparse.Namespace) -> int:
     from diloco.deploy.tls import check_client_exposure, client_tls
     from diloco.worker.island_worker import IslandError, run_island_process, say_gone
-    from diloco.worker.supervisor import follow_supervisor, supervise
+    from diloco.worker.supervisor import REGROUP, Member, follow_supervisor, supervise
     from transport.auth import is_secret_reference, resolve_secret
 
     cfg = _load(args)
@@ -362,7 +362,7 @@ def _island(args: argparse.Namespace) -> int:
 
     check_backend(cfg.islands.backend)  # likewise a missing pathways extra or proxy environment
     run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-{args.name}")
-    from diloco.worker.island_group import check_group, lock_name, members, run_follower
+    from diloco.worker.island_group import check_group, lock_name, members, pid_name, run_follower
 
     group = check_group(cfg, args.process_id, args.num_processes, args.island_coordinator)
     if args.no_supervise:
@@ -372,7 +372,10 @@ def _island(args: argparse.Namespace) -> int:
     if not group.leader:  # a follower talks to its island's leader only (diloco/worker/island_group.py)
         if not args.no_supervise:
             worker = [*(sys.argv[1:] if args.argv is None else args.argv), "--no-supervise", "--run-dir", str(run_dir)]
-            return supervise(worker, run_dir, args.max_restarts, lock_name=lock_name(group.process_id))
+            me = group.process_id  # its own pid file: the run directory is the one its leader writes worker.pid to
+            return supervise(
+                [Member(worker, pid_file=pid_name(me))], run_dir, args.max_restarts, lock_name=lock_name(me)
+            )
         return run_follower(cfg, args.name, run_dir, group)
     if args.coordinator is None:
         raise IslandError("--coordinator HOST:PORT is needed (the island's process 0 talks to the coordinator)")
@@ -400,7 +403,7 @@ def _island(args: argparse.Namespace) -> int:
         cfg, args.name, args.coordinator, run_dir, secret, args.metrics_port, group, args.retire_on_stop
     )
     print(json.dumps(result), flush=True)
-    return 0
+    return REGROUP if result.get("reform") else 0
 
 
 def _certs(args: argparse.Namespace) -> int:

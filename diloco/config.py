@@ -200,6 +200,12 @@ class IslandsConfig:
     devices. Process 0 talks to the coordinator, the others replay its calls. `diloco island` takes it as the
     default of --num-processes. Per island (per process, not in the config digest): islands of one run may span
     different numbers of hosts."""
+    regroup_wait_s: float = field(default=60.0, metadata=LOCAL)
+    """How long process 0 of a multi-process island (processes > 1) waits at each start for its other processes
+    before it forms the island with those present; one that comes later joins at a round's end, when the island
+    re-forms (diloco/worker/island_formation.py). Keep it longer than a process takes to start (or a pod to be
+    rescheduled): a process that is merely slow is otherwise left out and costs the island a re-forming, at each
+    start. Shorter lets an island that lost a host for good go on sooner. Per process, read by process 0."""
     max: int = 64
     """The most islands the run's roster may hold at once: the configured ones plus those an operator admits while
     it runs (`diloco admit`, diloco/coordinator/enrollment.py), less the retired. Bounds what admissions can make
@@ -225,6 +231,8 @@ class IslandsConfig:
             raise ValueError(f"islands.devices must be >= 1 (got {self.devices})")
         if self.processes < 1:
             raise ValueError(f"islands.processes must be >= 1 (got {self.processes})")
+        if not 0.0 <= self.regroup_wait_s <= 3600.0:
+            raise ValueError(f"islands.regroup_wait_s must be between 0 and 3600 seconds (got {self.regroup_wait_s})")
         if not 0.0 <= self.device_step_s <= 60.0:
             raise ValueError(f"islands.device_step_s must be between 0 and 60 seconds (got {self.device_step_s})")
         if self.backend not in BACKENDS:

@@ -68,6 +68,7 @@ def test_overrides_are_typed_and_nested() -> None:
         (["noequals"], "must look like section.key=value"),
         (["islands.count=3"], "islands.names has 2 names but islands.count is 3"),
         (["train.microbatch=5"], "train.batch_size (16) must be a multiple of train.microbatch (5)"),
+        (["islands.regroup_wait_s=-1"], "islands.regroup_wait_s must be between 0 and 3600 seconds (got -1"),
     ],
 )
 def test_bad_values_name_the_key(overrides: list[str], message: str) -> None:

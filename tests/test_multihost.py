@@ -3,8 +3,10 @@
 With real processes, sockets and signals, on CPU over gloo, in one federation: island-0 as 2 processes x 2 devices
 trains as one process of 4 devices does (the same losses as `simulate`, within float tolerance: the cross-process
 all-reduce adds in another order), even though one of its followers is SIGKILLed mid-run: the island goes down as a
-whole, its supervisor restarts it, it resumes from its checkpoint and redoes the round it lost. Every island's θ
-equals the coordinator's after every round. A user mistake is one line and exit code 2.
+whole, its supervisor restarts it, it resumes from its checkpoint and redoes the round it lost. A process lost for
+good is not waited for: the island goes on without it, on the same batches, and grows back when it returns
+(diloco/worker/island_formation.py). Every island's θ equals the coordinator's after every round. A user mistake is
+one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ import pytest
 from diloco.cli import main
 from diloco.harness.procs import Federation, devices_env
 from diloco.run.rundir import read_events
+from diloco.worker.island_formation import FormationFiles
 from tests.conftest import ENV, FAST, JAX_CACHE, REPO, child_env
 from tests.test_federation import _finished_checkpoints, check_run
 
@@ -43,65 +46,79 @@ def feds(tmp_path: Path, tiny_config: Path) -> Iterator[list[Federation]]:
         fed.stop(grace_s=0.0)
 
 
+@pytest.fixture
+def simulated(tmp_path: Path, tiny_config: Path) -> Iterator[Callable[[Sequence[str]], subprocess.Popen[str]]]:
+    """Starts `diloco simulate` of a run with every island on 4 devices in tmp_path/simulate: the one-process run that
+    a federation of one-process islands matches bit for bit (tests/test_federation.py::test_launch_equals_simulate).
+    Killed at teardown if it still runs."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(run: Sequence[str]) -> subprocess.Popen[str]:
+        argv = ["simulate", str(tiny_config), *run, "islands.devices=4", "--run-dir", str(tmp_path / "simulate")]
+        started.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "diloco.cli", *argv, "--no-progress"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=child_env(4, jax_cache=True),
+                cwd=REPO,
+            )
+        )
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def _curve(rounds: list[dict]) -> list[float]:
     """A run's curve as the coordinator and `simulate` both log it: each round's mean island loss and eval loss."""
     return [x for r in rounds for x in (r["loss"], r["eval_loss"])]
 
 
+def _same_curve(fed: Federation, reference: subprocess.Popen[str], rounds: int) -> float:
+    """The federation's curve is the reference `simulate`'s within float tolerance (only the order of float sums
+    differs: other device counts, a cross-process all-reduce): the same batches, the same steps. Returns the worst
+    difference."""
+    _, err = reference.communicate(timeout=WAIT_S)
+    assert reference.returncode == 0, err[-2000:]
+    a, b = _curve(fed.rounds()), _curve(read_events(Path(reference.args[-2]) / "metrics.jsonl", "round"))
+    assert len(a) == len(b) == 2 * rounds
+    worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
+    assert worst < 1e-4, (a, b)
+    return worst
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_process_island_trains_as_one_process_island_through_a_killed_follower(
-    tmp_path: Path, tiny_config: Path, feds: list
+    tmp_path: Path, tiny_config: Path, feds: list, simulated: Callable[[Sequence[str]], subprocess.Popen[str]]
 ) -> None:
-    """island-0 as 2 processes x 2 devices against the one-process run of the same config: `diloco simulate` with
-    every island on 4 devices, which a federation of one-process islands matches bit for bit
-    (tests/test_federation.py::test_launch_equals_simulate). Only the order of float sums differs."""
-    reference = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "diloco.cli",
-            "simulate",
-            str(tiny_config),
-            *RUN,
-            "islands.devices=4",
-            "--run-dir",
-            str(tmp_path / "simulate"),
-            "--no-progress",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env(4, jax_cache=True),
+    """island-0 as 2 processes x 2 devices against the one-process run of the same config (`simulated`)."""
+    reference = simulated(RUN)
+    fed = Federation(
+        tiny_config,
+        [*RUN, "islands.devices=2"],
+        tmp_path / "multi",
         cwd=REPO,
+        env=ENV,
+        jax_cache=JAX_CACHE,
+        pause_at=[KILL_AT],
     )
-    try:
-        fed = Federation(
-            tiny_config,
-            [*RUN, "islands.devices=2"],
-            tmp_path / "multi",
-            cwd=REPO,
-            env=ENV,
-            jax_cache=JAX_CACHE,
-            pause_at=[KILL_AT],
-        )
-        feds.append(fed)
-        fed.start_coordinator()
-        fed.start_island("island-0", args=fed.group_args("island-0", 2), supervised=True)
-        fed.start_island("island-1", env=devices_env(2))
-        killed_in = fed.paused(KILL_AT, WAIT_S)["round"]
-        fed.wait_for(lambda: "1" in _finished_checkpoints(fed, "island-0"), WAIT_S, "island-0's checkpoint 1")
-        island = fed.island_dir("island-0")
-        leader, follower = (int((island / f).read_text()) for f in ("worker.pid", "process-1.pid"))
-        os.kill(follower, signal.SIGKILL)
-        fed.wait_done(WAIT_S)
-        fed.stop(linger_s=20.0)
-        _, err = reference.communicate(timeout=WAIT_S)
-    finally:
-        if reference.poll() is None:
-            reference.kill()
-            reference.communicate()
-    assert reference.returncode == 0, err[-2000:]
+    feds.append(fed)
+    fed.start_coordinator()
+    fed.start_island("island-0", args=fed.group_args("island-0", 2), supervised=True)
+    fed.start_island("island-1", env=devices_env(2))
+    killed_in = fed.paused(KILL_AT, WAIT_S)["round"]
+    fed.wait_for(lambda: "1" in _finished_checkpoints(fed, "island-0"), WAIT_S, "island-0's checkpoint 1")
+    island = fed.island_dir("island-0")
+    leader, follower = (int((island / f).read_text()) for f in ("worker.pid", "process-1.pid"))
+    os.kill(follower, signal.SIGKILL)
+    fed.wait_done(WAIT_S)
+    fed.stop(linger_s=20.0)
     check_run(fed, ROUNDS, list(fed.names))  # every island's θ is the coordinator's after every round
     # The whole island restarted: a new leader process, resumed from its checkpoint of the round it was training,
     # joined again; the follower kept its own lock and pid file beside the leader's run.lock.
@@ -110,11 +127,98 @@ def test_two_process_island_trains_as_one_process_island_through_a_killed_follow
     assert len(fed.events("joined", island="island-0")) == 2
     assert "restart 1/5" in fed.log_path("island-0").read_text()
     assert (island / "process-1.lock").exists() and (island / "process-1.pid").exists()
-    a, b = _curve(fed.rounds()), _curve(read_events(tmp_path / "simulate" / "metrics.jsonl", "round"))
-    assert len(a) == len(b) == 2 * ROUNDS
-    worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
+    worst = _same_curve(fed, reference, ROUNDS)
     print(f"killed in round {killed_in}; loss curves differ by at most {worst:.3g}")
-    assert worst < 1e-4, (a, b)
+
+
+REFORM_ROUNDS = 4
+LOST_AT = "island-0:before_push:1"
+"""Both processes trained round 1; process 0 stops before its push, and process 1's host is lost there (its round-1
+checkpoint complete)."""
+ALONE_AT = "island-0:after_adopt:2"
+"""Process 0 alone trained round 1 again and adopted its commit: a process 1 of another config comes here."""
+BACK_AT = "island-0:after_adopt:3"
+"""Process 0 alone trained round 2 too: the lost process 1 comes back here, and the island re-forms as two."""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_an_island_goes_on_without_a_lost_process_and_grows_back(
+    tmp_path: Path, tiny_config: Path, feds: list, simulated: Callable[[Sequence[str]], subprocess.Popen[str]]
+) -> None:
+    """island-0 as processes 0 and 1, each under its own supervisor as on two hosts. Process 1's host is lost for
+    good (supervisor and worker SIGKILLed): process 0 restarts, waits islands.regroup_wait_s for it in vain, and the
+    island goes on as one process on half the devices; its rounds commit. A process 1 of another config is refused
+    in one line. The real process 1 comes back: at the round's end the island re-forms as two and trains the last
+    round so. Every island's θ equals the coordinator's after every round, and the loss curve is the one-process
+    reference's: the island of one process trained on the batches the whole island would have."""
+    run = [*RUN, f"train.rounds={REFORM_ROUNDS}", "islands.regroup_wait_s=2"]  # the later value of a key wins
+    reference = simulated(run)
+    fed = Federation(
+        tiny_config,
+        [*run, "islands.devices=2"],
+        tmp_path / "fed",
+        cwd=REPO,
+        env=ENV,
+        jax_cache=JAX_CACHE,
+        pause_at=[LOST_AT, ALONE_AT, BACK_AT],
+    )
+    feds.append(fed)
+    fed.start_coordinator()
+    island = fed.island_dir("island-0")
+    group = fed.group_args("island-0", 2)
+    host_1 = fed.island_argv("island-0", [*group, "--process-id", "1"], supervised=True)
+    ready = FormationFiles(island, 2).candidates  # process 1, alive and ready to join
+
+    fed.spawn("island-0-host-1", host_1)
+    fed.wait_for(ready, WAIT_S, "process 1 ready")  # the island's first formation is whole, not a race
+    fed.start_island("island-0", args=[*group, "--process-id", "0"], supervised=True)
+    fed.start_island("island-1", env=devices_env(2))
+    fed.paused(LOST_AT, WAIT_S)
+    fed.wait_for(lambda: "1" in _finished_checkpoints(fed, "island-0"), WAIT_S, "island-0's checkpoint 1")
+    fed.kill("island-0-host-1", whole_group=True)
+    fed.release(LOST_AT)  # its next collective fails: process 0 ends and its supervisor starts it again
+
+    fed.paused(ALONE_AT, WAIT_S)
+    formed = fed.events("formed", island="island-0")
+    assert [(e["processes"], e["devices"]) for e in formed] == [([0, 1], 4), ([0], 2)], formed
+    assert "island-0" in fed.wait_rounds(2, WAIT_S)[1]["islands"]  # the round process 0 trained alone committed
+    other = [*fed.island_argv("island-0", [*group, "--process-id", "1"], supervised=False), "inner.lr=0.001"]
+    refused = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", *other], env=fed.env, cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        fed.wait_for(ready, WAIT_S, "the other process 1 ready")
+        fed.release(ALONE_AT)
+        _, err = refused.communicate(timeout=WAIT_S)
+    finally:
+        if refused.poll() is None:
+            refused.kill()
+            refused.communicate()
+    errors = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert refused.returncode == 2 and len(errors) == 1, err[-2000:]
+    assert "process 0 refuses this process: process 1's config differs from process 0's in: inner.lr" in errors[0]
+
+    fed.paused(BACK_AT, WAIT_S)
+    fed.spawn("island-0-host-1", host_1)  # the lost host is back
+    fed.wait_for(ready, WAIT_S, "process 1 ready again")
+    fed.release(BACK_AT)
+    fed.wait_done(WAIT_S)
+    fed.stop(linger_s=20.0)
+
+    check_run(fed, REFORM_ROUNDS, list(fed.names))  # every island's θ is the coordinator's after every round
+    assert all(sorted(r["islands"]) == ["island-0", "island-1"] for r in fed.rounds())
+    formed = fed.events("formed", island="island-0")
+    assert [(e["processes"], e["devices"]) for e in formed] == [([0, 1], 4), ([0], 2), ([0, 1], 4)], formed
+    assert [e["epoch"] for e in formed] == [1, 2, 3]
+    [refusal] = fed.events("process_refused", island="island-0")
+    assert refusal["process"] == 1 and "inner.lr" in refusal["reason"]
+    # The island re-formed at round 3's start, from its checkpoint of round 3, and joined the coordinator again.
+    assert [(e["round"], e["step"]) for e in fed.events("resumed", island="island-0")] == [(1, 4), (3, 12)]
+    stopped = fed.events("stopped", island="island-0")
+    assert [e["reason"] for e in stopped] == ["re-forming: process 1 ready to join"], stopped
+    assert fed.processes()["island-0-host-1"].returncode == 0
+    print(f"loss curves differ by at most {_same_curve(fed, reference, REFORM_ROUNDS):.3g}")
 
 
 @pytest.mark.parametrize(

@@ -40,8 +40,10 @@ preempted (condition DisruptionTarget) is replaced without counting against `bac
 the coordinator so the round does not wait for the lease; its pod fails only when the supervisor gives up.
 Kubernetes has no "restart every index of a Job when one fails"; the whole island restarts because its processes
 cannot go on without one another (diloco/worker/island_group.py): the survivors' collectives and JAX's distributed
-runtime fail when a peer dies, they exit and restart too. `backoffLimit` counts failed pods: ISLAND_POD_RESTARTS × the
-island's processes.
+runtime fail when a peer dies, they exit and restart too. A pod not back within islands.regroup_wait_s (a node lost, a
+slow reschedule) is not waited for: process 0 forms the island of the pods it has, and the island grows back at a
+round's end once the pod is (diloco/worker/island_formation.py). `backoffLimit` counts failed pods:
+ISLAND_POD_RESTARTS × the island's processes.
 """
 
 from __future__ import annotations
@@ -111,9 +113,10 @@ error (config, divergence): retrying cannot fix it, so it fails the Job at once.
 (DisruptionTarget) is replaced without counting against backoffLimit. In a pod, `diloco island` restarts a crashed
 worker itself (no rescheduling) and tells the coordinator at once; the pod fails only when it gives up. One dead
 process restarts the whole island: the others cannot go on without it (JAX's distributed runtime and the
-collectives fail), so they exit and restart too. backoffLimit counts failed pods: {ISLAND_POD_RESTARTS} x
-islands.processes. A pod stopped by SIGTERM (a drained node) leaves the run cleanly with exit code 0, which
-completes its index: re-create the Job to bring it back (it resumes from its volume)."""
+collectives fail), so they exit and restart too; a pod not back within islands.regroup_wait_s is not waited for (the
+island goes on with the others and grows back at a round's end when it is). backoffLimit counts failed pods:
+{ISLAND_POD_RESTARTS} x islands.processes. A pod stopped by SIGTERM (a drained node) leaves the run cleanly with exit
+code 0, which completes its index: re-create the Job to bring it back (it resumes from its volume)."""
 
 
 class DeployError(UserError, ValueError):

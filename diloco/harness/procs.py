@@ -294,11 +294,18 @@ class Federation:
         if proc.poll() is None:
             proc.send_signal(sig)
 
-    def kill(self, name: str = COORDINATOR) -> None:
-        """SIGKILL: no handler runs, no checkpoint flush, no leave; sockets just vanish (peers notice by timeouts)."""
+    def kill(self, name: str = COORDINATOR, *, whole_group: bool = False) -> None:
+        """SIGKILL: no handler runs, no checkpoint flush, no leave; sockets just vanish (peers notice by timeouts).
+        With `whole_group` (and `new_session`), its process group too: a supervisor and its worker at once, as a
+        host that dies takes both."""
         self.killed.add(name)
-        self.signal(name, signal.SIGKILL)
-        self.processes()[name].wait(timeout=30)
+        proc = self.processes()[name]
+        if whole_group and self.new_session:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            self.signal(name, signal.SIGKILL)
+        proc.wait(timeout=30)
 
     def check_alive(self) -> None:
         """Raise if a process that was not killed on purpose exited with an error."""

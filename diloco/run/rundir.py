@@ -53,6 +53,8 @@ LOCK_FILE = "run.lock"
 LAUNCH_LOCK_FILE = "launch.lock"
 """Held by `diloco launch` beside its coordinator's run.lock: a second launch is refused before it rewrites
 anything of the first (its TLS files, its coordinator's address, its logs)."""
+PROBE_GRACE_S = 0.2
+"""How long `check_free` waits for a lock held by another probe (an instant) before it names the holder."""
 COMMANDS = ("coordinator", "island", "simulate", "launch", "bench")
 """`diloco` commands whose name (argv[1]) becomes the holder's role when the caller does not give one."""
 
@@ -218,15 +220,35 @@ def busy_message(run_dir: Path, holder: dict[str, Any], name: str = LOCK_FILE) -
     return f"run dir '{run_dir}' is in use by {who}; stop it or use another --run-dir"
 
 
+def live_holder(path: Path) -> dict[str, Any] | None:
+    """What the lock file at `path` says about its holder while one holds it ({} while it is being written); None
+    when the file is absent or its lock is free (its content is then a dead process's). Writes nothing: the probe
+    holds a free lock for an instant, and a process taking it at that very moment waits for it (`RunDirLock`'s grace,
+    `check_free`'s) instead of failing. On a filesystem without locks the content is taken as it is."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    with os.fdopen(fd, "r+") as file:
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return read_holder(path, wait_s=0.0)
+        except OSError:
+            return read_holder(path, wait_s=0.0)  # no locks here (RunDirLock runs unprotected): trust the content
+        return None  # closing the file lets go of the probe's lock
+
+
 def check_free(run_dir: Path, name: str = LOCK_FILE) -> None:
     """Raise RunDirBusy when a live process holds `run_dir`; take nothing (the lock is let go at once).
 
     For the island supervisor: it refuses a second island on the same directory before spawning a worker (and
     before overwriting the first one's worker.pid). The probe holds the lock for an instant; a worker opening the
-    directory at that very moment waits for it (`RunDirLock`'s grace) instead of failing.
+    directory at that very moment waits for it (`RunDirLock`'s grace) instead of failing, and this probe waits out
+    another's (`live_holder`: a multi-process island's process 0 looks at its followers' locks) for PROBE_GRACE_S.
     """
     if run_dir.is_dir():
-        RunDirLock(run_dir, wait_s=0.0, name=name).release()
+        RunDirLock(run_dir, wait_s=PROBE_GRACE_S, name=name).release()
 
 
 class RunDir:

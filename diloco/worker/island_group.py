@@ -22,10 +22,20 @@ must be a filesystem all of them share (orbax saves from every process and commi
 command order on the main thread, not on a background thread as a one-process island's do: orbax's save itself
 synchronises the processes with collectives, which must never interleave with the training's.
 
+Formation: which processes the island runs on is process 0's word, decided at each of its starts before anyone joins
+jax.distributed (diloco/worker/island_formation.py): it waits up to islands.regroup_wait_s for its followers to say
+they are ready, and the island is those present, ranked by process id. A follower joins as its rank there.
+
 Failures: a process that dies takes its island down. A surviving peer's collective fails at once (the dead socket)
 or JAX's distributed runtime, missing its heartbeats for HEARTBEAT_S, aborts every process of the island; each
-exits non-zero and its supervisor restarts it (diloco/worker/supervisor.py restarts a group on one host as a whole). The
-island re-forms, resumes from its checkpoint and rejoins the coordinator like any restarted island.
+exits non-zero and its supervisor restarts it (diloco/worker/supervisor.py restarts a group on one host as a whole).
+The island forms again, resumes from its checkpoint and rejoins the coordinator like any restarted island. A process
+lost for good (its host gone) is not waited for beyond regroup_wait_s: the island goes on with those left, on fewer
+devices and with the same batch (islands/mesh.py), from the same checkpoint and data cursor. When it comes back, it
+says it is ready and waits; at the next round's end (its checkpoint written) process 0 ends the island's processes
+with supervisor.REGROUP, their supervisors start them again at once, and the island forms as a whole again. A process
+of another release or config is refused in one line. Process 0 lost for good is not covered: its followers wait for
+it.
 
 Streaming (stream.fragments > 1), asynchronous rounds, init.inner_state and data.sampling = "chunks" are refused
 with processes > 1 (`check_group`): plain and time-budgeted DiLoCo rounds are what this replays.
@@ -54,6 +64,7 @@ from diloco.harness.procs import devices_env
 from diloco.run.checkpoint import CheckpointStore, restore_state, save_state
 from diloco.run.rundir import RunDirLock
 from diloco.run.setup import build_setup, make_island
+from diloco.worker.island_formation import Formation, FormationFiles, announce, lock_name, take_place
 from diloco.worker.supervisor import Member
 from floor.errors import UserError
 from islands.island import InnerRun, Island, IslandState, RoundPush
@@ -65,6 +76,10 @@ HEARTBEAT_S = 10
 """jax.distributed's heartbeat timeout: a peer silent this long (dead host, SIGSTOP) is declared dead and every
 process of the island aborts, so that each supervisor restarts its own. JAX's default (100 s) would leave the
 island hung that long; shorter risks a false alarm on a loaded host."""
+JOIN_S = 60
+"""How long jax.distributed waits for every process of a formation to join (JAX's default: 300 s). They were all
+ready when process 0 formed the island, so one that does not come died meanwhile: the island fails, restarts, and
+forms again without it."""
 SHUTDOWN_S = 30
 """How long a process that exits waits at JAX's shutdown barrier for its peers (JAX's default: 300 s)."""
 FOLLOWER_STOP_S = 20.0
@@ -137,31 +152,30 @@ def check_supported(cfg: RunConfig, processes: int) -> None:
             )
 
 
-def lock_name(process_id: int) -> str:
-    """The run directory's lock of a follower (the leader takes the directory's own, run.lock)."""
-    return f"process-{process_id}.lock"
-
-
 def members(worker_argv: list[str], group: Group, devices: int) -> list[Member]:
     """Every process of the island on this host, for the supervisor: `worker_argv` with its --process-id, and
     `devices` CPU devices each (XLA_FLAGS; on GPUs and TPUs each process takes what it finds)."""
     env = devices_env(devices)
-    return [
-        Member([*worker_argv, "--process-id", str(i)], env, "worker.pid" if i == 0 else f"process-{i}.pid")
-        for i in range(group.num_processes)
-    ]
+    return [Member([*worker_argv, "--process-id", str(i)], env, pid_name(i)) for i in range(group.num_processes)]
 
 
-def join(group: Group) -> None:
-    """Join the island's JAX program: before anything asks JAX for a device. On CPU the processes' collectives run
-    over gloo. Process 0 serves the coordination service, on loopback only when its address is loopback (the service
-    has no authentication: beyond one host its port must be reachable from the island's hosts alone)."""
+def pid_name(process_id: int) -> str:
+    """Where a supervisor writes the worker's pid of process `process_id` (the leader's is the directory's own)."""
+    return "worker.pid" if process_id == 0 else f"process-{process_id}.pid"
+
+
+def join(group: Group, formation: Formation, rank: int) -> None:
+    """Join the island's JAX program as process `rank` of `formation`'s (diloco/worker/island_formation.py): before
+    anything asks JAX for a device. On CPU the processes' collectives run over gloo. Process 0 serves the coordination
+    service, on loopback only when its address is loopback (the service has no authentication: beyond one host its
+    port must be reachable from the island's hosts alone)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     local = is_loopback(split_host(group.coordinator))
     jax.distributed.initialize(
         coordinator_address=group.coordinator,
-        num_processes=group.num_processes,
-        process_id=group.process_id,
+        num_processes=len(formation.members),
+        process_id=rank,
+        initialization_timeout=JOIN_S,
         heartbeat_timeout_seconds=HEARTBEAT_S,
         shutdown_timeout_seconds=SHUTDOWN_S,
         coordinator_bind_address=group.coordinator if local else None,
@@ -358,17 +372,22 @@ def follow(island: Island, like: PyTree, store: CheckpointStore | None, channel:
 
 
 def run_follower(cfg: RunConfig, name: str, run_dir: Path, group: Group) -> int:
-    """`diloco island --process-id I` (I > 0): join the island, build the same engine as the leader, follow it.
+    """`diloco island --process-id I` (I > 0): wait for a place in the island's formation, join the island, build the
+    same engine as the leader, follow it.
 
     The follower takes a lock of its own in the island's run directory (RUN_DIR/process-I.lock: two processes with
-    the same id on one directory are refused) and leaves the rest of it to the leader (run.lock, metrics, config),
-    except the checkpoints, which every process saves and restores together."""
+    the same id on one directory are refused), says there that it is ready to join (diloco/worker/island_formation.py)
+    and leaves the rest of the directory to the leader (run.lock, metrics, config, formation.json), except the
+    checkpoints, which every process saves and restores together."""
     me = group.process_id
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock(run_dir, role=f"island {name} process {me}", name=lock_name(me))
     store = None
     try:
-        join(group)
+        nonce = announce(lock, me, group.num_processes, cfg)
+        formation, rank = take_place(FormationFiles(run_dir, group.num_processes), lock, nonce, name, me)
+        log.info("island %s process %d joins formation %d as rank %d", name, me, formation.epoch, rank)
+        join(group, formation, rank)
         setup = build_setup(cfg, islands=[name])
         island = make_island(cfg, name, setup.model, setup.streams[name], len(jax.devices()))
         store = CheckpointStore(run_dir / "checkpoints") if cfg.train.checkpoint_every else None

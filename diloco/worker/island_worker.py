@@ -37,6 +37,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
@@ -56,9 +57,11 @@ from diloco.run.warm_start import initial_inner_state
 from diloco.simulator.async_sim import async_order, planned_steps
 from diloco.worker.global_copy import GlobalCopy, Ready, same_leaves
 from diloco.worker.island_checkpoints import IslandCheckpoints
+from diloco.worker.island_formation import FormationFiles, Lead
 from diloco.worker.island_group import ONE_PROCESS, Channel, Group, LeaderIsland, exit_code, join
 from diloco.worker.island_presence import IslandPresence
 from diloco.worker.island_sync import IslandSync, Serial, Synced, retry_forever
+from diloco.worker.supervisor import REGROUP
 from floor.errors import UserError
 from islands.backend import initialize_backend
 from islands.chunks import ChunkStream, Span
@@ -151,6 +154,12 @@ class IslandWorker:
         """Where the training thread's time between two runs of inner steps went (reported by train_start)."""
         self.stop_reason: str | None = None
         """Set by `request_stop` (SIGTERM, Ctrl+C): the island leaves at its next sync point."""
+        self.reform: Callable[[], str | None] = lambda: None
+        """Asked at each round's end of plain rounds, once the round's checkpoint is saved: why the island should end
+        there and re-form, or None to go on. A multi-process island's process 0 asks whether a lost process is back
+        (diloco/worker/island_formation.py: `Lead.returning`)."""
+        self.reforming = False
+        """The island ends at this sync point to re-form (`reform` said why): its processes exit with REGROUP."""
 
     def request_stop(self, reason: str) -> None:
         """Leave the federation at the next sync point (between inner-step runs): no new push, the checkpoint
@@ -355,6 +364,10 @@ class IslandWorker:
         if self.copy.position % self.P == 0:
             self.checkpoints.save(self.round, **self._chunk_meta())
         faults.at(self.name, "after_adopt", self.round)
+        if self.P == 1 and self.stop_reason is None and self.round < self.cfg.train.rounds:
+            why = self.reform()
+            if why is not None:  # leave here as a stop does (checkpoint flushed, a Leave), then re-form
+                self.stop_reason, self.reforming = f"re-forming: {why}", True
         return restarted
 
     def _merge_fragment(self, ready: Ready | None) -> None:
@@ -550,9 +563,11 @@ def run_island_process(
     """`diloco island --no-supervise`: one worker until the run is done, or SIGTERM / Ctrl+C stops it cleanly
     (`IslandWorker.request_stop`; exit code 0: a stopped island is not restarted by its supervisor). With a metrics
     port (diloco/ops/metrics.py: network.metrics_port + 1 + the island's index, or `metrics_port_flag`) the worker
-    serves /metrics on network.metrics_host. In a multi-process island (`group`) this is its leader, process 0: it joins
-    the island's JAX program first and, however it ends, tells the other processes to stop with its exit code. With
-    `retire_on_stop` a clean stop ends with the island retiring itself (`retire_self`), after its Leave."""
+    serves /metrics on network.metrics_host. In a multi-process island (`group`) this is its leader, process 0: it forms
+    the island of the processes ready (diloco/worker/island_formation.py) and joins the island's JAX program first,
+    looks for a lost process back at each round's end (then it ends with "reform" in its result, to be started
+    again), and however it ends tells the other processes to stop with its exit code. With `retire_on_stop` a clean
+    stop (not a re-forming) ends with the island retiring itself (`retire_self`), after its Leave."""
     initialize_backend(cfg.islands.backend)  # before anything asks JAX for a device (islands/backend.py)
     port = metrics_port(cfg, name, metrics_port_flag) if name in cfg.islands.island_names else 0
     rd = RunDir(run_dir, cfg)
@@ -561,9 +576,16 @@ def run_island_process(
     worker: IslandWorker | None = None
     ended: BaseException | None = None
     try:
+        lead = None
         if group.multiple:
-            join(group)
+            lead = Lead(FormationFiles(run_dir, group.num_processes), cfg, name, rd.log)
+            formation = lead.form(cfg.islands.regroup_wait_s)
+            join(group, formation, 0)
+            processes = list(formation.processes)
+            rd.log("formed", island=name, epoch=formation.epoch, processes=processes, devices=len(jax.devices()))
         worker = IslandWorker(cfg, name, client, rd, group)
+        if lead is not None and cfg.train.checkpoint_every:  # a re-formed island resumes from the round's checkpoint
+            worker.reform = lead.returning
         metrics_server = serve_metrics(worker.metrics.registry, cfg.network.metrics_host, port)
 
         def stop(signum: int, frame: object) -> None:
@@ -573,15 +595,16 @@ def run_island_process(
             signal.signal(s, stop)
         contributed = worker.run()
         stopped = {"stopped": worker.stop_reason} if worker.stop_reason else {}
-        if worker.stop_reason and retire_on_stop:
+        if worker.stop_reason and retire_on_stop and not worker.reforming:
             stopped["retired"] = retire_self(cfg, name, target, secret, f"retired on stop: {worker.stop_reason}")
-        return {"island": name, "rounds_contributed": contributed, "round": worker.round, **stopped}
+        reform = {"reform": True} if worker.reforming else {}
+        return {"island": name, "rounds_contributed": contributed, "round": worker.round, **stopped, **reform}
     except BaseException as exc:
         ended = exc
         raise
     finally:
         if worker is not None and isinstance(worker.island, LeaderIsland):
-            worker.island.stop(exit_code(ended))
+            worker.island.stop(REGROUP if worker.reforming and ended is None else exit_code(ended))
         if metrics_server is not None:
             metrics_server.stop()
         client.close()

@@ -26,6 +26,9 @@ N workers start together (process I's pid in RUN_DIR/process-I.pid; worker.pid i
 dies the others are SIGKILLed (they cannot go on without it: their collectives would hang or fail) and all N
 restart together, after the same backoff, so the island re-forms and resumes from its checkpoint. The group ends
 when process 0 ends (its followers follow it out: they are given FOLLOWERS_EXIT_S, then killed).
+
+A worker that exits with REGROUP ended on purpose so that its island re-forms on another set of processes (a lost
+one is back: diloco/worker/island_formation.py): it is started again at once, and that is no crash.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ log = logging.getLogger("diloco.worker.supervisor")
 
 
 USER_ERROR = 2
+REGROUP = 75
+"""The exit code of a worker that ends to re-form its island (a multi-process island whose lost process is back,
+diloco/worker/island_formation.py): started again at once, not counted as a crash, no Leave sent for it (it left
+by itself). 75 is sysexits' EX_TEMPFAIL: try again."""
 FOLLOWERS_EXIT_S = 30.0
 """How long a group's other workers get to exit after its process 0 ended (they exit with it at once, normally)."""
 POLL_S = 0.1
@@ -132,6 +139,9 @@ def supervise(
         check_free(run_dir, lock_name)
         children = _start(group, run_dir)
         code = _wait_group(children)
+        if code == REGROUP and not stopping:
+            log.info("island worker ended to re-form its island; starting it again")
+            continue
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         if on_death is not None and not stopping and code not in (0, USER_ERROR):  # a user error left by itself
             on_death(f"worker died ({why})")
