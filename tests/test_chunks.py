@@ -383,21 +383,11 @@ def test_under_churn_every_sequence_is_consumed_once(federation, tmp_path: Path)
     sa-east is admitted, trains, and is retired before the run ends. The coordinator's records show no sequence
     consumed twice and none skipped, and the spans the killed and the retired island held are consumed by others."""
     from tests.conftest import WAIT_S
-    from tests.test_elastic import OPERATOR, operator_command
+    from tests.test_elastic import ELASTIC, OPERATOR, operator_command
 
     rounds = 8
     pauses = ["island-1:before_push:1", "island-0:before_push:3", "island-1:before_push:5"]
-    fed = federation(
-        *CHUNKS,
-        f"train.rounds={rounds}",
-        "quorum.min_islands=1.0",
-        "quorum.min_deadline_s=30",
-        "quorum.max_deadline_s=60",
-        "quorum.lease_s=60",
-        "network.operator_secret=env:DILOCO_TEST_OPERATOR",
-        "islands.max=3",
-        pause_at=pauses,
-    )
+    fed = federation(*CHUNKS, f"train.rounds={rounds}", *ELASTIC, pause_at=pauses)
     fed.env.update(OPERATOR)
     fed.start()
     fed.paused("island-1:before_push:1", WAIT_S)

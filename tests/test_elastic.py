@@ -19,6 +19,15 @@ from tests.conftest import ENV, REPO, WAIT_S
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
 
 OPERATOR = {"DILOCO_TEST_OPERATOR": "the-operators-secret"}
+ELASTIC = [
+    "quorum.min_islands=1.0",
+    "quorum.min_deadline_s=30",
+    "quorum.max_deadline_s=60",
+    "quorum.lease_s=60",
+    "network.operator_secret=env:DILOCO_TEST_OPERATOR",
+    "islands.max=3",
+]
+"""A federation the operator may grow by one island: every live island waited for, faults noticed by presence."""
 
 
 def operator_command(fed: Federation, *argv: str) -> dict:
@@ -43,16 +52,7 @@ def test_an_island_admitted_into_a_live_run_joins_trains_and_is_retired(
     # without θ_2, so round 2 must not wait for it (it closes as soon as island-0 and island-1 pushed). island-1 waits
     # before its push of round 5 while sa-east is retired.
     pauses = ["island-0:before_push:2", "island-1:before_push:5"]
-    fed = federation(
-        f"train.rounds={rounds}",
-        "quorum.min_islands=1.0",
-        "quorum.min_deadline_s=30",
-        "quorum.max_deadline_s=60",
-        "quorum.lease_s=60",
-        "network.operator_secret=env:DILOCO_TEST_OPERATOR",
-        "islands.max=3",
-        pause_at=pauses,
-    )
+    fed = federation(f"train.rounds={rounds}", *ELASTIC, pause_at=pauses)
     fed.env.update(OPERATOR)
     fed.start()
     fed.paused("island-0:before_push:2", WAIT_S)

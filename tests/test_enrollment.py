@@ -3,6 +3,7 @@ over real gRPC against a real coordinator (diloco/coordinator/enrollment.py, dil
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -229,12 +230,23 @@ def test_a_retired_island_stops_counting_at_once_and_its_credential_is_refused(
     assert coordinator.world.totals.islands_retired == 1
 
 
-def test_an_island_gone_longer_than_retire_after_s_is_retired(tiny_config: Path, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def clocked_coordinator(tiny_config: Path, run_dir: Path) -> Iterator[tuple[Coordinator, list[float]]]:
+    """A coordinator (islands.retire_after_s = 30) on a clock the test moves: `now[0]`."""
     now = [0.0]
     cfg = load_config(tiny_config, ["islands.retire_after_s=30", "train.checkpoint_every=0"])
-    rd = RunDir(tmp_path / "run", cfg)
+    rd = RunDir(run_dir, cfg)
     coordinator = Coordinator(cfg, rd, build_setup(cfg, ()), clock=lambda: now[0])
     try:
+        yield coordinator, now
+    finally:
+        coordinator.close()
+        rd.close()
+
+
+def test_an_island_gone_longer_than_retire_after_s_is_retired(tiny_config: Path, tmp_path: Path) -> None:
+    with clocked_coordinator(tiny_config, tmp_path / "run") as (coordinator, now):
+        cfg = coordinator.cfg
         names = coordinator.enrollment.names
         for name in names:
             coordinator.join(pb.JoinRequest(run_id=cfg.run.name, island=name, last_round=-1,
@@ -247,26 +259,17 @@ def test_an_island_gone_longer_than_retire_after_s_is_retired(tiny_config: Path,
         coordinator.tick()
         assert coordinator.enrollment.names == names[:1], "the island gone 30 s is retired; the member is not"
         assert "islands.retire_after_s = 30" in (coordinator.enrollment.retirement(names[1]) or "")
-    finally:
-        coordinator.close()
-        rd.close()
 
 
 def test_an_island_that_never_came_is_not_retired(tiny_config: Path, tmp_path: Path) -> None:
     """A region slow to start (a long compile, a host provisioned late) is not gone: it never took part."""
-    now = [0.0]
-    cfg = load_config(tiny_config, ["islands.retire_after_s=30", "train.checkpoint_every=0"])
-    rd = RunDir(tmp_path / "run", cfg)
-    coordinator = Coordinator(cfg, rd, build_setup(cfg, ()), clock=lambda: now[0])
-    try:
+    with clocked_coordinator(tiny_config, tmp_path / "run") as (coordinator, now):
         names = coordinator.enrollment.names
-        coordinator.admit(pb.AdmitRequest(run_id=cfg.run.name, island="sa-east", secret_sha256=bytes(32)))
+        run_id = coordinator.cfg.run.name
+        coordinator.admit(pb.AdmitRequest(run_id=run_id, island="sa-east", secret_sha256=bytes(32)))
         now[0] = 3600.0
         coordinator.tick()
         assert coordinator.enrollment.names == (*names, "sa-east")
-    finally:
-        coordinator.close()
-        rd.close()
 
 
 def test_an_admitted_island_draws_from_the_shared_corpus_or_brings_its_own(tiny_config: Path, tmp_path: Path) -> None:
