@@ -19,6 +19,7 @@ import grpc
 
 from diloco import faults
 from diloco.config import RunConfig
+from diloco.coordinator.chunk_leases import ChunkLeases
 from diloco.coordinator.commit_window import CommitWindow
 from diloco.coordinator.membership import Action, decide
 from diloco.coordinator.push_admission import Admitted, PushAdmission
@@ -53,6 +54,7 @@ class Committer:
         roster: Roster,
         admission: PushAdmission,
         window: CommitWindow,
+        leases: ChunkLeases,
     ) -> None:
         self.cfg = cfg
         self.rd = rd
@@ -62,6 +64,7 @@ class Committer:
         self.roster = roster
         self.admission = admission
         self.window = window
+        self.leases = leases
         self.asynchronous = cfg.train.mode == "async"
         """An asynchronous push commits itself (`commit_update`); a deadline or quorum never closes a sync."""
         self.opened_at = clock()
@@ -80,8 +83,7 @@ class Committer:
         decision = decide(now, view, self.cfg.quorum)
         self.roster.lose(decision.lost, now)
         for name, why in sorted(decision.lost.items()):
-            if self.world.chunks is not None:  # a lost island's chunks return to the pool (its pushes still count)
-                self.world.chunks.release(name)
+            self.leases.release(name)  # a lost island's chunks return to the pool (its pushes still count)
             self.world.totals.islands_lost += 1
             self.rd.log("island_lost", round=self.loop.round, island=name, reason=why)
         if decision.action is Action.CLOSE and not self.asynchronous:

@@ -17,9 +17,9 @@ have one job and their own state:
                                       each commit once its `Settler` (settler.py) evaluated it
   `CommitWindow` (commit_window.py)   the last commits, the streams their pulls share, who received them
   `PullAnswers` (pull_answers.py)     what a pull gets, and the waits that spare an island a needless push
-  `ChunkLedger` (diloco/run/chunk_ledger.py, `GlobalRun.chunks`)  data.sampling = "chunks": which island reads
-                                      which chunk; a push's spans are recorded with it, consumed when its round is
-                                      kept, and a departed island's chunks return to the pool
+  `ChunkLeases` (chunk_leases.py)     data.sampling = "chunks": leases to members, a push's spans recorded in the
+                                      run's ledger (GlobalRun.chunks) and consumed when its round is kept, a
+                                      departed island's chunks returned to the pool
   `ThrottledEvents` (rejections.py)   refusal and membership events, bounded whatever a caller sends
 
   push   -> admitted (the transport checked bytes, names, shapes, finiteness, digest; nothing unchecked reaches θ)
@@ -46,6 +46,7 @@ import numpy as np
 
 from diloco import RELEASE
 from diloco.config import RunConfig, config_digest, diff_keys, to_dict
+from diloco.coordinator.chunk_leases import ChunkLeases
 from diloco.coordinator.commit_window import CommitWindow
 from diloco.coordinator.committer import Committer, refuse_if_diverged
 from diloco.coordinator.enrollment import AdmissionLimits, Enrollment, overdue
@@ -55,13 +56,11 @@ from diloco.coordinator.push_admission import AsyncUpdates, PushAdmission, Round
 from diloco.coordinator.rejections import ThrottledEvents, clip
 from diloco.coordinator.roster import Roster
 from diloco.ops.metrics import CoordinatorMetrics
-from diloco.run.chunk_ledger import BEYOND_END, INVALID, ChunkRefused
 from diloco.run.global_run import GlobalRun
 from diloco.run.rounds import OuterLoop
 from diloco.run.rundir import RunDir
 from diloco.run.setup import Setup
 from floor.codec import EncodedTensor
-from islands.chunks import Span
 from pytrees.naming import flatten_named
 from transport import diloco_pb2 as pb
 from transport.errors import Rejected
@@ -123,8 +122,9 @@ class Coordinator:
         )
         kept = cfg.outer.max_staleness + 1 if self.asynchronous else fragments.count
         self.window = CommitWindow(kept, self.loop.sync, self.world.params_digest)
+        self.leases = ChunkLeases(lambda: self.world.chunks, cfg.islands.island_names, cfg.model.seq_len)
         self.committer = Committer(
-            cfg, rd, self.world, self.cond, lambda: self.clock(), self.roster, self.admission, self.window
+            cfg, rd, self.world, self.cond, lambda: self.clock(), self.roster, self.admission, self.window, self.leases
         )
         self.pulls = PullAnswers(cfg, self.world, self.cond, self.admission, self.window, self.metrics)
         self.events = ThrottledEvents(rd.log)
@@ -211,7 +211,7 @@ class Coordinator:
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         with self.cond:
-            self._release_chunks(req.island)
+            self.leases.release(req.island)
             left = self.roster.leave(req.island, self.clock())
             if left and self.events.membership_logged(self.clock(), "island_left", self.loop.round, req.island):
                 self.rd.log("island_left", round=self.loop.round, island=req.island, reason=req.reason)
@@ -246,7 +246,7 @@ class Coordinator:
     def _retire(self, island: str, reason: str) -> None:
         self.enrollment.retire(island, self.loop.round, reason)
         self.roster.retire(island)
-        self._release_chunks(island)
+        self.leases.release(island)
         self.world.totals.islands_retired += 1
         self.rd.log("island_retired", round=self.loop.round, island=island, reason=clip(reason))
         self.cond.notify_all()
@@ -278,12 +278,11 @@ class Coordinator:
             if self.world.done or meta.round >= self.cfg.train.rounds:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
             admitted = self.admission.place(meta, tensors, arrays, payload_digest, self.loop, self.base_digest)
-            self._record_chunks(meta)
+            self.leases.record(meta)
             try:
                 self.admission.enter(admitted, self.loop)
             except Rejected:
-                if self.world.chunks is not None:
-                    self.world.chunks.drop(meta.island, int(meta.round))
+                self.leases.drop(meta.island, int(meta.round))
                 raise
             self._count_push(
                 meta,
@@ -327,59 +326,9 @@ class Coordinator:
     # -- chunks of the corpus (data.sampling = "chunks") -------------------------------------------------------
 
     def lease(self, req: pb.LeaseRequest) -> pb.LeaseReply:
-        """The spans an island reads next (`ChunkLedger.lease`): only a member leases, so that every lease has a
-        reader whose loss or retirement gives it back."""
         with self.cond:
             refuse_if_diverged(self.world)
-            ledger = self.world.chunks
-            if ledger is None:
-                raise Rejected(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "this run samples windows (data.sampling = 'windows'): there are no chunks to lease",
-                )
-            if req.island not in self.roster:
-                raise Rejected(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"island {req.island} is not a member now (its lease expired, or it left): join first",
-                )
-            try:
-                spans = ledger.lease(req.island, int(req.sequences))
-            except ChunkRefused as exc:
-                raise Rejected(chunk_status(exc), exc.reason) from None
-            return pb.LeaseReply(
-                spans=[pb.ChunkSpan(chunk=s.chunk, start=s.start, end=s.end) for s in spans], round=self.loop.round
-            )
-
-    def _record_chunks(self, meta: pb.PushMeta) -> None:
-        """A push that passed every other check: the chunk spans it trained on are recorded (pending until its
-        round is kept), or the push is refused with why. An island that brings its own source (data.own_path) and
-        a run of windows name none."""
-        ledger = self.world.chunks
-        if ledger is None:
-            if meta.chunks:
-                raise Rejected(
-                    grpc.StatusCode.INVALID_ARGUMENT, "this run samples windows: a push names no chunk spans"
-                )
-            return
-        spans = [Span(int(s.chunk), int(s.start), int(s.end)) for s in meta.chunks]
-        if not spans and meta.island not in self.cfg.islands.island_names:
-            return  # an admitted island's own source: the ledger covers the shared corpus only
-        sequences = sum(max(0, s.end - s.start) for s in spans)
-        if sequences * self.cfg.model.seq_len != meta.tokens:
-            raise Rejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the push names {sequences} sequences of chunks, but {meta.tokens} tokens are "
-                f"{meta.tokens / self.cfg.model.seq_len:g} sequences of model.seq_len tokens",
-            )
-        try:
-            ledger.record(meta.island, int(meta.round), spans)
-        except ChunkRefused as exc:
-            raise Rejected(chunk_status(exc), exc.reason) from None
-
-    def _release_chunks(self, island: str) -> None:
-        """A retired, lost or departed island's chunks return to the pool (its pending spans still count)."""
-        if self.world.chunks is not None:
-            self.world.chunks.release(island)
+            return self.leases.lease(req.island, int(req.sequences), req.island in self.roster, self.loop.round)
 
     # -- the ticker and reporting ------------------------------------------------------------------------------
 
@@ -434,17 +383,6 @@ class Coordinator:
             "roster": self.enrollment.summary(),
             "rejected_by_code": dict(self.metrics.reasons),
         }
-
-
-def chunk_status(refused: ChunkRefused) -> grpc.StatusCode:
-    """The status of a refused lease or claim: malformed (INVALID_ARGUMENT), beyond a chunk's end (OUT_OF_RANGE),
-    or a state the island's view lags (FAILED_PRECONDITION: another island's chunk, a rewound position), which an
-    honest island meets after a loss or a coordinator restart and answers by resyncing and leasing again."""
-    if refused.kind == INVALID:
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if refused.kind == BEYOND_END:
-        return grpc.StatusCode.OUT_OF_RANGE
-    return grpc.StatusCode.FAILED_PRECONDITION
 
 
 def check_joiner(req: pb.JoinRequest, enrollment: Enrollment, digest: bytes, config: dict[str, Any]) -> None:
