@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from floor.codec import QMAX, CodecError, CodecSpec, EncodedTensor, dtype_name, from_raw
+from floor.codec import QMAX, CodecError, CodecSpec, EncodedTensor, dtype_name, from_raw, index_bits
 
 # The encoder writes native-endian bit patterns (lax.bitcast_convert_type); the wire format is little-endian.
 if sys.byteorder != "little":  # pragma: no cover - every platform JAX supports is little-endian
@@ -77,6 +77,58 @@ def _enc_int4(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
     return jnp.concatenate([sbytes, packed]), scale
 
 
+def _pack_bits(values: jax.Array, width: int) -> jax.Array:
+    """Unsigned ``width``-bit fields as the little-endian bit stream floor/codec.py lays out, zero-padded to bytes."""
+    bits = (values[:, None] >> jnp.arange(width, dtype=jnp.uint32)) & jnp.uint32(1)
+    flat = bits.reshape(-1).astype(jnp.uint8)
+    flat = jnp.pad(flat, (0, -flat.shape[0] % 8))
+    return jnp.sum(flat.reshape(-1, 8) << jnp.arange(8, dtype=jnp.uint8), axis=1, dtype=jnp.uint8)
+
+
+def _top_k_sorted(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Per row, the ``k`` values of largest magnitude (ties to the lower index) in increasing index order."""
+    _, index = jax.lax.top_k(jnp.abs(rows), k)
+    index = jnp.sort(index, axis=1)
+    return index, jnp.take_along_axis(rows, index, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "kept", "kept_last", "bits"))
+def _enc_sparse(x: jax.Array, chunk: int, kept: int, kept_last: int, bits: int) -> tuple[jax.Array, jax.Array]:
+    """Chunked top-k with ``bits``-bit values: the sparse layout after its header, and whether x is finite."""
+    n = x.shape[0]
+    full = (n - 1) // chunk  # chunks before the last
+    index, values = _top_k_sorted(x[full * chunk :][None, :], kept_last)
+    owners = [jnp.full(kept_last, full, jnp.int32)]
+    if full:
+        head_index, head_values = _top_k_sorted(x[: full * chunk].reshape(full, chunk), kept)
+        index, values = jnp.concatenate([head_index, index], axis=None), jnp.concatenate([head_values, values], None)
+        owners.insert(0, jnp.repeat(jnp.arange(full, dtype=jnp.int32), kept))
+    index, values, owner = index.reshape(-1), values.reshape(-1), jnp.concatenate(owners)
+    mag = jnp.abs(values)
+    lo = jax.ops.segment_min(mag, owner, num_segments=full + 1, indices_are_sorted=True)
+    hi = jax.ops.segment_max(mag, owner, num_segments=full + 1, indices_are_sorted=True)
+    levels = 1 << (bits - 1)
+    step = (hi - lo) / levels
+    # Division, not a reciprocal's product: the level chosen is then within float32 rounding of the nearest one.
+    safe = jnp.where(step > 0, step, 1.0)[owner]
+    level = jnp.clip(jnp.floor((mag - lo[owner]) / safe), 0, levels - 1).astype(jnp.uint32)
+    code = level | (values < 0).astype(jnp.uint32) << (bits - 1)
+    scales = jax.lax.bitcast_convert_type(jnp.stack([lo, step], axis=1), jnp.uint8).reshape(-1)
+    width = index_bits(chunk)
+    body = jnp.concatenate([scales, _pack_bits(index.astype(jnp.uint32), width), _pack_bits(code, bits)])
+    return body, jnp.all(jnp.isfinite(x))
+
+
+def _sparse_header(spec: CodecSpec, n: int) -> tuple[np.ndarray, int, int]:
+    """The sparse layout's 12-byte header for ``n`` values, and the counts it states."""
+    chunk = spec.block_size
+    chunks = -(-n // chunk)
+    last = n - (chunks - 1) * chunk if chunks else 0
+    kept, kept_last = (spec.kept(chunk), spec.kept(last)) if chunks else (0, 0)
+    header = np.array([(spec.sparse_bits, index_bits(chunk), 0, kept, kept_last)], "<u1,<u1,<u2,<u4,<u4")
+    return header.view(np.uint8), kept, kept_last
+
+
 def _aligned_f32(x: np.ndarray) -> np.ndarray:
     """C-contiguous, 64-byte aligned float32 view or copy of ``x`` (so XLA:CPU can alias it)."""
     if x.dtype == np.float32 and x.flags.c_contiguous and x.ctypes.data % _ALIGN == 0:
@@ -126,6 +178,14 @@ def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
             raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
         if not bool(ok):
             raise CodecError(f"tensor {name!r} has values too large for bfloat16 (|x| > 3.39e38)")
+    elif spec.kind == "sparse":
+        header, kept, kept_last = _sparse_header(spec, flat.shape[0])
+        if flat.shape[0]:
+            body, ok = _enc_sparse(flat, chunk=spec.block_size, kept=kept, kept_last=kept_last, bits=spec.sparse_bits)
+            if not bool(ok):
+                raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
+            header = np.concatenate([header, np.asarray(body)])
+        raw = header
     else:
         enc = _enc_int8 if spec.kind == "int8" else _enc_int4
         raw, scale = enc(flat, block_size=spec.block_size)
