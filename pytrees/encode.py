@@ -2,7 +2,8 @@
 
 Quantization runs as one jitted JAX function per codec: numpy inputs run on the host CPU without a copy when they
 are 64-byte aligned; JAX arrays run on their own device, so a GPU island moves only the compressed bytes to the
-host. The byte layout, the metadata and the decoder are JAX-free and live in `floor/codec.py`.
+host. The sparse codec is the exception: its selection runs in numpy on the host (`_enc_sparse` says why). The byte
+layout, the metadata and the decoder are JAX-free and live in `floor/codec.py`.
 """
 
 from __future__ import annotations
@@ -77,56 +78,65 @@ def _enc_int4(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
     return jnp.concatenate([sbytes, packed]), scale
 
 
-def _pack_bits(values: jax.Array, width: int) -> jax.Array:
-    """Unsigned ``width``-bit fields as the little-endian bit stream floor/codec.py lays out, zero-padded to bytes."""
-    bits = (values[:, None] >> jnp.arange(width, dtype=jnp.uint32)) & jnp.uint32(1)
-    flat = bits.reshape(-1).astype(jnp.uint8)
-    flat = jnp.pad(flat, (0, -flat.shape[0] % 8))
-    return jnp.sum(flat.reshape(-1, 8) << jnp.arange(8, dtype=jnp.uint8), axis=1, dtype=jnp.uint8)
+def _pack_bits(values: np.ndarray, width: int) -> np.ndarray:
+    """Unsigned ``width``-bit fields (width <= 16) as the little-endian bit stream floor/codec.py lays out, zero-padded
+    to bytes."""
+    bits = np.unpackbits(values.astype("<u2").view(np.uint8).reshape(-1, 2), axis=1, bitorder="little")
+    return np.packbits(bits[:, :width].reshape(-1), bitorder="little")
 
 
-def _top_k_sorted(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Per row, the ``k`` values of largest magnitude (ties to the lower index) in increasing index order."""
-    _, index = jax.lax.top_k(jnp.abs(rows), k)
-    index = jnp.sort(index, axis=1)
-    return index, jnp.take_along_axis(rows, index, axis=1)
+def _top_k(rows: np.ndarray, k: int) -> np.ndarray | None:
+    """Flat positions (row-major, so increasing within each row) of each row's ``k`` values of largest magnitude,
+    ties to the lower index; None when a value is NaN or infinite (no order ranks it).
+
+    One partition finds each row's k-th largest magnitude; every value at least that large is kept, and a row where
+    ties at that magnitude make more than k gives up its highest-indexed ties (all-zero rows, in practice)."""
+    width = rows.shape[1]
+    mag = np.abs(rows)
+    if not np.isfinite(mag.max()):  # NaN propagates through max: one reduction checks every value
+        return None
+    kth = np.partition(mag, width - k, axis=1)[:, width - k, None]
+    keep = mag >= kth
+    for row in np.flatnonzero(np.count_nonzero(keep, axis=1) != k):
+        ties = np.flatnonzero(mag[row] == kth[row, 0])
+        keep[row, ties[k - np.count_nonzero(mag[row] > kth[row, 0]) :]] = False
+    return np.flatnonzero(keep)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "kept", "kept_last", "bits"))
-def _enc_sparse(x: jax.Array, chunk: int, kept: int, kept_last: int, bits: int) -> tuple[jax.Array, jax.Array]:
-    """Chunked top-k with ``bits``-bit values: the sparse layout after its header, and whether x is finite."""
-    n = x.shape[0]
-    full = (n - 1) // chunk  # chunks before the last
-    index, values = _top_k_sorted(x[full * chunk :][None, :], kept_last)
-    owners = [jnp.full(kept_last, full, jnp.int32)]
-    if full:
-        head_index, head_values = _top_k_sorted(x[: full * chunk].reshape(full, chunk), kept)
-        index, values = jnp.concatenate([head_index, index], axis=None), jnp.concatenate([head_values, values], None)
-        owners.insert(0, jnp.repeat(jnp.arange(full, dtype=jnp.int32), kept))
-    index, values, owner = index.reshape(-1), values.reshape(-1), jnp.concatenate(owners)
-    mag = jnp.abs(values)
-    lo = jax.ops.segment_min(mag, owner, num_segments=full + 1, indices_are_sorted=True)
-    hi = jax.ops.segment_max(mag, owner, num_segments=full + 1, indices_are_sorted=True)
-    levels = 1 << (bits - 1)
-    step = (hi - lo) / levels
-    # Division, not a reciprocal's product: the level chosen is then within float32 rounding of the nearest one.
-    safe = jnp.where(step > 0, step, 1.0)[owner]
-    level = jnp.clip(jnp.floor((mag - lo[owner]) / safe), 0, levels - 1).astype(jnp.uint32)
-    code = level | (values < 0).astype(jnp.uint32) << (bits - 1)
-    scales = jax.lax.bitcast_convert_type(jnp.stack([lo, step], axis=1), jnp.uint8).reshape(-1)
-    width = index_bits(chunk)
-    body = jnp.concatenate([scales, _pack_bits(index.astype(jnp.uint32), width), _pack_bits(code, bits)])
-    return body, jnp.all(jnp.isfinite(x))
+def _enc_sparse(flat: np.ndarray, spec: CodecSpec) -> np.ndarray | None:
+    """The sparse layout of a flat float32 vector (header included); None when a value is not finite.
 
-
-def _sparse_header(spec: CodecSpec, n: int) -> tuple[np.ndarray, int, int]:
-    """The sparse layout's 12-byte header for ``n`` values, and the counts it states."""
-    chunk = spec.block_size
+    On the host, in numpy: a partition per chunk selects faster on a CPU than XLA's top_k, and an island's Δ is a
+    host array already (`Island.take_delta`)."""
+    n, chunk = flat.shape[0], spec.block_size
     chunks = -(-n // chunk)
-    last = n - (chunks - 1) * chunk if chunks else 0
+    full = max(chunks - 1, 0)
+    last = n - full * chunk
     kept, kept_last = (spec.kept(chunk), spec.kept(last)) if chunks else (0, 0)
-    header = np.array([(spec.sparse_bits, index_bits(chunk), 0, kept, kept_last)], "<u1,<u1,<u2,<u4,<u4")
-    return header.view(np.uint8), kept, kept_last
+    width = index_bits(chunk)
+    header = np.array([(spec.sparse_bits, width, 0, kept, kept_last)], "<u1,<u1,<u2,<u4,<u4").view(np.uint8)
+    if not chunks:
+        return header
+    head = _top_k(flat[: full * chunk].reshape(full, chunk), kept) if full else np.zeros(0, np.int64)
+    tail = _top_k(flat[full * chunk :].reshape(1, last), kept_last)
+    if head is None or tail is None:
+        return None
+    position = np.concatenate([head, tail + full * chunk])
+    values = flat[position]
+    mag = np.abs(values)
+    owner = np.repeat(np.arange(chunks), [kept] * full + [kept_last])
+    starts = np.arange(chunks) * kept
+    lo, hi = np.minimum.reduceat(mag, starts), np.maximum.reduceat(mag, starts)
+    levels = 1 << (spec.sparse_bits - 1)
+    step = (hi - lo) / np.float32(levels)
+    safe = np.where(step > 0, step, np.float32(1))
+    # Division, not a reciprocal's product: the level chosen is within float32 rounding of the nearest one.
+    level = np.clip(np.floor((mag - lo[owner]) / safe[owner]), 0, levels - 1).astype(np.uint32)
+    code = level | (values < 0).astype(np.uint32) << np.uint32(spec.sparse_bits - 1)
+    scales = np.stack([lo, step], axis=1).astype("<f4").view(np.uint8).reshape(-1)
+    index = (position - owner * chunk).astype(np.uint32)
+    raw = np.concatenate([header, scales, _pack_bits(index, width), _pack_bits(code, spec.sparse_bits)])
+    return raw
 
 
 def _aligned_f32(x: np.ndarray) -> np.ndarray:
@@ -171,6 +181,11 @@ def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
         if not np.isfinite(raw).all():
             raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
         return from_raw(name, spec, dtype, shape, raw)
+    if spec.kind == "sparse":
+        raw = _enc_sparse(np.asarray(x, np.float32).reshape(-1), spec)
+        if raw is None:
+            raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
+        return from_raw(name, spec, dtype, shape, raw)
     flat = _to_device_flat(x)
     if spec.kind == "bf16":
         raw, ok = _enc_bf16(flat)
@@ -178,14 +193,6 @@ def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
             raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
         if not bool(ok):
             raise CodecError(f"tensor {name!r} has values too large for bfloat16 (|x| > 3.39e38)")
-    elif spec.kind == "sparse":
-        header, kept, kept_last = _sparse_header(spec, flat.shape[0])
-        if flat.shape[0]:
-            body, ok = _enc_sparse(flat, chunk=spec.block_size, kept=kept, kept_last=kept_last, bits=spec.sparse_bits)
-            if not bool(ok):
-                raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
-            header = np.concatenate([header, np.asarray(body)])
-        raw = header
     else:
         enc = _enc_int8 if spec.kind == "int8" else _enc_int4
         raw, scale = enc(flat, block_size=spec.block_size)
