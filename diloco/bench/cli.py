@@ -54,7 +54,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     parsers = {name: bsub.add_parser(name, help=text) for name, text in HELP.items()}
     _add_fuzz(parsers["fuzz"])
     fd = parsers["fuzz-decoders"]
-    fd.add_argument("--targets", default="codec,header,chunk,push_meta", help="comma-separated fuzz targets")
+    fd.add_argument("--targets", default="codec,sparse,header,chunk,push_meta", help="comma-separated fuzz targets")
     fd.add_argument("--runs", type=int, default=2_000_000, help="libFuzzer executions per target (at most)")
     fd.add_argument("--seconds", type=int, default=120, help="time per target (at most)")
 
