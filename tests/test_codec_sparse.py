@@ -313,3 +313,25 @@ def _duplicate_first_index(enc: EncodedTensor) -> bytes:
     word = (word & ~(((1 << width) - 1) << width)) | (first << width)
     raw[offset : offset + 4] = word.to_bytes(4, "little")
     return bytes(raw)
+
+
+# --------------------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_simulate_with_sparse_codec_and_sparseloco_learns_on_few_bytes(tiny_config, tmp_path):
+    from diloco.run.rundir import read_events
+    from diloco.simulator.simulate import run_simulation
+
+    # A tenth of each chunk at 4 bits (22x fewer bytes than fp32): enough to learn visibly in 4 short rounds.
+    sparse = ["codec.uplink=sparse", "codec.downlink=sparse", "codec.chunk=1024", "codec.density=0.1"]
+    sparse += ["codec.sparse_bits=4", "outer.aggregate=mean"]
+    cfg = load_config(tiny_config, [*sparse, "outer.kind=sparseloco", "outer.lr=1.0", "train.rounds=4"])
+    summary = run_simulation(cfg, tmp_path / "run", show_progress=False)
+    dense = 4 * summary["param_count"] * 2 * 4  # fp32 bytes: 2 islands, 4 rounds
+    assert summary["bytes_up"] * 15 < dense and summary["bytes_down"] * 15 < dense
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
+    rounds = [e for e in read_events(tmp_path / "run" / "metrics.jsonl") if e["event"] == "round"]
+    assert len(rounds) == 4 and all(np.isfinite(e["eval_loss"]) for e in rounds)
