@@ -335,3 +335,20 @@ def test_simulate_with_sparse_codec_and_sparseloco_learns_on_few_bytes(tiny_conf
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
     rounds = [e for e in read_events(tmp_path / "run" / "metrics.jsonl") if e["event"] == "round"]
     assert len(rounds) == 4 and all(np.isfinite(e["eval_loss"]) for e in rounds)
+
+
+def test_sparseloco_is_plain_descent_with_decayed_island_feedback():
+    import jax.numpy as jnp
+
+    from outer_optimizer.config import OuterConfig
+    from outer_optimizer.optimizers import build_optimizer, make_outer_step
+
+    cfg = OuterConfig(kind="sparseloco", lr=0.5, error_decay=0.9)
+    assert cfg.feedback_decay == 0.9 and OuterConfig(kind="nesterov", error_decay=0.9).feedback_decay == 1.0
+    tx = build_optimizer(cfg)
+    params, delta = {"w": jnp.ones(3)}, {"w": jnp.array([1.0, -2.0, 0.0])}
+    step = make_outer_step(tx)
+    state = tx.init(params)
+    for _ in range(2):  # no state carries from one step to the next: the same Δ moves θ the same each time
+        update, state = step(params, state, delta)
+        assert np.array_equal(np.asarray(update["w"]), np.array([-0.5, 1.0, 0.0], np.float32))
