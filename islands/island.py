@@ -145,10 +145,12 @@ class TakenDelta:
     residual: Residual
     """This island's error feedback for the leaves of Δ as it was when Δ was taken."""
     spec: CodecSpec
+    decay: float = 1.0
+    """β, the residual's decay before Δ is added (outer.kind = "sparseloco"; 1: plain error feedback)."""
 
     def encode(self) -> RoundPush:
-        """encode(Δ + e): the bytes to push, the Δ the coordinator will decode and the residual to keep."""
-        return RoundPush(self.run, compress_tree(self.delta, self.residual, self.spec))
+        """encode(Δ + β·e): the bytes to push, the Δ the coordinator will decode and the residual to keep."""
+        return RoundPush(self.run, compress_tree(self.delta, self.residual, self.spec, self.decay))
 
 
 class Island:
@@ -169,12 +171,13 @@ class Island:
         slowdown: float = 1.0,
         remat: bool | None = None,
         device_step_s: float = 0.0,
+        feedback_decay: float = 1.0,
     ) -> None:
         """`inner`, when given, only puts the values of the inner settings into a divergence message, and `remat`
         (model.remat; None: the model has no such setting) into an out-of-memory one. `slowdown`: each inner step
         takes this many times as long (the island sleeps the difference; tests and benchmarks). `device_step_s`: every
         inner step lasts at least this long (it sleeps the rest, leaving the host idle as an accelerator's step does;
-        benchmarks)."""
+        benchmarks). `feedback_decay`: β of the uplink's error feedback (`OuterConfig.feedback_decay`)."""
         self.name = name
         self.inner = inner
         self.remat = remat
@@ -184,6 +187,7 @@ class Island:
         self.tx = tx
         self.stream = stream
         self.uplink = uplink or CodecSpec(kind="fp32")
+        self.feedback_decay = feedback_decay
         self.mesh = build_mesh(n_devices, devices)
         self.shard_params = shard_params
         self.microbatch = microbatch
@@ -398,7 +402,7 @@ class Island:
             {name: np.asarray(local[name]) for name in reference},
         )
         residual = None if self.state.residual is None else {name: self.state.residual[name] for name in reference}
-        return TakenDelta(run, delta, residual, self.uplink)
+        return TakenDelta(run, delta, residual, self.uplink, self.feedback_decay)
 
     def keep_residual(self, push: RoundPush) -> None:
         """The push reached the coordinator's round: keep what its codec dropped, to send next round.

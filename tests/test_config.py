@@ -60,7 +60,10 @@ def test_overrides_are_typed_and_nested() -> None:
         (["outer.lr=abc"], "outer.lr must be a number (got 'abc')"),
         (["train.rounds=1.5"], "train.rounds must be an integer (got 1.5)"),
         (["train.rounds=0"], "train.rounds must be >= 1 (got 0)"),
-        (["outer.kind=rmsprop"], "outer.kind must be one of nesterov, sgd, adam, delayed_nesterov (got 'rmsprop')"),
+        (
+            ["outer.kind=rmsprop"],
+            "outer.kind must be one of nesterov, sgd, adam, delayed_nesterov, sparseloco (got 'rmsprop')",
+        ),
         (["train.mode=lockstep"], "train.mode must be 'diloco', 'sync' or 'async'"),
         (["islands.shard_params=1"], "islands.shard_params must be true or false (got 1)"),
         (["model.d_model=30"], "model.d_model"),

@@ -159,6 +159,7 @@ def make_island(
         slowdown=cfg.islands.slowdowns().get(name, 1.0),
         device_step_s=cfg.islands.device_step_s,
         remat=None if cfg.model.kind == "custom" else cfg.model.remat,
+        feedback_decay=cfg.outer.feedback_decay,
     )
     if check_memory:
         island.check_memory()
