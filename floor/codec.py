@@ -460,9 +460,20 @@ def _unpack_bits(data: bytes | bytearray | memoryview, offset: int, count: int, 
     return (word >> (bit & 7).astype(np.uint32)) & np.uint32((1 << width) - 1)
 
 
-def _decode_sparse(name: str, data: bytes | bytearray | memoryview, n: int, chunk: int) -> np.ndarray:
-    """The sparse layout into a dense float32 vector of ``n``; refuses what does not match its header or chunks."""
+def _decode_sparse(
+    name: str, data: bytes | bytearray | memoryview, n: int, chunk: int, sent_with: CodecSpec | None = None
+) -> np.ndarray:
+    """The sparse layout into a dense float32 vector of ``n``; refuses what does not match its header or chunks,
+    or (``sent_with``) the run's value bits and density."""
     hdr = _SparseHeader.parse(name, data, n, chunk)
+    if sent_with is not None and hdr.chunks:
+        want = (sent_with.sparse_bits, sent_with.kept(chunk) if hdr.chunks > 1 else hdr.kept, sent_with.kept(hdr.last))
+        if (hdr.bits, hdr.kept, hdr.kept_last) != want:
+            raise CodecError(
+                f"tensor {name!r}: sparse header says {hdr.bits}-bit values, {hdr.kept} kept per chunk and "
+                f"{hdr.kept_last} in the last; this run sends {want[0]}-bit values, {want[1]} and {want[2]} "
+                "(codec.sparse_bits, codec.density)"
+            )
     if len(data) != hdr.nbytes:
         raise CodecError(
             f"tensor {name!r}: sparse payload is {len(data)} bytes; its header ({hdr.total} values of {hdr.width}-bit "
@@ -495,12 +506,16 @@ def _decode_sparse(name: str, data: bytes | bytearray | memoryview, n: int, chun
     return out
 
 
-def decode(enc: EncodedTensor, *, max_dense_nbytes: int = DEFAULT_MAX_DENSE_NBYTES) -> np.ndarray:
+def decode(
+    enc: EncodedTensor, *, max_dense_nbytes: int = DEFAULT_MAX_DENSE_NBYTES, sent_with: CodecSpec | None = None
+) -> np.ndarray:
     """Decode bytes into a new numpy array of ``enc.shape`` and ``enc.dtype``; deterministic bit for bit.
 
     Raises :class:`CodecError` (naming the tensor) on any malformed input: bad metadata, a payload of the
     wrong length, a zstd frame that claims or yields a size other than expected, non-finite or negative
-    scales, or non-finite decoded values.
+    scales, or non-finite decoded values. ``sent_with``: the spec the sender must have used; a sparse payload
+    whose header names other value bits or another count per chunk is refused (a self-consistent payload of
+    another density would otherwise be applied as if it were the run's).
     """
     _check_meta(enc, max_dense_nbytes)
     name, n = enc.name, enc.numel
@@ -508,7 +523,7 @@ def decode(enc: EncodedTensor, *, max_dense_nbytes: int = DEFAULT_MAX_DENSE_NBYT
     if enc.codec == "sparse":
         if enc.zstd_level:
             data = _zstd_decompress(name, bytes(data), None, raw_payload_range("sparse", n, enc.block_size)[1])
-        return _finish(enc, _decode_sparse(name, data, n, enc.block_size))
+        return _finish(enc, _decode_sparse(name, data, n, enc.block_size, sent_with))
     expected = raw_payload_nbytes(enc.codec, n, enc.block_size)
     if enc.zstd_level:
         data = _zstd_decompress(name, bytes(data), expected)

@@ -352,3 +352,16 @@ def test_sparseloco_is_plain_descent_with_decayed_island_feedback():
     for _ in range(2):  # no state carries from one step to the next: the same Δ moves θ the same each time
         update, state = step(params, state, delta)
         assert np.array_equal(np.asarray(update["w"]), np.array([-0.5, 1.0, 0.0], np.float32))
+
+
+def test_a_payload_of_another_density_or_width_is_refused_where_the_run_says_what_it_sends():
+    """A self-consistent sparse payload whose header keeps more per chunk (or sends wider values) than the run's
+    codec says decodes by itself, but not where the receiver knows the run's spec (the coordinator's pushes)."""
+    run = CodecSpec("sparse", 4096, density=1 / 64, sparse_bits=2)
+    x = np.random.default_rng(3).standard_normal(10_000).astype(np.float32)
+    assert np.array_equal(decode(encode("w", x, run), sent_with=run), decode(encode("w", x, run)))
+    for other in (CodecSpec("sparse", 4096, density=1 / 8, sparse_bits=2), CodecSpec("sparse", 4096, sparse_bits=8)):
+        enc = encode("w", x, other)
+        decode(enc)  # well formed in itself
+        with pytest.raises(CodecError, match=r"tensor 'w': sparse header says .*codec.sparse_bits, codec.density"):
+            decode(enc, sent_with=run)
