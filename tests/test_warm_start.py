@@ -266,6 +266,24 @@ def test_a_continued_warm_start_takes_the_pretrainings_next_step(
 
 
 @pytest.mark.slow
+def test_a_count_carried_onto_the_runs_own_schedule_is_said_in_one_line(
+    source: tuple[Path, Path], pretrained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config, _ = source
+    cfg = load_config(config, continued(pretrained))  # no inner.schedule_steps: the schedule spans this run's 8 steps
+    setup = build_setup(cfg)
+    island = make_island(cfg, "island-0", setup.model, setup.streams["island-0"])
+    rd = RunDir(tmp_path / "run", cfg)
+    try:
+        assert initial_inner_state(cfg, island, setup.init_params, rd) is not None
+    finally:
+        rd.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "diloco.run.warm_start"]
+    assert "goes on from the source's step 8 on a schedule of this run's 8 steps" in line and "\n" not in line
+    assert "inner.schedule_steps" in line
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(280)
 def test_every_island_continues_the_pretraining_and_the_run_resumes_without_it(
     source: tuple[Path, Path], pretrained: Path, tmp_path: Path
