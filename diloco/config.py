@@ -131,13 +131,21 @@ class InitConfig:
     shape). Read only when a run starts afresh: a run directory that resumes restores its own checkpoints. "": the
     random θ_0 of run.seed."""
     inner_state: bool = False
-    """Each island also starts with the inner AdamW state that the source saved for the island of the same name
-    (moments and step counts as saved, so the learning-rate schedule goes on from the source's count); an island the
-    source has no checkpoint of starts with a fresh one, and says so in one line. false: fresh inner states."""
+    """Each island also starts with the inner optimizer state that the source saved for the island of the same name
+    (or for init.inner_state_island): moments and step counts as saved, so the learning-rate schedule goes on from
+    the source's count (give both runs the same inner.schedule_steps to continue the source's schedule, the papers'
+    warm start); an island the source has no checkpoint of starts with a fresh one, and says so in one line. The
+    source must have trained with the same inner.kind. false: fresh inner states."""
+    inner_state_island: str = ""
+    """The source's island whose inner state every island starts with ("sync": the sync baseline's one model, the
+    pretraining of `diloco bench convergence --warm-start`); a source without it is refused in one line. "": each
+    island takes the state of the island of its own name."""
 
     def __post_init__(self) -> None:
         if self.inner_state and not self.from_:
             raise ValueError("init.inner_state = true needs init.from (the run whose inner optimizer states to load)")
+        if self.inner_state_island and not self.inner_state:
+            raise ValueError("init.inner_state_island names the inner state to load: it needs init.inner_state = true")
 
 
 @dataclass(frozen=True)
@@ -445,6 +453,11 @@ class RunConfig:
                 f"codec.uplink = 'sparse' sends each island's own few coordinates, which a coordinate-wise "
                 f"outer.aggregate = {self.outer.aggregate!r} turns to zero wherever fewer than half the islands sent "
                 "one: set outer.aggregate to 'mean' or 'norm_clip'"
+            )
+        if 0 < self.inner.schedule_steps < self.total_inner_steps:
+            raise ValueError(
+                f"inner.schedule_steps ({self.inner.schedule_steps}) is shorter than the run's "
+                f"train.rounds x train.inner_steps ({self.total_inner_steps}): the schedule spans the whole run"
             )
         if isinstance(self.quorum.min_islands, int) and self.quorum.min_islands > self.islands.count:
             raise ValueError(

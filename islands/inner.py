@@ -1,9 +1,9 @@
 """The island's inner optimizer and its jitted train step (the H inner steps of DiLoCo).
 
-AdamW with linear warmup and cosine decay (or warmup-stable-decay, whose shape does not depend on the run's
-length), global-norm gradient clipping, and gradient accumulation over
-`passes` micro-batches so that the island's batch is the same whatever its device count. The step is jitted
-with explicit shardings over the island's mesh and donates the parameters and optimizer state.
+AdamW (or Muon for the hidden layers' matrices and AdamW for the rest: inner.kind) with linear warmup and cosine
+decay (or warmup-stable-decay, whose shape does not depend on the run's length), global-norm gradient clipping, and
+gradient accumulation over `passes` micro-batches so that the island's batch is the same whatever its device count.
+The step is jitted with explicit shardings over the island's mesh and donates the parameters and optimizer state.
 """
 
 from __future__ import annotations
@@ -17,36 +17,41 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
+from optax.contrib import MuonDimensionNumbers
 
+from floor.errors import UserError
 from islands.config import InnerConfig
 from islands.mesh import param_sharding, replicated
+from pytrees.naming import path_name
 
 PyTree = Any
 LossFn = Callable[[PyTree, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 
 
-def learning_rate_schedule(cfg: InnerConfig, total_steps: int) -> optax.Schedule:
-    """The inner learning rate at each inner step of a run of `total_steps` (inner.schedule)."""
+def learning_rate_schedule(cfg: InnerConfig, total_steps: int, peak: float | None = None) -> optax.Schedule:
+    """The inner learning rate at each inner step of a schedule of `total_steps` (inner.schedule), rising to
+    `peak` (default inner.lr; Muon's matrices follow the same shape to inner.muon_lr)."""
+    peak = cfg.lr if peak is None else peak
     if cfg.schedule == "wsd":
-        return warmup_stable_decay(cfg, total_steps)
+        return warmup_stable_decay(cfg, total_steps, peak)
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
-        peak_value=cfg.lr,
+        peak_value=peak,
         warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1),
-        end_value=cfg.lr * cfg.min_lr_ratio,
+        end_value=peak * cfg.min_lr_ratio,
     )
 
 
-def warmup_stable_decay(cfg: InnerConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup to lr over inner.warmup_steps, lr held, then from inner.decay_start_step (0: never) a linear
-    decay to lr * min_lr_ratio over inner.decay_steps (0: to `total_steps`), held there after.
+def warmup_stable_decay(cfg: InnerConfig, total_steps: int, peak: float) -> optax.Schedule:
+    """Linear warmup to `peak` over inner.warmup_steps, held, then from inner.decay_start_step (0: never) a linear
+    decay to peak * min_lr_ratio over inner.decay_steps (0: to `total_steps`), held there after.
 
     Until the decay starts, the rate at a step depends on nothing but the step: a run planned for 8 rounds and
     lengthened to 16 on resume, with the decay started then, trains exactly as one planned for 16 from the start.
     """
-    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    floor = peak * cfg.min_lr_ratio
     start = cfg.decay_start_step
     length = max(cfg.decay_steps or total_steps - start, 1)
 
@@ -61,18 +66,74 @@ def warmup_stable_decay(cfg: InnerConfig, total_steps: int) -> optax.Schedule:
     return schedule
 
 
+MUON_MATRICES = ("wqkv", "wo", "w1", "w2", "router")
+"""The names of a transformer block's weight matrices (islands/models/transformer.py and moe.py): Muon's share."""
+
+
+class MuonError(UserError, ValueError):
+    """inner.kind = "muon" on a model that has no hidden-layer matrix for Muon to take."""
+
+
+def muon_dimensions(params: PyTree) -> PyTree:
+    """Which parameters Muon takes, in the form of optax.contrib.muon's `muon_weight_dimension_numbers`: a
+    `MuonDimensionNumbers` for each of them (the matrix axes), None for each leaf AdamW takes.
+
+    MuLoCo's split (arXiv 2505.23725, after Keller Jordan's Muon): Muon's orthogonalized update is steepest descent
+    under the spectral norm of a linear map between hidden vectors, so it takes the weight matrices inside the
+    transformer blocks (a leaf under `blocks/` named in MUON_MATRICES: attention wqkv and wo, the feed-forward w1 and
+    w2, the mixture-of-experts router; a stack of experts [E, D, F] is E matrices, each orthogonalized on its own).
+    AdamW takes the rest: the token and position embeddings (tables looked up by index, not maps of hidden vectors;
+    the token table is also the tied output head, which MuLoCo leaves to AdamW), the layer norms' scales and biases
+    and the feed-forward biases (vectors, or stacks of them per expert). A model with nothing for Muon (a user
+    model without `blocks/`) is refused in one line rather than trained as AdamW under Muon's name."""
+
+    def dimensions(path: tuple[Any, ...], leaf: jax.Array) -> MuonDimensionNumbers | None:
+        parts = path_name(path).split("/")
+        if parts[0] != "blocks" or parts[-1] not in MUON_MATRICES or leaf.ndim not in (2, 3):
+            return None
+        return MuonDimensionNumbers(reduction_axis=leaf.ndim - 2, output_axis=leaf.ndim - 1)
+
+    dims = jax.tree_util.tree_map_with_path(dimensions, params)
+    if not jax.tree.leaves(dims, is_leaf=lambda x: isinstance(x, MuonDimensionNumbers)):
+        raise MuonError(
+            'inner.kind = "muon" finds no hidden-layer weight matrix in this model (Muon takes the leaves '
+            f'blocks/.../{{{",".join(MUON_MATRICES)}}} of a transformer); use inner.kind = "adamw"'
+        )
+    return dims
+
+
 @functools.lru_cache(maxsize=32)
 def make_inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW (after global-norm clipping) on the inner.schedule learning rate. Cached: the islands of one process get
-    the same transformation, so `make_train_step`'s cache (keyed by it) gives them one compiled step, not one each."""
-    adamw = optax.adamw(
-        learning_rate_schedule(cfg, total_steps),
-        b1=cfg.b1,
-        b2=cfg.b2,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-    )
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
+    """The inner.kind optimizer (after global-norm clipping) on the inner.schedule learning rate, over a schedule of
+    inner.schedule_steps or, when that is 0, `total_steps`. Cached: the islands of one process get the same
+    transformation, so `make_train_step`'s cache (keyed by it) gives them one compiled step, not one each.
+
+    Muon is optax.contrib.muon: Nesterov momentum, 5 Newton-Schulz steps, the update scaled by
+    sqrt(max(1, fan_out / fan_in)), on the matrices `muon_dimensions` picks; the other parameters get the AdamW
+    that optax.contrib.muon holds inside, with inner.lr, b1, b2, eps and weight_decay (optax gives it Muon's
+    Nesterov flag, so it is Nesterov AdamW: the one difference from inner.kind = "adamw" on those parameters)."""
+    span = cfg.schedule_steps or total_steps
+    if cfg.kind == "muon":
+        opt = optax.contrib.muon(
+            learning_rate=learning_rate_schedule(cfg, span, cfg.muon_lr),
+            beta=cfg.muon_momentum,
+            eps=cfg.eps,
+            weight_decay=cfg.muon_weight_decay,
+            adam_b1=cfg.b1,
+            adam_b2=cfg.b2,
+            adam_weight_decay=cfg.weight_decay,
+            adam_learning_rate=learning_rate_schedule(cfg, span),
+            muon_weight_dimension_numbers=muon_dimensions,
+        )
+    else:
+        opt = optax.adamw(
+            learning_rate_schedule(cfg, span),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+        )
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt) if cfg.clip_norm > 0 else opt
 
 
 def _accumulated_grads(loss_fn: LossFn, params: PyTree, batch: jax.Array) -> tuple[jax.Array, PyTree, dict]:

@@ -32,9 +32,14 @@ def _key_name(k: Any) -> str:
     return str(k)
 
 
+def path_name(path: tuple[Any, ...]) -> str:
+    """The name of the leaf at a `jax.tree_util` key path (``blocks/0/attn/wq``; a bare array is ``value``)."""
+    return "/".join(_key_name(k) for k in path) or "value"
+
+
 def _named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    out = [("/".join(_key_name(k) for k in path) or "value", leaf) for path, leaf in paths]
+    out = [(path_name(path), leaf) for path, leaf in paths]
     seen: set[str] = set()
     for name, _ in out:
         if name in seen:

@@ -78,3 +78,28 @@ def test_warm_start_steps_must_fit_the_schedule(tiny_config: Path, tmp_path: Pat
     for steps in (1, 6):
         with pytest.raises(BenchError, match="--warm-start"):
             run_convergence_bench(cfg, tmp_path / "runs", islands=2, warm_steps=steps)
+
+
+def test_an_unknown_warm_protocol_is_refused(tiny_config: Path, tmp_path: Path) -> None:
+    cfg = load_config(tiny_config, ["train.rounds=3", "train.inner_steps=2"])
+    with pytest.raises(BenchError, match=r"--warm-protocol must be one of restart, continue \(got 'resume'\)"):
+        run_convergence_bench(cfg, tmp_path / "runs", islands=2, warm_steps=2, warm_protocol="resume")
+    assert not (tmp_path / "runs" / "warm").exists()
+
+
+@pytest.mark.bench  # 30 s: pytest -m bench
+def test_the_continue_protocol_carries_the_pretrainings_state_and_schedule(tiny_config: Path, tmp_path: Path) -> None:
+    """The pretraining runs 2 steps of a 6-step schedule; every method's every island starts from its inner state
+    (step count 2) on the same 6-step schedule."""
+    cfg = load_config(tiny_config, ["train.rounds=3", "train.inner_steps=2", "train.checkpoint_every=1"])
+    result = run_convergence_bench(cfg, tmp_path / "runs", islands=2, warm_steps=2, warm_protocol="continue")
+    assert result["warm_start"]["protocol"] == "continue"
+    warm = tmp_path / "runs" / "warm"
+    assert load_config(warm / "config.toml").inner.schedule_steps == 6
+    for key, names in (("L1", ["island-0"]), ("L2", ["island-0", "island-1"]), ("Ls", ["sync"])):
+        run = Path(result["run_dirs"][key])
+        assert load_config(run / "config.toml").inner.schedule_steps == 6
+        events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        loaded = [e for e in events if e["event"] == "warm_start" and "island" in e]
+        assert sorted(e["island"] for e in loaded) == names, run
+        assert all(e["inner_state"] and e["step_count"] == 2 and "sync" in e["source"] for e in loaded), run

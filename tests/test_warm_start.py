@@ -1,8 +1,10 @@
 """Warm start (`[init]`, diloco/run/warm_start.py): θ_0 and the islands' inner states from another run's checkpoint.
 
-One small `simulate` run is the source of every test here. A warm-started run must begin at exactly its θ (the
+One small `simulate` run is the source of most tests here. A warm-started run must begin at exactly its θ (the
 digest of summary.json), evaluate that θ at step 0, log a `warm_start` event, refuse a missing path or another model
-in one line, and, once it has checkpoints of its own, resume from them and never read init.from again.
+in one line, and, once it has checkpoints of its own, resume from them and never read init.from again. The papers'
+warm start (a sync pretraining on a schedule of the whole budget, continued with its inner state) must take its
+first step exactly as the pretraining's next one would.
 """
 
 from __future__ import annotations
@@ -12,13 +14,26 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
 import pytest
 
 from diloco.config import ConfigError, load_config
 from diloco.harness.procs import Federation
-from diloco.run.rundir import read_events
-from diloco.run.warm_start import WarmStartError, find_source, model_difference, tensor_difference
+from diloco.run.rundir import RunDir, read_events
+from diloco.run.setup import build_setup, make_island
+from diloco.run.warm_start import (
+    WarmStartError,
+    find_source,
+    initial_inner_state,
+    model_difference,
+    read_item,
+    step_count,
+    tensor_difference,
+)
 from diloco.simulator.simulate import run_simulation
+from islands.inner import inner_update, make_inner_optimizer
+from pytrees.digest import tree_digest
 from tests.conftest import ENV, FAST, JAX_CACHE, REPO, TINY_TOML, write_corpus
 
 
@@ -30,6 +45,26 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     config.write_text(TINY_TOML.format(corpus=write_corpus(tmp / "corpus.txt")))
     run_simulation(load_config(config, ["train.rounds=2"]), tmp / "source", show_progress=False)
     return config, tmp / "source"
+
+
+SPAN = "inner.schedule_steps=16"
+"""The tiny config's 4 rounds of 4 steps: the pretraining runs 2 of them, the continuation the other 2."""
+
+
+@pytest.fixture(scope="module")
+def pretrained(source: tuple[Path, Path]) -> Path:
+    """The papers' pretraining: the sync baseline on one island, 8 steps of a 16-step schedule."""
+    config, src = source
+    run_dir = src.parent / "pretrained"
+    cfg = load_config(config, ["train.mode=sync", "islands.count=1", "train.rounds=2", SPAN])
+    run_simulation(cfg, run_dir, show_progress=False)
+    return run_dir
+
+
+def continued(pretrained: Path, *more: str) -> list[str]:
+    """The overrides of a 2-island DiLoCo run that continues `pretrained` as the papers do."""
+    init = [f"init.from={pretrained}", "init.inner_state=true", "init.inner_state_island=sync"]
+    return ["train.rounds=2", *init, *more]
 
 
 def summary_of(run_dir: Path) -> dict[str, Any]:
@@ -69,6 +104,8 @@ def test_init_from_is_a_toml_key_and_inner_state_needs_it(tiny_config: Path, tmp
     assert "\n" not in str(exc.value)
     with pytest.raises(ConfigError, match="did you mean 'init.from'"):
         load_config(tiny_config, ["init.frm=x"])
+    with pytest.raises(ConfigError, match=r"^init\.inner_state_island names the inner state to load: it needs"):
+        load_config(tiny_config, ["init.from=x", "init.inner_state_island=sync"])
 
 
 def test_the_first_difference_is_named() -> None:
@@ -192,6 +229,107 @@ def test_a_checkpoint_of_other_shapes_names_the_first_tensor(source: tuple[Path,
     wider = r"tensor 'blocks/0/attn/wo' is float32\[32, 32\] there, float32\[64, 64\] here"
     with pytest.raises(WarmStartError, match=wider):
         run_simulation(cfg, tmp_path / "run", show_progress=False)
+
+
+@pytest.mark.slow
+def test_a_continued_warm_start_takes_the_pretrainings_next_step(
+    source: tuple[Path, Path], pretrained: Path, tmp_path: Path
+) -> None:
+    """Each island loads the pretraining's inner state (its moments, its count 8) and, on the same 16-step schedule,
+    its first step from θ_S is bit for bit the step the pretraining would have taken next; without the shared
+    schedule the same state steps at another rate."""
+    config, _ = source
+    cfg = load_config(config, continued(pretrained, SPAN))
+    setup = build_setup(cfg)
+    island = make_island(cfg, "island-1", setup.model, setup.streams["island-1"])
+    step_dir = pretrained / "checkpoints" / "sync" / "2"
+    theta = read_item(step_dir, "params", setup.init_params, "parameters")
+    rd = RunDir(tmp_path / "run", cfg)
+    try:
+        state = initial_inner_state(cfg, island, theta, rd)
+    finally:
+        rd.close()
+    (event,) = read_events(tmp_path / "run" / "metrics.jsonl", "warm_start")
+    assert (event["island"], event["inner_state"], event["step_count"]) == ("island-1", True, 8)
+    assert Path(event["source"]) == step_dir
+
+    source_cfg = load_config(pretrained / "config.toml")
+    source_tx = make_inner_optimizer(source_cfg.inner, source_cfg.total_inner_steps)
+    saved = read_item(step_dir, "inner_opt_state", source_tx.init(theta), "the pretraining's inner state")
+    assert step_count(state) == 8 and tree_digest(state) == tree_digest(saved)  # moments and counts as saved
+
+    batch = jax.numpy.asarray(np.stack([setup.streams["island-1"].next()]))
+    nxt = tree_digest(inner_update(setup.model.loss, source_tx, theta, saved, batch)[0])
+    assert tree_digest(inner_update(setup.model.loss, island.tx, theta, state, batch)[0]) == nxt
+    unspanned = make_inner_optimizer(load_config(config, continued(pretrained)).inner, cfg.total_inner_steps)
+    assert tree_digest(inner_update(setup.model.loss, unspanned, theta, state, batch)[0]) != nxt
+
+
+@pytest.mark.slow
+def test_a_count_carried_onto_the_runs_own_schedule_is_said_in_one_line(
+    source: tuple[Path, Path], pretrained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config, _ = source
+    cfg = load_config(config, continued(pretrained))  # no inner.schedule_steps: the schedule spans this run's 8 steps
+    setup = build_setup(cfg)
+    island = make_island(cfg, "island-0", setup.model, setup.streams["island-0"])
+    rd = RunDir(tmp_path / "run", cfg)
+    try:
+        assert initial_inner_state(cfg, island, setup.init_params, rd) is not None
+    finally:
+        rd.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "diloco.run.warm_start"]
+    assert "goes on from the source's step 8 on a schedule of this run's 8 steps" in line and "\n" not in line
+    assert "inner.schedule_steps" in line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+def test_every_island_continues_the_pretraining_and_the_run_resumes_without_it(
+    source: tuple[Path, Path], pretrained: Path, tmp_path: Path
+) -> None:
+    """Through simulate: θ_0 and every island's inner state are the sync pretraining's (init.inner_state_island), and
+    a cut-back run resumes from its own checkpoints, with the pretraining gone, to the same θ."""
+    config, _ = source
+    copy = shutil.copytree(pretrained, tmp_path / "copy")
+    cfg = load_config(config, continued(copy, SPAN))
+    run = tmp_path / "warm"
+    first = run_simulation(cfg, run, show_progress=False)
+    assert first["final_eval_loss"] < summary_of(copy)["final_eval_loss"]
+    islands = [e for e in read_events(run / "metrics.jsonl", "warm_start") if "island" in e]
+    assert sorted((e["island"], e["step_count"], Path(e["source"]).parent.name) for e in islands) == [
+        ("island-0", 8, "sync"),
+        ("island-1", 8, "sync"),
+    ]
+    shutil.rmtree(copy)
+    for owner in ("coordinator", "island-0", "island-1"):
+        shutil.rmtree(run / "checkpoints" / owner / "2")
+    (run / "summary.json").unlink()
+    assert run_simulation(cfg, run, show_progress=False)["params_digest"] == first["params_digest"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["init.inner_state_island=eu"],
+            r"^init\.inner_state_island: '.*pretrained' holds no checkpoint of island 'eu'",
+        ),
+        (
+            ["inner.kind=muon"],
+            r"^init\.from: '.*sync/2' does not fit this run's inner optimizer state of island island-0 "
+            r"\(inner\.kind = 'muon'\): tensor '.*' is (missing there|there but not here)",
+        ),
+    ],
+)
+def test_an_inner_state_that_is_not_there_or_does_not_fit_is_one_line(
+    source: tuple[Path, Path], pretrained: Path, tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    config, _ = source
+    with pytest.raises(WarmStartError, match=message) as exc:
+        run_simulation(load_config(config, continued(pretrained, *overrides)), tmp_path / "run", show_progress=False)
+    assert "\n" not in str(exc.value)
 
 
 # -- the coordinator and island processes ------------------------------------------------------------------------

@@ -80,7 +80,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         type=int,
         default=0,
         metavar="STEPS",
-        help="pretrain one island STEPS steps (plain AdamW), then run each method from it",
+        help="pretrain one island STEPS steps (the inner optimizer alone), then run each method from it",
+    )
+    conv.add_argument(
+        "--warm-protocol",
+        choices=("restart", "continue"),
+        default="restart",
+        help="restart: each method takes the pretraining's θ, with a fresh inner optimizer and schedule; continue: "
+        "its inner state and schedule too (one schedule over the whole budget, the papers' warm start)",
     )
 
     codec = parsers["codec"]
@@ -222,7 +229,9 @@ def _convergence(args: argparse.Namespace) -> Result:
     from diloco.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    return run_convergence_bench(cfg, _run_dir(args), args.islands, args.grid, args.warm_start, args.vectorize)
+    return run_convergence_bench(
+        cfg, _run_dir(args), args.islands, args.grid, args.warm_start, args.vectorize, args.warm_protocol
+    )
 
 
 def _codec(args: argparse.Namespace) -> Result:

@@ -14,9 +14,16 @@ The papers' protocols, as options:
         Every point is reported, so a reader sees how flat or sharp each optimum is.
   --vectorize   the DiLoCo runs step their islands as one program (`train.vectorize`): the same results to float
         rounding, in a fraction of the time on small models.
-  --warm-start STEPS   pretrain one island with plain AdamW (the sync baseline on one island: no outer optimizer)
-        for STEPS inner steps, then run every method from that checkpoint (`init.from`) for the rest of the step
-        budget (DiLoCo, arXiv 2311.08105, and Async Local-SGD, arXiv 2401.09135, start from such a model).
+  --warm-start STEPS   pretrain one island with the inner optimizer alone (the sync baseline on one island: no
+        outer optimizer) for STEPS inner steps, then run every method from that checkpoint (`init.from`) for the rest
+        of the step budget (DiLoCo, arXiv 2311.08105, and Async Local-SGD, arXiv 2401.09135, start from such a model).
+  --warm-protocol restart|continue   what the methods take from the pretraining. restart (the default): its θ only;
+        each method starts a fresh inner optimizer and a schedule of its own over the steps left. continue (the
+        papers': training goes on): the pretraining runs the first STEPS steps of a schedule of the whole budget
+        (inner.schedule_steps), and every island of every method starts with its θ, its inner optimizer state and so
+        its schedule's position (`init.inner_state`, `init.inner_state_island = "sync"`), so that its first step is
+        the pretraining's next one. A --grid over inner.* keys changes them from there on; the pretraining runs the
+        config's values.
 
 Each run keeps its own run directory (metrics.jsonl has the loss curves: `diloco plot` draws them), and a finished
 run is not recomputed when the command is repeated with the same --run-dir (simulate resumes it: nothing is left).
@@ -35,6 +42,7 @@ from diloco.config import ConfigError, RunConfig, apply_overrides, from_dict, to
 from diloco.simulator.simulate import run_simulation
 
 METHODS = ("L1", "LM", "Ls")
+WARM_PROTOCOLS = ("restart", "continue")
 
 
 @dataclass(frozen=True)
@@ -100,18 +108,30 @@ def _method_config(cfg: RunConfig, method: str, islands: int, vectorize: bool) -
     }[method]
 
 
-def warm_start(cfg: RunConfig, steps: int, run_dir: Path) -> tuple[Path, int]:
-    """Pretrain one island with plain AdamW for `steps` inner steps (resumed if already there); returns its run
-    directory and the rounds it used up."""
+def warm_start(cfg: RunConfig, steps: int, run_dir: Path, protocol: str) -> tuple[RunConfig, dict[str, Any]]:
+    """Pretrain one island with the inner optimizer alone for `steps` inner steps (resumed if already there); returns
+    the config every method runs from it (init.from, the rounds left and, to continue, the inner state and the
+    schedule of the whole budget) and what the result says of it."""
     H, rounds = cfg.train.inner_steps, cfg.train.rounds
     if steps <= 0 or steps % H or steps >= rounds * H:
         raise BenchError(
             f"bench convergence: --warm-start must be a positive multiple of train.inner_steps ({H}) below the run's "
             f"{rounds * H} inner steps (got {steps})"
         )
-    pre = _variant(cfg, islands={"count": 1, "names": []}, train={"mode": "sync", "rounds": steps // H})
+    if protocol not in WARM_PROTOCOLS:
+        raise BenchError(
+            f"bench convergence: --warm-protocol must be one of {', '.join(WARM_PROTOCOLS)} (got {protocol!r})"
+        )
+    # Continuing: one schedule over the whole budget, of which the pretraining runs the first `steps` steps.
+    inner = {"schedule_steps": cfg.inner.schedule_steps or cfg.total_inner_steps} if protocol == "continue" else {}
+    pre = _variant(cfg, islands={"count": 1, "names": []}, train={"mode": "sync", "rounds": steps // H}, inner=inner)
     run_simulation(pre, run_dir, show_progress=False)
-    return run_dir, steps // H
+    init: dict[str, Any] = {"from": str(run_dir)}
+    if protocol == "continue":
+        init.update(inner_state=True, inner_state_island="sync")
+    base = _variant(cfg, train={"rounds": rounds - steps // H}, init=init, inner=inner)
+    method = f"one island, inner.kind = {cfg.inner.kind!r} alone (sync mode)"
+    return base, {"steps": steps, "protocol": protocol, "run_dir": str(run_dir), "method": method}
 
 
 def run_convergence_bench(
@@ -121,6 +141,7 @@ def run_convergence_bench(
     grids: list[str] | None = None,
     warm_steps: int = 0,
     vectorize: bool = False,
+    warm_protocol: str = "restart",
 ) -> dict[str, Any]:
     """Every method's runs (resumed when already there in `run_dir`), each method's best, and the ratios of the
     bests. Without grids each method is one run of the config as given, in `run_dir/KEY` as before."""
@@ -129,9 +150,7 @@ def run_convergence_bench(
     axes = parse_grids(grids or [])
     base, warm = cfg, None
     if warm_steps:
-        source, used = warm_start(cfg, warm_steps, run_dir / "warm")
-        base = _variant(cfg, train={"rounds": cfg.train.rounds - used}, init={"from": str(source)})
-        warm = {"steps": warm_steps, "run_dir": str(source), "method": "one island, plain AdamW (sync mode)"}
+        base, warm = warm_start(cfg, warm_steps, run_dir / "warm", warm_protocol)
     keys = {"L1": "L1", "LM": f"L{islands}", "Ls": "Ls"}
     table: dict[str, list[dict[str, Any]]] = {}
     for method in METHODS:

@@ -13,8 +13,14 @@ Who loads what:
 
     the global θ     whoever owns it: simulate's GlobalRun or the coordinator (`initial_params`); the sync baseline's
                      one model. Islands of a federation get it from the coordinator by their first full pull.
-    inner state      each island itself, from the source's checkpoint of the island with its name
-                     (`initial_inner_state`, `init.inner_state`); without one it starts fresh and says so.
+    inner state      each island itself, from the source's checkpoint of the island with its name, or of the island
+                     init.inner_state_island names (`initial_inner_state`, `init.inner_state`); without one it starts
+                     fresh and says so (a named island the source lacks is refused).
+
+The inner state carries its step count, and the learning-rate schedule is a function of that count: the source's
+step S is this run's first. Both runs on one inner.schedule_steps = T make one schedule of T steps (the papers'
+warm start: training continued, not restarted); without it the schedule spans this run's own steps from S, which is
+said in one line.
 """
 
 from __future__ import annotations
@@ -160,10 +166,33 @@ def locate(cfg: RunConfig) -> Source:
 
 
 def check_fresh(cfg: RunConfig, run_dir: Path) -> None:
-    """Refuse a wrong init.from before a new run directory is made (its config.toml would hold the wrong path, and
-    the corrected command could not reuse the directory); a directory that resumes never reads init.from again."""
+    """Refuse a wrong init.from (or init.inner_state_island) before a new run directory is made (its config.toml
+    would hold the wrong path, and the corrected command could not reuse the directory); a directory that resumes
+    never reads init.from again."""
     if cfg.init.from_ and not (run_dir / "config.toml").exists():
-        locate(cfg)
+        source = locate(cfg)
+        if cfg.init.inner_state_island:
+            inner_state_step(source, cfg.init.inner_state_island, named=True)
+
+
+def inner_state_step(source: Source, name: str, named: bool) -> Path | None:
+    """The newest checkpoint step of the source's island `name` (`island_owners`); None when it has none, which is
+    refused in one line when init.inner_state_island `named` it."""
+    run_dir = source.run_dir
+    step_dir = newest_step(island_owners(run_dir, name) if run_dir is not None else [])
+    if step_dir is None and named:
+        raise WarmStartError(
+            f"init.inner_state_island: '{run_dir or source.step_dir}' holds no checkpoint of island {name!r} "
+            "(a sync baseline's model is 'sync'; a simulate or launch run's islands are its islands.names)"
+        )
+    return step_dir
+
+
+def step_count(opt_state: PyTree) -> int:
+    """The step count an optimizer state holds: its schedule's position (the largest of its `count` leaves; every
+    transformation of one inner optimizer counts the same steps)."""
+    counts = [int(v) for name, v in flatten_named(opt_state).items() if name.rsplit("/", 1)[-1] == "count"]
+    return max(counts, default=0)
 
 
 def read_item(step_dir: Path, item: str, like: PyTree, what: str) -> PyTree:
@@ -203,20 +232,36 @@ def initial_params(cfg: RunConfig, init_params: PyTree, rd: RunDir) -> PyTree:
 
 def initial_inner_state(cfg: RunConfig, island: Island, params: PyTree, rd: RunDir) -> PyTree | None:
     """The inner optimizer state `island` starts a fresh run with: with init.inner_state, what the source saved for
-    the island of the same name (its newest step in `island_owners`), read into the structure of a fresh one over
-    `params`; None (a fresh state) otherwise, or when the source has no checkpoint of that island, which is said in
-    one line on stderr and in a `warm_start` event."""
+    the island of the same name or of init.inner_state_island (its newest step in `island_owners`), read into the
+    structure of a fresh one over `params`; None (a fresh state) otherwise, or when the source has no checkpoint of
+    that island, which is said in one line on stderr and in a `warm_start` event (a named island is refused)."""
     if not cfg.init.inner_state:
         return None
     source = locate(cfg)
-    run_dir = source.run_dir
-    step_dir = newest_step(island_owners(run_dir, island.name) if run_dir is not None else [])
+    name = cfg.init.inner_state_island or island.name
+    step_dir = inner_state_step(source, name, named=bool(cfg.init.inner_state_island))
     if step_dir is None:
-        why = f"'{run_dir or source.step_dir}' holds no checkpoint of island {island.name}"
+        why = f"'{source.run_dir or source.step_dir}' holds no checkpoint of island {island.name}"
         log.warning("init.inner_state: %s; it starts with a fresh inner optimizer state", why)
         rd.log("warm_start", island=island.name, inner_state=False, reason=why)
         return None
-    what = f"inner optimizer state of island {island.name}"
+    what = f"inner optimizer state of island {island.name} (inner.kind = {cfg.inner.kind!r})"
     state = read_item(step_dir, "inner_opt_state", island.tx.init(params), what)
-    rd.log("warm_start", island=island.name, inner_state=True, source=str(step_dir), source_round=int(step_dir.name))
+    count = step_count(state)
+    if count and not cfg.inner.schedule_steps:
+        log.warning(
+            "init.inner_state: island %s goes on from the source's step %d on a schedule of this run's %d steps; "
+            "give both runs the same inner.schedule_steps to continue the source's schedule instead",
+            island.name,
+            count,
+            cfg.total_inner_steps,
+        )
+    rd.log(
+        "warm_start",
+        island=island.name,
+        inner_state=True,
+        source=str(step_dir),
+        source_round=int(step_dir.name),
+        step_count=count,
+    )
     return state
