@@ -45,7 +45,7 @@ from islands.mesh import accumulation_steps, batch_sharding, build_mesh, param_s
 from islands.models.base import Model
 from outer_optimizer.aggregate import pseudo_gradient
 from pytrees.feedback import Compressed, Residual, compress_tree, zero_residual
-from pytrees.naming import PyTree, flatten_named, unflatten_named
+from pytrees.naming import PyTree, flatten_named, to_host, unflatten_named
 
 
 class DivergedError(UserError):
@@ -271,9 +271,7 @@ class Island:
             if abstract is None:
                 return None
             params, opt_state = abstract
-        step = make_train_step(self.model.loss, self.tx, self.mesh, self.shard_params)
-        batch = jax.ShapeDtypeStruct(self._batch_shape(), jnp.int32, sharding=self._batch_sharding)
-        compiled = step.lower(params, opt_state, batch).compile()
+        compiled = self._compile_step(params, opt_state)
         passes, rows, tokens = self._batch_shape()
         split = f" in {passes} passes of {rows}" if passes > 1 else ""
         mine = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
@@ -287,6 +285,18 @@ class Island:
         if message is not None:
             raise OutOfMemoryError(message)
         return compiled
+
+    def _compile_step(self, params: PyTree, opt_state: PyTree) -> Any:
+        step = make_train_step(self.model.loss, self.tx, self.mesh, self.shard_params)
+        batch = jax.ShapeDtypeStruct(self._batch_shape(), jnp.int32, sharding=self._batch_sharding)
+        return step.lower(params, opt_state, batch).compile()
+
+    def step_footprint(self) -> Footprint | None:
+        """XLA's figure for one train step of this island, per device, from the state's shapes alone (the process's
+        cost model: diloco/run/memory_plan.py). None where XLA or the model's init cannot say. The compilation is
+        `check_memory`'s, which jit's cache keeps."""
+        abstract = self.abstract_state()
+        return None if abstract is None else Footprint.of(self._compile_step(*abstract))
 
     def _warm_up(self) -> None:
         """Compile the inner step (`check_memory`, now that this island's state and its neighbours' are held) and run
@@ -398,8 +408,8 @@ class Island:
         assert self.state is not None
         local = flatten_named(self.state.params, to_numpy=False)
         delta = pseudo_gradient(
-            {name: np.asarray(reference[name]) for name in reference},
-            {name: np.asarray(local[name]) for name in reference},
+            {name: to_host(reference[name]) for name in reference},
+            {name: to_host(local[name]) for name in reference},
         )
         residual = None if self.state.residual is None else {name: self.state.residual[name] for name in reference}
         return TakenDelta(run, delta, residual, self.uplink, self.feedback_decay)

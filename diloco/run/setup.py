@@ -193,6 +193,11 @@ class Evaluator:
             raise OutOfMemoryError(message)
         self._checked = True
 
+    def footprint(self, params: PyTree) -> Footprint | None:
+        """XLA's figure for evaluating parameters shaped like `params`, from their shapes alone (nothing placed)."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self._sharding), params)
+        return Footprint.of(self._fn.lower(abstract, self._batches).compile())
+
     def __call__(self, params: PyTree) -> float:
         placed = jax.device_put(params, self._sharding)
         if not self._checked:
