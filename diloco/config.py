@@ -575,7 +575,8 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`outer.lr=0.5` -> (["outer", "lr"], 0.5). Values are TOML; a bare word is a string."""
+    """`outer.lr=0.5` -> (["outer", "lr"], 0.5). Values are TOML; a bare word is a string, and so is each bare word
+    of a list (`islands.names=[a,b]`, as a shell leaves it without the quotes)."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like section.key=value")
     key, raw = text.split("=", 1)
@@ -585,8 +586,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw
+        value = _bare_words(raw)
     return path, value
+
+
+def _bare_words(raw: str) -> Any:
+    """`[a, b]` -> ["a", "b"] when every item is a bare word (no quotes, brackets or '='); else `raw` as given."""
+    inner = raw.strip()
+    if not (inner.startswith("[") and inner.endswith("]")):
+        return raw
+    items = [item.strip() for item in inner[1:-1].split(",")] if inner[1:-1].strip() else []
+    if all(item and not any(c in item for c in "\"'[]{}=") for item in items):
+        return items
+    return raw
 
 
 def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
