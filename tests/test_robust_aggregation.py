@@ -336,7 +336,7 @@ def test_rules_are_bit_identical_across_processes() -> None:
     assert json.loads(run.stdout.strip().splitlines()[-1]) == rule_digests()
 
 
-@pytest.mark.parametrize("n", [17, 24, 33, 40])
+@pytest.mark.parametrize("n", [17, 33])
 def test_ranking_by_sort_is_bit_identical_to_pairwise(n: int) -> None:
     """Above PAIRWISE_MAX islands the order statistics rank by a sort (its compile does not grow with n): the same
     aggregate, bit for bit, and the same masks, with ties (broken in island order), NaN, ±inf and -0.0."""
