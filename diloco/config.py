@@ -282,24 +282,43 @@ class IslandsConfig:
 @dataclass(frozen=True)
 class CodecConfig:
     uplink: str = "fp32"
-    """Codec of the islands' pseudo-gradients: "fp32" (lossless), "bf16", "int8" or "int4" (blockwise absmax,
-    with error feedback on the island)."""
+    """Codec of the islands' pseudo-gradients: "fp32" (lossless), "bf16", "int8" or "int4" (blockwise absmax), or
+    "sparse" (chunked top-k with low-bit values, SparseLoCo's), with error feedback on the island."""
     downlink: str = "fp32"
-    """Codec of the coordinator's outer updates (error feedback on the coordinator); θ commits what is sent."""
+    """Codec of the coordinator's outer updates (error feedback on the coordinator); θ commits what is sent. With
+    "sparse" the update is sparsified again, what it drops kept in the coordinator's residual."""
     block_size: int = 256
     """Values per quantization block for int8/int4 (one float32 scale each)."""
     zstd_level: int = 0
     """zstd level after quantization (0 = off)."""
+    chunk: int = 4096
+    """sparse: values per chunk, each chunk keeping its own top-k (4096: SparseLoCo's 64 x 64 chunks; at most
+    65536, even)."""
+    density: float = 1 / 64
+    """sparse: the fraction of each chunk kept, in (0, 1]; 1/64 keeps 64 of 4096 (SparseLoCo's 1-3 % range)."""
+    sparse_bits: int = 2
+    """sparse: bits per kept value, 2..8: a sign and sparse_bits - 1 bits of magnitude between the chunk's smallest
+    and largest kept magnitudes."""
 
     def __post_init__(self) -> None:
         for key in ("uplink", "downlink"):
             try:
                 self.spec(key)
             except CodecError as exc:
-                raise ValueError(str(exc).replace("codec.kind", f"codec.{key}")) from None
+                message = str(exc).replace("codec.kind", f"codec.{key}").replace("codec.block_size", "codec.chunk")
+                raise ValueError(message) from None
 
     def spec(self, direction: str) -> CodecSpec:
-        return CodecSpec(kind=getattr(self, direction), block_size=self.block_size, zstd_level=self.zstd_level)
+        kind = getattr(self, direction)
+        if kind == "sparse":
+            return CodecSpec(
+                kind=kind,
+                block_size=self.chunk,
+                zstd_level=self.zstd_level,
+                density=self.density,
+                sparse_bits=self.sparse_bits,
+            )
+        return CodecSpec(kind=kind, block_size=self.block_size, zstd_level=self.zstd_level)
 
 
 SECRET_REFS = {"secret_refs": True}
@@ -424,6 +443,17 @@ class RunConfig:
         why = check_schedule(self.train.inner_steps, self.stream.fragments, self.stream.overlap_steps)
         if why is not None:
             raise ValueError(why)
+        if self.outer.kind == "sparseloco" and self.codec.uplink == "fp32":
+            raise ValueError(
+                "outer.kind = 'sparseloco' replaces outer momentum by the islands' error feedback, which a lossless "
+                "codec.uplink = 'fp32' does not have: set codec.uplink (to 'sparse', as SparseLoCo does)"
+            )
+        if self.codec.uplink == "sparse" and self.outer.aggregate in ("trimmed_mean", "median"):
+            raise ValueError(
+                f"codec.uplink = 'sparse' sends each island's own few coordinates, which a coordinate-wise "
+                f"outer.aggregate = {self.outer.aggregate!r} turns to zero wherever fewer than half the islands sent "
+                "one: set outer.aggregate to 'mean' or 'norm_clip'"
+            )
         if 0 < self.inner.schedule_steps < self.total_inner_steps:
             raise ValueError(
                 f"inner.schedule_steps ({self.inner.schedule_steps}) is shorter than the run's "
@@ -545,7 +575,8 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`outer.lr=0.5` -> (["outer", "lr"], 0.5). Values are TOML; a bare word is a string."""
+    """`outer.lr=0.5` -> (["outer", "lr"], 0.5). Values are TOML; a bare word is a string, and so is each bare word
+    of a list (`islands.names=[a,b]`, as a shell leaves it without the quotes)."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like section.key=value")
     key, raw = text.split("=", 1)
@@ -555,8 +586,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw
+        value = _bare_words(raw)
     return path, value
+
+
+def _bare_words(raw: str) -> Any:
+    """`[a, b]` -> ["a", "b"] when every item is a bare word (no quotes, brackets or '='); else `raw` as given."""
+    inner = raw.strip()
+    if not (inner.startswith("[") and inner.endswith("]")):
+        return raw
+    items = [item.strip() for item in inner[1:-1].split(",")] if inner[1:-1].strip() else []
+    if all(item and not any(c in item for c in "\"'[]{}=") for item in items):
+        return items
+    return raw
 
 
 def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:

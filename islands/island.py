@@ -45,7 +45,7 @@ from islands.mesh import accumulation_steps, batch_sharding, build_mesh, param_s
 from islands.models.base import Model
 from outer_optimizer.aggregate import pseudo_gradient
 from pytrees.feedback import Compressed, Residual, compress_tree, zero_residual
-from pytrees.naming import PyTree, flatten_named, unflatten_named
+from pytrees.naming import PyTree, flatten_named, to_host, unflatten_named
 
 
 class DivergedError(UserError):
@@ -145,10 +145,12 @@ class TakenDelta:
     residual: Residual
     """This island's error feedback for the leaves of Δ as it was when Δ was taken."""
     spec: CodecSpec
+    decay: float = 1.0
+    """β, the residual's decay before Δ is added (outer.kind = "sparseloco"; 1: plain error feedback)."""
 
     def encode(self) -> RoundPush:
-        """encode(Δ + e): the bytes to push, the Δ the coordinator will decode and the residual to keep."""
-        return RoundPush(self.run, compress_tree(self.delta, self.residual, self.spec))
+        """encode(Δ + β·e): the bytes to push, the Δ the coordinator will decode and the residual to keep."""
+        return RoundPush(self.run, compress_tree(self.delta, self.residual, self.spec, self.decay))
 
 
 class Island:
@@ -169,12 +171,13 @@ class Island:
         slowdown: float = 1.0,
         remat: bool | None = None,
         device_step_s: float = 0.0,
+        feedback_decay: float = 1.0,
     ) -> None:
         """`inner`, when given, only puts the values of the inner settings into a divergence message, and `remat`
         (model.remat; None: the model has no such setting) into an out-of-memory one. `slowdown`: each inner step
         takes this many times as long (the island sleeps the difference; tests and benchmarks). `device_step_s`: every
         inner step lasts at least this long (it sleeps the rest, leaving the host idle as an accelerator's step does;
-        benchmarks)."""
+        benchmarks). `feedback_decay`: β of the uplink's error feedback (`OuterConfig.feedback_decay`)."""
         self.name = name
         self.inner = inner
         self.remat = remat
@@ -184,6 +187,7 @@ class Island:
         self.tx = tx
         self.stream = stream
         self.uplink = uplink or CodecSpec(kind="fp32")
+        self.feedback_decay = feedback_decay
         self.mesh = build_mesh(n_devices, devices)
         self.shard_params = shard_params
         self.microbatch = microbatch
@@ -267,9 +271,7 @@ class Island:
             if abstract is None:
                 return None
             params, opt_state = abstract
-        step = make_train_step(self.model.loss, self.tx, self.mesh, self.shard_params)
-        batch = jax.ShapeDtypeStruct(self._batch_shape(), jnp.int32, sharding=self._batch_sharding)
-        compiled = step.lower(params, opt_state, batch).compile()
+        compiled = self._compile_step(params, opt_state)
         passes, rows, tokens = self._batch_shape()
         split = f" in {passes} passes of {rows}" if passes > 1 else ""
         mine = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
@@ -283,6 +285,18 @@ class Island:
         if message is not None:
             raise OutOfMemoryError(message)
         return compiled
+
+    def _compile_step(self, params: PyTree, opt_state: PyTree) -> Any:
+        step = make_train_step(self.model.loss, self.tx, self.mesh, self.shard_params)
+        batch = jax.ShapeDtypeStruct(self._batch_shape(), jnp.int32, sharding=self._batch_sharding)
+        return step.lower(params, opt_state, batch).compile()
+
+    def step_footprint(self) -> Footprint | None:
+        """XLA's figure for one train step of this island, per device, from the state's shapes alone (the process's
+        cost model: diloco/run/memory_plan.py). None where XLA or the model's init cannot say. The compilation is
+        `check_memory`'s, which jit's cache keeps."""
+        abstract = self.abstract_state()
+        return None if abstract is None else Footprint.of(self._compile_step(*abstract))
 
     def _warm_up(self) -> None:
         """Compile the inner step (`check_memory`, now that this island's state and its neighbours' are held) and run
@@ -394,11 +408,11 @@ class Island:
         assert self.state is not None
         local = flatten_named(self.state.params, to_numpy=False)
         delta = pseudo_gradient(
-            {name: np.asarray(reference[name]) for name in reference},
-            {name: np.asarray(local[name]) for name in reference},
+            {name: to_host(reference[name]) for name in reference},
+            {name: to_host(local[name]) for name in reference},
         )
         residual = None if self.state.residual is None else {name: self.state.residual[name] for name in reference}
-        return TakenDelta(run, delta, residual, self.uplink)
+        return TakenDelta(run, delta, residual, self.uplink, self.feedback_decay)
 
     def keep_residual(self, push: RoundPush) -> None:
         """The push reached the coordinator's round: keep what its codec dropped, to send next round.

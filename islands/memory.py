@@ -14,6 +14,31 @@ host that swaps itself to a halt.
 when an island first trains, so islands that coexist in one process are charged for each other without knowing how
 many there are. Where XLA or the device cannot say (a backend without memory analysis, a device without
 memory_stats), there is no check: never a refusal on a guess.
+
+One step is not the whole process, though: `simulate` holds every island and the coordinator in one memory, and an
+island's first step comes long before the first commit. `ProcessPlan` is the cost model of the whole process, checked
+once before any island's state exists (diloco/run/memory_plan.py), in bytes, with P the bytes of θ in float32:
+
+    an island       θ (P), its inner optimizer state (AdamW: 2P, its moments), the uplink residual (P; none when the
+                    codec is lossless)
+    the coordinator θ (P), the outer optimizer state (Nesterov: P, its momentum), the downlink residual (P, lossy)
+    held            N islands + the coordinator: the state the run keeps from its first step to its last. θ_0, which
+                    the setup built before the check, is held already (the room is measured after it)
+    at its peak, the held state plus the largest of these, which never overlap (`Lockstep` runs them in turn):
+      a first step  one island's θ and inner state copied for the warm-up step (donated, so its own are spared), and
+                    XLA's figure for a step beyond its arguments (temporaries: activations, gradients; its code)
+      a sync        each island's push: its decoded Δ (P) and its encoding (P / compression), then the commit: the
+                    aggregate (P), the update u on the device and on the host (2P), the new θ (P), the new outer
+                    state, and for a lossy downlink u + e, û and the new residual (3P) and û's encoding; the order
+                    statistics (trimmed_mean, median) add their stack of N of the largest leaf and its sort
+      an evaluation XLA's figure for the evaluation (θ placed, the batches, the logits), beside the pushes and the
+                    commit's new state (the old one is kept until the evaluation decides to keep the new)
+      a checkpoint  a copy of one owner's state (the largest), written before the next owner's save starts
+
+The islands of a `simulate` train one after another (`train.vectorize` steps them in one program: N steps' worth of
+temporaries at once). What the model leaves out is the runtime itself (the interpreter, JAX and XLA, a few hundred MB
+already held when the room is measured) and the allocator's slack; BENCHMARKS.md ("Memory") has the measured peaks
+against it.
 """
 
 from __future__ import annotations
@@ -80,6 +105,94 @@ class Room:
     """How the message says it, e.g. "the host has 21.3 GB available"."""
     sharers: int = 1
     """Devices of the program whose memory is this one (on CPU all of the mesh's: they are the host's threads)."""
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    """The cost model of one process that holds `islands` islands and (`coordinator`) the global model, in bytes
+    (module docstring). Pure: the caller measures the parts (`jax.eval_shape`, XLA's `memory_analysis`)."""
+
+    islands: int
+    params: int
+    """P: θ's bytes in float32."""
+    largest_leaf: int
+    """θ's largest tensor's bytes (the order statistics work a tensor at a time)."""
+    inner_state: int
+    """One island's inner optimizer state."""
+    step: Footprint | None
+    """One island's train step, per device (None: XLA cannot say; the plan then counts none)."""
+    step_sharers: int = 1
+    """Devices of an island's mesh whose memory is this one (on CPU, all of them)."""
+    evaluation: Footprint | None = None
+    coordinator: bool = True
+    outer_state: int = 0
+    uplink_ratio: float = 1.0
+    """Encoded bytes of a push per byte of Δ (fp32: 1, int8: about 1/4)."""
+    downlink_ratio: float = 1.0
+    uplink_lossy: bool = False
+    downlink_lossy: bool = False
+    order_statistic: bool = False
+    """outer.aggregate is trimmed_mean or median."""
+    stepped_together: bool = False
+    """train.vectorize: every island's step runs at once."""
+
+    @property
+    def island_state(self) -> int:
+        return self.params + self.inner_state + (self.params if self.uplink_lossy else 0)
+
+    @property
+    def coordinator_state(self) -> int:
+        if not self.coordinator:
+            return 0
+        return self.params + self.outer_state + (self.params if self.downlink_lossy else 0)
+
+    @property
+    def held(self) -> int:
+        """What the run keeps from its first step to its last."""
+        return self.islands * self.island_state + self.coordinator_state
+
+    def phases(self) -> dict[str, int]:
+        """The transient bytes of each phase beyond `held`, by name; the phases never overlap."""
+        P = self.params
+        step = 0
+        if self.step is not None:
+            extra = self.step.total - self.step.arguments  # the arguments are the state, counted as held
+            step = extra * self.step_sharers * (self.islands if self.stepped_together else 1)
+        phases = {"a first step": P + self.inner_state + step}
+        if self.coordinator:
+            pushes = self.islands * int(P * (1 + self.uplink_ratio))
+            down = 3 * P + int(P * self.downlink_ratio) if self.downlink_lossy else 0
+            stack = 2 * self.islands * self.largest_leaf if self.order_statistic else 0
+            commit = 4 * P + self.outer_state + down + stack
+            phases["a sync"] = pushes + commit
+            if self.evaluation is not None:
+                new_state = P + self.outer_state + (P if self.downlink_lossy else 0)
+                phases["an evaluation"] = pushes + new_state + self.evaluation.total
+            phases["a checkpoint"] = max(self.island_state, self.coordinator_state)
+        else:
+            phases["a checkpoint"] = self.island_state
+        return phases
+
+    @property
+    def peak(self) -> int:
+        return self.held + max(self.phases().values())
+
+    def describe(self) -> str:
+        """The parts, for the one-line refusal: "2 islands of 1.99 GB each, the coordinator 1.49 GB, a sync 4.98 GB"."""
+        phase, extra = max(self.phases().items(), key=lambda kv: kv[1])
+        each = "" if self.islands == 1 else " each"
+        coordinator = f", the coordinator {format_bytes(self.coordinator_state)}" if self.coordinator else ""
+        plural = "s" if self.islands > 1 else ""
+        return (
+            f"{self.islands} island{plural} of {format_bytes(self.island_state)}{each}{coordinator} "
+            f"and at the peak {phase} {format_bytes(extra)}"
+        )
+
+
+def process_advice(islands: int, step_advice: str) -> str:
+    """The settings that shrink a whole process: fewer islands in it, a smaller model, or a smaller step."""
+    fewer = f"lower islands.count ({islands}) or run the islands as processes (diloco launch), " if islands > 1 else ""
+    return f"{fewer}shrink the model (model.n_layers, model.d_model, model.vocab_size), or {step_advice}"
 
 
 def format_bytes(n: float) -> str:

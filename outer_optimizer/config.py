@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-KINDS = ("nesterov", "sgd", "adam", "delayed_nesterov")
+KINDS = ("nesterov", "sgd", "adam", "delayed_nesterov", "sparseloco")
 """The values of outer.kind (`optimizers.OUTER_OPTIMIZERS` builds each)."""
 
 RULES = ("mean", "norm_clip", "trimmed_mean", "median")
@@ -36,9 +36,12 @@ class OuterConfig:
     kind: str = "nesterov"
     """Outer optimizer: "nesterov" (SGD + Nesterov momentum, DiLoCo default), "sgd" (FedAvg at lr 1), "adam", or
     "delayed_nesterov" (Nesterov whose momentum is updated and applied every `momentum_every` updates, SGD steps of
-    lr/N in between: Async Local-SGD's remedy for stale pseudo-gradients, for train.mode = "async")."""
+    lr/N in between: Async Local-SGD's remedy for stale pseudo-gradients, for train.mode = "async"), or "sparseloco"
+    (SparseLoCo, arXiv 2508.15706: no outer momentum, θ moves by -lr times the aggregate; the islands' error feedback,
+    decayed by `error_decay` every sync, plays the momentum's part: needs a lossy codec.uplink, "sparse" the one the
+    paper pairs it with)."""
     lr: float = 0.7
-    """Outer learning rate (paper: 0.7 for nesterov; 1.0 for sgd is FedAvg)."""
+    """Outer learning rate (paper: 0.7 for nesterov; 1.0 for sgd is FedAvg and SparseLoCo's)."""
     momentum: float = 0.9
     """Momentum for nesterov, delayed_nesterov and sgd (0 disables it for sgd)."""
     b1: float = 0.9
@@ -61,6 +64,9 @@ class OuterConfig:
     island catches up by pulling the ones it missed rather than the whole θ. `simulate` refuses a config whose
     islands.slowdown would make a push staler than this. With M equally fast islands pushes are about M - 1 stale.
     The coordinator holds max_staleness + 1 encoded updates in memory (int8: about a quarter of θ's fp32 bytes each)."""
+    error_decay: float = 0.95
+    """kind = "sparseloco" only: β in e <- β·e + Δ, each island's error feedback decayed before its new pseudo-gradient
+    is added (SparseLoCo's Algorithm 1; 0.95 its value). In (0, 1]: 1 is plain error feedback."""
     clip_norm: float = 0.0
     """If > 0, clip the pseudo-gradient's global norm before the outer step (chained with optax)."""
     aggregate: str = "trimmed_mean"
@@ -83,6 +89,11 @@ class OuterConfig:
     number of Byzantine islands tolerated. At most (n-1)//2 are dropped, so with too few islands the rule becomes the
     coordinate-wise median, and with 2 islands their plain (unweighted) mean: no rule can tell which of two lies."""
 
+    @property
+    def feedback_decay(self) -> float:
+        """The decay of the islands' error feedback: `error_decay` for sparseloco, 1 (none) for every other kind."""
+        return self.error_decay if self.kind == "sparseloco" else 1.0
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"outer.kind must be one of {', '.join(KINDS)} (got {self.kind!r})")
@@ -92,6 +103,8 @@ class OuterConfig:
             raise ValueError(f"outer.momentum must be in [0, 1) (got {self.momentum})")
         if self.kind in ("nesterov", "delayed_nesterov") and self.momentum == 0:
             raise ValueError(f"outer.momentum must be > 0 for outer.kind = '{self.kind}' (use kind = 'sgd')")
+        if not 0 < self.error_decay <= 1:
+            raise ValueError(f"outer.error_decay must be in (0, 1] (got {self.error_decay})")
         if self.momentum_every < 1:
             raise ValueError(f"outer.momentum_every must be >= 1 (got {self.momentum_every})")
         if self.max_staleness < 0:

@@ -4,7 +4,9 @@ The coordinator treats the averaged pseudo-gradient Δ as a gradient and runs on
 parameters: `nesterov` (the paper's default: SGD with Nesterov momentum, lr 0.7, μ 0.9), `sgd` (lr 1 and no
 momentum is FedAvg: θ becomes the islands' mean), `adam` (FedAdam), and `delayed_nesterov` (Async Local-SGD's
 Nesterov whose momentum moves every `momentum_every` updates: outer_optimizer/asynchronous.py, made for
-`train.mode = "async"`). Because they are plain optax transformations a user can `optax.chain` clipping or anything
+`train.mode = "async"`), and `sparseloco` (SparseLoCo, arXiv 2508.15706, Algorithm 1: θ <- θ - lr·Δ with no outer
+state; the momentum it drops lives on in each island's decayed error feedback, `OuterConfig.feedback_decay`, applied
+by pytrees/feedback.py). Because they are plain optax transformations a user can `optax.chain` clipping or anything
 else in front of them.
 
 The `[outer]` section also chooses how the islands' pseudo-gradients are combined before that step
@@ -44,11 +46,17 @@ def _delayed_nesterov(cfg: OuterConfig) -> optax.GradientTransformation:
     return delayed_nesterov(cfg.lr, cfg.momentum, cfg.momentum_every)
 
 
+def _sparseloco(cfg: OuterConfig) -> optax.GradientTransformation:
+    # The outer step is plain SGD on the aggregate of the islands' sparse messages; outer.momentum is not used.
+    return optax.sgd(cfg.lr)
+
+
 OUTER_OPTIMIZERS: dict[str, Callable[[OuterConfig], optax.GradientTransformation]] = {
     "nesterov": _nesterov,
     "sgd": _sgd,
     "adam": _adam,
     "delayed_nesterov": _delayed_nesterov,
+    "sparseloco": _sparseloco,
 }
 """outer.kind -> its optax transformation; one entry for each of `outer_optimizer.config.KINDS`."""
 

@@ -2,7 +2,8 @@
 
 Quantization runs as one jitted JAX function per codec: numpy inputs run on the host CPU without a copy when they
 are 64-byte aligned; JAX arrays run on their own device, so a GPU island moves only the compressed bytes to the
-host. The byte layout, the metadata and the decoder are JAX-free and live in `floor/codec.py`.
+host. The sparse codec is the exception: its selection runs in numpy on the host (`_enc_sparse` says why). The byte
+layout, the metadata and the decoder are JAX-free and live in `floor/codec.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from floor.codec import QMAX, CodecError, CodecSpec, EncodedTensor, dtype_name, from_raw
+from floor.codec import QMAX, CodecError, CodecSpec, EncodedTensor, dtype_name, from_raw, index_bits
 
 # The encoder writes native-endian bit patterns (lax.bitcast_convert_type); the wire format is little-endian.
 if sys.byteorder != "little":  # pragma: no cover - every platform JAX supports is little-endian
@@ -77,6 +78,67 @@ def _enc_int4(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
     return jnp.concatenate([sbytes, packed]), scale
 
 
+def _pack_bits(values: np.ndarray, width: int) -> np.ndarray:
+    """Unsigned ``width``-bit fields (width <= 16) as the little-endian bit stream floor/codec.py lays out, zero-padded
+    to bytes."""
+    bits = np.unpackbits(values.astype("<u2").view(np.uint8).reshape(-1, 2), axis=1, bitorder="little")
+    return np.packbits(bits[:, :width].reshape(-1), bitorder="little")
+
+
+def _top_k(rows: np.ndarray, k: int) -> np.ndarray | None:
+    """Flat positions (row-major, so increasing within each row) of each row's ``k`` values of largest magnitude,
+    ties to the lower index; None when a value is NaN or infinite (no order ranks it).
+
+    One partition finds each row's k-th largest magnitude; every value at least that large is kept, and a row where
+    ties at that magnitude make more than k gives up its highest-indexed ties (all-zero rows, in practice)."""
+    width = rows.shape[1]
+    mag = np.abs(rows)
+    if not np.isfinite(mag.max()):  # NaN propagates through max: one reduction checks every value
+        return None
+    kth = np.partition(mag, width - k, axis=1)[:, width - k, None]
+    keep = mag >= kth
+    for row in np.flatnonzero(np.count_nonzero(keep, axis=1) != k):
+        ties = np.flatnonzero(mag[row] == kth[row, 0])
+        keep[row, ties[k - np.count_nonzero(mag[row] > kth[row, 0]) :]] = False
+    return np.flatnonzero(keep)
+
+
+def _enc_sparse(flat: np.ndarray, spec: CodecSpec) -> np.ndarray | None:
+    """The sparse layout of a flat float32 vector (header included); None when a value is not finite.
+
+    On the host, in numpy: a partition per chunk selects faster on a CPU than XLA's top_k, and an island's Δ is a
+    host array already (`Island.take_delta`)."""
+    n, chunk = flat.shape[0], spec.block_size
+    chunks = -(-n // chunk)
+    full = max(chunks - 1, 0)
+    last = n - full * chunk
+    kept, kept_last = (spec.kept(chunk), spec.kept(last)) if chunks else (0, 0)
+    width = index_bits(chunk)
+    header = np.array([(spec.sparse_bits, width, 0, kept, kept_last)], "<u1,<u1,<u2,<u4,<u4").view(np.uint8)
+    if not chunks:
+        return header
+    head = _top_k(flat[: full * chunk].reshape(full, chunk), kept) if full else np.zeros(0, np.int64)
+    tail = _top_k(flat[full * chunk :].reshape(1, last), kept_last)
+    if head is None or tail is None:
+        return None
+    position = np.concatenate([head, tail + full * chunk])
+    values = flat[position]
+    mag = np.abs(values)
+    owner = np.repeat(np.arange(chunks), [kept] * full + [kept_last])
+    starts = np.arange(chunks) * kept
+    lo, hi = np.minimum.reduceat(mag, starts), np.maximum.reduceat(mag, starts)
+    levels = 1 << (spec.sparse_bits - 1)
+    step = (hi - lo) / np.float32(levels)
+    safe = np.where(step > 0, step, np.float32(1))
+    # Division, not a reciprocal's product: the level chosen is within float32 rounding of the nearest one.
+    level = np.clip(np.floor((mag - lo[owner]) / safe[owner]), 0, levels - 1).astype(np.uint32)
+    code = level | (values < 0).astype(np.uint32) << np.uint32(spec.sparse_bits - 1)
+    scales = np.stack([lo, step], axis=1).astype("<f4").view(np.uint8).reshape(-1)
+    index = (position - owner * chunk).astype(np.uint32)
+    raw = np.concatenate([header, scales, _pack_bits(index, width), _pack_bits(code, spec.sparse_bits)])
+    return raw
+
+
 def _aligned_f32(x: np.ndarray) -> np.ndarray:
     """C-contiguous, 64-byte aligned float32 view or copy of ``x`` (so XLA:CPU can alias it)."""
     if x.dtype == np.float32 and x.flags.c_contiguous and x.ctypes.data % _ALIGN == 0:
@@ -117,6 +179,11 @@ def encode(name: str, x: Any, spec: CodecSpec) -> EncodedTensor:
         # array comes to the host here, as its payload had to anyway.
         raw = np.ascontiguousarray(np.asarray(x, np.float32)).reshape(-1)
         if not np.isfinite(raw).all():
+            raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
+        return from_raw(name, spec, dtype, shape, raw)
+    if spec.kind == "sparse":
+        raw = _enc_sparse(np.asarray(x, np.float32).reshape(-1), spec)
+        if raw is None:
             raise CodecError(f"tensor {name!r} has non-finite values (NaN or Inf); refusing to encode")
         return from_raw(name, spec, dtype, shape, raw)
     flat = _to_device_flat(x)

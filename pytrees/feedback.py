@@ -23,34 +23,37 @@ Residual = dict[str, np.ndarray] | None
 
 
 def compress_with_feedback(
-    x: Any, residual: np.ndarray | None, spec: CodecSpec, *, name: str = "tensor"
+    x: Any, residual: np.ndarray | None, spec: CodecSpec, *, name: str = "tensor", decay: float = 1.0
 ) -> tuple[EncodedTensor, np.ndarray, np.ndarray]:
-    """Error-feedback compression (EF-SGD): send ``encode(x + e)`` and keep what it lost.
+    """Error-feedback compression (EF-SGD): send ``encode(x + β·e)`` and keep what it lost.
 
     Returns ``(encoded, decoded, new_residual)`` with ``decoded = decode(encoded)`` (exactly what the
-    receiver will get) and ``new_residual = (x + e) - decoded`` in float32. ``residual=None`` means zeros.
-    Summed over rounds, the decoded messages equal the summed inputs minus the current residual, so the
-    drift stays bounded by one quantization error instead of growing with the number of rounds. Pure: on
-    a :class:`CodecError` the caller's residual is unchanged.
+    receiver will get) and ``new_residual = (x + β·e) - decoded`` in float32. ``residual=None`` means zeros.
+    With ``decay`` β = 1, summed over rounds, the decoded messages equal the summed inputs minus the current
+    residual, so the drift stays bounded by one quantization error instead of growing with the number of rounds.
+    β < 1 is SparseLoCo's accumulator (outer.kind = "sparseloco"): what was not sent fades, and the residual, a
+    decayed sum of past pseudo-gradients, is the outer momentum it replaces. Pure: on a :class:`CodecError` the
+    caller's residual is unchanged.
     """
     target = np.asarray(x, dtype=np.float32)
     if residual is not None:
         if np.shape(residual) != target.shape:
             raise CodecError(f"tensor {name!r}: residual shape {np.shape(residual)} does not match {target.shape}")
-        target = target + np.asarray(residual, dtype=np.float32)
+        carried = np.asarray(residual, dtype=np.float32)
+        target = target + (carried if decay == 1.0 else np.float32(decay) * carried)
     encoded = encode(name, target, spec)
     decoded = decode(encoded)
     return encoded, decoded, target - decoded.astype(np.float32)
 
 
 def compress_named(
-    named: Mapping[str, Any], residuals: Mapping[str, np.ndarray] | None, spec: CodecSpec
+    named: Mapping[str, Any], residuals: Mapping[str, np.ndarray] | None, spec: CodecSpec, decay: float = 1.0
 ) -> tuple[list[EncodedTensor], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """:func:`compress_with_feedback` over a named tree; returns (encoded list, decoded, new residuals)."""
     encoded, decoded, new_res = [], {}, {}
     for name in sorted(named):
         res = None if residuals is None else residuals.get(name)
-        enc, dec, r = compress_with_feedback(named[name], res, spec, name=name)
+        enc, dec, r = compress_with_feedback(named[name], res, spec, name=name, decay=decay)
         encoded.append(enc)
         decoded[name], new_res[name] = dec, r
     return encoded, decoded, new_res
@@ -85,12 +88,14 @@ def zero_residual(tree: PyTree, spec: CodecSpec) -> Residual:
     return {name: np.zeros(np.shape(leaf), np.float32) for name, leaf in flatten_named(tree, to_numpy=False).items()}
 
 
-def compress_tree(tree: PyTree, residual: Residual, spec: CodecSpec) -> Compressed:
+def compress_tree(tree: PyTree, residual: Residual, spec: CodecSpec, decay: float = 1.0) -> Compressed:
+    """`tree` compressed for the wire with error feedback (`residual` decayed by `decay` first, as
+    :func:`compress_with_feedback` says); a lossless codec has no residual to decay."""
     named = flatten_named(tree)
     if is_lossless(spec):
         # fp32 (zstd or not) carries every bit: decode(encode(x)) is x itself, so x is what the receiver will hold.
         # Handing x back skips a decode and a residual pass over every leaf, on the path of every commit and push.
         decoded = {name: np.asarray(x, np.float32) for name, x in named.items()}
         return Compressed(encode_named(decoded, spec), unflatten_named(decoded, tree), None)
-    encoded, decoded, new_residual = compress_named(named, residual, spec)
+    encoded, decoded, new_residual = compress_named(named, residual, spec, decay)
     return Compressed(encoded, unflatten_named(decoded, tree), new_residual)

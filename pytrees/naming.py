@@ -48,15 +48,31 @@ def _named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     return out, treedef
 
 
+def to_host(x: Any) -> Any:
+    """A leaf as a host numpy array: numpy and scalars as `np.asarray` gives them (no copy), a JAX array copied shard by
+    shard into a new array.
+
+    `np.asarray` of a JAX array keeps the host copy it makes inside the array, for as long as the array lives: an
+    island's θ read for its Δ would hold a second θ until the next step, and θ_0 read by the first commit would hold
+    one for the whole run. Copying each shard's buffer into an array of our own leaves nothing behind."""
+    if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+        return np.asarray(x)
+    out = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            out[shard.index] = np.asarray(shard.data)
+    return out
+
+
 def flatten_named(tree: Any, *, to_numpy: bool = True) -> dict[str, Any]:
     """Leaves of ``tree`` keyed by their path (``blocks/0/attn/wq``), in sorted name order.
 
     Dict keys, sequence indices and dataclass attribute names are joined with ``/``; a bare array is named
-    ``value``. With ``to_numpy=False`` the leaves stay JAX arrays (so :func:`encode` quantizes them on their
-    own device).
+    ``value``. Leaves come to the host by `to_host`; with ``to_numpy=False`` they stay JAX arrays (so :func:`encode`
+    quantizes them on their own device).
     """
     leaves, _ = _named_leaves(tree)
-    conv = np.asarray if to_numpy else (lambda a: a)
+    conv = to_host if to_numpy else (lambda a: a)
     return {name: conv(leaf) for name, leaf in sorted(leaves, key=lambda kv: kv[0])}
 
 

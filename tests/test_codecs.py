@@ -19,6 +19,7 @@ from floor.codec import KINDS, QMAX, CodecError, CodecSpec, EncodedTensor, decod
 from pytrees.encode import encode, encode_named
 from pytrees.feedback import compress_named, compress_with_feedback
 from pytrees.naming import flatten_named, unflatten_named
+from tests.test_codec_sparse import assert_sparse_bound
 
 # A small fixed set of sizes and block sizes keeps the number of distinct jit compilations (one per flat
 # size and block size) low, while covering empty, 1-element, odd, and not-a-multiple-of-the-block sizes.
@@ -62,6 +63,8 @@ def assert_within_bound(x: np.ndarray, xh: np.ndarray, spec: CodecSpec) -> None:
         assert np.array_equal(x.view(np.uint32), xh.view(np.uint32))
     elif spec.kind == "bf16":
         assert np.all(np.abs(x64 - xh64) <= 2.0**-8 * np.abs(x64) + 2.0**-126)
+    elif spec.kind == "sparse":
+        assert_sparse_bound(x, xh, spec)  # its own contract: top-k within a bound, the rest exactly 0
     else:
         qmax = QMAX[spec.kind]
         for xb, xhb in zip(_blocks(x64, spec.block_size), _blocks(xh64, spec.block_size), strict=True):
@@ -129,7 +132,8 @@ def test_round_trip_within_documented_bound(x, spec):
     enc = encode("t", x, spec)
     assert enc.shape == x.shape and enc.dtype == "float32" and enc.codec == spec.kind
     if not spec.zstd_level:
-        assert enc.nbytes == enc.raw_nbytes == raw_payload_nbytes(spec.kind, x.size, spec.block_size)
+        size = enc.raw_nbytes if spec.kind == "sparse" else raw_payload_nbytes(spec.kind, x.size, spec.block_size)
+        assert enc.nbytes == enc.raw_nbytes == size
     assert_within_bound(x, decode(enc), spec)
 
 

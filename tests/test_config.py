@@ -60,7 +60,10 @@ def test_overrides_are_typed_and_nested() -> None:
         (["outer.lr=abc"], "outer.lr must be a number (got 'abc')"),
         (["train.rounds=1.5"], "train.rounds must be an integer (got 1.5)"),
         (["train.rounds=0"], "train.rounds must be >= 1 (got 0)"),
-        (["outer.kind=rmsprop"], "outer.kind must be one of nesterov, sgd, adam, delayed_nesterov (got 'rmsprop')"),
+        (
+            ["outer.kind=rmsprop"],
+            "outer.kind must be one of nesterov, sgd, adam, delayed_nesterov, sparseloco (got 'rmsprop')",
+        ),
         (["train.mode=lockstep"], "train.mode must be 'diloco', 'sync' or 'async'"),
         (["islands.shard_params=1"], "islands.shard_params must be true or false (got 1)"),
         (["model.d_model=30"], "model.d_model"),
@@ -106,3 +109,21 @@ def test_defaults_build_without_a_file() -> None:
     cfg = from_dict(RunConfig, {"data": {"kind": "synthetic"}})
     assert cfg.islands.island_names == ("island-0", "island-1")
     assert cfg.total_inner_steps == cfg.train.rounds * cfg.train.inner_steps
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("islands.names=[a,b]", ["a", "b"]),  # as a shell leaves `[a,b]`: bare words in a list are strings
+        ("islands.names=[us-east, eu-west]", ["us-east", "eu-west"]),
+        ('islands.names=["a","b"]', ["a", "b"]),
+        ("islands.names=[]", []),
+        ("outer.lr=0.5", 0.5),
+        ("data.path=my.txt", "my.txt"),
+        ("x.y=[a,[b]]", "[a,[b]]"),  # not a list of bare words: left as typed (its key then refuses it in one line)
+    ],
+)
+def test_an_override_reads_as_toml_and_bare_words_as_strings(text: str, value: object) -> None:
+    from diloco.config import parse_override
+
+    assert parse_override(text)[1] == value

@@ -11,7 +11,8 @@ gRPC's own work).
 
 Receiver: `Reassembler` checks the declared header against limits and against itself *before* allocating:
 oversize -> RESOURCE_EXHAUSTED; each tensor's declared size must be what its shape and codec make
-(``floor.codec.raw_payload_nbytes``; with zstd, at most zstd's worst case for that size), so a header
+(``floor.codec.raw_payload_range``: one size, or for sparse the range its header may choose; with zstd, at most
+zstd's worst case for that size), so a header
 cannot claim a large buffer for a small tensor. The declared total is reserved from the server's `ByteBudget`
 (all streams in flight together; UNAVAILABLE, "retry later", beyond it). Then it maps exactly one buffer of that
 size, writes each chunk into it in order (duplicate, reordered, overflowing or missing chunks ->
@@ -474,15 +475,17 @@ def check_declared_size(meta: pb.TensorMeta) -> None:
     name = meta.name
     if len(meta.shape) > codec.MAX_NDIM:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: more than {codec.MAX_NDIM} dimensions")
-    if meta.codec in codec.QMAX and not (0 < meta.block_size <= codec.MAX_BLOCK_SIZE and meta.block_size % 2 == 0):
+    blocks = meta.codec in codec.QMAX or meta.codec == "sparse"
+    if blocks and not (0 < meta.block_size <= codec.MAX_BLOCK_SIZE and meta.block_size % 2 == 0):
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: invalid block size {meta.block_size}")
     if not 0 <= meta.zstd_level <= codec.MAX_ZSTD_LEVEL:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r}: invalid zstd level {meta.zstd_level}")
-    raw = codec.raw_payload_nbytes(meta.codec, math.prod(meta.shape), meta.block_size)
-    if meta.zstd_level == 0 and meta.nbytes != raw:
+    least, raw = codec.raw_payload_range(meta.codec, math.prod(meta.shape), meta.block_size)
+    if meta.zstd_level == 0 and not least <= meta.nbytes <= raw:
+        size = f"{raw}" if least == raw else f"{least} to {raw}"
         raise Rejected(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"tensor {name!r} declares {meta.nbytes} bytes; {meta.codec} of shape {tuple(meta.shape)} is {raw}",
+            f"tensor {name!r} declares {meta.nbytes} bytes; {meta.codec} of shape {tuple(meta.shape)} is {size}",
         )
     if meta.zstd_level and not 0 < meta.nbytes <= zstd_bound(raw):
         raise Rejected(

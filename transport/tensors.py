@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from floor import codec
-from floor.codec import EncodedTensor
+from floor.codec import CodecSpec, EncodedTensor
 from transport import diloco_pb2 as pb
 
 
@@ -69,8 +69,9 @@ def _is_plain_fp32(tensor: EncodedTensor) -> bool:
     return tensor.codec == "fp32" and not tensor.zstd_level and tensor.dtype == "float32"
 
 
-def decoder() -> Callable[[EncodedTensor], np.ndarray]:
-    """The decode function used on received tensors; its arrays are read-only.
+def decoder(sent_with: CodecSpec | None = None) -> Callable[[EncodedTensor], np.ndarray]:
+    """The decode function used on received tensors; its arrays are read-only. ``sent_with``: the codec the senders
+    must have used (a sparse header's bits and density are checked against it: `floor.codec.decode`).
 
     ``floor.codec.decode`` for every codec, except plain fp32 (no zstd, float32), whose layout is the
     array itself: that one is a zero-copy view of the receive buffer, so a lossless payload costs its size
@@ -78,7 +79,7 @@ def decoder() -> Callable[[EncodedTensor], np.ndarray]:
     """
 
     def decode(tensor: EncodedTensor) -> np.ndarray:
-        array = _decode_fp32(tensor) if _is_plain_fp32(tensor) else codec.decode(tensor)
+        array = _decode_fp32(tensor) if _is_plain_fp32(tensor) else codec.decode(tensor, sent_with=sent_with)
         array.flags.writeable = False
         return array
 

@@ -54,7 +54,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     parsers = {name: bsub.add_parser(name, help=text) for name, text in HELP.items()}
     _add_fuzz(parsers["fuzz"])
     fd = parsers["fuzz-decoders"]
-    fd.add_argument("--targets", default="codec,header,chunk,push_meta", help="comma-separated fuzz targets")
+    fd.add_argument("--targets", default="codec,sparse,header,chunk,push_meta", help="comma-separated fuzz targets")
     fd.add_argument("--runs", type=int, default=2_000_000, help="libFuzzer executions per target (at most)")
     fd.add_argument("--seconds", type=int, default=120, help="time per target (at most)")
 
@@ -93,6 +93,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     codec = parsers["codec"]
     codec.add_argument("--size-mb", type=float, default=64.0, help="MiB of float32 pseudo-gradient")
     codec.add_argument("--repeats", type=int, default=5, help="timed calls per codec (median)")
+    codec.add_argument("--chunk", type=int, default=4096, help="sparse codec: values per chunk")
+    codec.add_argument("--density", type=float, default=1 / 64, help="sparse codec: fraction of each chunk kept")
+    codec.add_argument("--sparse-bits", type=int, default=2, help="sparse codec: bits per kept value (2..8)")
 
     tr = parsers["transport"]
     tr.add_argument("--payload-mb", type=float, default=256.0, help="MiB per unshaped push")
@@ -233,8 +236,14 @@ def _convergence(args: argparse.Namespace) -> Result:
 
 def _codec(args: argparse.Namespace) -> Result:
     from diloco.bench.codec import run_codec_bench
+    from diloco.bench.errors import BenchError
+    from floor.codec import CodecError, CodecSpec
 
-    return run_codec_bench(args.size_mb, args.repeats)
+    try:
+        sparse = CodecSpec("sparse", args.chunk, density=args.density, sparse_bits=args.sparse_bits)
+    except CodecError as exc:
+        raise BenchError(f"bench codec: {exc}") from None
+    return run_codec_bench(args.size_mb, args.repeats, sparse=sparse)
 
 
 def _transport(args: argparse.Namespace) -> Result:

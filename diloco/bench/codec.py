@@ -17,10 +17,16 @@ Figures per (codec, zstd level):
 * ``max_rel_err``: max over blocks of 256 consecutive values of ``max |x - x̂| / absmax(block)`` -- the
   quantity bounded by ``1 / (2 qmax)`` for intN (0.0039 for int8, 0.071 for int4) and ~2^-9 for bf16.
 * ``mean_rel_err``: ``mean |x - x̂| / mean |x|``; ``rel_l2_err``: ``||x - x̂|| / ||x||``.
+
+The sparse codec (chunks of ``--chunk``, ``--density``, ``--sparse-bits``) drops most values by design, so its
+block error says little; its rows add ``kept_max_rel_err``, the largest error of a kept value over its chunk's
+kept range ``hi - lo`` (bounded by ``2^-b``, floor/codec.py), and ``kept_energy``, the share of ``||x||²`` the kept
+values carry (what one message moves; error feedback sends the rest later).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -75,20 +81,44 @@ def _errors(x: np.ndarray, xh: np.ndarray) -> dict[str, float]:
     }
 
 
+def _sparse_errors(x: np.ndarray, xh: np.ndarray, chunk: int) -> dict[str, float]:
+    flat, back = x.reshape(-1), xh.reshape(-1)
+    rows = flat.size // chunk
+    xs, hs = flat[: rows * chunk].reshape(rows, chunk), back[: rows * chunk].reshape(rows, chunk)
+    kept = hs != 0
+    mags = np.where(kept, np.abs(xs), np.nan)
+    spread = np.nanmax(mags, axis=1) - np.nanmin(mags, axis=1)
+    err = np.where(kept, np.abs(xs - hs), 0.0).max(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(spread > 0, err / spread, 0.0)
+    energy = float(np.square(xs[kept], dtype=np.float64).sum() / np.square(xs, dtype=np.float64).sum())
+    return {"kept_max_rel_err": float(rel.max()) if rel.size else 0.0, "kept_energy": energy}
+
+
 def run_codec_bench(
-    size_mb: float = 64, repeats: int = 5, zstd_level: int = 1, block_size: int = 256
+    size_mb: float = 64,
+    repeats: int = 5,
+    zstd_level: int = 1,
+    block_size: int = 256,
+    sparse: CodecSpec | None = None,
 ) -> dict[str, Any]:
-    """Benchmark every codec with and without zstd on ``size_mb`` MiB of float32; returns a JSON-able dict."""
+    """Benchmark every codec with and without zstd on ``size_mb`` MiB of float32; returns a JSON-able dict.
+    ``sparse``: the sparse codec's chunk, density and bits (default: CodecSpec's, SparseLoCo's)."""
     if size_mb <= 0:
         raise BenchError(f"bench codec: --size-mb must be positive (got {size_mb})")
     if repeats < 1:
         raise BenchError(f"bench codec: --repeats must be at least 1 (got {repeats})")
+    sparse = sparse or CodecSpec(kind="sparse", block_size=4096)
     x = make_pseudo_gradient(size_mb)
     dense = x.nbytes
     results = []
     for kind in KINDS:
         for level in (0, zstd_level):
-            spec = CodecSpec(kind=kind, block_size=block_size, zstd_level=level)
+            spec = (
+                dataclasses.replace(sparse, zstd_level=level)
+                if kind == "sparse"
+                else CodecSpec(kind=kind, block_size=block_size, zstd_level=level)
+            )
             t_enc, enc = _median_time(lambda spec=spec: encode("bench", x, spec), repeats)
             t_dec, xh = _median_time(lambda enc=enc: decode(enc), repeats)
             row: dict[str, Any] = {
@@ -106,18 +136,25 @@ def run_codec_bench(
             row.update(_errors(x, xh))
             if kind in QMAX:
                 row["err_bound"] = 1 / (2 * QMAX[kind])
+            if kind == "sparse":
+                row.update(_sparse_errors(x, xh, spec.block_size))
+                row["err_bound"] = 2.0**-spec.sparse_bits
+                row["cost_model_ratio"] = 32 / spec.bits_per_value()
             results.append(row)
     by = {(r["codec"], r["zstd_level"]): r for r in results}
     targets = {
         "int8_combined_gbps_ge_1": by[("int8", 0)]["combined_gbps"] >= 1.0,
         "int8_ratio_ge_3.9": by[("int8", 0)]["ratio"] >= 3.9,
         "int4_ratio_ge_7.5": by[("int4", 0)]["ratio"] >= 7.5,
+        "sparse_combined_gbps_ge_0.5": by[("sparse", 0)]["combined_gbps"] >= 0.5,
+        "sparse_ratio_ge_100": by[("sparse", 0)]["ratio"] >= 100,
     }
     return {
         "size_mb": dense / 2**20,
         "shape": list(x.shape),
         "numel": int(x.size),
         "block_size": block_size,
+        "sparse": {"chunk": sparse.block_size, "density": sparse.density, "sparse_bits": sparse.sparse_bits},
         "repeats": repeats,
         "host_cpus": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0],  # other work on the host skews throughput; record it

@@ -5,6 +5,9 @@ turn an island's bytes into values, with libFuzzer steering the inputs toward co
 
   codec      `floor.codec.decode` of a tensor whose codec, dtype, shape, block size, zstd level and payload
              all come from the input
+  sparse     `floor.codec.decode` of a sparse tensor whose header is drawn from near-valid choices and whose
+             payload has the length that header makes (give or take a byte), so the input reaches the checks of
+             scales, indices and codes behind the header and length checks that random bytes rarely pass
   header     `PayloadHeader` parsed from the input, then `chunking.check_header` and a `Reassembler` built on it
   chunk      `wire.parse_push_chunk` (the zero-copy fast path and the protobuf fallback)
   push_meta  `PushMeta` parsed from the input, then `validate.check_push_meta`
@@ -14,7 +17,7 @@ reason) or protobuf's `DecodeError`. Anything else escaping is a finding: libFuz
 run reports it. Every target is a plain function of bytes, so the suite runs them on seeded random inputs without
 atheris (`tests/test_fuzz_decoders.py`); the coverage-guided run is this benchmark:
 
-    diloco bench fuzz-decoders [--targets codec,header,chunk,push_meta] [--runs N] [--seconds S]
+    diloco bench fuzz-decoders [--targets codec,sparse,header,chunk,push_meta] [--runs N] [--seconds S]
 
 It runs each target in its own process (`python -m diloco.bench.fuzz_entry TARGET -runs=N ...`, the libFuzzer
 command line) and prints JSON: per target the executions, the coverage libFuzzer reached, and any finding.
@@ -23,6 +26,7 @@ command line) and prints JSON: per target the executions, the coverage libFuzzer
 from __future__ import annotations
 
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -32,7 +36,17 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from diloco.bench.errors import BenchError
-from floor.codec import DTYPES, KINDS, CodecError, CodecSpec, EncodedTensor, decode
+from floor.codec import (
+    DTYPES,
+    KINDS,
+    SPARSE_HEADER_NBYTES,
+    CodecError,
+    CodecSpec,
+    EncodedTensor,
+    decode,
+    index_bits,
+    sparse_payload_nbytes,
+)
 from transport import diloco_pb2 as pb
 from transport.chunking import Reassembler, check_header
 from transport.errors import Rejected
@@ -87,6 +101,25 @@ def codec_target(data: bytes) -> None:
         pass
 
 
+def sparse_target(data: bytes) -> None:
+    r = _Bytes(data)
+    chunk = r.pick((2, 6, 8, 64))
+    numel = r.byte() % 130
+    width = index_bits(chunk) if r.byte() % 8 else r.byte() % 17
+    bits, kept, kept_last = r.pick((2, 3, 4, 8, 9)), r.byte() % 9, r.byte() % 9
+    chunks = -(-numel // chunk)
+    total = (chunks - 1) * kept + kept_last if chunks else 0
+    size = sparse_payload_nbytes(chunks, total, width, bits) - SPARSE_HEADER_NBYTES + r.pick((0, 0, 0, -1, 1))
+    length = max(size, 0)
+    body = r.rest()[:length]
+    header = struct.pack("<BBHII", bits, width, 0, kept, kept_last)
+    tensor = EncodedTensor("fuzz", "sparse", "float32", (numel,), chunk, 0, header + body + bytes(length - len(body)))
+    try:
+        decode(tensor, max_dense_nbytes=MAX_PAYLOAD)
+    except EXPECTED:
+        pass
+
+
 def header_target(data: bytes) -> None:
     try:
         header = pb.PayloadHeader.FromString(data)
@@ -113,6 +146,7 @@ def push_meta_target(data: bytes) -> None:
 
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "codec": codec_target,
+    "sparse": sparse_target,
     "header": header_target,
     "chunk": chunk_target,
     "push_meta": push_meta_target,

@@ -219,7 +219,7 @@ class OuterLoop:
         """Compile what a commit runs (the rule for this many contributions, every fragment's outer step, the
         downlink codec, the add) on zeros, changing nothing. The coordinator commits under its lock, where a first
         compile (seconds on a loaded machine) would hold up every heartbeat and pull of round 0."""
-        theta = flatten_named(self.params, to_numpy=False)
+        theta = flatten_named(self.params)  # host arrays: `to_host`
         for p in range(self.fragments.count):
             mine = self.fragments.select(p, theta)
             zeros = {name: jnp.zeros_like(x) for name, x in mine.items()}
@@ -236,7 +236,7 @@ class OuterLoop:
         contributions = [self._pending[n] for n in names]
         combined = self.aggregate([c.pseudo_grad for c in contributions], [c.tokens for c in contributions])
         s, p = self.state, self.fragment
-        theta = flatten_named(s.params, to_numpy=False)
+        theta = flatten_named(s.params)  # host arrays, θ_0 too: `to_host` caches nothing on it
         mine = self.fragments.select(p, theta)
         update, opt_state = self._outer_update(mine, s.outer_opt_state[p], combined.delta)
         # Commit exactly what is sent: û = decode(encode(u + e)); what the codec dropped is carried over.

@@ -159,6 +159,7 @@ def make_island(
         slowdown=cfg.islands.slowdowns().get(name, 1.0),
         device_step_s=cfg.islands.device_step_s,
         remat=None if cfg.model.kind == "custom" else cfg.model.remat,
+        feedback_decay=cfg.outer.feedback_decay,
     )
     if check_memory:
         island.check_memory()
@@ -191,6 +192,11 @@ class Evaluator:
         if message is not None:
             raise OutOfMemoryError(message)
         self._checked = True
+
+    def footprint(self, params: PyTree) -> Footprint | None:
+        """XLA's figure for evaluating parameters shaped like `params`, from their shapes alone (nothing placed)."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self._sharding), params)
+        return Footprint.of(self._fn.lower(abstract, self._batches).compile())
 
     def __call__(self, params: PyTree) -> float:
         placed = jax.device_put(params, self._sharding)

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from diloco.config import ConfigError, RunConfig
 from diloco.ops.progress import Progress
 from diloco.run.global_run import GlobalRun, checkpoint_due
+from diloco.run.memory_plan import check_process
 from diloco.run.rundir import RunDir
 from diloco.run.setup import Setup, make_island
 from diloco.simulator.local_islands import finish, save_islands, start_islands
@@ -120,11 +121,12 @@ def run_async(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
             f"train.mode = 'async': island {worst}'s pushes would be up to {max(taus)} updates stale, over "
             f"outer.max_staleness = {cfg.outer.max_staleness} (the coordinator would refuse them); raise it"
         )
-    world = GlobalRun(cfg, rd, setup, durable=False)
+    world = GlobalRun(cfg, rd, setup, durable=True)  # one save at a time: islands/memory.py
     steps = planned_steps(order, names, cfg.train.inner_steps)
     islands = {
         name: make_island(cfg, name, setup.model, setup.streams[name], total_steps=steps[name]) for name in names
     }
+    check_process(cfg, setup, list(islands.values()), world.evaluate)  # all of it, before any island's state exists
     stores = start_islands(cfg, rd, world, list(islands.values()))
     totals = world.totals
     progress = Progress(cfg.train.rounds, f"{cfg.run.name} async x{len(names)}", show_progress)

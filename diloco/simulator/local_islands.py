@@ -47,9 +47,15 @@ def start_islands(cfg: RunConfig, rd: RunDir, world: GlobalRun, islands: Sequenc
 
 
 def save_islands(stores: Sequence[CheckpointStore], islands: Sequence[Island], step: int) -> None:
-    """Checkpoint every island's state as `step` (the count the global state was just saved at)."""
+    """Checkpoint every island's state as `step` (the count the global state was just saved at), one at a time.
+
+    A save holds a copy of the state it writes until the write is done (the next step donates the state's buffers).
+    Every island of the process saving at once, and training on while the writes go on, would hold a copy of every
+    island's state beside the states themselves; one save after another holds one island's at most, and none while
+    the islands train (islands/memory.py, the cost model)."""
     for island, store in zip(islands, stores, strict=True):
         save_state(store, step, island.state, {})
+        store.wait()
 
 
 def finish(world: GlobalRun, stores: Sequence[CheckpointStore], progress: Progress) -> None:

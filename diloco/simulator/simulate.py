@@ -31,6 +31,7 @@ from diloco.config import RunConfig, StreamConfig
 from diloco.ops.progress import Progress
 from diloco.run.checkpoint import latest_common_step, restore_state, save_state
 from diloco.run.global_run import GlobalRun, checkpoint_due
+from diloco.run.memory_plan import check_process
 from diloco.run.rounds import Commit, OuterLoop
 from diloco.run.rundir import RunDir
 from diloco.run.setup import Evaluator, Setup, build_setup, make_island
@@ -86,9 +87,10 @@ def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) ->
 
 def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> dict[str, Any]:
     names = list(cfg.islands.island_names)
-    world = GlobalRun(cfg, rd, setup, durable=False)
     vectorize = cfg.train.vectorize  # then IslandStack compiles and checks its own program, not each island's step
     islands = [make_island(cfg, n, setup.model, setup.streams[n], check_memory=not vectorize) for n in names]
+    world = GlobalRun(cfg, rd, setup, durable=True)  # one save at a time: islands/memory.py
+    check_process(cfg, setup, islands, world.evaluate)  # all of it, before any island's state exists
     stores = start_islands(cfg, rd, world, islands)
     totals = world.totals
     H = cfg.train.inner_steps

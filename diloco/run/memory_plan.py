@@ -1,0 +1,97 @@
+"""Will the whole run fit? The cost model of one process (islands/memory.py, `ProcessPlan`), measured from the config
+and XLA's compiled programs and checked once before any island's state exists.
+
+An island's own check (`Island.check_memory`) sizes one step against the memory free when it runs, so in `simulate`
+the first island passes with the others' states not yet placed and the process is killed later, without a word,
+once every island, the pushes of a sync and the commit are held at once. This check counts all of it up front:
+running out is one line naming the settings to shrink (OutOfMemoryError, exit code 2), before the first step.
+
+It applies where every part shares one memory, the host's: on CPU. On an accelerator each island's step is checked
+against its devices as before (the islands' states are in the devices' memory, the coordinator's on the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from diloco.config import RunConfig
+from diloco.run.setup import Evaluator, Setup
+from floor.codec import CodecSpec
+from islands.island import Island
+from islands.memory import OutOfMemoryError, ProcessPlan, Room, format_bytes, host_room, process_advice, step_advice
+from outer_optimizer.optimizers import build_optimizer
+from pytrees.encode import encode
+from pytrees.feedback import is_lossless
+
+RATIO_SAMPLE = 1 << 16
+"""Values encoded to measure a codec's bytes per float32 byte (its scales and headers included)."""
+
+
+def codec_ratio(spec: CodecSpec) -> float:
+    """Encoded bytes per byte of float32 input, measured on a sample of the codec's own output."""
+    sample = np.random.default_rng(0).standard_normal(RATIO_SAMPLE).astype(np.float32)
+    return encode("sample", sample, spec).nbytes / sample.nbytes
+
+
+def shape_nbytes(tree: object) -> int:
+    """The bytes of a tree of shapes (`jax.eval_shape`'s) or arrays."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def plan(cfg: RunConfig, setup: Setup, islands: Sequence[Island], evaluate: Evaluator | None) -> ProcessPlan:
+    """The cost model of a process that holds `islands` and (with `evaluate`) the global model, measured from shapes:
+    nothing is placed or allocated."""
+    params = setup.init_params
+    sizes = [int(np.size(leaf)) * 4 for leaf in jax.tree.leaves(params)]
+    first = islands[0]
+    cpu = all(d.platform == "cpu" for d in first.mesh.devices.flat)
+    uplink, downlink = cfg.codec.spec("uplink"), cfg.codec.spec("downlink")
+    return ProcessPlan(
+        islands=len(islands),
+        params=sum(sizes),
+        largest_leaf=max(sizes, default=0),
+        inner_state=shape_nbytes(jax.eval_shape(first.tx.init, params)),
+        step=first.step_footprint(),
+        step_sharers=first.mesh.size if cpu else 1,
+        evaluation=None if evaluate is None else evaluate.footprint(params),
+        coordinator=evaluate is not None,
+        outer_state=shape_nbytes(jax.eval_shape(build_optimizer(cfg.outer).init, params)),
+        uplink_ratio=codec_ratio(uplink),
+        downlink_ratio=codec_ratio(downlink),
+        uplink_lossy=not is_lossless(uplink),
+        downlink_lossy=not is_lossless(downlink),
+        order_statistic=cfg.outer.aggregate in ("trimmed_mean", "median"),
+        stepped_together=cfg.train.vectorize,
+    )
+
+
+def refusal(process: ProcessPlan, room: Room | None, island: Island) -> str | None:
+    """The one-line refusal when the process's peak does not fit `room`, else None (also when the room is unknown).
+    `island`: one of its islands, whose settings the advice names."""
+    if room is None or process.peak <= room.free:
+        return None
+    knobs = step_advice(
+        island.stream.batch_size, island.microbatch, island.passes, island.mesh.size, island.shard_params, island.remat
+    )
+    return (
+        f"this run needs about {format_bytes(process.peak)} in one process ({process.describe()}), {room.text}; "
+        f"{process_advice(process.islands, knobs)}"
+    )
+
+
+def check_process(
+    cfg: RunConfig, setup: Setup, islands: Sequence[Island], evaluate: Evaluator | None, room: Room | None = None
+) -> ProcessPlan:
+    """Raise OutOfMemoryError when the process's peak (`plan`) does not fit what the host has free now (`room`:
+    measured here unless given). Where the islands' devices are not the host's (an accelerator), nothing is checked
+    here (module docstring). Returns the plan."""
+    process = plan(cfg, setup, islands, evaluate)
+    if room is None and all(d.platform == "cpu" for d in islands[0].mesh.devices.flat):
+        room = host_room()
+    message = refusal(process, room, islands[0])
+    if message is not None:
+        raise OutOfMemoryError(message)
+    return process
