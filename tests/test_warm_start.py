@@ -266,11 +266,15 @@ def test_a_continued_warm_start_takes_the_pretrainings_next_step(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_a_count_carried_onto_the_runs_own_schedule_is_said_in_one_line(
-    source: tuple[Path, Path], pretrained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    source: tuple[Path, Path], pretrained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, schedule: str
 ) -> None:
+    """A cosine over this run's own 8 steps ends 8 steps early: said. A wsd schedule without a decay does not depend
+    on its span: nothing to say."""
     config, _ = source
-    cfg = load_config(config, continued(pretrained))  # no inner.schedule_steps: the schedule spans this run's 8 steps
+    # No inner.schedule_steps: the schedule spans this run's 8 steps.
+    cfg = load_config(config, continued(pretrained, f"inner.schedule={schedule}"))
     setup = build_setup(cfg)
     island = make_island(cfg, "island-0", setup.model, setup.streams["island-0"])
     rd = RunDir(tmp_path / "run", cfg)
@@ -278,7 +282,11 @@ def test_a_count_carried_onto_the_runs_own_schedule_is_said_in_one_line(
         assert initial_inner_state(cfg, island, setup.init_params, rd) is not None
     finally:
         rd.close()
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "diloco.run.warm_start"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "diloco.run.warm_start"]
+    if schedule == "wsd":
+        assert lines == []
+        return
+    (line,) = lines
     assert "goes on from the source's step 8 on a schedule of this run's 8 steps" in line and "\n" not in line
     assert "inner.schedule_steps" in line
 

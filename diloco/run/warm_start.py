@@ -188,6 +188,13 @@ def inner_state_step(source: Source, name: str, named: bool) -> Path | None:
     return step_dir
 
 
+def spans_the_run(cfg: RunConfig) -> bool:
+    """Whether the inner schedule's rates depend on its span: a cosine, or a wsd decay that runs to the end (a wsd
+    schedule without a decay, or with its own decay_steps, is the same at a step whatever the span)."""
+    inner = cfg.inner
+    return inner.schedule == "cosine" or bool(inner.decay_start_step and not inner.decay_steps)
+
+
 def step_count(opt_state: PyTree) -> int:
     """The step count an optimizer state holds: its schedule's position (the largest of its `count` leaves; every
     transformation of one inner optimizer counts the same steps)."""
@@ -248,7 +255,7 @@ def initial_inner_state(cfg: RunConfig, island: Island, params: PyTree, rd: RunD
     what = f"inner optimizer state of island {island.name} (inner.kind = {cfg.inner.kind!r})"
     state = read_item(step_dir, "inner_opt_state", island.tx.init(params), what)
     count = step_count(state)
-    if count and not cfg.inner.schedule_steps:
+    if count and spans_the_run(cfg) and not cfg.inner.schedule_steps:
         log.warning(
             "init.inner_state: island %s goes on from the source's step %d on a schedule of this run's %d steps; "
             "give both runs the same inner.schedule_steps to continue the source's schedule instead",
