@@ -47,6 +47,7 @@ from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, load_config
 from diloco.harness.procs import Federation, FederationError
 from diloco.ops.roster_ops import admit_island, retire_island
+from diloco.run.rundir import read_events
 
 JOINERS = ("sa-east", "af-south")
 """The islands the operator admits while the run goes on (not in the config)."""
@@ -169,11 +170,10 @@ class Scenario:
         return summary
 
 
-def _digests_checked(run_dir: Path, islands: Sequence[str]) -> dict[str, int]:
-    """For each island, how many θ it adopted (`synced`), each checked against the coordinator's commit."""
-    from diloco.run.rundir import read_events
-
-    after = {r["round"] + 1: r["digest"] for r in read_events(run_dir / "metrics.jsonl", "round")}
+def _digests_checked(run_dir: Path, events: Sequence[dict[str, Any]], islands: Sequence[str]) -> dict[str, int]:
+    """For each island, how many θ it adopted (`synced`), each checked against the coordinator's commit (`events`:
+    the coordinator's records)."""
+    after = {r["round"] + 1: r["digest"] for r in events if r["event"] == "round"}
     checked: dict[str, int] = {}
     theta_0: set[str] = set()  # θ_0 is no commit: every island that pulled it must hold the same one
     for name in islands:
@@ -188,10 +188,7 @@ def _digests_checked(run_dir: Path, islands: Sequence[str]) -> dict[str, int]:
     return checked
 
 
-def _roster_history(run_dir: Path, a: str, b: str) -> dict[str, Any]:
-    from diloco.run.rundir import read_events
-
-    events = read_events(run_dir / "metrics.jsonl")
+def _roster_history(events: Sequence[dict[str, Any]], a: str, b: str) -> dict[str, Any]:
     rounds = [e for e in events if e["event"] == "round"]
     if [r["round"] for r in rounds] != list(range(len(rounds))):
         raise BenchError(f"committed rounds are not 0..N-1 once each: {[r['round'] for r in rounds]}")
@@ -221,16 +218,15 @@ def _roster_history(run_dir: Path, a: str, b: str) -> dict[str, Any]:
     return history
 
 
-def _chunk_audit(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
+def _chunk_audit(events: Sequence[dict[str, Any]], cfg: RunConfig) -> dict[str, Any] | None:
     """Exactly-once over the committed rounds, from the coordinator's `chunks_layout` and `chunks_consumed` records
     (None without chunked sampling): consumed, repeated, lost, and the passes over the corpus read whole."""
     if cfg.data.sampling != "chunks":
         return None
     from diloco.run.chunk_ledger import ConsumptionCheck
-    from diloco.run.rundir import read_events
 
     check = ConsumptionCheck()
-    for event in read_events(run_dir / "metrics.jsonl"):
+    for event in events:
         check.add(event)
     if check.layout is None:
         raise BenchError("the run recorded no chunks_layout: its consumption cannot be checked")
@@ -266,9 +262,10 @@ def run_elastic_bench(config: str | Path, overrides: Sequence[str], run_dir: Pat
         raise BenchError(f"the elastic federation failed ({run_dir / 'elastic' / 'logs'}): {exc}") from None
     wall_s = time.monotonic() - t0
     elastic_dir = run_dir / "elastic"
-    history = _roster_history(elastic_dir, scenario.a, scenario.b)
-    checked = _digests_checked(elastic_dir, [scenario.a, scenario.b, *JOINERS])
-    audit = _chunk_audit(elastic_dir, scenario.cfg)
+    events = read_events(elastic_dir / "metrics.jsonl")  # the coordinator's records, read once for every check
+    history = _roster_history(events, scenario.a, scenario.b)
+    checked = _digests_checked(elastic_dir, events, [scenario.a, scenario.b, *JOINERS])
+    audit = _chunk_audit(events, scenario.cfg)
     fixed = _fixed_roster(config, overrides, run_dir / "fixed", summary["tokens"])
     a, b = summary["final_eval_loss"], fixed["final_eval_loss"]
     rel = abs(a - b) / abs(b) if b and math.isfinite(a) and math.isfinite(b) else math.inf

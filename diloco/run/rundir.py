@@ -315,7 +315,8 @@ class RunDir:
             stored = to_dict(from_dict(RunConfig, stored))
         except ValueError as exc:
             raise RunDirError(f"run dir '{self.path}': its config.toml no longer loads ({exc})") from None
-        differing = diff_keys(stored, to_dict(cfg))
+        resumed = to_dict(cfg)
+        differing = diff_keys(stored, resumed)
         if differing and self._never_started():
             # A run refused at start (a step too big for memory, a bad data path found late) saved nothing to resume:
             # the corrected command may take its directory, as it could before the first attempt made it.
@@ -324,18 +325,18 @@ class RunDir:
                 self.path,
                 ", ".join(differing[:8]),
             )
-            self.config_path.write_text(dump_toml(to_dict(cfg)))
+            self.config_path.write_text(dump_toml(resumed))
             self.metrics_path.unlink(missing_ok=True)
             return {}
         try:
-            changes = resume_changes(stored, to_dict(cfg), differing)
+            changes = resume_changes(stored, resumed, differing)
         except ResumeRefused as exc:
             raise RunDirError(
                 f"run dir '{self.path}' holds another run (config differs in: {', '.join(exc.keys[:8])}); a resumed "
                 "run may not change these keys (README, 'What a resumed run may change'): use a new --run-dir"
             ) from None
         if changes:
-            write_atomically(self.config_path, dump_toml(to_dict(cfg)))
+            write_atomically(self.config_path, dump_toml(resumed))
         return changes
 
     def _never_started(self) -> bool:
