@@ -340,7 +340,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _island(args: argparse.Namespace) -> int:
-    from diloco.deploy.tls import check_client_exposure, client_tls
+    from diloco.deploy.tls import check_client_exposure, network_client_tls
     from diloco.worker.island_worker import IslandError, run_island_process, say_gone
     from diloco.worker.supervisor import REGROUP, Member, follow_supervisor, supervise
     from transport.auth import is_secret_reference, resolve_secret
@@ -385,8 +385,7 @@ def _island(args: argparse.Namespace) -> int:
     if args.secret and not is_secret_reference(args.secret):
         _warn_literal(["--secret"])
     secret = resolve_secret(ref) if ref else None
-    net = cfg.network
-    tls = client_tls(net.tls_ca, net.tls_cert, net.tls_key, net.tls_server_name)
+    tls = network_client_tls(cfg.network)
     check_client_exposure(
         args.coordinator, sends_secret=secret is not None, encrypted=tls is not None, insecure=args.insecure
     )
@@ -438,10 +437,9 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _operator_client_tls(cfg: RunConfig, address: str, args: argparse.Namespace, sends_secret: bool) -> Any:
-    from diloco.deploy.tls import check_client_exposure, client_tls
+    from diloco.deploy.tls import check_client_exposure, network_client_tls
 
-    net = cfg.network
-    tls = client_tls(net.tls_ca, net.tls_cert, net.tls_key, net.tls_server_name)
+    tls = network_client_tls(cfg.network)
     check_client_exposure(address, sends_secret=sends_secret, encrypted=tls is not None, insecure=args.insecure)
     return tls
 

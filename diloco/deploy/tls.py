@@ -117,6 +117,11 @@ def server_tls(cert: str, key: str, ca: str) -> TlsConfig | None:
     return TlsConfig(cert_file=cert, key_file=key, ca_file=ca or None)
 
 
+def network_client_tls(network: Any) -> TlsConfig | None:
+    """`client_tls` of a config's `[network]` tls_* keys: what an island's (or its operator's) calls use."""
+    return client_tls(network.tls_ca, network.tls_cert, network.tls_key, network.tls_server_name)
+
+
 def client_tls(ca: str, cert: str, key: str, server_name: str) -> TlsConfig | None:
     """An island's or `diloco status`'s TLS: on when any TLS setting is given (`ca` verifies the coordinator, the
     system roots when it is empty; `cert` + `key` answer a mutual-TLS coordinator); None means plaintext."""

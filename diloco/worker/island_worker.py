@@ -513,13 +513,12 @@ class IslandWorker:
 
 def make_client(cfg: RunConfig, name: str, target: str, secret: str | None) -> IslandClient:
     """The island's gRPC client: TLS (mutual with a client certificate) when network.tls_* says so."""
-    from diloco.deploy.tls import client_tls
+    from diloco.deploy.tls import network_client_tls
 
     shaper = None
     if cfg.network.links:
         shaper = LinkShaper(profile_for(load_link_profiles(cfg.network.links), name), seed=cfg.run.seed)
-    net = cfg.network
-    tls = client_tls(net.tls_ca, net.tls_cert, net.tls_key, net.tls_server_name)
+    tls = network_client_tls(cfg.network)
     return GrpcTransport(target, name, secret, config=cfg.transport, shaper=shaper, tls=tls)
 
 
@@ -537,10 +536,9 @@ def say_gone(cfg: RunConfig, name: str, target: str, secret: str | None, tls: Tl
 def retire_self(cfg: RunConfig, name: str, target: str, secret: str | None, reason: str) -> bool:
     """Retire island `name` for good with its own credentials (`diloco island --retire-on-stop`); False, with one
     warning line, when the coordinator cannot be reached (the operator's `diloco retire` does it later)."""
-    from diloco.deploy.tls import client_tls
+    from diloco.deploy.tls import network_client_tls
 
-    net = cfg.network
-    tls = client_tls(net.tls_ca, net.tls_cert, net.tls_key, net.tls_server_name)
+    tls = network_client_tls(cfg.network)
     try:
         with OperatorClient(target, call_metadata(name, secret), tls) as client:
             client.retire(pb.RetireRequest(run_id=cfg.run.name, island=name, reason=reason[:200]))
