@@ -31,6 +31,7 @@ from islands.backend import BACKENDS
 from islands.config import InnerConfig
 from islands.data import DataConfig
 from islands.models.config import ModelConfig
+from islands.workloads.config import WorkloadConfig, workload_conflict
 from outer_optimizer.config import OuterConfig
 from outer_optimizer.fragments import LAYOUTS, check_schedule
 from transport.auth import REDACTED_SECRET, is_island_name, is_secret_reference, redact_secret
@@ -409,6 +410,8 @@ class RunConfig:
     """WAN link profile and island credentials."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     """Chunking, message limits, deadlines and retries of the gRPC transport."""
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    """What the islands minimize: next-token loss (lm, the default), or post-training (sft, dpo, rl)."""
 
     def __post_init__(self) -> None:
         if self.network.secrets and len(self.network.secrets) != self.islands.count:
@@ -459,6 +462,16 @@ class RunConfig:
                 f"inner.schedule_steps ({self.inner.schedule_steps}) is shorter than the run's "
                 f"train.rounds x train.inner_steps ({self.total_inner_steps}): the schedule spans the whole run"
             )
+        why = workload_conflict(
+            self.workload,
+            self.islands.island_names,
+            self.model.kind,
+            self.model.seq_len,
+            self.train.batch_size,
+            self.data.sampling,
+        )
+        if why is not None:
+            raise ValueError(why)
         if isinstance(self.quorum.min_islands, int) and self.quorum.min_islands > self.islands.count:
             raise ValueError(
                 f"quorum.min_islands ({self.quorum.min_islands}) exceeds islands.count ({self.islands.count})"
@@ -483,6 +496,8 @@ def cannot_vectorize(cfg: RunConfig) -> str | None:
         return "islands.slowdown cannot be set (a slowed island needs its own step time)"
     if cfg.islands.device_step_s:
         return "islands.device_step_s cannot be set (a step's length is each island's own)"
+    if cfg.workload.post_training(cfg.islands.island_names):
+        return "every island must run workload.kind = \"lm\" (a post-training island's batches are its own kind's)"
     return None
 
 

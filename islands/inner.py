@@ -25,7 +25,9 @@ from islands.mesh import param_sharding, replicated
 from pytrees.naming import path_name
 
 PyTree = Any
-LossFn = Callable[[PyTree, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, dict[str, jax.Array]]]
+"""(params, batch) -> (loss, metrics): a model's loss, or a workload's (islands/workloads/losses.py), whose batch is a
+dict of arrays."""
 
 
 def learning_rate_schedule(cfg: InnerConfig, total_steps: int, peak: float | None = None) -> optax.Schedule:
@@ -136,12 +138,13 @@ def make_inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTr
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt) if cfg.clip_norm > 0 else opt
 
 
-def _accumulated_grads(loss_fn: LossFn, params: PyTree, batch: jax.Array) -> tuple[jax.Array, PyTree, dict]:
-    """Mean loss and gradient over the leading `passes` axis of batch [passes, seqs, tokens+1]."""
+def _accumulated_grads(loss_fn: LossFn, params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree, dict]:
+    """Mean loss and gradient over the leading `passes` axis of batch [passes, seqs, tokens+1] (or of every leaf of
+    a pytree batch, [passes, seqs, ...]: a post-training workload's, islands/workloads/batches.py)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    passes = batch.shape[0]
+    passes = jax.tree.leaves(batch)[0].shape[0]
     if passes == 1:
-        (loss, metrics), grads = grad_fn(params, batch[0])
+        (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda leaf: leaf[0], batch))
         return loss, grads, metrics
 
     def one_pass(carry: tuple, micro: jax.Array) -> tuple[tuple, dict]:
@@ -178,14 +181,15 @@ def _constrain(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:
     )
 
 
-TrainStep = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, PyTree, dict[str, jax.Array]]]
+TrainStep = Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree, dict[str, jax.Array]]]
 
 
 def inner_update(
-    loss_fn: LossFn, tx: optax.GradientTransformation, params: PyTree, opt_state: PyTree, batch: jax.Array
+    loss_fn: LossFn, tx: optax.GradientTransformation, params: PyTree, opt_state: PyTree, batch: PyTree
 ) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
-    """One inner step on one island's batch [passes, seqs, tokens+1], not jitted: the body that `make_train_step`
-    jits over an island's mesh and islands/vectorized.py maps over an axis of islands."""
+    """One inner step on one island's batch [passes, seqs, tokens+1] (or a pytree of leaves [passes, seqs, ...]), not
+    jitted: the body that `make_train_step` jits over an island's mesh and islands/vectorized.py maps over an axis of
+    islands."""
     loss, grads, metrics = _accumulated_grads(loss_fn, params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -200,7 +204,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mes
     same layouts, so the donated buffers are reused. Cached, so islands of one process share one compilation.
     """
 
-    def step(params: PyTree, opt_state: PyTree, batch: jax.Array) -> tuple[PyTree, PyTree, dict]:
+    def step(params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, dict]:
         params, opt_state, metrics = inner_update(loss_fn, tx, params, opt_state, batch)
         return _constrain(params, mesh, shard_params), _constrain(opt_state, mesh, shard_params), metrics
 

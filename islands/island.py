@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -78,16 +78,36 @@ def _all_finite(tree: PyTree) -> jax.Array:
 
 
 class Batches(Protocol):
-    """Where an island's batches come from: `islands.data.BatchStream`, or the sync baseline's union of streams."""
+    """Where an island's batches come from: `islands.data.BatchStream`, the sync baseline's union of streams, or a
+    post-training workload's examples (islands/workloads/batches.py)."""
 
     batch_size: int
     seq_len: int
     cursor: int
-    """Index of the next batch (host int, checkpointed): batch k is a pure function of k."""
+    """Index of the next batch (host int, checkpointed): batch k is a pure function of k (of k and the parameters,
+    for `PolicyBatches`)."""
 
-    def next(self) -> np.ndarray:
-        """int32 [batch_size, seq_len + 1], then advance the cursor."""
+    def next(self) -> PyTree:
+        """int32 [batch_size, seq_len + 1] (a post-training workload's: a dict of arrays, each [batch_size, ...]),
+        then advance the cursor."""
         ...
+
+
+@runtime_checkable
+class PolicyBatches(Protocol):
+    """Batches that depend on the parameters being trained (rl: answers sampled from the island's current policy,
+    islands/workloads/rollouts.py): the island hands its θ over before every step."""
+
+    def next_for(self, params: PyTree) -> PyTree:
+        """The next batch, drawn with the policy `params` (read before the step donates them); cursor advanced."""
+        ...
+
+
+def empty_batch(stream: Batches) -> PyTree:
+    """A batch of no rows with the shapes and dtypes of the stream's: its `empty()` (a post-training stream's dict
+    of arrays), else token windows, int32 [0, seq_len + 1]."""
+    empty = getattr(stream, "empty", None)
+    return empty() if empty is not None else np.zeros((0, stream.seq_len + 1), np.int32)
 
 
 @jax.tree_util.register_dataclass
@@ -225,23 +245,35 @@ class Island:
 
     # -- training ------------------------------------------------------------------------------------------------
 
-    def next_host_batch(self) -> np.ndarray:
-        """The stream's next batch as int32 [passes, sequences per pass, tokens], on the host (cursor advanced)."""
-        host = self.stream.next()
-        return host.reshape(self.passes, host.shape[0] // self.passes, host.shape[1])
+    def next_host_batch(self, params: PyTree = None) -> PyTree:
+        """The stream's next batch as int32 [passes, sequences per pass, tokens] (a pytree batch: each leaf split so),
+        on the host (cursor advanced). `params`: the θ a `PolicyBatches` stream draws with."""
+        host = self.stream.next_for(params) if isinstance(self.stream, PolicyBatches) else self.stream.next()
+        return jax.tree.map(lambda x: x.reshape(self.passes, x.shape[0] // self.passes, *x.shape[1:]), host)
 
-    def next_batch(self) -> jax.Array:
-        host = self.next_host_batch()
+    def next_batch(self, params: PyTree = None) -> PyTree:
+        host = self.next_host_batch(params)
         if self._batch_sharding.is_fully_addressable:
             return jax.device_put(host, self._batch_sharding)
         # A multi-process island (diloco/worker/island_group.py): every process draws the same batch k from the same
         # stream and hands its own devices only their rows. device_put would first compare the whole batch across
         # processes (an all-gather per step).
-        return jax.make_array_from_callback(host.shape, self._batch_sharding, lambda index: host[index])
+        return jax.tree.map(
+            lambda x: jax.make_array_from_callback(x.shape, self._batch_sharding, lambda index: x[index]), host
+        )
 
     def _batch_shape(self) -> tuple[int, int, int]:
-        """[passes, sequences per pass, tokens]: what `next_batch` puts on the mesh."""
+        """[passes, sequences per pass, tokens]: what `next_batch` puts on the mesh (a pytree batch's leaves add
+        their own trailing axes to the first two, `_batch_spec`)."""
         return self.passes, self.stream.batch_size // self.passes, self.stream.seq_len + 1
+
+    def _batch_spec(self) -> PyTree:
+        """What `next_batch` puts on the mesh, as shapes: every leaf [passes, sequences per pass, ...]."""
+        passes, rows, _ = self._batch_shape()
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((passes, rows, *x.shape[1:]), x.dtype, sharding=self._batch_sharding),
+            empty_batch(self.stream),
+        )
 
     def abstract_state(self) -> tuple[PyTree, PyTree] | None:
         """(params, inner optimizer state) as shapes with the layouts `place` gives them: no memory, no values. None
@@ -288,8 +320,7 @@ class Island:
 
     def _compile_step(self, params: PyTree, opt_state: PyTree) -> Any:
         step = make_train_step(self.model.loss, self.tx, self.mesh, self.shard_params)
-        batch = jax.ShapeDtypeStruct(self._batch_shape(), jnp.int32, sharding=self._batch_sharding)
-        return step.lower(params, opt_state, batch).compile()
+        return step.lower(params, opt_state, self._batch_spec()).compile()
 
     def step_footprint(self) -> Footprint | None:
         """XLA's figure for one train step of this island, per device, from the state's shapes alone (the process's
@@ -304,7 +335,7 @@ class Island:
         step, step budget or slowdown ever includes the compilation."""
         assert self.state is not None and self._step_fn is not None
         compiled = self.check_memory(self.state.params, self.state.inner_opt_state)
-        batch = jnp.zeros(self._batch_shape(), jnp.int32, device=self._batch_sharding)  # made on the devices
+        batch = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), self._batch_spec())
         out = compiled(self.place(self.state.params), self.place(self.state.inner_opt_state), batch)
         jax.block_until_ready(out)
         self._warm = True
@@ -318,7 +349,7 @@ class Island:
         losses = []
         t0 = time.perf_counter()
         for _ in range(n_steps):
-            params, opt_state, metrics = self._step_fn(params, opt_state, self.next_batch())
+            params, opt_state, metrics = self._step_fn(params, opt_state, self.next_batch(params))
             losses.append(metrics["loss"])
         # The finiteness of θ is queued behind the last step and read back with the losses: one wait on the device,
         # not two. A second round trip would cost every call, and a streaming island calls every few short steps.
