@@ -469,6 +469,7 @@ class RunConfig:
             self.model.seq_len,
             self.train.batch_size,
             self.data.sampling,
+            self.train.mode,
         )
         if why is not None:
             raise ValueError(why)

@@ -77,6 +77,8 @@ class Settling:
     """What only the driver knows, added to the commit's event (the asynchronous mode's staleness and weight)."""
     eval_s: float = 0.0
     """Seconds the evaluation took (set by whoever evaluates it)."""
+    scores: dict[str, float] = field(default_factory=dict)
+    """The post-training workloads' held-out figures of the commit's θ (set with eval_s; {} without post-training)."""
 
 
 class GlobalRun:
@@ -89,14 +91,15 @@ class GlobalRun:
         self.loop = OuterLoop.fresh(
             setup.init_params, build_optimizer(outer), cfg.codec.spec("downlink"), aggregator(outer), setup.fragments
         )
-        self.evaluate = Evaluator(setup.model, setup.eval_stack)
+        self.evaluate = Evaluator.of(cfg, setup)
         self.param_count = setup.n_params
         self.totals = Totals()
         self.durations: list[float] = []
         """Seconds of the last quorum.history rounds: the coordinator's adaptive deadline survives a restart."""
         self.store = CheckpointStore(rd.checkpoints / "coordinator") if cfg.train.checkpoint_every else None
         self.durable = durable
-        self.divergence_factor = DIVERGENCE_FACTOR
+        factor = cfg.workload.divergence_factor
+        self.divergence_factor = DIVERGENCE_FACTOR if factor is None else factor
         self.diverged: DivergedError | None = None
         """Set when a commit diverged (and was undone): the run must stop; `close_round` raises it from then on."""
         self.chunks: ChunkLedger | None = None
@@ -126,8 +129,10 @@ class GlobalRun:
             if self.cfg.init.from_:
                 self.loop.state = replace(self.loop.state, params=initial_params(self.cfg, self.loop.params, self.rd))
                 self._digest_all()
-            self.totals.initial_eval_loss = self.totals.final_eval_loss = self.evaluate(self.loop.params)
-            self.rd.log("eval", step=0, eval_loss=self.totals.initial_eval_loss)
+            loss, scores = self.evaluate.measure(self.loop.params)
+            self.totals.initial_eval_loss = self.totals.final_eval_loss = loss
+            self.totals.initial_scores = self.totals.final_scores = scores or None
+            self.rd.log("eval", step=0, eval_loss=loss, **({"scores": scores} if scores else {}))
             if self.chunks is not None:
                 self.rd.log("chunks_layout", **self.chunks.layout.to_meta())
             return
@@ -171,7 +176,7 @@ class GlobalRun:
         It also counts what the aggregation rule kept (`Commit.kept`), the record's other CPU cost, so that the
         coordinator runs both outside its lock."""
         t0 = time.perf_counter()
-        loss = self.evaluate(pending.state.params)
+        loss, pending.scores = self.evaluate.measure(pending.state.params)
         pending.eval_s = time.perf_counter() - t0
         pending.commit.kept  # noqa: B018 - counted (and cached) here
         return loss
@@ -241,6 +246,7 @@ class GlobalRun:
         t.rounds = commit.round + (1 if pending.round_closed else 0)
         t.syncs += 1
         t.final_eval_loss = eval_loss
+        t.final_scores = pending.scores or t.final_scores
         streaming = (
             {"fragment": commit.fragment, "fragment_digest": commit.fragment_digest}
             if self.loop.fragments.count > 1
@@ -262,6 +268,7 @@ class GlobalRun:
             **streaming,
             loss=float(np.mean(losses)) if len(losses) else None,
             eval_loss=t.final_eval_loss,
+            **({"scores": pending.scores} if pending.scores else {}),
             tokens=t.tokens,
             bytes_up=t.bytes_up,
             bytes_down=t.bytes_down,

@@ -3,6 +3,8 @@
 `simulate` (all islands in one process), the coordinator (no island at all: it only evaluates), the island worker
 (exactly one island) and the benchmarks start from the same `build_setup`, so a model, a data split or an
 evaluation set is defined once. An island process builds only its own data stream: `build_setup(cfg, islands=[name])`.
+An island of a post-training workload (`[workload]`) gets its examples' stream and the workload's loss instead of
+windows of the corpus and the model's own loss (diloco/run/posttrain.py); the evaluation adds its held-out figures.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import numpy as np
 
 from diloco.config import ConfigError, RunConfig
+from diloco.run.posttrain import PostTraining
 from islands.chunks import ChunkLayout, ChunkStream, corpus_sequences
 from islands.data import BatchStream, eval_batches, load_sources, open_source
 from islands.inner import make_eval_fn, make_inner_optimizer
@@ -23,6 +26,7 @@ from islands.memory import Footprint, OutOfMemoryError, device_room, eval_advice
 from islands.mesh import build_mesh, replicated
 from islands.models.base import Model, param_count
 from islands.models.registry import build_model
+from islands.workloads.evaluate import WorkloadEval, primary_loss
 from outer_optimizer.fragments import FragmentError, Fragments
 from pytrees.naming import PyTree, flatten_named
 
@@ -32,33 +36,49 @@ class Setup:
     """The model, the requested islands' data streams, the evaluation batches and θ_0."""
 
     model: Model
-    streams: dict[str, BatchStream | ChunkStream]
+    streams: dict[str, Batches]
     """Island name -> its batch stream, for the islands asked for (none for a coordinator)."""
-    eval_stack: np.ndarray
+    eval_stack: np.ndarray | None
     """int32 [chunks, sequences, seq_len + 1]: the fixed validation batches, train.eval_batches of train.batch_size
-    sequences, in chunks of train.microbatch sequences when it is set (see `eval_chunks`)."""
+    sequences, in chunks of train.microbatch sequences when it is set (see `eval_chunks`); None when no island of
+    the run trains on the corpus (workload.kind = "lm")."""
     init_params: PyTree
     """θ_0, the same in every process for one seed."""
     fragments: Fragments
     """Which leaves sync together (stream.fragments; one fragment of every leaf without streaming)."""
     layout: ChunkLayout | None = None
     """data.sampling = "chunks": the corpus's sequences and chunks (islands/chunks.py); None for windows."""
+    models: dict[str, Model] | None = None
+    """Island name -> the model it trains where that is not `model`: a post-training island's (the workload's loss)."""
+    heldout: WorkloadEval | None = None
+    """The held-out evaluation of the run's post-training workloads (None: every island trains on the corpus)."""
 
     @property
     def n_params(self) -> int:
         return param_count(self.init_params)
+
+    def model_of(self, island: str) -> Model:
+        """The model island `island` trains: its workload's loss over the run's parameters."""
+        return (self.models or {}).get(island, self.model)
 
 
 def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
     """Build the model, θ_0, the validation batches and the data streams of `islands` (default: every island)."""
     names = cfg.islands.island_names
     wanted = names if islands is None else tuple(islands)
-    streams: dict[str, BatchStream | ChunkStream] = {}
+    workload = cfg.workload
+    corpus = [n for n in wanted if workload.of(n).kind == "lm"]  # the islands that read the corpus
+    streams: dict[str, Batches] = {}
     layout = chunk_layout(cfg)
-    only = set() if layout is not None else None if islands is None else {names.index(n) for n in wanted if n in names}
+    if layout is not None:
+        only: set[int] | None = set()
+    elif islands is None and len(corpus) == len(names):
+        only = None
+    else:
+        only = {names.index(n) for n in corpus if n in names}
     shards, val = load_sources(cfg.data, len(names), cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len, only)
     whole = None
-    for name in wanted:
+    for name in corpus:
         if layout is not None and not (name not in names and cfg.data.own_path):
             # Chunks of the shared training split, which every island reads whole (a memmap view of one file).
             if whole is None:
@@ -70,16 +90,28 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         else:
             streams[name] = admitted_stream(cfg, name)
     model = build_model(cfg.model)
-    stack = eval_chunks(
-        eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len), cfg.train.microbatch
-    )
+    stack = None
+    if "lm" in workload.kinds(names):  # some configured island trains on the corpus: its eval loss is measured
+        batches = eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len)
+        stack = eval_chunks(batches, cfg.train.microbatch)
     params = model.init(jax.random.key(cfg.run.seed))
     sizes = {name: int(np.size(leaf)) for name, leaf in flatten_named(params).items()}
     try:
         fragments = Fragments.split(sizes, cfg.stream.fragments, cfg.stream.layout)
     except FragmentError as exc:
         raise ConfigError(str(exc)) from None
-    return Setup(model, streams, stack, params, fragments, layout)
+    if not workload.post_training(names):
+        return Setup(model, streams, stack, params, fragments, layout)
+    post = PostTraining(cfg, params)
+    models = {}
+    for name in wanted:
+        kind = workload.of(name).kind
+        if kind != "lm":
+            stream_id = names.index(name) if name in names else ADMITTED_STREAMS + zlib.crc32(name.encode())
+            streams[name] = post.stream(name, names, stream_id)
+            models[name] = post.model(kind, model)
+    streams = {name: streams[name] for name in wanted}  # in the order asked for
+    return Setup(model, streams, stack, params, fragments, layout, models, post.evaluation(names))
 
 
 def chunk_layout(cfg: RunConfig) -> ChunkLayout | None:
@@ -167,17 +199,29 @@ def make_island(
 
 
 class Evaluator:
-    """Loss of a parameter set on the fixed validation batches, replicated on the first device.
+    """Loss of a parameter set on the fixed validation batches, replicated on the first device; with post-training
+    workloads, their held-out figures too (`measure`), the run's eval loss then being workload.kind's
+    (`islands.workloads.evaluate.primary_loss`).
 
     The first call compiles the evaluation ahead of time and checks that it fits in the memory free (islands/memory.py):
     too big is one line (OutOfMemoryError), not a RESOURCE_EXHAUSTED traceback. Later calls hit jit's cache."""
 
-    def __init__(self, model: Model, eval_stack: np.ndarray) -> None:
+    def __init__(
+        self, model: Model, eval_stack: np.ndarray | None, heldout: WorkloadEval | None = None, primary: str = "lm"
+    ) -> None:
+        """`eval_stack`: the corpus's validation batches (None: no island trains on the corpus); `heldout`: the
+        post-training figures; `primary`: workload.kind, whose loss is the eval loss."""
         mesh = build_mesh(1)
         self._fn = make_eval_fn(model.loss, mesh)
         self._sharding = replicated(mesh)
-        self._batches = jax.device_put(eval_stack, self._sharding)
-        self._checked = False
+        self._batches = None if eval_stack is None else jax.device_put(eval_stack, self._sharding)
+        self._checked = eval_stack is None
+        self.heldout, self.primary = heldout, primary
+
+    @classmethod
+    def of(cls, cfg: RunConfig, setup: Setup) -> Evaluator:
+        """The evaluation of the run `setup` was built for."""
+        return cls(setup.model, setup.eval_stack, setup.heldout, cfg.workload.kind)
 
     def _check_memory(self, params: PyTree) -> None:
         compiled = self._fn.lower(params, self._batches).compile()
@@ -194,12 +238,29 @@ class Evaluator:
         self._checked = True
 
     def footprint(self, params: PyTree) -> Footprint | None:
-        """XLA's figure for evaluating parameters shaped like `params`, from their shapes alone (nothing placed)."""
+        """XLA's figure for evaluating parameters shaped like `params`, from their shapes alone (nothing placed); None
+        without validation batches (the post-training figures' programs are not in the cost model)."""
+        if self._batches is None:
+            return None
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self._sharding), params)
         return Footprint.of(self._fn.lower(abstract, self._batches).compile())
 
     def __call__(self, params: PyTree) -> float:
+        """The eval loss alone."""
+        return self.measure(params)[0]
+
+    def measure(self, params: PyTree) -> tuple[float, dict[str, float]]:
+        """(the eval loss, the post-training figures: {} without post-training). The eval loss is the corpus's
+        cross-entropy under workload.kind = "lm" (then every figure is an addition), else workload.kind's figure
+        (then the corpus's, where some island trains on it, is the figure `lm_loss`)."""
         placed = jax.device_put(params, self._sharding)
-        if not self._checked:
-            self._check_memory(placed)
-        return float(self._fn(placed, self._batches))
+        lm = None
+        if self._batches is not None:
+            if not self._checked:
+                self._check_memory(placed)
+            lm = float(self._fn(placed, self._batches))
+        figures = {} if self.heldout is None else self.heldout(placed)
+        if self.primary == "lm":
+            assert lm is not None
+            return lm, figures
+        return primary_loss(self.primary, figures), figures | ({"lm_loss": lm} if lm is not None else {})

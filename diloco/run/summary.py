@@ -22,6 +22,9 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "syncs",
     "initial_eval_loss",
     "final_eval_loss",
+    "workload",
+    "initial_scores",
+    "final_scores",
     "tokens",
     "bytes_up",
     "bytes_down",
@@ -66,6 +69,10 @@ class Totals:
     """Messages the coordinator refused (bad credentials, config, round, tensors ...)."""
     initial_eval_loss: float | None = None
     final_eval_loss: float | None = None
+    initial_scores: dict[str, float] | None = None
+    """The post-training workloads' held-out figures of θ_0 (diloco/run/setup.py, `Evaluator.measure`)."""
+    final_scores: dict[str, float] | None = None
+    """... and of the last committed θ."""
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> Totals:
@@ -111,6 +118,9 @@ def summary(
         "syncs": totals.syncs,
         "initial_eval_loss": totals.initial_eval_loss,
         "final_eval_loss": totals.final_eval_loss,
+        "workload": cfg.workload.kind,
+        "initial_scores": totals.initial_scores,
+        "final_scores": totals.final_scores,
         "tokens": totals.tokens,
         "bytes_up": totals.bytes_up,
         "bytes_down": totals.bytes_down,

@@ -94,18 +94,18 @@ def island_owners(run_dir: Path, name: str) -> list[Path]:
     return [run_dir / "checkpoints" / name, run_dir / "islands" / name / "checkpoints"]
 
 
-def find_source(path: Path) -> Source:
+def find_source(path: Path, key: str = "init.from") -> Source:
     """The checkpoint step `path` names: itself (a step), the newest step of a checkpoint directory, or the newest
-    global checkpoint of a run directory (`GLOBAL_OWNERS`)."""
+    global checkpoint of a run directory (`GLOBAL_OWNERS`). `key`: the config key that named it, for the messages."""
     if not path.exists():
-        raise WarmStartError(f"init.from: '{path}' does not exist")
+        raise WarmStartError(f"{key}: '{path}' does not exist")
     if path.name.isdigit() and (path / "state").is_dir():
         step_dir: Path | None = path
     else:
         step_dir = newest_step([*(path / "checkpoints" / owner for owner in GLOBAL_OWNERS), path])
     if step_dir is None:
         raise WarmStartError(
-            f"init.from: '{path}' holds no checkpoint (expected a run directory with checkpoints/coordinator/, or a "
+            f"{key}: '{path}' holds no checkpoint (expected a run directory with checkpoints/coordinator/, or a "
             "checkpoint directory; a run with train.checkpoint_every = 0 saves none)"
         )
     run_dir = next((d for d in list(step_dir.parents)[:3] if (d / "config.toml").is_file()), None)
@@ -139,7 +139,7 @@ def specs(tree: PyTree) -> Specs:
     return {name: (tuple(a.shape), str(np.dtype(a.dtype))) for name, a in flatten_named(tree, to_numpy=False).items()}
 
 
-def check_model(cfg: RunConfig, source: Source) -> None:
+def check_model(cfg: RunConfig, source: Source, key: str = "init.from") -> None:
     """Refuse a source whose run trained another model, naming the first differing key (checkpoints found outside a
     run directory have no config to compare: their tensors are still checked when read)."""
     if source.run_dir is None:
@@ -150,12 +150,10 @@ def check_model(cfg: RunConfig, source: Source) -> None:
         # Through the loader, so that a key a newer diloco added takes its default instead of counting as a change.
         theirs = to_dict(from_dict(ModelConfig, stored, "model."))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
-        raise WarmStartError(f"init.from: '{path}' does not load ({exc})") from None
+        raise WarmStartError(f"{key}: '{path}' does not load ({exc})") from None
     why = model_difference(theirs, to_dict(cfg.model))
     if why is not None:
-        raise WarmStartError(
-            f"init.from: '{source.run_dir}' trained another model ({why}); a warm start needs the same [model]"
-        )
+        raise WarmStartError(f"{key}: '{source.run_dir}' trained another model ({why}); {key} needs the same [model]")
 
 
 def locate(cfg: RunConfig) -> Source:
@@ -202,7 +200,7 @@ def step_count(opt_state: PyTree) -> int:
     return max(counts, default=0)
 
 
-def read_item(step_dir: Path, item: str, like: PyTree, what: str) -> PyTree:
+def read_item(step_dir: Path, item: str, like: PyTree, what: str, key: str = "init.from") -> PyTree:
     """Field `item` of the state saved in `step_dir`, read into the structure, dtypes and shardings of `like` once
     the checkpoint's metadata shows the same tensors (orbax's own mismatch error is a traceback)."""
     state = step_dir / "state"
@@ -210,20 +208,36 @@ def read_item(step_dir: Path, item: str, like: PyTree, what: str) -> PyTree:
     try:
         saved = handler.metadata(state).tree
     except (OSError, ValueError) as exc:
-        raise WarmStartError(f"init.from: '{step_dir}' is not a readable checkpoint ({exc})") from None
+        raise WarmStartError(f"{key}: '{step_dir}' is not a readable checkpoint ({exc})") from None
     finally:
         handler.close()
     if not isinstance(saved, dict) or item not in saved:
-        raise WarmStartError(f"init.from: the checkpoint '{step_dir}' holds no {item}")
+        raise WarmStartError(f"{key}: the checkpoint '{step_dir}' holds no {item}")
     why = tensor_difference(specs(saved[item]), specs(like))
     if why is not None:
-        raise WarmStartError(f"init.from: '{step_dir}' does not fit this run's {what}: {why}")
+        raise WarmStartError(f"{key}: '{step_dir}' does not fit this run's {what}: {why}")
     target = {item: like}
     args = ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
     )
     with ocp.PyTreeCheckpointer() as checkpointer:
         return checkpointer.restore(state, args=args)[item]
+
+
+def reference_params(cfg: RunConfig, init_params: PyTree) -> tuple[PyTree, str]:
+    """The frozen reference of dpo and rl (workload.reference) and where it came from: "start" is θ_0 (init.from's
+    parameters, else `init_params`, the random θ_0 of run.seed), a path the newest committed θ there. Read again at
+    every start, from the same place, so a resumed island holds the same reference."""
+    ref = cfg.workload.reference
+    if ref == "start":
+        if not cfg.init.from_:
+            return init_params, "start"
+        source = locate(cfg)
+        return read_item(source.step_dir, "params", init_params, "parameters"), str(source.step_dir)
+    key = "workload.reference"
+    source = find_source(Path(ref).expanduser(), key)
+    check_model(cfg, source, key)
+    return read_item(source.step_dir, "params", init_params, "parameters", key), str(source.step_dir)
 
 
 def initial_params(cfg: RunConfig, init_params: PyTree, rd: RunDir) -> PyTree:

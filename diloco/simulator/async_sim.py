@@ -124,7 +124,8 @@ def run_async(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
     world = GlobalRun(cfg, rd, setup, durable=True)  # one save at a time: islands/memory.py
     steps = planned_steps(order, names, cfg.train.inner_steps)
     islands = {
-        name: make_island(cfg, name, setup.model, setup.streams[name], total_steps=steps[name]) for name in names
+        name: make_island(cfg, name, setup.model_of(name), setup.streams[name], total_steps=steps[name])
+        for name in names
     }
     check_process(cfg, setup, list(islands.values()), world.evaluate)  # all of it, before any island's state exists
     stores = start_islands(cfg, rd, world, list(islands.values()))

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from diloco.config import RunConfig, StreamConfig
@@ -40,18 +41,19 @@ from diloco.run.warm_start import check_fresh, initial_inner_state, initial_para
 from diloco.simulator.async_sim import run_async
 from diloco.simulator.local_islands import finish, island_stores, save_islands, start_islands
 from islands.chunks import ChunkStream, Span
-from islands.data import BatchStream
-from islands.island import InnerRun, Island, RoundPush
+from islands.island import Batches, InnerRun, Island, PolicyBatches, RoundPush, empty_batch
 from islands.mesh import accumulation_steps, build_mesh
 from islands.vectorized import IslandStack
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
 from pytrees.digest import tree_digest
+from pytrees.naming import PyTree
 
 
 class UnionStream:
-    """The sync baseline's batches (an `islands.island.Batches`): batch k is every island's batch k, concatenated."""
+    """The sync baseline's batches (an `islands.island.Batches`): batch k is every island's batch k, concatenated (a
+    post-training workload's: leaf by leaf; rl's drawn by each island's stream with the one model's θ)."""
 
-    def __init__(self, streams: list[BatchStream]) -> None:
+    def __init__(self, streams: list[Batches]) -> None:
         self.streams = streams
         self.batch_size = sum(s.batch_size for s in streams)
         self.seq_len = streams[0].seq_len
@@ -65,8 +67,27 @@ class UnionStream:
         for s in self.streams:
             s.cursor = value
 
-    def next(self) -> np.ndarray:
-        return np.concatenate([s.next() for s in self.streams], axis=0)
+    def next(self) -> PyTree:
+        return _concatenated([s.next() for s in self.streams])
+
+    def empty(self) -> PyTree:
+        return empty_batch(self.streams[0])
+
+
+class PolicyUnion(UnionStream):
+    """The union of streams that draw with the policy (rl, `islands.island.PolicyBatches`): each with the one θ."""
+
+    def next_for(self, params: PyTree) -> PyTree:
+        return _concatenated([s.next_for(params) for s in self.streams])  # type: ignore[attr-defined]
+
+
+def union_stream(streams: list[Batches]) -> UnionStream:
+    """The sync baseline's stream over the islands' streams."""
+    return PolicyUnion(streams) if isinstance(streams[0], PolicyBatches) else UnionStream(streams)
+
+
+def _concatenated(batches: list[PyTree]) -> PyTree:
+    return jax.tree.map(lambda *rows: np.concatenate(rows, axis=0), *batches)
 
 
 def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, Any]:
@@ -88,7 +109,7 @@ def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) ->
 def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> dict[str, Any]:
     names = list(cfg.islands.island_names)
     vectorize = cfg.train.vectorize  # then IslandStack compiles and checks its own program, not each island's step
-    islands = [make_island(cfg, n, setup.model, setup.streams[n], check_memory=not vectorize) for n in names]
+    islands = [make_island(cfg, n, setup.model_of(n), setup.streams[n], check_memory=not vectorize) for n in names]
     world = GlobalRun(cfg, rd, setup, durable=True)  # one save at a time: islands/memory.py
     check_process(cfg, setup, islands, world.evaluate)  # all of it, before any island's state exists
     stores = start_islands(cfg, rd, world, islands)
@@ -214,8 +235,9 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
     """The data-parallel baseline: every step is one all-reduce over all islands (so rounds*H syncs)."""
     H = cfg.train.inner_steps
     streams = list(setup.streams.values())
-    island: Island = make_island(cfg, "sync", setup.model, UnionStream(streams))
-    evaluate = Evaluator(setup.model, setup.eval_stack)
+    model = setup.model_of(cfg.islands.island_names[0])  # one workload: the config refuses mixed ones with sync
+    island: Island = make_island(cfg, "sync", model, union_stream(streams))
+    evaluate = Evaluator.of(cfg, setup)
     grad_bytes = setup.n_params * 4
     stores = island_stores(cfg, rd, ["sync"])
     step = latest_common_step(stores) if stores else None
@@ -232,8 +254,10 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
         island.start(params, initial_inner_state(cfg, island, params, rd))
         assert island.state is not None
         totals = Totals(islands_joined=1)
-        totals.initial_eval_loss = totals.final_eval_loss = evaluate(island.state.params)
-        rd.log("eval", step=0, eval_loss=totals.initial_eval_loss)
+        loss, scores = evaluate.measure(island.state.params)
+        totals.initial_eval_loss = totals.final_eval_loss = loss
+        totals.initial_scores = totals.final_scores = scores or None
+        rd.log("eval", step=0, eval_loss=loss, **({"scores": scores} if scores else {}))
 
     progress = Progress(cfg.train.rounds, f"{cfg.run.name} sync x{len(streams)}", show_progress)
     try:
@@ -249,7 +273,8 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
             # A gradient all-reduce per step: each island sends its gradient and receives the mean.
             totals.bytes_up += grad_bytes * len(streams) * H
             totals.bytes_down += grad_bytes * len(streams) * H
-            totals.final_eval_loss = evaluate(island.state.params)
+            totals.final_eval_loss, scores = evaluate.measure(island.state.params)
+            totals.final_scores = scores or None
             seconds = time.monotonic() - t_round
             totals.island_wall_s += seconds
             rd.log(
@@ -257,6 +282,7 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
                 round=r,
                 loss=float(run.losses[-1]),
                 eval_loss=totals.final_eval_loss,
+                **({"scores": scores} if scores else {}),
                 tokens=totals.tokens,
                 bytes_up=totals.bytes_up,
                 bytes_down=totals.bytes_down,

@@ -143,6 +143,7 @@ def check_supported(cfg: RunConfig, processes: int) -> None:
         ("train.mode = 'async'", cfg.train.mode == "async"),
         ("init.inner_state = true", cfg.init.inner_state),
         ("data.sampling = 'chunks'", cfg.data.sampling == "chunks"),
+        ("a post-training workload (sft, dpo, rl)", cfg.workload.post_training(cfg.islands.island_names)),
     ]
     for what, bad in refused:
         if bad and processes > 1:
@@ -389,7 +390,7 @@ def run_follower(cfg: RunConfig, name: str, run_dir: Path, group: Group) -> int:
         log.info("island %s process %d joins formation %d as rank %d", name, me, formation.epoch, rank)
         join(group, formation, rank)
         setup = build_setup(cfg, islands=[name])
-        island = make_island(cfg, name, setup.model, setup.streams[name], len(jax.devices()))
+        island = make_island(cfg, name, setup.model_of(name), setup.streams[name], len(jax.devices()))
         store = CheckpointStore(run_dir / "checkpoints") if cfg.train.checkpoint_every else None
         _stop_later_on_signal()
         return follow(island, setup.init_params, store, Channel())

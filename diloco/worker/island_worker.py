@@ -135,7 +135,7 @@ class IslandWorker:
             if self.asynchronous
             else None
         )
-        island = make_island(cfg, name, setup.model, setup.streams[name], n_devices, total_steps=steps)
+        island = make_island(cfg, name, setup.model_of(name), setup.streams[name], n_devices, total_steps=steps)
         self.island: Island | LeaderIsland = LeaderIsland(island, Channel()) if group.multiple else island
         store = CheckpointStore(rd.checkpoints) if cfg.train.checkpoint_every else None
         self.checkpoints = IslandCheckpoints(store, self.island)

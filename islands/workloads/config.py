@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from islands.posttrain.task import MAX_DIGITS, TASKS
+
 KINDS: tuple[str, ...] = ("lm", "sft", "dpo", "rl")
 """The values of workload.kind (and of a workload.islands entry)."""
 
@@ -54,6 +56,8 @@ class WorkloadConfig:
     with the training split. Exclusive with workload.path."""
     task_examples: int = 4096
     """workload.task only: training examples generated (all islands together)."""
+    task_digits: int = 3
+    """workload.task only: the task's difficulty (addition: the operands' digits, 1 to 9)."""
     heldout_examples: int = 64
     """Examples each evaluation of the global model reads (of each kind the run trains): from the held-out split of
     workload.task, or the last ones of each file."""
@@ -105,6 +109,10 @@ class WorkloadConfig:
             raise ValueError(f"workload.kl_coef must be a finite number >= 0 (got {self.kl_coef})")
         if not self.reference:
             raise ValueError('workload.reference must be "start" or a run or checkpoint directory')
+        if self.task and self.task not in TASKS:
+            raise ValueError(f"workload.task must be one of {', '.join(TASKS)} (got {self.task!r})")
+        if not 1 <= self.task_digits <= MAX_DIGITS:
+            raise ValueError(f"workload.task_digits must be from 1 to {MAX_DIGITS} (got {self.task_digits})")
         if self.path and self.task:
             raise ValueError("workload.path and workload.task are both set: the examples come from one of them")
         if self.path and self.kind == "lm":
@@ -192,12 +200,18 @@ def workload_conflict(
     seq_len: int,
     batch_size: int,
     sampling: str,
+    mode: str,
 ) -> str | None:
     """Why the workload cannot run with the rest of the config, naming the keys; None if it can."""
     unknown = sorted(set(workload.entries()) - set(island_names))
     if unknown:
         return f"workload.islands names {', '.join(unknown)}, not in islands.names ({', '.join(island_names)})"
     kinds = workload.kinds(island_names)
+    if mode == "sync" and len(kinds) > 1:
+        return (
+            f"train.mode = 'sync' trains one model on the union of the islands' batches: one workload for all "
+            f"(workload.islands gives them {', '.join(kinds)})"
+        )
     if not any(k in POST_TRAINING for k in kinds):
         return None
     if model_kind == "custom":

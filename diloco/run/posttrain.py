@@ -1,0 +1,223 @@
+"""The post-training part of what every driver builds (diloco/run/setup.py): each island's examples and stream, its
+loss, and the held-out evaluation of the global model (docs/architecture.md, "Workloads").
+
+Examples come from a built-in task (workload.task: train and held-out splits that share no prompt) or a JSON Lines
+file (its last workload.heldout_examples examples held out). The islands that run one kind on one source deal its
+training examples among themselves, island j of m taking examples j, j + m, ...: each island its own share, as each
+has its own shard of a corpus. Texts become token ids as the run's data is tokenized (islands/workloads/text.py).
+
+Every check that a text fits is made here, before anything trains, one line naming the key: an rl prompt or a
+held-out prompt too long to leave workload.max_new_tokens of context, a reference answer (and its stop) longer than
+workload.max_new_tokens, which a greedy answer could then never match.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from diloco.config import ConfigError, RunConfig
+from islands.island import Batches
+from islands.models.base import Model
+from islands.posttrain.accuracy import exact_matches
+from islands.posttrain.data import PreferencePair, RlPrompt, SftExample, read_examples
+from islands.posttrain.rewards import load_reward, score
+from islands.posttrain.task import Task, builtin_task
+from islands.workloads.batches import ExampleStream, Table, pair_table, prompt_table, sft_table
+from islands.workloads.config import IslandWorkload
+from islands.workloads.evaluate import HeldOut, Judge, WorkloadEval, answer_logprobs
+from islands.workloads.losses import workload_loss
+from islands.workloads.rollouts import Rollouts, Scorer
+from islands.workloads.text import STOP_TEXT, TextCodec, text_codec
+from pytrees.naming import PyTree
+
+Example = SftExample | PreferencePair | RlPrompt
+
+
+@dataclass(frozen=True)
+class Examples:
+    """One source's examples of one kind: those to train on and those held out."""
+
+    train: list[Example]
+    heldout: list[Example]
+    where: str
+    """How messages name the source: "workload.task 'addition'" or the file's path."""
+
+
+def answer_of(example: Example) -> str | None:
+    """The reference answer of an example: a response, a chosen answer, an rl prompt's answer (None if it has none)."""
+    if isinstance(example, SftExample):
+        return example.response
+    if isinstance(example, PreferencePair):
+        return example.chosen
+    return example.answer
+
+
+class PostTraining:
+    """The post-training data of one process, loaded once and shared by its islands and its evaluation."""
+
+    def __init__(self, cfg: RunConfig, init_params: PyTree) -> None:
+        self.cfg, self.workload = cfg, cfg.workload
+        self.codec: TextCodec = text_codec(cfg.data, cfg.model.vocab_size)
+        self.prompt_width = cfg.model.seq_len - self.workload.max_new_tokens
+        """Tokens a prompt may take when its answer is generated (the rest of the context is the answer's)."""
+        self.task: Task | None = (
+            builtin_task(self.workload.task, cfg.run.seed, self.workload.task_digits) if self.workload.task else None
+        )
+        self._init_params = init_params
+        self._examples: dict[IslandWorkload, Examples] = {}
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.codec.encode(text))
+
+    # -- examples ------------------------------------------------------------------------------------------------
+
+    def examples(self, source: IslandWorkload) -> Examples:
+        """The examples of one kind from one source (a file, or with no path the task), loaded once."""
+        if source not in self._examples:
+            self._examples[source] = self._load(source)
+        return self._examples[source]
+
+    def _load(self, source: IslandWorkload) -> Examples:
+        w = self.workload
+        if not source.path:
+            assert self.task is not None
+            make = {"sft": self.task.sft, "dpo": self.task.pairs, "rl": self.task.prompts}[source.kind]
+            where = f"workload.task {w.task!r}"
+            loaded = Examples(make(w.task_examples, "train"), make(w.heldout_examples, "heldout"), where)
+        else:
+            examples = read_examples(Path(source.path), source.kind, self.count_tokens, self.cfg.model.seq_len)
+            if len(examples) <= w.heldout_examples:
+                raise ConfigError(
+                    f"{source.path}: {len(examples)} {source.kind} examples, and workload.heldout_examples "
+                    f"({w.heldout_examples}) of them are held out: none is left to train on"
+                )
+            cut = len(examples) - w.heldout_examples
+            loaded = Examples(list(examples[:cut]), list(examples[cut:]), source.path)
+        self._check_fits(loaded, source.kind)
+        return loaded
+
+    def _check_fits(self, examples: Examples, kind: str) -> None:
+        """Refuse a prompt that leaves no room for workload.max_new_tokens (rl's, and every held-out one, which the
+        evaluation answers), and a held-out reference answer that a greedy answer of that length cannot match."""
+        w = self.workload
+        generated = [*(examples.train if kind == "rl" else []), *examples.heldout]
+        for example in generated:
+            n = self.count_tokens(example.prompt)
+            if n > self.prompt_width:
+                raise ConfigError(
+                    f"{examples.where}: prompt {example.prompt[:40]!r} has {n} tokens; answers of "
+                    f"workload.max_new_tokens ({w.max_new_tokens}) leave {self.prompt_width} of model.seq_len "
+                    f"({self.cfg.model.seq_len}) for a prompt"
+                )
+        for example in examples.heldout:
+            answer = answer_of(example)
+            if answer is not None and self.count_tokens(answer) + 1 > w.max_new_tokens:
+                raise ConfigError(
+                    f"{examples.where}: the held-out answer {answer[:40]!r} and its stop token take "
+                    f"{self.count_tokens(answer) + 1} tokens, more than workload.max_new_tokens ({w.max_new_tokens})"
+                )
+
+    def share(self, name: str, names: Sequence[str]) -> list[Example]:
+        """Island `name`'s share of its source's training examples (all of them for an island not configured)."""
+        source = self.workload.of(name)
+        train = self.examples(source).train
+        peers = [n for n in names if self.workload.of(n) == source]
+        if name not in peers:
+            return train
+        return train[peers.index(name) :: len(peers)]
+
+    # -- what an island trains on --------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def reference(self) -> PyTree:
+        """The frozen reference θ_ref (workload.reference), on the default device, read once per process."""
+        from diloco.run.warm_start import reference_params
+
+        params, _ = reference_params(self.cfg, self._init_params)
+        return jax.device_put(params)
+
+    @functools.cached_property
+    def scorer(self) -> Scorer:
+        """workload.reward over a batch of answers (a reward that fails is one line naming the prompt)."""
+        return functools.partial(score, load_reward(self.workload.reward))
+
+    def model(self, kind: str, base: Model) -> Model:
+        """The model an island of this kind trains: the same parameters, the workload's loss."""
+        w = self.workload
+        return Model(init=base.init, loss=workload_loss(kind, self.cfg.model, w.beta, w.kl_coef))
+
+    def stream(self, name: str, names: Sequence[str], stream_id: int) -> Batches:
+        """Island `name`'s batches: its share of its kind's examples."""
+        kind, cfg = self.workload.of(name).kind, self.cfg
+        examples = self.share(name, names)
+        if not examples:
+            raise ConfigError(
+                f"island {name} has no {kind} examples: {len(self.examples(self.workload.of(name)).train)} are dealt "
+                "to the islands that share them (raise workload.task_examples, or give the file more examples)"
+            )
+        batch, seq_len, seed = cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed
+        if kind == "rl":
+            texts = [e.prompt for e in examples]
+            prompts = prompt_table(texts, self.codec, self.prompt_width)
+            return Rollouts(prompts, texts, self.scorer, self.codec, self.reference, cfg.model, self.workload,
+                            batch, seed, stream_id)  # fmt: skip
+        return ExampleStream(self.table(kind, examples), batch, seq_len, seed, stream_id)
+
+    def table(self, kind: str, examples: Sequence[Example]) -> Table:
+        """Examples of kind sft or dpo as arrays; dpo's with the reference's answer log-probabilities."""
+        prompts = [e.prompt for e in examples]
+        seq_len = self.cfg.model.seq_len
+        if kind == "sft":
+            return sft_table(prompts, [e.response for e in examples], self.codec, seq_len)  # type: ignore[union-attr]
+        chosen = [e.chosen for e in examples]  # type: ignore[union-attr]
+        table = pair_table(prompts, chosen, [e.rejected for e in examples], self.codec, seq_len)  # type: ignore[union-attr]
+        rows = self.cfg.train.microbatch or self.cfg.train.batch_size
+        for side in ("chosen", "rejected"):
+            table[f"ref_{side}"] = answer_logprobs(
+                self.reference, self.cfg.model, table[side], table[f"{side}_mask"], rows
+            )
+        return table
+
+    # -- the global model's evaluation ---------------------------------------------------------------------------
+
+    def evaluation(self, names: Sequence[str]) -> WorkloadEval:
+        """The held-out figures of every post-training kind these islands run."""
+        held = []
+        for kind in self.workload.kinds(tuple(names)):
+            if kind == "lm":
+                continue
+            sources = list(dict.fromkeys(self.workload.of(n) for n in names if self.workload.of(n).kind == kind))
+            heldout = [e for source in sources for e in self.examples(source).heldout]
+            texts = tuple(e.prompt for e in heldout)
+            held.append(
+                HeldOut(
+                    kind,
+                    prompt_table(texts, self.codec, self.prompt_width),
+                    texts,
+                    self._judge(heldout, sources),
+                    sequences=self.table(kind, heldout) if kind != "rl" else None,
+                    scorer=self.scorer if kind == "rl" else None,
+                )
+            )
+        w = self.workload
+        rows = self.cfg.train.microbatch or self.cfg.train.batch_size
+        return WorkloadEval(self.cfg.model, held, self.codec, max_new_tokens=w.max_new_tokens, rows=rows, beta=w.beta)
+
+    def _judge(self, heldout: Sequence[Example], sources: Sequence[IslandWorkload]) -> Judge | None:
+        """Exact match: the task's reward is 1; for examples from files, the answer is the reference (None where an
+        rl prompt has no reference answer)."""
+        if self.task is not None and not any(source.path for source in sources):
+            task = self.task
+            return lambda prompts, answers: np.array(
+                [task.reward(p, a) == 1.0 for p, a in zip(prompts, answers, strict=True)]
+            )
+        references = [answer_of(e) for e in heldout]
+        if any(r is None for r in references):
+            return None
+        return lambda prompts, answers: exact_matches(answers, references, STOP_TEXT)  # type: ignore[arg-type]
