@@ -26,6 +26,7 @@ import numpy as np
 
 from islands.models.base import Params
 from islands.models.config import ModelConfig
+from islands.sampling import generate, token_logprobs
 from islands.workloads.batches import Table
 from islands.workloads.losses import dpo_loss, dpo_margin, sequence_logprob
 from islands.workloads.rollouts import Scorer, answer_texts
@@ -55,16 +56,12 @@ class HeldOut:
 @functools.partial(jax.jit, static_argnums=1)
 def _token_losses(params: Params, model_cfg: ModelConfig, tokens: jax.Array, mask: jax.Array) -> jax.Array:
     """(Σ -logp over the mask, Σ mask) of a chunk."""
-    from islands.sampling import token_logprobs
-
     lp = token_logprobs(params, model_cfg, tokens)
     return jnp.stack([-jnp.sum(lp * mask), jnp.sum(mask)])
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _answer_logprobs(params: Params, model_cfg: ModelConfig, tokens: jax.Array, mask: jax.Array) -> jax.Array:
-    from islands.sampling import token_logprobs
-
     return sequence_logprob(token_logprobs(params, model_cfg, tokens), mask)
 
 
@@ -83,8 +80,6 @@ def greedy_answers(
     params: Params, model_cfg: ModelConfig, prompts: Table, codec: TextCodec, max_new_tokens: int, rows: int
 ) -> list[str]:
     """The greedy answer text to every prompt (cut at the stop token)."""
-    from islands.sampling import generate
-
     texts: list[str] = []
     for i in range(0, len(prompts["prompt"]), rows):
         new, lengths = generate(

@@ -28,6 +28,7 @@ import numpy as np
 
 from islands.models.base import Metrics, Params
 from islands.models.config import ModelConfig
+from islands.sampling import token_logprobs
 
 ADVANTAGE_EPS = 1e-4
 """ε of advantage = (r - mean) / (std + ε): a group whose rewards are all equal gets advantages 0, not NaN."""
@@ -122,12 +123,10 @@ def rl_model_loss(params: Params, batch: Batch, logprobs: LogProbs, kl_coef: flo
 def model_logprobs(model_cfg: ModelConfig) -> LogProbs:
     """The model's token log-probabilities (islands/sampling.py's full forward: differentiable, remat and compute
     dtype as configured)."""
-    from islands.sampling import token_logprobs
-
-    return functools.partial(_logprobs, model_cfg=model_cfg, token_logprobs=token_logprobs)
+    return functools.partial(_logprobs, model_cfg=model_cfg)
 
 
-def _logprobs(params: Params, tokens: jax.Array, model_cfg: ModelConfig, token_logprobs: Callable) -> jax.Array:
+def _logprobs(params: Params, tokens: jax.Array, model_cfg: ModelConfig) -> jax.Array:
     return token_logprobs(params, model_cfg, tokens)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from islands.models.base import Params
 from islands.models.config import ModelConfig
+from islands.sampling import generate, token_logprobs
 from islands.workloads.batches import Table, answer_rows, rows_of
 from islands.workloads.config import WorkloadConfig
 from islands.workloads.losses import group_advantages
@@ -69,8 +70,6 @@ class Rollouts:
         self.groups = batch_size // workload.group_size
 
     def next_for(self, params: Params) -> Table:
-        from islands.sampling import generate, token_logprobs
-
         k, g = self.cursor, self.workload.group_size
         rng = np.random.default_rng((self.seed, self.stream_id, k))
         picked = np.repeat(rng.integers(0, len(self.texts), size=self.groups), g)
