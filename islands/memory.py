@@ -22,8 +22,10 @@ once before any island's state exists (diloco/run/memory_plan.py), in bytes, wit
     an island       θ (P), its inner optimizer state (AdamW: 2P, its moments), the uplink residual (P; none when the
                     codec is lossless)
     the coordinator θ (P), the outer optimizer state (Nesterov: P, its momentum), the downlink residual (P, lossy)
-    held            N islands + the coordinator: the state the run keeps from its first step to its last. θ_0, which
-                    the setup built before the check, is held already (the room is measured after it)
+    the reference   rl islands' frozen θ_ref (P; workload.reference), one copy that a process's islands share; a dpo
+                    island's reference is read only to score its examples before any state exists, and dropped
+    held            N islands + the coordinator + the reference: the state the run keeps from its first step to its
+                    last. θ_0, which the setup built before the check, is held already (the room is measured after it)
     at its peak, the held state plus the largest of these, which never overlap (`Lockstep` runs them in turn):
       a first step  one island's θ and inner state copied for the warm-up step (donated, so its own are spared), and
                     XLA's figure for a step beyond its arguments (temporaries: activations, gradients; its code)
@@ -135,6 +137,8 @@ class ProcessPlan:
     """outer.aggregate is trimmed_mean or median."""
     stepped_together: bool = False
     """train.vectorize: every island's step runs at once."""
+    reference: int = 0
+    """The bytes of rl's frozen reference θ held beside the islands (one per process), 0 without rl."""
 
     @property
     def island_state(self) -> int:
@@ -149,7 +153,7 @@ class ProcessPlan:
     @property
     def held(self) -> int:
         """What the run keeps from its first step to its last."""
-        return self.islands * self.island_state + self.coordinator_state
+        return self.islands * self.island_state + self.coordinator_state + self.reference
 
     def phases(self) -> dict[str, int]:
         """The transient bytes of each phase beyond `held`, by name; the phases never overlap."""
@@ -182,9 +186,10 @@ class ProcessPlan:
         phase, extra = max(self.phases().items(), key=lambda kv: kv[1])
         each = "" if self.islands == 1 else " each"
         coordinator = f", the coordinator {format_bytes(self.coordinator_state)}" if self.coordinator else ""
+        reference = f", the reference {format_bytes(self.reference)}" if self.reference else ""
         plural = "s" if self.islands > 1 else ""
         return (
-            f"{self.islands} island{plural} of {format_bytes(self.island_state)}{each}{coordinator} "
+            f"{self.islands} island{plural} of {format_bytes(self.island_state)}{each}{coordinator}{reference} "
             f"and at the peak {phase} {format_bytes(extra)}"
         )
 

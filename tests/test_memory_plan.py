@@ -49,6 +49,8 @@ def _plan(**kw: object) -> ProcessPlan:
         ({"evaluation": Footprint(P, 0, 0, 4 * P, 0)}, 8 * P, {"an evaluation": 4 * P + 2 * P + 5 * P}),
         # no coordinator (an island process): its state, its first step, its checkpoint
         ({"coordinator": False, "islands": 1}, 3 * P, {"a first step": 5.5 * P, "a checkpoint": 3 * P}),
+        # rl: the islands' frozen reference, one copy beside them
+        ({"reference": P}, 9 * P, {"a first step": 5.5 * P, "a checkpoint": 3 * P}),
     ],
 )
 def test_the_cost_model(kw: dict, held: float, phases: dict[str, float]) -> None:
@@ -67,6 +69,11 @@ def test_an_unknown_step_counts_its_copies_only() -> None:
 def test_the_description_names_the_parts() -> None:
     text = _plan().describe()
     assert text == "2 islands of 300 MB each, the coordinator 200 MB and at the peak a sync 900 MB"
+    with_reference = _plan(reference=P).describe()
+    assert (
+        with_reference
+        == "2 islands of 300 MB each, the coordinator 200 MB, the reference 100 MB and at the peak a sync 900 MB"
+    )
 
 
 def test_codec_ratios() -> None:

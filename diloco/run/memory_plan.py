@@ -65,6 +65,7 @@ def plan(cfg: RunConfig, setup: Setup, islands: Sequence[Island], evaluate: Eval
         downlink_lossy=not is_lossless(downlink),
         order_statistic=cfg.outer.aggregate in ("trimmed_mean", "median"),
         stepped_together=cfg.train.vectorize,
+        reference=sum(sizes) if any(cfg.workload.of(island.name).kind == "rl" for island in islands) else 0,
     )
 
 
