@@ -23,9 +23,21 @@ RUNS = {
     "async": ["train.mode=async", "train.rounds=3"],
     "sync": ["train.mode=sync", "train.rounds=2"],
     "chunks": ["data.sampling=chunks", "train.rounds=2"],
+    "workloads": [
+        "train.rounds=1",
+        "islands.count=3",
+        "workload.kind=dpo",
+        "workload.task=addition",
+        "workload.task_digits=2",
+        "workload.heldout_examples=4",
+        "workload.max_new_tokens=4",
+        "workload.reward=builtin:addition",
+        'workload.islands=["island-1=sft", "island-2=rl"]',
+    ],
 }
 """Tiny simulate runs between them writing every event `simulate` has: plain rounds, streaming `sync` commits, a
-warm start (θ_0 and inner states), async annotations, the data-parallel baseline, and chunked sampling's records."""
+warm start (θ_0 and inner states), async annotations, the data-parallel baseline, chunked sampling's records, and
+every post-training kind's held-out figures."""
 
 
 @dataclass
