@@ -1,0 +1,118 @@
+"""Post-training workloads end to end in `diloco simulate` (docs/architecture.md, "Workloads"): SFT, then DPO and RL
+warm-started from it, each improving its own held-out figure on the built-in task; a mixed run (one island sft, one
+rl) that resumes bit for bit; the sync baseline on examples; and a bad file, reward or reference as one line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from diloco.config import load_config
+from diloco.run.rundir import read_events
+from diloco.simulator.simulate import run_simulation
+from tests.conftest import cut_after_round, fails
+
+pytestmark = pytest.mark.slow
+
+TASK = [
+    "workload.task=addition",
+    "workload.task_digits=2",
+    "workload.task_examples=2000",
+    "workload.heldout_examples=32",
+    "workload.max_new_tokens=4",
+]
+"""Two-digit sums: the format (digits, then the newline) is learnt in a few rounds, the sums themselves are not."""
+SIZE = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128", "train.batch_size=16"]
+"""A model that learns them in seconds (the tiny config's is too small to)."""
+RL = ["workload.kind=rl", "workload.reward=builtin:addition", "inner.warmup_steps=0", "inner.lr=1e-3"]
+
+
+def simulate(config: Path, run_dir: Path, *overrides: str) -> dict:
+    return run_simulation(load_config(config, [*SIZE, *TASK, *overrides]), run_dir, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """An SFT run from the random init: the start of DPO and RL."""
+    from tests.conftest import TINY_TOML, write_corpus
+
+    tmp = tmp_path_factory.mktemp("sft")
+    config = tmp / "tiny.toml"
+    config.write_text(TINY_TOML.format(corpus=write_corpus(tmp / "corpus.txt")))
+    run_dir = tmp / "sft"
+    return run_dir, simulate(config, run_dir, "workload.kind=sft", "train.rounds=2", "train.inner_steps=20")
+
+
+def test_sft_learns_the_answers(sft: tuple[Path, dict]) -> None:
+    run_dir, summary = sft
+    assert summary["workload"] == "sft"
+    first, last = summary["initial_scores"], summary["final_scores"]
+    assert summary["initial_eval_loss"] == first["sft_ce"] and summary["final_eval_loss"] == last["sft_ce"]
+    assert last["sft_ce"] < first["sft_ce"] - 3.0  # from about uniform over 256 bytes (5.5 nats) to the digits
+    assert first["sft_exact_match"] == 0.0 and 0.0 <= last["sft_exact_match"] <= 1.0
+    rounds = read_events(run_dir / "metrics.jsonl", "round")
+    assert [r["scores"]["sft_ce"] for r in rounds][-1] == last["sft_ce"]
+
+
+def test_dpo_from_sft_prefers_the_right_answers(sft: tuple[Path, dict], tiny_config: Path, tmp_path: Path) -> None:
+    summary = simulate(tiny_config, tmp_path / "dpo", f"init.from={sft[0]}", "workload.kind=dpo", "train.rounds=3",
+                       "train.inner_steps=20")  # fmt: skip
+    first, last = summary["initial_scores"], summary["final_scores"]
+    assert first["dpo_loss"] == pytest.approx(math.log(2.0), abs=1e-6)  # θ_0 is the reference
+    assert first["dpo_accuracy"] == 0.0  # a margin of exactly 0 prefers nothing
+    assert last["dpo_accuracy"] > 0.5 and last["dpo_loss"] < first["dpo_loss"]
+
+
+def test_rl_from_sft_raises_the_reward(sft: tuple[Path, dict], tiny_config: Path, tmp_path: Path) -> None:
+    summary = simulate(tiny_config, tmp_path / "rl", f"init.from={sft[0]}", *RL, "train.rounds=2",
+                       "train.inner_steps=20", "workload.group_size=8", "train.batch_size=32")  # fmt: skip
+    first, last = summary["initial_scores"], summary["final_scores"]
+    assert summary["initial_eval_loss"] == -first["rl_reward"]
+    assert last["rl_reward"] > first["rl_reward"]
+
+
+def test_a_mixed_run_trains_both_kinds_and_resumes_bit_for_bit(tiny_config: Path, tmp_path: Path) -> None:
+    mixed = ["workload.kind=sft", "workload.reward=builtin:addition", 'workload.islands=["island-1=rl"]',
+             "train.rounds=2"]  # fmt: skip
+    whole = simulate(tiny_config, tmp_path / "whole", *mixed)
+    assert set(whole["final_scores"]) == {"sft_ce", "sft_exact_match", "rl_reward", "rl_exact_match"}
+    assert whole["final_eval_loss"] == whole["final_scores"]["sft_ce"]  # workload.kind's figure
+    rounds = read_events(tmp_path / "whole" / "metrics.jsonl", "round")
+    assert [r["islands"] for r in rounds] == [["island-0", "island-1"]] * 2
+    # An rl island resamples what it would have: its answers are a pure function of θ and the batch index
+    simulate(tiny_config, tmp_path / "cut", *mixed)
+    cut_after_round(tmp_path / "cut", 1)
+    resumed = simulate(tiny_config, tmp_path / "cut", *mixed)
+    assert resumed["params_digest"] == whole["params_digest"]
+
+
+def test_the_sync_baseline_trains_on_examples(tiny_config: Path, tmp_path: Path) -> None:
+    summary = simulate(tiny_config, tmp_path / "sync", "train.mode=sync", "workload.kind=sft", "train.rounds=2")
+    assert summary["mode"] == "sync" and summary["final_scores"]["sft_ce"] < summary["initial_scores"]["sft_ce"]
+
+
+def test_bad_examples_rewards_and_references_are_one_line(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = ["simulate", str(tiny_config), "--no-progress", "--run-dir"]
+    bad = tmp_path / "sft.jsonl"
+    bad.write_text('{"prompt": "1+2=", "response": "3"}\n{"prompt": "2+2="}\n')
+    fails(capsys, [*base, str(tmp_path / "a"), "workload.kind=sft", f"workload.path={bad}"],
+          f"{bad}:2: missing field 'response'")  # fmt: skip
+    few = tmp_path / "few.jsonl"
+    few.write_text('{"prompt": "1+2=", "response": "3"}\n')
+    fails(capsys, [*base, str(tmp_path / "b"), "workload.kind=sft", f"workload.path={few}"],
+          "workload.heldout_examples (64) of them are held out: none is left to train on")  # fmt: skip
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"prompt": f"{i}=", "response": "x" * 9}) + "\n" for i in range(70)))
+    fails(capsys, [*base, str(tmp_path / "c"), "workload.kind=sft", f"workload.path={long}",
+                   "workload.max_new_tokens=4"], "more than workload.max_new_tokens (4)")  # fmt: skip
+    (tmp_path / "badreward.py").write_text("def boom(prompt, answer):\n    raise ValueError('no reward today')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fails(capsys, [*base, str(tmp_path / "d"), *TASK, *RL, "workload.reward=badreward:boom"],
+          "reward badreward:boom on prompt")  # fmt: skip
+    fails(capsys, [*base, str(tmp_path / "e"), *TASK, "workload.kind=dpo", f"workload.reference={tmp_path / 'nope'}"],
+          f"workload.reference: '{tmp_path / 'nope'}' does not exist")  # fmt: skip
