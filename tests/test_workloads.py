@@ -1,19 +1,22 @@
-"""Post-training workloads end to end in `diloco simulate` (docs/architecture.md, "Workloads"): SFT, then DPO and RL
+"""Post-training workloads end to end (docs/architecture.md, "Workloads"): in `diloco simulate`, SFT, then DPO and RL
 warm-started from it, each improving its own held-out figure on the built-in task; a mixed run (one island sft, one
-rl) that resumes bit for bit; the sync baseline on examples; and a bad file, reward or reference as one line."""
+rl) that resumes bit for bit; the sync baseline on examples; a bad file, reward or reference as one line. And a
+federation of processes, one island sft and one rl, that ends with simulate's parameters."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from diloco.config import load_config
+from diloco.harness.procs import Federation
 from diloco.run.rundir import read_events
 from diloco.simulator.simulate import run_simulation
-from tests.conftest import cut_after_round, fails
+from tests.conftest import FAST, WAIT_S, cut_after_round, fails
 
 pytestmark = pytest.mark.slow
 
@@ -116,3 +119,27 @@ def test_bad_examples_rewards_and_references_are_one_line(
           "reward badreward:boom on prompt")  # fmt: skip
     fails(capsys, [*base, str(tmp_path / "e"), *TASK, "workload.kind=dpo", f"workload.reference={tmp_path / 'nope'}"],
           f"workload.reference: '{tmp_path / 'nope'}' does not exist")  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_a_federation_of_sft_and_rl_islands_ends_with_simulate_s_digest(
+    federation: Callable[..., Federation], tiny_config: Path, tmp_path: Path
+) -> None:
+    """`diloco coordinator` and two `diloco island` processes, island-0 on sft and island-1 on rl (its answers sampled
+    in its own process), end with the parameters `simulate` ends with: the same batches, the same samples, the same
+    floats."""
+    overrides = ["train.rounds=2", "quorum.min_islands=2", *TASK, "workload.kind=sft",
+                 "workload.reward=builtin:addition", 'workload.islands=["island-1=rl"]']  # fmt: skip
+    fed = federation(*overrides)
+    fed.start_coordinator()
+    for name in ("island-0", "island-1"):
+        fed.start_island(name)
+    fed.wait_exit(WAIT_S)
+    launched = json.loads((fed.run_dir / "summary.json").read_text())
+    simulated = run_simulation(load_config(tiny_config, [*FAST, *overrides]), tmp_path / "sim", show_progress=False)
+    assert launched["rounds"] == simulated["rounds"] == 2
+    assert launched["params_digest"] == simulated["params_digest"]
+    assert launched["final_scores"] == pytest.approx(simulated["final_scores"], rel=1e-6)
+    for name in ("island-0", "island-1"):
+        synced = read_events(fed.island_dir(name) / "metrics.jsonl", "synced")
+        assert synced[-1]["digest"] == simulated["params_digest"]
