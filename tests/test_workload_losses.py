@@ -138,3 +138,22 @@ def test_an_example_stream_is_a_pure_function_of_its_cursor() -> None:
         "tokens": ((0, 9), np.int32),
         "mask": ((0, 8), np.float32),
     }
+
+
+def test_accumulation_splits_every_leaf_of_an_example_batch(params: object) -> None:
+    """train.microbatch on a pytree batch: each leaf cut into passes on axis 0, the passes' mean loss and gradient
+    those of the whole batch (equal-sized passes of a mean over tokens: equal when every pass has as many answer
+    tokens, as here)."""
+    import optax
+
+    from islands.inner import inner_update
+
+    table = sft_table([f"{i}+{i}=" for i in range(4)], [str(2 * i) for i in range(4)], ByteText(), TINY.seq_len)
+    loss = workload_loss("sft", TINY, 0.1, 0.0)
+    tx = optax.sgd(0.1)
+    whole = jax.tree.map(lambda x: x[None], table)  # [1 pass, 4 rows, ...]
+    halves = jax.tree.map(lambda x: x.reshape(2, 2, *x.shape[1:]), table)  # [2 passes, 2 rows, ...]
+    _, _, m1 = inner_update(loss, tx, params, tx.init(params), whole)
+    _, _, m2 = inner_update(loss, tx, params, tx.init(params), halves)
+    assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
+    assert float(m2["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=1e-4)
