@@ -125,3 +125,14 @@ def test_missing_extra_is_one_line(
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and INSTALL_HINT in err and "Traceback" not in err
     assert not (run_dir / "metrics.jsonl").exists()  # refused before the run directory was written
+
+
+def test_post_training_scores_are_curves(tiny_config: Path, tmp_path: Path) -> None:
+    writer = TensorBoardWriter(load_config(tiny_config, []), tmp_path / "tb")
+    scores = {"sft_exact_match": 0.25, "sft_ce": 1.5, "odd": "text"}  # post-training's held-out figures
+    assert writer.scalars("eval", {"step": 0, "eval_loss": 1.5, "scores": scores}) == [
+        ("global/eval_loss", 1.5, 0),
+        ("scores/sft_ce", 1.5, 0),
+        ("scores/sft_exact_match", 0.25, 0),
+    ]
+    assert ("scores/sft_ce", 1.5, 4) in writer.scalars("round", {"round": 0, "eval_loss": 1.5, "scores": scores})

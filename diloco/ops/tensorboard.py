@@ -10,6 +10,8 @@ loss), an island process its own inner loss (`diloco launch` puts those in RUN/i
     eval           global/eval_loss                 0 (θ_0)
     round, sync    global/{eval_loss, loss, tokens, bytes_up, bytes_down, seconds}
                                                     the commit's inner steps per island
+    eval, round    scores/FIGURE                    as above: post-training's held-out figures (`scores`: sft_ce,
+                                                    dpo_accuracy, rl_reward, ...)
     inner          island/NAME/loss                 the island's inner step
     push           island/NAME/{compute_s, wall_s}  the inner steps per island of the commit it joins
 
@@ -93,9 +95,11 @@ class TensorBoardWriter:
     def scalars(self, event: str, fields: Mapping[str, Any]) -> list[tuple[str, float, int]]:
         """(tag, value, step) of every scalar `event` carries: the module docstring's table, in pure form."""
         if event == "eval":
-            return _numbers("global", fields, ("eval_loss",), _whole(fields.get("step", 0)))
+            step = _whole(fields.get("step", 0))
+            return _numbers("global", fields, ("eval_loss",), step) + _scores(fields, step)
         if event in ("round", "sync") and _whole(fields.get("round")) is not None:
-            return _numbers("global", fields, GLOBAL_FIELDS, self.commit_step(event, fields))
+            step = self.commit_step(event, fields)
+            return _numbers("global", fields, GLOBAL_FIELDS, step) + _scores(fields, step)
         island = fields.get("island")
         if island not in self.names:
             return []
@@ -156,6 +160,12 @@ def _numbers(
         if isinstance(value, int | float) and not isinstance(value, bool):
             out.append((f"{prefix}/{key}", float(value), step))
     return out
+
+
+def _scores(fields: Mapping[str, Any], step: int | None) -> list[tuple[str, float, int]]:
+    """scores/FIGURE scalars of an event's `scores` (post-training's held-out figures), if it has them."""
+    scores = fields.get("scores")
+    return _numbers("scores", scores, tuple(sorted(scores)), step) if isinstance(scores, Mapping) else []
 
 
 def _whole(value: Any) -> int | None:
