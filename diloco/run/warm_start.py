@@ -96,7 +96,9 @@ def island_owners(run_dir: Path, name: str) -> list[Path]:
 
 def find_source(path: Path, key: str = "init.from") -> Source:
     """The checkpoint step `path` names: itself (a step), the newest step of a checkpoint directory, or the newest
-    global checkpoint of a run directory (`GLOBAL_OWNERS`). `key`: the config key that named it, for the messages."""
+    global checkpoint of a run directory (`GLOBAL_OWNERS`). `key`: the config key that named it, for the messages.
+    A relative path is made absolute here (orbax reads absolute paths only)."""
+    path = path.absolute()
     if not path.exists():
         raise WarmStartError(f"{key}: '{path}' does not exist")
     if path.name.isdigit() and (path / "state").is_dir():
