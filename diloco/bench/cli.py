@@ -19,6 +19,7 @@ Result = dict[str, Any]
 HELP = {
     "overhead": "island inner-step throughput vs a bare jitted optax loop",
     "convergence": "L1 / LM / sync on one config: the DiLoCo acceptance runs",
+    "scaling": "DiLoCo / data-parallel at several model sizes, each method at its best: the gap against size",
     "codec": "pseudo-gradient codecs: ratio, GB/s, error",
     "transport": "gRPC goodput on loopback, unshaped and shaped; receiver peak memory",
     "recovery": "time for a SIGKILLed island to rejoin vs params/bandwidth + 10 s",
@@ -89,6 +90,26 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="restart: each method takes the pretraining's θ, with a fresh inner optimizer and schedule; continue: "
         "its inner state and schedule too (one schedule over the whole budget, the papers' warm start)",
     )
+
+    sc = parsers["scaling"]
+    _with_config(sc)
+    sc.add_argument("--islands", type=int, default=4, help="M, the islands of the DiLoCo and sync runs")
+    sc.add_argument(
+        "--size",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=V[,KEY=V]",
+        help="a model size: overrides of the config (repeat, smallest first)",
+    )
+    sc.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="[NAME@]METHOD:KEY=V1,V2",
+        help="a method's grid (METHOD: LM, Ls or all), for every size or, prefixed NAME@, for one",
+    )
+    sc.add_argument("--vectorize", action="store_true", help="the DiLoCo runs step their islands as one program")
+    sc.add_argument("--plot", type=Path, default=None, metavar="PNG", help="draw LM / Ls against parameters here")
 
     codec = parsers["codec"]
     codec.add_argument("--size-mb", type=float, default=64.0, help="MiB of float32 pseudo-gradient")
@@ -234,6 +255,14 @@ def _convergence(args: argparse.Namespace) -> Result:
     )
 
 
+def _scaling(args: argparse.Namespace) -> Result:
+    from diloco.bench.scaling import run_scaling_bench
+    from diloco.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    return run_scaling_bench(cfg, _run_dir(args), args.size, args.islands, args.grid, args.vectorize, args.plot)
+
+
 def _codec(args: argparse.Namespace) -> Result:
     from diloco.bench.codec import run_codec_bench
     from diloco.bench.errors import BenchError
@@ -363,6 +392,7 @@ def _simulator(args: argparse.Namespace) -> Result:
 RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "overhead": _overhead,
     "convergence": _convergence,
+    "scaling": _scaling,
     "codec": _codec,
     "transport": _transport,
     "recovery": _recovery,
