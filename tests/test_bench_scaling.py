@@ -8,18 +8,20 @@ from pathlib import Path
 import pytest
 
 from diloco.bench.errors import BenchError
-from diloco.bench.scaling import Size, count_parameters, grids_for, parse_size, run_scaling_bench
+from diloco.bench.scaling import count_parameters, grids_for, run_scaling_bench
+from diloco.bench.variants import Variant, parse_variant
 from diloco.config import load_config
 
 
-def test_parse_size_reads_a_name_and_its_overrides() -> None:
-    assert parse_size("S:model.d_model=32,model.n_layers=2") == Size("S", ("model.d_model=32", "model.n_layers=2"))
+def test_a_variant_is_a_name_and_its_overrides() -> None:
+    spec = "S:model.d_model=32,model.n_layers=2"
+    assert parse_variant(spec, "--size") == Variant("S", ("model.d_model=32", "model.n_layers=2"))
 
 
 @pytest.mark.parametrize("spec", ["model.d_model=32", "S:", "S:model.d_model", "two words:model.d_model=8"])
-def test_parse_size_refuses_malformed_specs(spec: str) -> None:
-    with pytest.raises(BenchError, match="must look like NAME:section.key=v"):
-        parse_size(spec)
+def test_malformed_variants_are_refused_naming_the_flag(spec: str) -> None:
+    with pytest.raises(BenchError, match="--size .* must look like NAME:section.key=v"):
+        parse_variant(spec, "--size")
 
 
 def test_grids_apply_to_every_size_or_to_the_named_one() -> None:
@@ -32,9 +34,10 @@ def test_grids_apply_to_every_size_or_to_the_named_one() -> None:
 
 def test_sizes_must_be_two_with_distinct_names(tiny_config: Path, tmp_path: Path) -> None:
     cfg = load_config(tiny_config)
-    for sizes in (["S:model.d_model=16"], ["S:model.d_model=16", "S:model.d_model=32"]):
-        with pytest.raises(BenchError, match="at least two --size with distinct names"):
-            run_scaling_bench(cfg, tmp_path / "runs", sizes)
+    with pytest.raises(BenchError, match="at least two --size"):
+        run_scaling_bench(cfg, tmp_path / "runs", ["S:model.d_model=16"])
+    with pytest.raises(BenchError, match="--size: the names must be distinct"):
+        run_scaling_bench(cfg, tmp_path / "runs", ["S:model.d_model=16", "S:model.d_model=32"])
     assert not (tmp_path / "runs").exists()
 
 

@@ -167,6 +167,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="run both federations in one network namespace whose loopback tc tbf shapes to MBIT Mbit/s, "
         "shared by all islands both ways; the user-space shaper off (root, ip and tc)",
     )
+    ut.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=V[,KEY=V]",
+        help="overrides run side by side, each as a plain and a streaming federation on the same links (repeat; "
+        "e.g. fp32:codec.uplink=fp32,codec.downlink=fp32)",
+    )
     _add_load(parsers["load"])
     _with_config(parsers["elastic"])
     _add_soak(parsers["soak"])
@@ -360,7 +368,14 @@ def _utilization(args: argparse.Namespace) -> Result:
     from diloco.bench.utilization import run_utilization_bench
 
     return run_utilization_bench(
-        args.config, args.overrides, _run_dir(args), args.rounds, args.fragments, args.overlap, args.kernel_link
+        args.config,
+        args.overrides,
+        _run_dir(args),
+        args.rounds,
+        args.fragments,
+        args.overlap,
+        args.kernel_link,
+        args.variant,
     )
 
 

@@ -17,7 +17,6 @@ every grid, and `--plot FILE` draws LM / Ls against parameters (log scale), one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +24,10 @@ import jax
 
 from diloco.bench.convergence import config_variant, run_convergence_bench
 from diloco.bench.errors import BenchError
+from diloco.bench.variants import parse_variants
 from diloco.config import RunConfig
 from islands.models.base import param_count
 from islands.models.registry import build_model
-
-
-@dataclass(frozen=True)
-class Size:
-    """One model size: its name (a run directory's name) and its overrides of the config."""
-
-    name: str
-    overrides: tuple[str, ...]
-
-
-def parse_size(spec: str) -> Size:
-    """`"S:model.d_model=32,model.n_layers=2"` -> Size("S", ("model.d_model=32", "model.n_layers=2"))."""
-    name, sep, rest = spec.partition(":")
-    overrides = tuple(o for o in rest.split(",") if o)
-    if not sep or not name.isidentifier() or not overrides or any("=" not in o for o in overrides):
-        raise BenchError(f"--size {spec!r} must look like NAME:section.key=v[,section.key=v...] (NAME a word)")
-    return Size(name, overrides)
 
 
 def grids_for(size: str, specs: list[str], sizes: list[str]) -> list[str]:
@@ -77,10 +60,10 @@ def run_scaling_bench(
     plot: Path | None = None,
 ) -> dict[str, Any]:
     """bench convergence's LM / Ls at every size (smallest first, as given); one row per size."""
-    sizes = [parse_size(spec) for spec in size_specs]
+    sizes = parse_variants(size_specs, "--size")
     names = [s.name for s in sizes]
-    if len(sizes) < 2 or len(set(names)) != len(names):
-        raise BenchError(f"bench scaling: give at least two --size with distinct names (got {names})")
+    if len(sizes) < 2:
+        raise BenchError(f"bench scaling: give at least two --size (got {names})")
     variants = {s.name: config_variant(cfg, s.overrides) for s in sizes}
     per_size = {s.name: grids_for(s.name, grids or [], names) for s in sizes}  # every spec checked before any run
     rows = []
