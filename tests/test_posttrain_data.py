@@ -138,7 +138,7 @@ def test_the_given_token_count_decides_the_length(tmp_path: Path) -> None:
 def test_an_empty_file_and_a_blank_one_are_refused(tmp_path: Path) -> None:
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
-    _refused(empty, "sft", f"{empty}: no sft examples (the file is empty)")
+    _refused(empty, "sft", f"{empty}: no sft examples (the file is empty or blank)")
     _refused(_file(tmp_path, "", "  ", "\t"), "dpo", "no dpo examples")
 
 

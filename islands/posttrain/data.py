@@ -245,7 +245,7 @@ def read_examples(
             _check_fits(example, count_tokens, max_tokens, where)
             examples.append(example)
     if not examples:
-        raise PostTrainDataError(f"{path}: no {kind} examples (the file is empty)")
+        raise PostTrainDataError(f"{path}: no {kind} examples (the file is empty or blank)")
     return examples  # type: ignore[return-value]
 
 

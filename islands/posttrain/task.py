@@ -199,10 +199,12 @@ class Addition:
             a, b = np.divmod(rng.integers(0, base * base, _BATCH), base)
             keep = in_heldout(a, b) == heldout
             for problem in zip(a[keep].tolist(), b[keep].tolist(), strict=True):
-                if len(drawn) == n or (unique and problem in seen):
+                if unique and problem in seen:
                     continue
                 seen.add(problem)
                 drawn.append(problem)
+                if len(drawn) == n:
+                    break
         return drawn
 
     def sft(self, n: int, split: str = "train") -> list[SftExample]:
