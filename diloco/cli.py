@@ -1,4 +1,4 @@
-"""The `diloco` command line: launch, coordinator, island, status, simulate, bench, plot, data prepare,
+"""The `diloco` command line: launch, coordinator, island, status, simulate, bench, plot, data prepare, data task,
 deploy k8s.
 
 Every command takes `--run-dir DIR` (where one applies) and trailing `key=value` config overrides. A user
@@ -225,8 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--title", default=None, help="the figure's title")
 
-    data = sub.add_parser("data", help="training data: `data prepare` tokenizes text into a token directory")
-    prep = data.add_subparsers(dest="data_command", required=True).add_parser(
+    data = sub.add_parser(
+        "data", help="training data: `data prepare` tokenizes text, `data task` writes a built-in task's data"
+    )
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser(
         "prepare",
         help='text -> DIR/tokens.bin, tokenizer.json, meta.json for data.kind = "tokens" (needs the tokenize extra)',
     )
@@ -236,6 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--train-vocab", type=int, metavar="N", help="train a byte-level BPE tokenizer of N ids (>= 256)")
     how.add_argument("--tokenizer", type=Path, metavar="FILE", help="use this Hugging Face tokenizer.json")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from islands.posttrain.task import DEFAULT_DIGITS, TASKS  # NumPy only, no JAX
+
+    task = data_sub.add_parser(
+        "task", help="a built-in task's SFT, DPO and RL data (train and held-out JSONL) and pretraining text"
+    )
+    task.add_argument("name", choices=sorted(TASKS), help="the task")
+    task.add_argument("--out", type=Path, required=True, metavar="DIR", help="the directory to write (created)")
+    task.add_argument("--n", type=int, default=2000, help="train examples of each kind (2000)")
+    task.add_argument("--heldout", type=int, default=500, metavar="N", help="held-out examples of each kind (500)")
+    task.add_argument("--pretrain", type=int, default=20000, metavar="N", help="lines of pretrain.txt (20000)")
+    task.add_argument("--seed", type=int, default=0, help="which problems, in which order (0)")
+    task.add_argument(
+        "--digits", type=int, default=DEFAULT_DIGITS, help=f"digits of each operand: the difficulty ({DEFAULT_DIGITS})"
+    )
 
     from diloco.bench.cli import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
     from diloco.deploy.k8s import add_deploy_parser  # argparse only: nothing rendered, no YAML imported
@@ -243,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     deploy, k8s = add_deploy_parser(sub)
     # `data` and `deploy` take none themselves: argparse would let their subcommand's defaults overwrite them.
-    for command in [*(c for c in sub.choices.values() if c not in (data, deploy)), prep, k8s]:
+    for command in [*(c for c in sub.choices.values() if c not in (data, deploy)), prep, task, k8s]:
         _add_logging(command)
     return parser
 
@@ -269,6 +286,12 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
+    if args.data_command == "task":
+        from diloco.ops.task_data import write_task
+
+        meta = write_task(args.name, args.out, args.n, args.heldout, args.pretrain, args.seed, args.digits)
+        print(json.dumps({"out": str(args.out), **meta}, indent=2))
+        return 0
     from diloco.ops.data_prepare import prepare, summary
 
     meta = prepare(args.inputs, args.out, args.train_vocab, args.tokenizer, progress=not args.no_progress)

@@ -198,3 +198,16 @@ def test_help_and_status_start_without_jax() -> None:
         [sys.executable, "-c", code], env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_post_training_data_tasks_and_rewards_import_no_jax() -> None:
+    """The JSONL reader, the built-in tasks, rewards (a user's too) and `diloco data task` are NumPy only."""
+    modules = [
+        "islands.user_code",
+        "islands.posttrain.data",
+        "islands.posttrain.task",
+        "islands.posttrain.rewards",
+        "islands.posttrain.accuracy",
+        "diloco.ops.task_data",
+    ]
+    assert _loaded_by(modules, NO_JAX) == {}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from floor.errors import UserError
+from islands.user_code import entry_form_ok
 
 KINDS: tuple[str, ...] = ("transformer", "moe", "custom")
 """The model kinds `build_model` knows."""
@@ -103,8 +104,7 @@ class ModelConfig:
         if self.kind == "custom":
             if not self.entry:
                 raise ModelError('model.entry must name the builder ("package.module:function") for kind custom')
-            module, sep, attr = self.entry.partition(":")
-            if not sep or not module or not attr or ":" in attr:
+            if not entry_form_ok(self.entry):
                 raise ModelError(f"model.entry {self.entry!r} must have the form 'package.module:function'")
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "n_experts", "top_k"):
             _check_int(name, getattr(self, name))
