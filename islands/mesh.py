@@ -58,6 +58,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(None, AXIS))
 
 
+def row_sharding(mesh: Mesh) -> NamedSharding:
+    """Arrays of rows [B, ...] (prompts, generated tokens): rows split over the data axis."""
+    return NamedSharding(mesh, P(AXIS))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -37,6 +37,7 @@ HELP = {
     "heterogeneous": "one island 2x slower: plain vs time-budgeted vs async DiLoCo on one virtual time axis",
     "elastic": "islands admitted, killed and back, retired, lost, then the run lengthened: digests, exactly-once, loss",
     "simulator": "simulate's islands stepped in turn vs as one program (train.vectorize): wall time, speedup, max |Δ|",
+    "generate": "KV-cache generation vs the training step of one model: tokens/s, first-token time, per-token decode",
 }
 
 
@@ -183,6 +184,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     _with_config(sim)
     sim.add_argument("--islands", type=int, default=4, help="M, the islands of both runs")
     sim.add_argument("--rounds", type=int, default=None, help="rounds of both runs (default: the config's)")
+    gen = parsers["generate"]
+    _with_config(gen, run_dir=False)
+    gen.add_argument("--batch", type=int, default=None, help="prompts per generation (default: train.batch_size)")
+    gen.add_argument("--new-tokens", type=int, default=None, help="N, tokens per prompt (default: what P leaves)")
+    gen.add_argument("--prompt-len", type=int, default=None, help="P, tokens per prompt (default: model.seq_len / 2)")
+    gen.add_argument("--repeats", type=int, default=5, help="timed runs of each (median)")
 
 
 def _add_fuzz(p: argparse.ArgumentParser) -> None:
@@ -404,6 +411,14 @@ def _simulator(args: argparse.Namespace) -> Result:
     return run_simulator_bench(cfg, _run_dir(args), args.islands, args.rounds)
 
 
+def _generate(args: argparse.Namespace) -> Result:
+    from diloco.bench.generate import run_generate_bench
+    from diloco.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    return run_generate_bench(cfg, args.batch, args.new_tokens, args.prompt_len, args.repeats)
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "overhead": _overhead,
     "convergence": _convergence,
@@ -425,6 +440,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "heterogeneous": _heterogeneous,
     "elastic": _elastic,
     "simulator": _simulator,
+    "generate": _generate,
 }
 
 

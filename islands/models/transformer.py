@@ -12,6 +12,9 @@ backward, and the residual stream run in bfloat16 while the gradients arrive in 
 statistics, the attention softmax and the cross-entropy run in float32, on scores and logits upcast from the
 matmuls that make them. `cfg.remat` recomputes each block in the backward pass (`forward` says how).
 
+Generation (islands/sampling.py) runs the same blocks over a cache of keys and values (`forward_cached`): the
+attention is `project_qkv` then `attend`, with the causal triangle in training and the cache's filled positions there.
+
 Params layout (float32 leaves; the blocks are a list so Streaming DiLoCo can cut fragments by layer):
     {"embed": {"tok": [V, D], "pos": [T, D]},
      "blocks": [{"ln1": norm, "attn": {"wqkv": [D, 3D], "wo": [D, D]}, "ln2": norm, "ff": ...}, ...],
@@ -23,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,21 +81,37 @@ def init_attention(key: jax.Array, cfg: ModelConfig) -> Params:
     }
 
 
-def attention(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Causal multi-head self-attention: position t attends to positions <= t only."""
+def project_qkv(p: Params, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D] -> the queries, keys and values of every head, each [B, T, n_heads, D / n_heads] in x's dtype."""
     b, t, d = x.shape
     h = cfg.n_heads
     qkv = dense(x, p["wqkv"]).reshape(b, t, 3, h, d // h)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+
+def attend(
+    p: Params, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, kv_layout: str = "bkhd"
+) -> jax.Array:
+    """Multi-head attention of queries q [B, Tq, H, Dh] over keys and values, then the output projection ->
+    [B, Tq, H * Dh]. Query i sees key j where `visible[..., i, j]` (broadcast against [B, H, Tq, Tk]): the causal
+    triangle in training, a cache's filled positions when generating (`forward_cached`). Keys and values are
+    [B, Tk, H, Dh] ("bkhd", as projected) or [B, H, Tk, Dh] ("bhkd", as a KVCache holds them)."""
+    b, tq, h, dh = q.shape
     # Scores and softmax in float32 whatever the activation dtype: exp() overflows in half precision. The
     # matmul itself stays in the activation dtype (upcast after it, not preferred_element_type=float32): its
     # backward then runs bfloat16 matmuls too, where a float32 output would make them mixed float32 ones.
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(d // h)
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.einsum(f"bqhd,{kv_layout}->bhqk", q, k).astype(jnp.float32) / math.sqrt(dh)
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+    out = jnp.einsum(f"bhqk,{kv_layout}->bqhd", weights, v).reshape(b, tq, h * dh)
     return dense(out, p["wo"])
+
+
+def attention(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Causal multi-head self-attention: position t attends to positions <= t only."""
+    q, k, v = project_qkv(p, x, cfg)
+    t = x.shape[1]
+    return attend(p, q, k, v, jnp.tril(jnp.ones((t, t), dtype=bool)))
 
 
 def init_mlp(key: jax.Array, cfg: ModelConfig) -> Params:
@@ -119,8 +139,9 @@ def init_embedding(key: jax.Array, cfg: ModelConfig) -> Params:
     }
 
 
-def embed(p: Params, tokens: jax.Array) -> jax.Array:
-    return p["tok"][tokens] + p["pos"][: tokens.shape[1]]
+def embed(p: Params, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Token plus position embeddings of tokens [B, T]; at positions [B, T] (each row's own), else at 0 .. T-1."""
+    return p["tok"][tokens] + (p["pos"][: tokens.shape[1]] if positions is None else p["pos"][positions])
 
 
 def unembed(p: Params, x: jax.Array) -> jax.Array:
@@ -146,8 +167,18 @@ def init_params(key: jax.Array, cfg: ModelConfig, ff_init: FFInit = init_mlp) ->
 def block(p: Params, x: jax.Array, cfg: ModelConfig, ff_apply: FFApply) -> tuple[jax.Array, jax.Array]:
     """One pre-LayerNorm block: x + attention(ln1(x)), then + feed-forward(ln2(x)) -> (x, auxiliary loss)."""
     x = x + attention(p["attn"], layer_norm(p["ln1"], x), cfg)
+    return feed_forward(p, x, cfg, ff_apply)
+
+
+def feed_forward(p: Params, x: jax.Array, cfg: ModelConfig, ff_apply: FFApply) -> tuple[jax.Array, jax.Array]:
+    """A block's second half: x + feed-forward(ln2(x)) -> (x, auxiliary loss)."""
     y, aux = ff_apply(p["ff"], layer_norm(p["ln2"], x), cfg)
     return x + y, aux
+
+
+def output(params: Params, x: jax.Array) -> jax.Array:
+    """The final LayerNorm and the tied output projection: x [B, T, D] -> logits float32 [B, T, V]."""
+    return unembed(params["embed"], layer_norm(params["final_norm"], x))
 
 
 def forward(
@@ -171,14 +202,67 @@ def forward(
     for p in params["blocks"]:
         x, block_aux = apply_block(p, x)
         aux.append(block_aux)
-    x = layer_norm(params["final_norm"], x)
-    return unembed(params["embed"], x), jnp.stack(aux)
+    return output(params, x), jnp.stack(aux)
+
+
+class KVCache(NamedTuple):
+    """The keys and values of every block at every position of a fixed-size buffer, for generation
+    (`forward_cached`): each [n_layers, B, n_heads, length, d_model / n_heads], in the compute dtype. A position
+    holds what was last written there; which positions a query may see is `forward_cached`'s to say. Heads before
+    positions: a decode step reads a head's positions as one contiguous block (the other order reads them strided,
+    at well under half the speed on CPU)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[3]
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
+    """An empty (zero) cache of `length` <= seq_len positions for `batch` rows."""
+    if not 1 <= length <= cfg.seq_len:
+        raise ModelError(f"a KV cache holds 1 to model.seq_len ({cfg.seq_len}) positions (got {length})")
+    shape = (cfg.n_layers, batch, cfg.n_heads, length, cfg.d_model // cfg.n_heads)
+    zeros = jnp.zeros(shape, cfg.compute_dtype)
+    return KVCache(zeros, zeros)
+
+
+def forward_cached(
+    params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCache, cfg: ModelConfig, ff_apply: FFApply = mlp
+) -> tuple[jax.Array, KVCache]:
+    """tokens int [B, T] at positions int [B, T] (each row its own, < cache.length) -> (logits float32 [B, T, V],
+    the cache with these positions' keys and values written).
+
+    The blocks of `forward`, their attention over the cache: a query at position p sees every cached position <= p
+    (its own included, written first), so with the positions before p written by earlier calls it computes what
+    `forward` computes at p for the same sequence. Prefill (a whole prompt, positions 0 .. T-1) and each decode
+    step (one token per row, at the row's own next position) are both this call. No auxiliary loss, no remat:
+    nothing here is differentiated."""
+    x = embed(params["embed"], tokens, positions).astype(cfg.compute_dtype)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    visible = (jnp.arange(cache.length) <= positions[:, :, None])[:, None]  # [B, 1, T, length]
+    ks, vs = cache
+    for i, p in enumerate(params["blocks"]):
+        q, k, v = project_qkv(p["attn"], layer_norm(p["ln1"], x), cfg)
+        # The two index arrays around the head slice put their [B, T] first: the slots take k [B, T, H, Dh] as it is.
+        ks = ks.at[i, rows, :, positions].set(k.astype(ks.dtype))
+        vs = vs.at[i, rows, :, positions].set(v.astype(vs.dtype))
+        x = x + attend(p["attn"], q, ks[i], vs[i], visible, kv_layout="bhkd")
+        x, _ = feed_forward(p, x, cfg, ff_apply)
+    return output(params, x), KVCache(ks, vs)
+
+
+def target_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """log p(target) at every position: logits [..., V], targets int [...] -> float32 [...]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy (nats) over every position of the batch."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+    return -target_logprobs(logits, targets).mean()
 
 
 def loss_fn(params: Params, batch: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, Metrics]:
