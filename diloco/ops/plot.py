@@ -273,6 +273,7 @@ def draw_ratio_against_size(rows: Sequence[dict[str, Any]], out: Path, islands: 
             )
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="data-parallel")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # decades only: minor labels collide at 3, 4, 6 x 10^k
         ax.set_xlabel("parameters")
         ax.set_ylabel("eval loss: DiLoCo / data-parallel")
         ax.grid(True, alpha=0.3, which="both")
