@@ -1,5 +1,5 @@
-"""The `diloco` command line: launch, coordinator, island, status, simulate, bench, plot, data prepare, data task,
-deploy k8s.
+"""The `diloco` command line: launch, coordinator, island, status, simulate, bench, plot, sample, export, data
+prepare, data task, deploy k8s.
 
 Every command takes `--run-dir DIR` (where one applies) and trailing `key=value` config overrides. A user
 mistake (config, data, model path, run directory, a refused island ...) is a `floor.errors.UserError`: it ends
@@ -225,6 +225,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--title", default=None, help="the figure's title")
 
+    sa = sub.add_parser("sample", help="continue prompts with the newest committed model of a run directory")
+    sa.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (simulate's, launch's, ...)")
+    sa.add_argument(
+        "--prompt", action="append", required=True, default=None, metavar="TEXT", help="a prompt (repeat: one batch)"
+    )
+    sa.add_argument(
+        "--max-new-tokens", type=int, default=None, metavar="N", help="tokens per continuation (default: up to 128)"
+    )
+    sa.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0: greedy (default 1)")
+    sa.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling's mass in (0, 1] (1: off)")
+    sa.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    sa.add_argument("--json", action="store_true", help="print JSON: each prompt, continuation and token ids")
+
+    ex = sub.add_parser("export", help="the newest committed model of a run as safetensors + config.json")
+    ex.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (simulate's, launch's, ...)")
+    ex.add_argument("--out", type=Path, required=True, metavar="DIR", help="the directory to write (created)")
+    ex.add_argument("--force", action="store_true", help="write into a DIR that is not empty (replace an export)")
+
     data = sub.add_parser(
         "data", help="training data: `data prepare` tokenizes text, `data task` writes a built-in task's data"
     )
@@ -303,6 +321,21 @@ def _bench(args: argparse.Namespace) -> int:
     from diloco.bench.cli import run_bench
 
     print(json.dumps(run_bench(args), indent=2))
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from diloco.ops.sample import as_text, sample
+
+    result = sample(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    print(json.dumps(result, indent=2) if args.json else as_text(result))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from diloco.ops.export import export
+
+    print(json.dumps({"out": str(args.out), **export(args.run_dir, args.out, args.force)}, indent=2))
     return 0
 
 
@@ -533,6 +566,8 @@ COMMANDS = {
     "retire": _retire,
     "bench": _bench,
     "plot": _plot,
+    "sample": _sample,
+    "export": _export,
     "deploy": _deploy,
     "data": _data,
 }

@@ -300,24 +300,41 @@ class CodecConfig:
     sparse_bits: int = 2
     """sparse: bits per kept value, 2..8: a sign and sparse_bits - 1 bits of magnitude between the chunk's smallest
     and largest kept magnitudes."""
+    downlink_density: float = 0.0
+    """A sparse downlink's density; 0 = `density`. SparseLoCo's downlink is the union of the islands' sparse updates:
+    with `outer.kind = "sparseloco"` (no momentum) the update has at most islands x `density` nonzeros a chunk, so
+    `downlink_density = islands.count * density` sends every one of them and the coordinator's residual keeps only
+    their rounding (with `downlink_bits = 8`, little), where the default sparsifies the union again."""
+    downlink_bits: int = 0
+    """A sparse downlink's bits per kept value, 2..8; 0 = `sparse_bits`."""
 
     def __post_init__(self) -> None:
+        if (self.downlink_density or self.downlink_bits) and self.downlink != "sparse":
+            raise ValueError(
+                f"codec.downlink_density and codec.downlink_bits apply to codec.downlink = 'sparse' only "
+                f"(codec.downlink is {self.downlink!r})"
+            )
         for key in ("uplink", "downlink"):
             try:
                 self.spec(key)
             except CodecError as exc:
                 message = str(exc).replace("codec.kind", f"codec.{key}").replace("codec.block_size", "codec.chunk")
+                if key == "downlink" and self.downlink_density:
+                    message = message.replace("codec.density", "codec.downlink_density")
+                if key == "downlink" and self.downlink_bits:
+                    message = message.replace("codec.sparse_bits", "codec.downlink_bits")
                 raise ValueError(message) from None
 
     def spec(self, direction: str) -> CodecSpec:
         kind = getattr(self, direction)
         if kind == "sparse":
+            down = direction == "downlink"
             return CodecSpec(
                 kind=kind,
                 block_size=self.chunk,
                 zstd_level=self.zstd_level,
-                density=self.density,
-                sparse_bits=self.sparse_bits,
+                density=(down and self.downlink_density) or self.density,
+                sparse_bits=(down and self.downlink_bits) or self.sparse_bits,
             )
         return CodecSpec(kind=kind, block_size=self.block_size, zstd_level=self.zstd_level)
 

@@ -8,8 +8,8 @@ same shapes; temperature and top-p are traced values, not recompilations.
 
 How a token is drawn (`next_token`): the logits are divided by the temperature, the nucleus of the resulting
 distribution is kept (Holtzman et al. 2020, arXiv 1904.09751: the smallest set of most probable tokens whose mass
-reaches top_p) and one token is drawn from it, renormalised. Temperature 0 is greedy (the argmax, whatever top_p).
-Step i's key is `fold_in(key, i)`, so a call is a pure function of its arguments.
+reaches top_p; `nucleus`) and one token is drawn from it, renormalised. Temperature 0 is greedy (the argmax,
+whatever top_p). Step i's key is `fold_in(key, i)`, so a call is a pure function of its arguments.
 
 A row's prompt is left-aligned in `prompts` and padded after `prompt_lens[b]`: the prefill writes the padding's keys
 too, but a row writes its first new token at its own position prompt_lens[b], over the padding, before any query
@@ -39,6 +39,9 @@ from islands.models.transformer import FFApply
 
 PAD = 0
 """What a row emits after its stop token (its `lengths` entry says where its tokens end)."""
+
+INF_BITS = 0x7F800000
+"""float32 +inf as int32 bits: above every finite probability's."""
 
 FEED_FORWARD: dict[str, FFApply] = {"transformer": transformer.mlp, "moe": moe.experts}
 """model.kind -> the feed-forward of its blocks: the kinds generation and `token_logprobs` support."""
@@ -78,24 +81,33 @@ def check_request(cfg: ModelConfig, prompt_width: int, max_new_tokens: int, temp
 
 
 def nucleus(probs: jax.Array, top_p: jax.Array | float) -> jax.Array:
-    """bool [..., V]: the smallest set of most probable tokens whose mass reaches top_p (ties in index order).
+    """bool [B, V]: the smallest set of most probable tokens whose mass reaches top_p (tokens tied with the least
+    probable one in are kept too, so the set does not depend on the vocabulary's order); top_p >= 1 keeps all.
 
-    A token is kept when the mass of the tokens more probable than it is below top_p; the most probable token is
-    always kept, and top_p = 1 keeps every token (a float32 sum may reach 1 before the tail does)."""
-    order = jnp.argsort(-probs, axis=-1, stable=True)
-    ranked = jnp.take_along_axis(probs, order, axis=-1)
-    before = jnp.cumsum(ranked, axis=-1) - ranked
-    keep_ranked = (before < top_p) | (top_p >= 1)
-    inverse = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(keep_ranked, inverse, axis=-1)
+    The set is {p >= τ} for the largest τ whose set still holds top_p of the mass. τ is found by bisection over the
+    bit patterns of the probabilities (non-negative float32s order as their int32 bits do), 31 masked sums over the
+    vocabulary rather than a sort: XLA's sort of a [B, V] array costs more than the rest of a decode step on CPU."""
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+
+    def halve(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        low, high = bounds  # the mass of {bits >= low} reaches top_p; that of {bits >= high} does not (or high is +inf)
+        mid = low + (high - low) // 2
+        reaches = jnp.where(bits >= mid[:, None], probs, 0.0).sum(-1) >= top_p
+        return jnp.where(reaches, mid, low), jnp.where(reaches, high, mid)
+
+    rows = probs.shape[0]
+    start = (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), INF_BITS, jnp.int32))
+    low, _ = jax.lax.fori_loop(0, 31, halve, start)
+    return (bits >= low[:, None]) | (top_p >= 1)
 
 
 def next_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
     """logits float32 [B, V] -> int32 [B]: the argmax at temperature 0, else a draw from the nucleus of
-    softmax(logits / temperature)."""
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    keep = nucleus(jax.nn.softmax(scaled, axis=-1), top_p)
-    drawn = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    softmax(logits / temperature), renormalised (one uniform per row against the nucleus's cumulative mass)."""
+    probs = jax.nn.softmax(logits / jnp.where(temperature > 0, temperature, 1.0), axis=-1)
+    cumulative = jnp.cumsum(jnp.where(nucleus(probs, top_p), probs, 0.0), axis=-1)
+    u = jax.random.uniform(key, (logits.shape[0], 1)) * cumulative[:, -1:]
+    drawn = jnp.minimum(jnp.sum(cumulative <= u, axis=-1), logits.shape[-1] - 1)
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 

@@ -152,3 +152,26 @@ def test_both_runs_go_through_one_kernel_shaped_namespace(tiny_config: Path, tmp
     assert 0 < out["streaming"]["utilization"] <= 1
     for run in ("plain", "streaming"):  # the user-space shaper was off in both
         assert load_config(tmp_path / "ut" / run / "config.toml").network.links == ""
+
+
+def test_a_malformed_variant_is_one_line(tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "utilization", str(tiny_config), "--run-dir", str(tmp_path / "b"), "--variant", "fp32"]
+    _one_line_error(capsys, args, "--variant 'fp32' must look like NAME:section.key=v")
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.bench  # four federations (~2 min): run with `pytest -m bench`
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
+@pytest.mark.usefixtures("shared_jax_cache")
+def test_variants_run_side_by_side_on_the_same_links(tiny_config: Path, tmp_path: Path) -> None:
+    variants = ["fp32:codec.uplink=fp32,codec.downlink=fp32", "int4:codec.uplink=int4,codec.downlink=int4"]
+    out = run_utilization_bench(tiny_config, [], tmp_path / "ut", rounds=4, fragments=2, overlap=1, variants=variants)
+    fp32, int4 = out["variants"]["fp32"], out["variants"]["int4"]
+    assert fp32["codec"] == {"uplink": "fp32", "downlink": "fp32"} and int4["codec"]["uplink"] == "int4"
+    assert 7 * int4["plain"]["bytes_up"] < fp32["plain"]["bytes_up"]  # the int4 codec's ~7.76x, index and scales in
+    for name, pair in out["variants"].items():
+        assert 0 < pair["plain"]["utilization"] <= 1 and 0 < pair["streaming"]["utilization"] <= 1
+        for run in ("plain", "streaming"):
+            assert load_config(tmp_path / "ut" / name / run / "config.toml").codec.uplink == name

@@ -261,6 +261,9 @@ def test_wire_checks_the_declared_size_against_the_range():
         (["codec.uplink=sparse"], "outer.aggregate to 'mean' or 'norm_clip'"),
         (["outer.kind=sparseloco"], "codec.uplink = 'fp32' does not have"),
         (["outer.kind=sparseloco", "outer.error_decay=0"], "outer.error_decay must be in (0, 1]"),
+        (["codec.downlink=sparse", "codec.downlink_density=1.5"], "codec.downlink_density must be a fraction"),
+        (["codec.downlink=sparse", "codec.downlink_bits=9"], "codec.downlink_bits must be an integer in 2..8"),
+        (["codec.downlink_density=0.1"], "apply to codec.downlink = 'sparse' only (codec.downlink is 'fp32')"),
     ],
 )
 def test_config_keys_name_themselves(overrides, words):
@@ -275,6 +278,40 @@ def test_config_spec_uses_chunk_for_sparse_only():
     cfg = CodecConfig(uplink="sparse", downlink="int4", chunk=1024, density=0.02, sparse_bits=3)
     assert cfg.spec("uplink") == CodecSpec("sparse", 1024, 0, 0.02, 3)
     assert cfg.spec("downlink") == CodecSpec("int4", 256, 0)
+    both = CodecConfig(uplink="sparse", downlink="sparse", density=0.02, downlink_density=0.08, downlink_bits=8)
+    assert both.spec("uplink") == CodecSpec("sparse", 4096, 0, 0.02, 2)
+    assert both.spec("downlink") == CodecSpec("sparse", 4096, 0, 0.08, 8)
+
+
+def test_a_union_downlink_sends_every_islands_kept_values():
+    """SparseLoCo's downlink: with no outer momentum the update holds at most islands x k values a chunk, and a
+    downlink of that density keeps every one (to 8-bit rounding), where one of the uplink's density drops most."""
+    import jax.numpy as jnp
+
+    from diloco.run.rounds import OuterLoop
+    from outer_optimizer.config import OuterConfig
+    from outer_optimizer.optimizers import build_optimizer
+
+    up = CodecSpec("sparse", 1024, density=1 / 64, sparse_bits=2)
+    rng = np.random.default_rng(3)
+    sent = [decode(encode("w", rng.standard_normal(8192).astype(np.float32), up)) for _ in range(4)]
+    union = np.mean(sent, axis=0)
+    tx = build_optimizer(OuterConfig(kind="sparseloco", lr=1.0))
+
+    def downlink(density: float, bits: int) -> np.ndarray:
+        loop = OuterLoop.fresh({"w": jnp.zeros(8192)}, tx, CodecSpec("sparse", 1024, density=density, sparse_bits=bits))
+        for i, delta in enumerate(sent):
+            loop.submit(f"i{i}", 0, {"w": jnp.asarray(delta)}, tokens=1)
+        return -np.asarray(loop.commit().update["w"])  # the outer step is -lr * mean
+
+    assert np.count_nonzero(downlink(1 / 64, 2)) == 8 * 16  # k of each chunk: most of the union stays behind
+    got, nz = downlink(4 / 64, 8), union != 0
+    assert np.count_nonzero(nz) > 8 * 16 * 3  # four islands' indices, few shared
+    assert np.all(got[nz] != 0)  # every island's every kept value arrives ...
+    for c in range(0, 8192, 1024):  # ... within its chunk's 8-bit bound (hi - lo) / 2^8, the rest near zero too
+        assert np.max(np.abs(got[c : c + 1024] - union[c : c + 1024])) <= np.max(np.abs(union[c : c + 1024])) / 256 * (
+            1 + 1e-5
+        )
 
 
 # --------------------------------------------------------------------------------------------------------

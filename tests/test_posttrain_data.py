@@ -66,11 +66,11 @@ def test_blank_lines_crlf_a_bom_and_a_null_answer_are_read(tmp_path: Path) -> No
 BAD_LINES = [
     ("sft", '{"prompt": "a", "response": }', "not JSON (Expecting value at column 29)"),
     ("sft", "prompt=a response=b", "not JSON (Expecting value at column 1)"),
-    ("sft", '["a", "b"]', 'not a JSON object (a sft example is {"prompt": ..., "response": ...}; got an array)'),
+    ("sft", '["a", "b"]', 'not a JSON object (sft examples are {"prompt": ..., "response": ...}; got an array)'),
     (
         "dpo",
         '"text"',
-        'not a JSON object (a dpo example is {"prompt": ..., "chosen": ..., "rejected": ...}; got a string)',
+        'not a JSON object (dpo examples are {"prompt": ..., "chosen": ..., "rejected": ...}; got a string)',
     ),
     ("sft", '{"prompt": "a"}', "missing field 'response'"),
     ("dpo", '{"prompt": "a", "chosen": "b"}', "missing field 'rejected'"),
@@ -84,9 +84,9 @@ BAD_LINES = [
     (
         "sft",
         '{"promt": "a", "response": "b"}',
-        "unknown field 'promt' (did you mean 'prompt'? a sft example has prompt, response)",
+        "unknown field 'promt' (did you mean 'prompt'? sft examples have prompt, response)",
     ),
-    ("rl", '{"prompt": "a", "label": "b"}', "unknown field 'label' (a rl example has prompt, answer)"),
+    ("rl", '{"prompt": "a", "label": "b"}', "unknown field 'label' (rl examples have prompt, answer)"),
     ("sft", '{"prompt": "a", "prompt": "b", "response": "c"}', "field 'prompt' appears twice"),
     ("dpo", '{"prompt": "a", "chosen": "b ", "rejected": "b"}', "fields 'chosen' and 'rejected' are the same text"),
     ("sft", "[" * 200_000, "arrays or objects nested too deep"),
@@ -138,7 +138,7 @@ def test_the_given_token_count_decides_the_length(tmp_path: Path) -> None:
 def test_an_empty_file_and_a_blank_one_are_refused(tmp_path: Path) -> None:
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
-    _refused(empty, "sft", f"{empty}: no sft examples (the file is empty)")
+    _refused(empty, "sft", f"{empty}: no sft examples (the file is empty or blank)")
     _refused(_file(tmp_path, "", "  ", "\t"), "dpo", "no dpo examples")
 
 

@@ -29,6 +29,9 @@ def numpy_value(prompt, answer):
 def raises(prompt, answer):
     return {}["no such key\\nsecond line"]
 
+def raises_at_length(prompt, answer):
+    raise ValueError("why " * 10_000)
+
 def exits(prompt, answer):
     sys.exit(3)
 
@@ -102,6 +105,7 @@ def test_a_user_reward_next_to_the_config_is_found_in_the_working_directory(
     [
         ("raises", "raised KeyError: 'no such key\\nsecond line'"),
         ("exits", "raised SystemExit: 3"),
+        ("raises_at_length", "raised " + ("ValueError: " + "why " * 100)[:200] + "..."),  # its message cut short
         ("a_bool", "returned False, not a number"),
         ("nothing", "returned None, not a number"),
         ("text", "returned '1.0', not a number"),

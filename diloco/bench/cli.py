@@ -19,6 +19,7 @@ Result = dict[str, Any]
 HELP = {
     "overhead": "island inner-step throughput vs a bare jitted optax loop",
     "convergence": "L1 / LM / sync on one config: the DiLoCo acceptance runs",
+    "scaling": "DiLoCo / data-parallel at several model sizes, each method at its best: the gap against size",
     "codec": "pseudo-gradient codecs: ratio, GB/s, error",
     "transport": "gRPC goodput on loopback, unshaped and shaped; receiver peak memory",
     "recovery": "time for a SIGKILLed island to rejoin vs params/bandwidth + 10 s",
@@ -36,6 +37,7 @@ HELP = {
     "heterogeneous": "one island 2x slower: plain vs time-budgeted vs async DiLoCo on one virtual time axis",
     "elastic": "islands admitted, killed and back, retired, lost, then the run lengthened: digests, exactly-once, loss",
     "simulator": "simulate's islands stepped in turn vs as one program (train.vectorize): wall time, speedup, max |Δ|",
+    "generate": "KV-cache generation vs the training step of one model: tokens/s, first-token time, per-token decode",
 }
 
 
@@ -89,6 +91,26 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="restart: each method takes the pretraining's θ, with a fresh inner optimizer and schedule; continue: "
         "its inner state and schedule too (one schedule over the whole budget, the papers' warm start)",
     )
+
+    sc = parsers["scaling"]
+    _with_config(sc)
+    sc.add_argument("--islands", type=int, default=4, help="M, the islands of the DiLoCo and sync runs")
+    sc.add_argument(
+        "--size",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=V[,KEY=V]",
+        help="a model size: overrides of the config (repeat, smallest first)",
+    )
+    sc.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="[NAME@]METHOD:KEY=V1,V2",
+        help="a method's grid (METHOD: LM, Ls or all), for every size or, prefixed NAME@, for one",
+    )
+    sc.add_argument("--vectorize", action="store_true", help="the DiLoCo runs step their islands as one program")
+    sc.add_argument("--plot", type=Path, default=None, metavar="PNG", help="draw LM / Ls against parameters here")
 
     codec = parsers["codec"]
     codec.add_argument("--size-mb", type=float, default=64.0, help="MiB of float32 pseudo-gradient")
@@ -146,6 +168,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="run both federations in one network namespace whose loopback tc tbf shapes to MBIT Mbit/s, "
         "shared by all islands both ways; the user-space shaper off (root, ip and tc)",
     )
+    ut.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=V[,KEY=V]",
+        help="overrides run side by side, each as a plain and a streaming federation on the same links (repeat; "
+        "e.g. fp32:codec.uplink=fp32,codec.downlink=fp32)",
+    )
     _add_load(parsers["load"])
     _with_config(parsers["elastic"])
     _add_soak(parsers["soak"])
@@ -154,6 +184,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     _with_config(sim)
     sim.add_argument("--islands", type=int, default=4, help="M, the islands of both runs")
     sim.add_argument("--rounds", type=int, default=None, help="rounds of both runs (default: the config's)")
+    gen = parsers["generate"]
+    _with_config(gen, run_dir=False)
+    gen.add_argument("--batch", type=int, default=None, help="prompts per generation (default: train.batch_size)")
+    gen.add_argument("--new-tokens", type=int, default=None, help="N, tokens per prompt (default: what P leaves)")
+    gen.add_argument("--prompt-len", type=int, default=None, help="P, tokens per prompt (default: model.seq_len / 2)")
+    gen.add_argument("--repeats", type=int, default=5, help="timed runs of each (median)")
 
 
 def _add_fuzz(p: argparse.ArgumentParser) -> None:
@@ -232,6 +268,14 @@ def _convergence(args: argparse.Namespace) -> Result:
     return run_convergence_bench(
         cfg, _run_dir(args), args.islands, args.grid, args.warm_start, args.vectorize, args.warm_protocol
     )
+
+
+def _scaling(args: argparse.Namespace) -> Result:
+    from diloco.bench.scaling import run_scaling_bench
+    from diloco.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    return run_scaling_bench(cfg, _run_dir(args), args.size, args.islands, args.grid, args.vectorize, args.plot)
 
 
 def _codec(args: argparse.Namespace) -> Result:
@@ -331,7 +375,14 @@ def _utilization(args: argparse.Namespace) -> Result:
     from diloco.bench.utilization import run_utilization_bench
 
     return run_utilization_bench(
-        args.config, args.overrides, _run_dir(args), args.rounds, args.fragments, args.overlap, args.kernel_link
+        args.config,
+        args.overrides,
+        _run_dir(args),
+        args.rounds,
+        args.fragments,
+        args.overlap,
+        args.kernel_link,
+        args.variant,
     )
 
 
@@ -360,9 +411,18 @@ def _simulator(args: argparse.Namespace) -> Result:
     return run_simulator_bench(cfg, _run_dir(args), args.islands, args.rounds)
 
 
+def _generate(args: argparse.Namespace) -> Result:
+    from diloco.bench.generate import run_generate_bench
+    from diloco.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    return run_generate_bench(cfg, args.batch, args.new_tokens, args.prompt_len, args.repeats)
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "overhead": _overhead,
     "convergence": _convergence,
+    "scaling": _scaling,
     "codec": _codec,
     "transport": _transport,
     "recovery": _recovery,
@@ -380,6 +440,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "heterogeneous": _heterogeneous,
     "elastic": _elastic,
     "simulator": _simulator,
+    "generate": _generate,
 }
 
 

@@ -87,7 +87,9 @@ def grid_points(method: str, axes: list[tuple[str, list[str]]]) -> list[Point]:
     ]
 
 
-def _variant(cfg: RunConfig, overrides: tuple[str, ...] = (), **sections: dict[str, Any]) -> RunConfig:
+def config_variant(cfg: RunConfig, overrides: tuple[str, ...] = (), **sections: dict[str, Any]) -> RunConfig:
+    """`cfg` with whole sections' keys replaced (`islands={"count": 1}`), then `section.key=value` overrides applied
+    by the config's own parser; a bad value is a BenchError naming the key."""
     data = to_dict(cfg)
     for section, values in sections.items():
         data[section].update(values)
@@ -124,12 +126,14 @@ def warm_start(cfg: RunConfig, steps: int, run_dir: Path, protocol: str) -> tupl
         )
     # Continuing: one schedule over the whole budget, of which the pretraining runs the first `steps` steps.
     inner = {"schedule_steps": cfg.inner.schedule_steps or cfg.total_inner_steps} if protocol == "continue" else {}
-    pre = _variant(cfg, islands={"count": 1, "names": []}, train={"mode": "sync", "rounds": steps // H}, inner=inner)
+    pre = config_variant(
+        cfg, islands={"count": 1, "names": []}, train={"mode": "sync", "rounds": steps // H}, inner=inner
+    )
     run_simulation(pre, run_dir, show_progress=False)
     init: dict[str, Any] = {"from": str(run_dir)}
     if protocol == "continue":
         init.update(inner_state=True, inner_state_island="sync")
-    base = _variant(cfg, train={"rounds": rounds - steps // H}, init=init, inner=inner)
+    base = config_variant(cfg, train={"rounds": rounds - steps // H}, init=init, inner=inner)
     method = f"one island, inner.kind = {cfg.inner.kind!r} alone (sync mode)"
     return base, {"steps": steps, "protocol": protocol, "run_dir": str(run_dir), "method": method}
 
@@ -142,9 +146,13 @@ def run_convergence_bench(
     warm_steps: int = 0,
     vectorize: bool = False,
     warm_protocol: str = "restart",
+    methods: tuple[str, ...] = METHODS,
 ) -> dict[str, Any]:
     """Every method's runs (resumed when already there in `run_dir`), each method's best, and the ratios of the
-    bests. Without grids each method is one run of the config as given, in `run_dir/KEY` as before."""
+    bests. Without grids each method is one run of the config as given, in `run_dir/KEY` as before. `methods` may
+    leave out L1 (the scaling bench compares LM with Ls only): the share of the gain is then None."""
+    if not {"LM", "Ls"} <= set(methods) <= set(METHODS):
+        raise BenchError(f"bench convergence: the methods must include LM and Ls, among {', '.join(METHODS)}")
     if islands < 2:
         raise BenchError(f"bench convergence: --islands must be >= 2 to compare with one island (got {islands})")
     axes = parse_grids(grids or [])
@@ -153,11 +161,11 @@ def run_convergence_bench(
         base, warm = warm_start(cfg, warm_steps, run_dir / "warm", warm_protocol)
     keys = {"L1": "L1", "LM": f"L{islands}", "Ls": "Ls"}
     table: dict[str, list[dict[str, Any]]] = {}
-    for method in METHODS:
+    for method in (m for m in METHODS if m in methods):
         points = grid_points(method, axes[method])
         rows = table[keys[method]] = []
         for point in points:
-            variant = _variant(base, point.overrides, **_method_config(base, method, islands, vectorize))
+            variant = config_variant(base, point.overrides, **_method_config(base, method, islands, vectorize))
             # A point without overrides is a method without a grid: its run keeps the bench's original place.
             where = run_dir / keys[method] / point.key if point.overrides else run_dir / keys[method]
             result = run_simulation(variant, where, show_progress=False)
@@ -171,7 +179,8 @@ def run_convergence_bench(
                 }
             )
     best = {key: min(rows, key=lambda row: row["final_eval_loss"]) for key, rows in table.items()}
-    l1, lm, ls = (best[keys[m]]["final_eval_loss"] for m in METHODS)
+    lm, ls = best[keys["LM"]]["final_eval_loss"], best["Ls"]["final_eval_loss"]
+    l1 = best["L1"]["final_eval_loss"] if "L1" in best else None
     return {
         "bench": "convergence",
         "islands": islands,
@@ -181,10 +190,10 @@ def run_convergence_bench(
         "vectorized": vectorize,
         "outer": to_dict(cfg.outer),
         "inner_lr": cfg.inner.lr,
-        **{key: best[key]["final_eval_loss"] for key in keys.values()},
+        **{key: row["final_eval_loss"] for key, row in best.items()},
         "best": {key: row["overrides"] for key, row in best.items()},
         "ratio_LM_over_Ls": round(lm / ls, 4),
-        "share_of_dp_gain": round((l1 - lm) / (l1 - ls), 4) if l1 != ls else None,
+        "share_of_dp_gain": round((l1 - lm) / (l1 - ls), 4) if l1 is not None and l1 != ls else None,
         "syncs": {key: row["syncs"] for key, row in best.items()},
         "sync_reduction_vs_baseline": best["Ls"]["syncs"] / max(best[keys["LM"]]["syncs"], 1),
         "wall_s": {key: row["wall_s"] for key, row in best.items()},

@@ -47,7 +47,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from diloco.bench.convergence import _variant
+from diloco.bench.convergence import config_variant
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, load_config, to_dict
 from diloco.run.rundir import read_events
@@ -140,13 +140,13 @@ def run_heterogeneous_bench(
     """The three runs (resumed when already in `run_dir`) and the figures that compare them (module docstring)."""
     _check_args(rounds, islands, factor, target)
     names = list(cfg.islands.names[:islands]) if len(cfg.islands.names) >= islands else []
-    base = _variant(
+    base = config_variant(
         cfg,
         islands={"count": islands, "names": names, "slowdown": []},
         train={"mode": "diloco", "rounds": rounds, "round_seconds": 0.0, "log_every": 1},
     )
     fast, slow = base.islands.island_names[0], base.islands.island_names[-1]
-    plain = _variant(base, islands={"slowdown": [f"{slow}={factor}"]})
+    plain = config_variant(base, islands={"slowdown": [f"{slow}={factor}"]})
     factors = {name: plain.islands.slowdowns().get(name, 1.0) for name in plain.islands.island_names}
     H = plain.train.inner_steps
     # Exact rationals, as async_sim's clock: a push due exactly at the span's end is in it.
@@ -159,8 +159,8 @@ def run_heterogeneous_bench(
     step_s = None if done_budget.exists() else full_speed_step_seconds(plain, fast)
     budget_s = load_config(done_budget).train.round_seconds if step_s is None else BUDGET_MARGIN * H * step_s
     variants = {
-        "budgeted": _variant(plain, train={"round_seconds": budget_s, "rounds": budgeted_rounds}),
-        "async": _variant(
+        "budgeted": config_variant(plain, train={"round_seconds": budget_s, "rounds": budgeted_rounds}),
+        "async": config_variant(
             plain,
             train={"mode": "async", "rounds": async_updates},
             outer={"kind": "delayed_nesterov", "momentum_every": islands},

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from diloco.bench.convergence import _variant
+from diloco.bench.convergence import config_variant
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, cannot_vectorize
 from diloco.run.rundir import read_events
@@ -83,11 +83,11 @@ def run_simulator_bench(cfg: RunConfig, run_dir: Path, islands: int = 4, rounds:
     names = list(cfg.islands.names[:islands]) if len(cfg.islands.names) >= islands else []
     # Only the last round is checkpointed: its θ is compared, and no other save is timed.
     train = {"mode": "diloco", "rounds": rounds, "checkpoint_every": rounds}
-    sequential = _variant(cfg, islands={"count": islands, "names": names}, train={**train, "vectorize": False})
+    sequential = config_variant(cfg, islands={"count": islands, "names": names}, train={**train, "vectorize": False})
     why = cannot_vectorize(sequential)
     if why is not None:
         raise BenchError(f"bench simulator: this config cannot be vectorized: {why}")
-    runs = {"sequential": sequential, "vectorized": _variant(sequential, train={"vectorize": True})}
+    runs = {"sequential": sequential, "vectorized": config_variant(sequential, train={"vectorize": True})}
 
     results, cpu_s, load = {}, {}, [round(os.getloadavg()[0], 2)]
     for key, variant in runs.items():

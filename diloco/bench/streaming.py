@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from diloco.bench.convergence import _variant
+from diloco.bench.convergence import config_variant
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig
 from diloco.run.rundir import read_events
@@ -36,8 +36,8 @@ def run_streaming_bench(cfg: RunConfig, run_dir: Path, fragments: int, overlap: 
         raise BenchError(f"bench streaming: --fragments must be >= 2 to compare with plain DiLoCo (got {fragments})")
     stream = {"fragments": fragments, "overlap_steps": overlap, "merge_alpha": alpha}
     runs = {
-        "plain": _variant(cfg, stream={"fragments": 1, "overlap_steps": 0, "merge_alpha": 0.0}),
-        "streaming": _variant(cfg, stream=stream),
+        "plain": config_variant(cfg, stream={"fragments": 1, "overlap_steps": 0, "merge_alpha": 0.0}),
+        "streaming": config_variant(cfg, stream=stream),
     }
     results = {key: run_simulation(variant, run_dir / key, show_progress=False) for key, variant in runs.items()}
     syncs = {key: bytes_per_sync(run_dir / key / "metrics.jsonl") for key in runs}

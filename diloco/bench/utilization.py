@@ -51,6 +51,7 @@ from typing import Any
 
 from diloco.bench.errors import BenchError
 from diloco.bench.federation import finished_run
+from diloco.bench.variants import parse_variants
 from diloco.config import RunConfig
 from diloco.harness.netns import (
     LinkError,
@@ -247,40 +248,57 @@ def run_utilization_bench(
     fragments: int,
     overlap: int,
     kernel_link: float | None = None,
+    variants: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Plain, then streaming, federations of the config (module docstring); with `kernel_link` (Mbit/s), both inside
-    one namespace shaped by tbf at that rate, the user-space shaper off."""
+    """Plain, then streaming, federations of the config (module docstring); with `kernel_link` (Mbit/s), inside
+    one namespace shaped by tbf at that rate, the user-space shaper off. With `variants` (`NAME:key=v,...`, say a
+    codec each) every variant's pair runs in turn on the same links, side by side in one result under "variants"."""
     if rounds < WARMUP_ROUNDS + 2:
         raise BenchError(
             f"bench utilization: --rounds must be >= {WARMUP_ROUNDS + 2} (the first {WARMUP_ROUNDS} "
             f"rounds are left out; got {rounds})"
         )
-    plain = ["stream.fragments=1", "stream.overlap_steps=0"]
-    stream = [f"stream.fragments={fragments}", f"stream.overlap_steps={overlap}"]
-    kernel: dict[str, Any] | None = None
-    if kernel_link is None:
-        cfg, plain_run, model = _run(config, [*overrides, *plain], run_dir / "plain", rounds)
-        _, stream_run, _ = _run(config, [*overrides, *stream], run_dir / "streaming", rounds)
-    else:
-        link = kernel_shaped_link(kernel_link)
-        overrides = [*overrides, 'network.links=""']
-        with _kernel_namespace(link) as (ns, goodput):
-            kernel = {"rate_mbit": link.rate_mbit, "goodput_mbit": round(goodput, 3), "namespace": ns.name}
-            cfg, plain_run, model = _run(
-                config, [*overrides, *plain], run_dir / "plain", rounds, wrap=ns.wrap, goodput_mbit=goodput
-            )
-            _, stream_run, _ = _run(config, [*overrides, *stream], run_dir / "streaming", rounds, wrap=ns.wrap)
-    assert model is not None
+    named = parse_variants(variants or [], "--variant")
+    with _link_context(kernel_link) as (wrap, goodput, kernel):
+        if kernel is not None:
+            overrides = [*overrides, 'network.links=""']
+        runs = [(v.name, [*overrides, *v.overrides], run_dir / v.name) for v in named] or [("", overrides, run_dir)]
+        pairs = {name: _pair(config, o, where, rounds, fragments, overlap, wrap, goodput) for name, o, where in runs}
+    cfg = next(iter(pairs.values()))[0]
     links = cfg.network.links or None
     if kernel is not None:
         links = f"kernel tbf {kernel['rate_mbit']:g} Mbit/s"
-    return {
+    head = {
         "bench": "utilization",
         "islands": cfg.islands.count,
         "H": cfg.train.inner_steps,
         "rounds": rounds,
         "links": links,
         **({"kernel_link": kernel} if kernel is not None else {}),
+        "run_dir": str(run_dir),
+    }
+    if named:
+        return {**head, "variants": {name: result for name, (_, result) in pairs.items()}}
+    return {**head, **pairs[""][1]}
+
+
+def _pair(
+    config: str | Path,
+    overrides: list[str],
+    run_dir: Path,
+    rounds: int,
+    fragments: int,
+    overlap: int,
+    wrap: Wrap | None,
+    goodput_mbit: float | None,
+) -> tuple[RunConfig, dict[str, Any]]:
+    """One config's plain federation, then its streaming one, and how they compare (with the plain run's config)."""
+    plain = ["stream.fragments=1", "stream.overlap_steps=0"]
+    stream = [f"stream.fragments={fragments}", f"stream.overlap_steps={overlap}"]
+    cfg, plain_run, model = _run(config, [*overrides, *plain], run_dir / "plain", rounds, wrap, goodput_mbit)
+    _, stream_run, _ = _run(config, [*overrides, *stream], run_dir / "streaming", rounds, wrap)
+    assert model is not None
+    return cfg, {
         "codec": {"uplink": cfg.codec.uplink, "downlink": cfg.codec.downlink},
         "plain": {
             **plain_run,
@@ -290,5 +308,16 @@ def run_utilization_bench(
         "streaming": {"fragments": fragments, "overlap_steps": overlap, **stream_run},
         "streaming_over_plain": round(stream_run["utilization"] / plain_run["utilization"], 3),
         "streaming_period_over_plain": round(stream_run["period_s"] / plain_run["period_s"], 3),
-        "run_dir": str(run_dir),
     }
+
+
+@contextlib.contextmanager
+def _link_context(kernel_link: float | None) -> Iterator[tuple[Wrap | None, float | None, dict[str, Any] | None]]:
+    """The links every federation of the bench runs on: the config's (nothing to set up), or with `kernel_link` one
+    fresh kernel-shaped namespace: its command wrapper, measured goodput (Mbit/s) and description."""
+    if kernel_link is None:
+        yield None, None, None
+        return
+    link = kernel_shaped_link(kernel_link)
+    with _kernel_namespace(link) as (ns, goodput):
+        yield ns.wrap, goodput, {"rate_mbit": link.rate_mbit, "goodput_mbit": round(goodput, 3), "namespace": ns.name}

@@ -33,13 +33,12 @@ import numpy as np
 
 from islands.data import DataError, resolve_files
 from islands.prepared import META_FILE, META_FORMAT, TOKENIZER_FILE, TOKENS_FILE, token_dtype_for
+from islands.text import load_tokenizer as load_tokenizer_file
+from islands.text import tokenizers_package
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-INSTALL_HINT = (
-    "diloco data prepare needs the tokenizers package, which is not installed: pip install 'diloco[tokenize]'"
-)
 MIN_VOCAB = 256
 """A byte-level BPE vocabulary starts with the 256 bytes; merges add to it."""
 MAX_VOCAB = 1 << 32
@@ -51,11 +50,7 @@ ENCODE_BATCH = 16
 
 
 def _tokenizers() -> Any:
-    try:
-        import tokenizers
-    except ImportError:
-        raise DataError(INSTALL_HINT) from None
-    return tokenizers
+    return tokenizers_package("diloco data prepare")
 
 
 def _version(package: str) -> str:
@@ -147,13 +142,7 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, on_bytes: Callable[[i
 
 def load_tokenizer(path: Path) -> Tokenizer:
     """A Hugging Face tokenizer.json; DataError naming the file when it is missing or not one."""
-    tk = _tokenizers()
-    if not path.is_file():
-        raise DataError(f"--tokenizer {str(path)!r}: no such file")
-    try:
-        return tk.Tokenizer.from_file(str(path))
-    except Exception as err:  # the Rust side raises a bare Exception for any parse error
-        raise DataError(f"--tokenizer {str(path)!r} is not a Hugging Face tokenizer.json ({err})") from None
+    return load_tokenizer_file(path, f"--tokenizer {str(path)!r}", "diloco data prepare")
 
 
 def encode_files(

@@ -252,3 +252,35 @@ def plot(
     curves = read_curves(run_dirs, labels)
     axes = X_AXES if axis is None else (axis,)
     return [draw(curves, out or default_out(axis), axes, title)]
+
+
+def draw_ratio_against_size(rows: Sequence[dict[str, Any]], out: Path, islands: int, inner_steps: int) -> Path:
+    """`diloco bench scaling --plot`: LM / Ls (each method at its best) against parameters, log x, one point per
+    size, with the line of parity; as the scaling-laws paper (arXiv 2503.09799) draws DiLoCo's gap."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    try:
+        params = [row["parameters"] for row in rows]
+        ratios = [row["ratio_LM_over_Ls"] for row in rows]
+        ax.plot(params, ratios, marker="o", label=f"DiLoCo M = {islands}, H = {inner_steps}")
+        for row in rows:
+            ax.annotate(
+                row["size"],
+                (row["parameters"], row["ratio_LM_over_Ls"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize="small",
+            )
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="data-parallel")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # decades only: minor labels collide at 3, 4, 6 x 10^k
+        ax.set_xlabel("parameters")
+        ax.set_ylabel("eval loss: DiLoCo / data-parallel")
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize="small")
+        fig.suptitle("DiLoCo's gap against model size (each method at its best)")
+        fig.tight_layout()
+        _save(fig, out)
+    finally:
+        plt.close(fig)
+    return out

@@ -1,7 +1,7 @@
 """`diloco data task NAME --out DIR`: a built-in task's post-training data, as files to look at, edit and train on.
 
-    diloco data task addition --out data/addition                  # 3-digit addition, seed 0
-    diloco data task addition --out data/add2 --digits 2 --n 5000 --heldout 500 --seed 1
+    diloco data task addition --out data/addition                  # 2-digit addition, seed 0
+    diloco data task addition --out data/add3 --digits 3 --n 5000 --heldout 500 --seed 1
 
 DIR gets, in the formats of islands/posttrain/data.py (the task: islands/posttrain/task.py):
 

@@ -29,7 +29,7 @@ import logging
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -47,6 +47,9 @@ log = logging.getLogger("diloco.run.warm_start")
 GLOBAL_OWNERS = ("coordinator", "sync")
 """Where a run directory keeps the global θ (under checkpoints/), in order of preference: the coordinator's
 (simulate's diloco and async modes, launch, the coordinator) and the sync baseline's one model."""
+
+Section = TypeVar("Section")
+"""A config section's dataclass (ModelConfig, DataConfig, ...)."""
 
 Specs = dict[str, tuple[tuple[int, ...], str]]
 """Tensor name (`flatten_named`'s) -> (shape, dtype name)."""
@@ -94,20 +97,19 @@ def island_owners(run_dir: Path, name: str) -> list[Path]:
     return [run_dir / "checkpoints" / name, run_dir / "islands" / name / "checkpoints"]
 
 
-def find_source(path: Path, key: str = "init.from") -> Source:
+def find_source(path: Path, where: str = "init.from") -> Source:
     """The checkpoint step `path` names: itself (a step), the newest step of a checkpoint directory, or the newest
-    global checkpoint of a run directory (`GLOBAL_OWNERS`). `key`: the config key that named it, for the messages.
-    A relative path is made absolute here (orbax reads absolute paths only)."""
-    path = path.absolute()
+    global checkpoint of a run directory (`GLOBAL_OWNERS`). `where` names the path in a refusal: init.from, or the
+    argument of a command that reads a run's θ (`diloco sample`, `diloco export`)."""
     if not path.exists():
-        raise WarmStartError(f"{key}: '{path}' does not exist")
+        raise WarmStartError(f"{where}: '{path}' does not exist")
     if path.name.isdigit() and (path / "state").is_dir():
         step_dir: Path | None = path
     else:
         step_dir = newest_step([*(path / "checkpoints" / owner for owner in GLOBAL_OWNERS), path])
     if step_dir is None:
         raise WarmStartError(
-            f"{key}: '{path}' holds no checkpoint (expected a run directory with checkpoints/coordinator/, or a "
+            f"{where}: '{path}' holds no checkpoint (expected a run directory with checkpoints/coordinator/, or a "
             "checkpoint directory; a run with train.checkpoint_every = 0 saves none)"
         )
     run_dir = next((d for d in list(step_dir.parents)[:3] if (d / "config.toml").is_file()), None)
@@ -141,21 +143,25 @@ def specs(tree: PyTree) -> Specs:
     return {name: (tuple(a.shape), str(np.dtype(a.dtype))) for name, a in flatten_named(tree, to_numpy=False).items()}
 
 
-def check_model(cfg: RunConfig, source: Source, key: str = "init.from") -> None:
+def stored_section(run_dir: Path, cls: type[Section], name: str, where: str = "init.from") -> Section:
+    """Section `name` of a run directory's config.toml as `cls`, through the loader, so that a key a newer diloco
+    added takes its default (and does not count as a change); a file that does not load is one line."""
+    path = run_dir / "config.toml"
+    try:
+        return from_dict(cls, tomllib.loads(path.read_text()).get(name, {}), f"{name}.")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
+        raise WarmStartError(f"{where}: '{path}' does not load ({exc})") from None
+
+
+def check_model(cfg: RunConfig, source: Source, where: str = "init.from") -> None:
     """Refuse a source whose run trained another model, naming the first differing key (checkpoints found outside a
     run directory have no config to compare: their tensors are still checked when read)."""
     if source.run_dir is None:
         return
-    path = source.run_dir / "config.toml"
-    try:
-        stored = tomllib.loads(path.read_text()).get("model", {})
-        # Through the loader, so that a key a newer diloco added takes its default instead of counting as a change.
-        theirs = to_dict(from_dict(ModelConfig, stored, "model."))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
-        raise WarmStartError(f"{key}: '{path}' does not load ({exc})") from None
+    theirs = to_dict(stored_section(source.run_dir, ModelConfig, "model", where))
     why = model_difference(theirs, to_dict(cfg.model))
     if why is not None:
-        raise WarmStartError(f"{key}: '{source.run_dir}' trained another model ({why}); {key} needs the same [model]")
+        raise WarmStartError(f"{where}: '{source.run_dir}' trained another model ({why}); {where} needs the same [model]")
 
 
 def locate(cfg: RunConfig) -> Source:
@@ -202,22 +208,23 @@ def step_count(opt_state: PyTree) -> int:
     return max(counts, default=0)
 
 
-def read_item(step_dir: Path, item: str, like: PyTree, what: str, key: str = "init.from") -> PyTree:
+def read_item(step_dir: Path, item: str, like: PyTree, what: str, where: str = "init.from") -> PyTree:
     """Field `item` of the state saved in `step_dir`, read into the structure, dtypes and shardings of `like` once
-    the checkpoint's metadata shows the same tensors (orbax's own mismatch error is a traceback)."""
-    state = step_dir / "state"
+    the checkpoint's metadata shows the same tensors (orbax's own mismatch error is a traceback); `where` as
+    `find_source`'s."""
+    state = (step_dir / "state").absolute()  # orbax refuses a relative path (a relative init.from or RUN_DIR)
     handler = ocp.PyTreeCheckpointHandler()
     try:
         saved = handler.metadata(state).tree
     except (OSError, ValueError) as exc:
-        raise WarmStartError(f"{key}: '{step_dir}' is not a readable checkpoint ({exc})") from None
+        raise WarmStartError(f"{where}: '{step_dir}' is not a readable checkpoint ({exc})") from None
     finally:
         handler.close()
     if not isinstance(saved, dict) or item not in saved:
-        raise WarmStartError(f"{key}: the checkpoint '{step_dir}' holds no {item}")
+        raise WarmStartError(f"{where}: the checkpoint '{step_dir}' holds no {item}")
     why = tensor_difference(specs(saved[item]), specs(like))
     if why is not None:
-        raise WarmStartError(f"{key}: '{step_dir}' does not fit this run's {what}: {why}")
+        raise WarmStartError(f"{where}: '{step_dir}' does not fit this run's {what}: {why}")
     target = {item: like}
     args = ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
@@ -236,10 +243,10 @@ def reference_params(cfg: RunConfig, init_params: PyTree) -> tuple[PyTree, str]:
             return init_params, "start"
         source = locate(cfg)
         return read_item(source.step_dir, "params", init_params, "parameters"), str(source.step_dir)
-    key = "workload.reference"
-    source = find_source(Path(ref).expanduser(), key)
-    check_model(cfg, source, key)
-    return read_item(source.step_dir, "params", init_params, "parameters", key), str(source.step_dir)
+    where = "workload.reference"
+    source = find_source(Path(ref).expanduser(), where)
+    check_model(cfg, source, where)
+    return read_item(source.step_dir, "params", init_params, "parameters", where), str(source.step_dir)
 
 
 def initial_params(cfg: RunConfig, init_params: PyTree, rd: RunDir) -> PyTree:

@@ -148,16 +148,16 @@ def _example(record: object, kind: str, where: str) -> Example:
     if not isinstance(record, dict):
         shape = ", ".join(f'"{name}": ...' for name in names)
         raise PostTrainDataError(
-            f"{where}: not a JSON object (a {kind} example is {{{shape}}}; got {_json_type(record)})"
+            f"{where}: not a JSON object ({kind} examples are {{{shape}}}; got {_json_type(record)})"
         )
     for name in record:
         if name not in names:
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise PostTrainDataError(
-                f"{where}: unknown field {_clip(name)!r} ({hint}a {kind} example has {', '.join(names)})"
+                f"{where}: unknown field {_clip(name)!r} ({hint}{kind} examples have {', '.join(names)})"
             )
-    values: dict[str, str | None] = {}
+    values: dict[str, str] = {}
     for field in fields:
         optional = field.default is None
         if field.name not in record:
@@ -172,9 +172,9 @@ def _example(record: object, kind: str, where: str) -> Example:
         if not value.strip():
             raise PostTrainDataError(f"{where}: field {field.name!r} is empty")
         values[field.name] = value
-    if kind == "dpo" and values["chosen"].strip() == values["rejected"].strip():  # type: ignore[union-attr]
+    if kind == "dpo" and values["chosen"].strip() == values["rejected"].strip():
         raise PostTrainDataError(f"{where}: fields 'chosen' and 'rejected' are the same text")
-    return cls(**values)  # type: ignore[arg-type]
+    return cls(**values)
 
 
 def _check_fits(example: Example, count_tokens: Callable[[str], int], max_tokens: int, where: str) -> None:
@@ -245,7 +245,7 @@ def read_examples(
             _check_fits(example, count_tokens, max_tokens, where)
             examples.append(example)
     if not examples:
-        raise PostTrainDataError(f"{path}: no {kind} examples (the file is empty)")
+        raise PostTrainDataError(f"{path}: no {kind} examples (the file is empty or blank)")
     return examples  # type: ignore[return-value]
 
 
@@ -255,5 +255,5 @@ def write_examples(path: Path, examples: Sequence[Example]) -> None:
     lines = []
     for example in examples:
         record = {k: v for k, v in dataclasses.asdict(example).items() if v is not None}
-        lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+        lines.append(json.dumps(record) + "\n")  # non-ASCII escaped: the file is the same in every locale
     write_atomically(Path(path), "".join(lines))

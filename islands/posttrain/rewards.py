@@ -30,9 +30,13 @@ BUILTIN = "builtin:"
 """A reward spec that starts with this names a built-in task's checker."""
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""The largest reward a float32 array of scores holds."""
 
 SHOWN_CHARS = 60
-"""The most characters of a prompt or an answer that a RewardError shows."""
+"""The most characters of a prompt, an answer or a returned value that a RewardError shows."""
+
+CAUSE_CHARS = 200
+"""The most characters of what a failing reward raised that a RewardError shows."""
 
 
 class RewardError(UserError, ValueError):
@@ -61,8 +65,8 @@ def reward_name(fn: RewardFn) -> str:
     return f"{module}:{name}" if module and name else repr(fn)
 
 
-def _clip(text: str) -> str:
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+def _clip(text: str, limit: int = SHOWN_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _shown(text: str) -> str:
@@ -75,21 +79,24 @@ def _shown_value(value: object) -> str:
     return _clip(" ".join(repr(value).split()))
 
 
+def _failed(fn: RewardFn, prompt: str, answer: str, cause: str) -> RewardError:
+    return RewardError(f"reward {reward_name(fn)} on prompt {_shown(prompt)} (answer {_shown(answer)}) {cause}")
+
+
 def _value(fn: RewardFn, prompt: str, answer: str) -> float:
     """fn(prompt, answer) as a float that float32 holds, or a RewardError saying why there is none."""
-    where = f"reward {reward_name(fn)} on prompt {_shown(prompt)} (answer {_shown(answer)})"
     try:
         value = fn(prompt, answer)
     except (Exception, SystemExit) as err:  # user code: whatever it raises is its error, reported as one line
-        raise RewardError(f"{where} raised {one_line(err)}") from err
+        raise _failed(fn, prompt, answer, f"raised {_clip(one_line(err), CAUSE_CHARS)}") from err
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
-        raise RewardError(f"{where} returned {_shown_value(value)}, not a number")
+        raise _failed(fn, prompt, answer, f"returned {_shown_value(value)}, not a number")
     try:
         as_float = float(value)
     except (OverflowError, ValueError):  # an int beyond float's range
         as_float = math.inf
     if not math.isfinite(as_float) or abs(as_float) > FLOAT32_MAX:
-        raise RewardError(f"{where} returned {_shown_value(value)}, not a finite float32 number")
+        raise _failed(fn, prompt, answer, f"returned {_shown_value(value)}, not a finite float32 number")
     return as_float
 
 

@@ -2,8 +2,10 @@
 reward come from the clone itself, with no download.
 
 `addition` (`Addition`): the prompt "37+485=", the answer "522", then the stop text, a newline. Each operand is
-drawn uniformly from [0, 10^digits), written without leading zeros; `digits` (1 to 9, default 3) is the difficulty.
-A byte-level model reads it directly: a 3-digit problem is at most 8 prompt bytes and 4 answer bytes.
+drawn uniformly from [0, 10^digits), written without leading zeros; `digits` (1 to 9, default 2) is the difficulty.
+A byte-level model reads it directly: a 2-digit problem is at most 6 prompt bytes and 3 answer bytes. The default is
+what the project's small byte-level models learn in minutes on 2 CPU cores; every further digit is much harder for
+them (benchmarks/log/ptdata.md).
 
 - `sft(n)`: the prompt and the correct sum.
 - `pairs(n)`: chosen = the correct sum, rejected = a plausible wrong one: the sum with one carry dropped (37+485 ->
@@ -41,7 +43,7 @@ SPLITS: tuple[str, ...] = ("train", "heldout")
 HELDOUT_PERCENT = 10
 """The share of all problems, in percent, that belongs to the held-out split."""
 
-DEFAULT_DIGITS = 3
+DEFAULT_DIGITS = 2
 MAX_DIGITS = 9
 """Operands below 10^9: every problem of every `digits` has one 64-bit key (`in_heldout`)."""
 
@@ -197,10 +199,12 @@ class Addition:
             a, b = np.divmod(rng.integers(0, base * base, _BATCH), base)
             keep = in_heldout(a, b) == heldout
             for problem in zip(a[keep].tolist(), b[keep].tolist(), strict=True):
-                if len(drawn) == n or (unique and problem in seen):
+                if unique and problem in seen:
                     continue
                 seen.add(problem)
                 drawn.append(problem)
+                if len(drawn) == n:
+                    break
         return drawn
 
     def sft(self, n: int, split: str = "train") -> list[SftExample]:

@@ -1,0 +1,62 @@
+"""A run directory's trained model, for the commands that use one (`diloco sample`, `diloco export`).
+
+Its newest committed global θ is the one `init.from` would start another run from (diloco/run/warm_start.py:
+`find_source`, `read_item`): the newest complete step of checkpoints/coordinator (simulate, launch, a coordinator) or
+checkpoints/sync (the data-parallel baseline), or the checkpoint directory or step given instead. Its model, data and
+islands sections come from the run's config.toml (`stored_section`), and its text codec from the data section
+(islands/text.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+from diloco.config import IslandsConfig
+from diloco.run.warm_start import WarmStartError, find_source, read_item, stored_section
+from islands.data import DataConfig
+from islands.models.config import ModelConfig
+from islands.models.registry import build_model
+from pytrees.digest import tree_digest
+from pytrees.naming import PyTree
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a run made: its model config and the newest committed θ, with where it came from."""
+
+    run_dir: Path
+    """The run directory (the nearest directory with a config.toml above the checkpoint)."""
+    step_dir: Path
+    """The checkpoint step θ was read from."""
+    round: int
+    """The rounds (asynchronous mode: updates) the run had committed when it saved θ: the step's number."""
+    model: ModelConfig
+    data: DataConfig
+    islands: IslandsConfig
+    params: PyTree
+    """θ as host (numpy) float32 arrays in the model's pytree."""
+
+    @property
+    def digest(self) -> str:
+        """θ's digest, as the run's `round` events and summary.json's params_digest give it (pytrees/digest.py)."""
+        return tree_digest(self.params)
+
+
+def load_trained(path: Path, where: str = "RUN_DIR") -> Trained:
+    """The newest committed θ of the run directory (or checkpoint directory, or step) `path`; `where` names the path
+    in a refusal: one that holds no committed θ, or no config.toml to say which model it is."""
+    source = find_source(path.expanduser(), where)
+    if source.run_dir is None:
+        raise WarmStartError(
+            f"{where}: '{source.step_dir}' has no config.toml in the three directories above it, so its model is "
+            "unknown: give the run directory"
+        )
+    model = stored_section(source.run_dir, ModelConfig, "model", where)
+    data = stored_section(source.run_dir, DataConfig, "data", where)
+    islands = stored_section(source.run_dir, IslandsConfig, "islands", where)
+    like = jax.eval_shape(build_model(model).init, jax.random.key(0))
+    params = read_item(source.step_dir, "params", like, "parameters", where)
+    return Trained(source.run_dir, source.step_dir, source.round, model, data, islands, params)
