@@ -25,7 +25,7 @@ from islands.workloads.losses import (
     workload_loss,
 )
 from islands.workloads.rollouts import answer_texts
-from islands.workloads.text import ByteText
+from islands.workloads.text import byte_text
 
 TINY = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_layers=1, n_heads=2, d_ff=64)
 
@@ -40,12 +40,12 @@ def test_a_row_is_prompt_answer_stop_and_padding_with_the_mask_on_the_answer_s_t
 
 
 def test_examples_become_bytes_with_a_newline_stop() -> None:
-    table = sft_table(["1+2="], ["3"], ByteText(), seq_len=7)
+    table = sft_table(["1+2="], ["3"], byte_text(), seq_len=7)
     assert table["tokens"].tolist() == [[ord("1"), ord("+"), ord("2"), ord("="), ord("3"), ord("\n"), 0, 0]]
     assert table["mask"].tolist() == [[0, 0, 0, 1, 1, 0, 0]]
-    pairs = pair_table(["1+2="], ["3"], ["4"], ByteText(), seq_len=7)
+    pairs = pair_table(["1+2="], ["3"], ["4"], byte_text(), seq_len=7)
     assert pairs["rejected"][0, 4] == ord("4") and pairs["rejected_mask"].tolist() == pairs["chosen_mask"].tolist()
-    prompts = prompt_table(["1+2=", "10+2="], ByteText(), width=6)
+    prompts = prompt_table(["1+2=", "10+2="], byte_text(), width=6)
     assert prompts["prompt_len"].tolist() == [4, 5] and prompts["prompt"][0].tolist() == [49, 43, 50, 61, 0, 0]
 
 
@@ -55,7 +55,7 @@ def test_generated_answers_become_rows_and_texts() -> None:
     tokens, mask = answer_rows(prompt, np.array([2, 1]), new, np.array([2, 3]), width=6)
     assert tokens.tolist() == [[1, 2, 7, 10, 0, 0], [3, 8, 9, 9, 0, 0]]
     assert mask.tolist() == [[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
-    codec = ByteText()
+    codec = byte_text()
     texts = answer_texts(codec, np.array([[52, 10, 0], [53, 54, 55]]), np.array([2, 3]))
     assert texts == ["4", "567"]  # the stop is not part of an answer; a row that never stopped keeps all it made
 
@@ -119,7 +119,7 @@ def test_sft_over_every_token_is_the_model_s_own_loss(params: object) -> None:
 
 
 def test_dpo_at_the_reference_is_log_2(params: object) -> None:
-    codec = ByteText()
+    codec = byte_text()
     table = pair_table(["12+5=", "3+4="], ["17", "7"], ["18", "8"], codec, TINY.seq_len)
     for side in ("chosen", "rejected"):
         table[f"ref_{side}"] = answer_logprobs(params, TINY, table[side], table[f"{side}_mask"], rows=2)
@@ -128,7 +128,7 @@ def test_dpo_at_the_reference_is_log_2(params: object) -> None:
 
 
 def test_an_example_stream_is_a_pure_function_of_its_cursor() -> None:
-    table = sft_table([f"{i}+1=" for i in range(10)], [str(i + 1) for i in range(10)], ByteText(), seq_len=8)
+    table = sft_table([f"{i}+1=" for i in range(10)], [str(i + 1) for i in range(10)], byte_text(), seq_len=8)
     a = ExampleStream(table, batch_size=4, seq_len=8, seed=3, stream_id=1)
     b = ExampleStream(table, batch_size=4, seq_len=8, seed=3, stream_id=1, cursor=2)
     first, second, third = a.next(), a.next(), a.next()
@@ -148,7 +148,7 @@ def test_accumulation_splits_every_leaf_of_an_example_batch(params: object) -> N
 
     from islands.inner import inner_update
 
-    table = sft_table([f"{i}+{i}=" for i in range(4)], [str(2 * i) for i in range(4)], ByteText(), TINY.seq_len)
+    table = sft_table([f"{i}+{i}=" for i in range(4)], [str(2 * i) for i in range(4)], byte_text(), TINY.seq_len)
     loss = workload_loss("sft", TINY, 0.1, 0.0)
     tx = optax.sgd(0.1)
     whole = jax.tree.map(lambda x: x[None], table)  # [1 pass, 4 rows, ...]

@@ -4,7 +4,8 @@ loss, and the held-out evaluation of the global model (docs/architecture.md, "Wo
 Examples come from a built-in task (workload.task: train and held-out splits that share no prompt) or a JSON Lines
 file (its last workload.heldout_examples examples held out). The islands that run one kind on one source deal its
 training examples among themselves, island j of m taking examples j, j + m, ...: each island its own share, as each
-has its own shard of a corpus. Texts become token ids as the run's data is tokenized (islands/workloads/text.py).
+has its own shard of a corpus. Texts become token ids as the run's data is tokenized (islands/text.py), every
+answer ending with a stop token (islands/workloads/text.py).
 
 Every check that a text fits is made here, before anything trains, one line naming the key: an rl prompt or a
 held-out prompt too long to leave workload.max_new_tokens of context, a reference answer (and its stop) longer than
@@ -33,7 +34,7 @@ from islands.workloads.config import IslandWorkload
 from islands.workloads.evaluate import HeldOut, Judge, WorkloadEval, answer_logprobs
 from islands.workloads.losses import workload_loss
 from islands.workloads.rollouts import Rollouts, Scorer
-from islands.workloads.text import STOP_TEXT, TextCodec, text_codec
+from islands.workloads.text import STOP_TEXT, AnswerText, answer_text
 from pytrees.naming import PyTree
 
 Example = SftExample | PreferencePair | RlPrompt
@@ -63,7 +64,7 @@ class PostTraining:
 
     def __init__(self, cfg: RunConfig, init_params: PyTree) -> None:
         self.cfg, self.workload = cfg, cfg.workload
-        self.codec: TextCodec = text_codec(cfg.data, cfg.model.vocab_size)
+        self.codec: AnswerText = answer_text(cfg.data, cfg.model.vocab_size)
         self.prompt_width = cfg.model.seq_len - self.workload.max_new_tokens
         """Tokens a prompt may take when its answer is generated (the rest of the context is the answer's)."""
         self.task: Task | None = (

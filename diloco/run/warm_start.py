@@ -161,7 +161,9 @@ def check_model(cfg: RunConfig, source: Source, where: str = "init.from") -> Non
     theirs = to_dict(stored_section(source.run_dir, ModelConfig, "model", where))
     why = model_difference(theirs, to_dict(cfg.model))
     if why is not None:
-        raise WarmStartError(f"{where}: '{source.run_dir}' trained another model ({why}); {where} needs the same [model]")
+        raise WarmStartError(
+            f"{where}: '{source.run_dir}' trained another model ({why}); {where} needs the same [model]"
+        )
 
 
 def locate(cfg: RunConfig) -> Source:

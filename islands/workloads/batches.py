@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from islands.workloads.text import TextCodec
+from islands.workloads.text import AnswerText
 
 PAD = 0
 """The id of padding (never a target: the mask is 0 there)."""
@@ -39,19 +39,19 @@ def pack(prompt: Sequence[int], answer: Sequence[int], stop: int, width: int) ->
     return tokens, mask
 
 
-def _packed(prompts: Sequence[str], answers: Sequence[str], codec: TextCodec, width: int) -> tuple[np.ndarray, ...]:
+def _packed(prompts: Sequence[str], answers: Sequence[str], codec: AnswerText, width: int) -> tuple[np.ndarray, ...]:
     rows = [pack(codec.encode(p), codec.encode(a), codec.stop, width) for p, a in zip(prompts, answers, strict=True)]
     return np.stack([t for t, _ in rows]), np.stack([m for _, m in rows])
 
 
-def sft_table(prompts: Sequence[str], responses: Sequence[str], codec: TextCodec, seq_len: int) -> Table:
+def sft_table(prompts: Sequence[str], responses: Sequence[str], codec: AnswerText, seq_len: int) -> Table:
     """{tokens int32 [N, seq_len + 1], mask float32 [N, seq_len]}."""
     tokens, mask = _packed(prompts, responses, codec, seq_len + 1)
     return {"tokens": tokens, "mask": mask}
 
 
 def pair_table(
-    prompts: Sequence[str], chosen: Sequence[str], rejected: Sequence[str], codec: TextCodec, seq_len: int
+    prompts: Sequence[str], chosen: Sequence[str], rejected: Sequence[str], codec: AnswerText, seq_len: int
 ) -> Table:
     """{chosen, rejected int32 [N, seq_len + 1], chosen_mask, rejected_mask float32 [N, seq_len]}."""
     c, c_mask = _packed(prompts, chosen, codec, seq_len + 1)
@@ -59,7 +59,7 @@ def pair_table(
     return {"chosen": c, "chosen_mask": c_mask, "rejected": r, "rejected_mask": r_mask}
 
 
-def prompt_table(prompts: Sequence[str], codec: TextCodec, width: int) -> Table:
+def prompt_table(prompts: Sequence[str], codec: AnswerText, width: int) -> Table:
     """{prompt int32 [N, width] (left-aligned, padded), prompt_len int32 [N]}: what `islands.sampling.generate`
     continues."""
     ids = [codec.encode(p) for p in prompts]

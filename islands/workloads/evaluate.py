@@ -30,7 +30,7 @@ from islands.sampling import generate, token_logprobs
 from islands.workloads.batches import Table
 from islands.workloads.losses import dpo_loss, dpo_margin, sequence_logprob
 from islands.workloads.rollouts import Scorer, answer_texts
-from islands.workloads.text import TextCodec
+from islands.workloads.text import AnswerText
 
 Judge = Callable[[Sequence[str], Sequence[str]], np.ndarray]
 """(prompts, answers) -> bool [N]: whether each answer is right."""
@@ -77,7 +77,7 @@ def answer_logprobs(params: Params, model_cfg: ModelConfig, tokens: np.ndarray, 
 
 
 def greedy_answers(
-    params: Params, model_cfg: ModelConfig, prompts: Table, codec: TextCodec, max_new_tokens: int, rows: int
+    params: Params, model_cfg: ModelConfig, prompts: Table, codec: AnswerText, max_new_tokens: int, rows: int
 ) -> list[str]:
     """The greedy answer text to every prompt (cut at the stop token)."""
     texts: list[str] = []
@@ -103,7 +103,7 @@ class WorkloadEval:
         self,
         model_cfg: ModelConfig,
         held: Sequence[HeldOut],
-        codec: TextCodec,
+        codec: AnswerText,
         *,
         max_new_tokens: int,
         rows: int,

@@ -29,13 +29,13 @@ from islands.sampling import generate, token_logprobs
 from islands.workloads.batches import Table, answer_rows, rows_of
 from islands.workloads.config import WorkloadConfig
 from islands.workloads.losses import group_advantages
-from islands.workloads.text import TextCodec
+from islands.workloads.text import AnswerText
 
 Scorer = Callable[[Sequence[str], Sequence[str]], np.ndarray]
 """(prompts, answers) -> float32 rewards, one per answer."""
 
 
-def answer_texts(codec: TextCodec, new: np.ndarray, lengths: np.ndarray) -> list[str]:
+def answer_texts(codec: AnswerText, new: np.ndarray, lengths: np.ndarray) -> list[str]:
     """Each generated row's answer text: its tokens up to, not including, the stop token."""
     texts = []
     for row, n in zip(new, lengths, strict=True):
@@ -52,7 +52,7 @@ class Rollouts:
         prompts: Table,
         texts: Sequence[str],
         scorer: Scorer,
-        codec: TextCodec,
+        codec: AnswerText,
         reference: Params,
         model_cfg: ModelConfig,
         workload: WorkloadConfig,

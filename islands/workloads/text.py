@@ -1,95 +1,51 @@
-"""Text to token ids and back, as the run's data is tokenized: UTF-8 bytes for a byte-level run, or the Hugging Face
-tokenizer `diloco data prepare` wrote beside data.path (data.kind = "tokens", islands/prepared.py).
+"""A run's text for post-training: its token ids as `islands.text` reads them (UTF-8 bytes, or the tokenizer
+`diloco data prepare` wrote beside data.path), and the stop token that ends every answer.
 
 Every answer ends with a stop token, so that a model learns where its answer ends and generation knows where to cut:
-the newline, a byte (10) for byte-level runs, the tokenizer's id of "\\n" otherwise. A prompt or an answer holding a
-newline itself is fine for training; an answer is read back up to its first stop.
+the id of a newline (byte 10 for byte-level runs; the tokenizer's one token for "\\n" otherwise, which a tokenizer
+that splits it refuses in one line). A prompt or an answer holding a newline itself is fine for training; an answer
+is read back up to its first stop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
 
-from floor.errors import UserError
-from islands import prepared
-from islands.data import DataConfig
+from islands.data import DataConfig, DataError
+from islands.text import ByteText, TextCodec, text_codec
 
 STOP_TEXT = "\n"
 """What the stop token stands for."""
 
 
-class TextError(UserError, ValueError):
-    """The run's texts cannot be tokenized as configured (no tokenizer, a vocabulary too small)."""
+@dataclass(frozen=True)
+class AnswerText:
+    """The run's text codec and its stop token."""
 
-
-class TextCodec(Protocol):
-    """Token ids of texts for one run, and its stop token."""
-
+    codec: TextCodec
     stop: int
 
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-@dataclass(frozen=True)
-class ByteText:
-    """A byte-level model's tokens: the text's UTF-8 bytes."""
-
-    stop: int = ord(STOP_TEXT)
-
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return self.codec.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The bytes as text; a sequence cut inside a character (an answer that ran out of tokens) keeps what it can."""
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        return self.codec.decode(ids)
 
 
-class TokenizerText:
-    """The tokens of a Hugging Face tokenizer.json (the `tokenize` extra)."""
-
-    def __init__(self, tokenizer: Any, where: str) -> None:
-        self.tokenizer = tokenizer
-        stop = tokenizer.encode(STOP_TEXT, add_special_tokens=False).ids
-        if len(stop) != 1:
-            raise TextError(f"{where}: the tokenizer makes {len(stop)} tokens of a newline; answers need a stop token")
-        self.stop = int(stop[0])
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode([int(i) for i in ids]))
+def answer_text(data: DataConfig, vocab_size: int) -> AnswerText:
+    """How this run's post-training turns text into tokens, with its stop token."""
+    return with_stop(text_codec(data, vocab_size, "post-training ([workload])"))
 
 
-def text_codec(data: DataConfig, vocab_size: int) -> TextCodec:
-    """How this run turns text into tokens: bytes, or with data.kind = "tokens" the tokenizer.json of data.path's
-    prepared directory (data.paths[0]'s with one source per island)."""
-    if data.kind != "tokens":
-        if vocab_size < 256:
-            raise TextError(f"model.vocab_size ({vocab_size}) must be >= 256 to hold byte-level text's tokens")
-        return ByteText()
-    spec = data.path or data.paths[0]
-    _, meta = prepared.locate(spec)
-    where = f"data.path {spec!r}" if data.path else f"data.paths[0] {spec!r}"
-    if meta is None:
-        raise TextError(
-            f"{where} has no tokenizer beside it (a directory written by `diloco data prepare`): post-training with "
-            "data.kind = 'tokens' tokenizes its texts with it"
-        )
-    path = Path(meta).parent / prepared.TOKENIZER_FILE
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise TextError(
-            "post-training with data.kind = 'tokens' needs the tokenizers package: pip install 'diloco[tokenize]'"
-        ) from None
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as err:  # the library raises its own exception types for a bad file
-        raise TextError(f"{path} is not a Hugging Face tokenizer.json ({err})") from None
-    return TokenizerText(tokenizer, str(path))
+def with_stop(codec: TextCodec) -> AnswerText:
+    """`codec` with the id of a newline as its stop token; a codec that makes more than one token of it is refused."""
+    stop = codec.encode(STOP_TEXT)
+    if len(stop) != 1:
+        raise DataError(f"the run's tokenizer makes {len(stop)} tokens of a newline; answers need one stop token")
+    return AnswerText(codec, stop[0])
+
+
+def byte_text(vocab_size: int = 256) -> AnswerText:
+    """A byte-level run's: UTF-8 bytes, a newline (10) the stop."""
+    return with_stop(ByteText(vocab_size))
