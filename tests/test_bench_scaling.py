@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from diloco.bench.errors import BenchError
-from diloco.bench.scaling import count_parameters, grids_for, run_scaling_bench
+from diloco.bench.scaling import grids_for, run_scaling_bench
 from diloco.bench.variants import Variant, parse_variant
 from diloco.config import load_config
 
@@ -41,10 +41,12 @@ def test_sizes_must_be_two_with_distinct_names(tiny_config: Path, tmp_path: Path
     assert not (tmp_path / "runs").exists()
 
 
-def test_count_parameters_follows_the_size(tiny_config: Path) -> None:
+def test_parameter_count_follows_the_size(tiny_config: Path) -> None:
+    from islands.models.registry import parameter_count
+
     small = load_config(tiny_config, ["model.d_model=16", "model.d_ff=32"])
     large = load_config(tiny_config, ["model.d_model=32", "model.d_ff=64"])
-    assert 2 * count_parameters(small) < count_parameters(large)
+    assert 2 * parameter_count(small.model) < parameter_count(large.model)
 
 
 @pytest.mark.bench  # the bench's end-to-end smoke run: pytest -m bench, like the other benches' smoke runs

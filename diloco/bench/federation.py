@@ -88,12 +88,9 @@ FAULT_TOLERANCE = 0.03
 
 def full_theta_bytes(cfg: RunConfig) -> int:
     """Bytes of the full fp32 θ a rejoining island pulls: the model's parameter count × 4 (shapes only, no data)."""
-    import jax
+    from islands.models.registry import parameter_count
 
-    from islands.models.base import param_count
-    from islands.models.registry import build_model
-
-    return 4 * param_count(jax.eval_shape(build_model(cfg.model).init, jax.random.key(cfg.run.seed)))
+    return 4 * parameter_count(cfg.model)
 
 
 def _pick_victim(cfg: RunConfig, victim: str | None, by_link: bool) -> str:

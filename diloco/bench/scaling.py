@@ -20,14 +20,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import jax
-
 from diloco.bench.convergence import config_variant, run_convergence_bench
 from diloco.bench.errors import BenchError
 from diloco.bench.variants import parse_variants
 from diloco.config import RunConfig
-from islands.models.base import param_count
-from islands.models.registry import build_model
+from islands.models.registry import parameter_count
 
 
 def grids_for(size: str, specs: list[str], sizes: list[str]) -> list[str]:
@@ -43,11 +40,6 @@ def grids_for(size: str, specs: list[str], sizes: list[str]) -> list[str]:
         if prefix == size:
             chosen.append(rest)
     return chosen
-
-
-def count_parameters(cfg: RunConfig) -> int:
-    """The model's scalars, from its abstract init (nothing is allocated)."""
-    return param_count(jax.eval_shape(build_model(cfg.model).init, jax.random.key(cfg.run.seed)))
 
 
 def run_scaling_bench(
@@ -77,7 +69,7 @@ def run_scaling_bench(
             {
                 "size": size.name,
                 "overrides": list(size.overrides),
-                "parameters": count_parameters(variant),
+                "parameters": parameter_count(variant.model),
                 "LM": result[lm_key],
                 "Ls": result["Ls"],
                 "ratio_LM_over_Ls": result["ratio_LM_over_Ls"],

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+
 from islands.models import moe, transformer
-from islands.models.base import Model
+from islands.models.base import Model, param_count
 from islands.models.config import ModelConfig, ModelError
 from islands.user_code import load_callable
 
@@ -43,3 +45,8 @@ MODELS: dict[str, Callable[[ModelConfig], Model]] = {
 def build_model(cfg: ModelConfig) -> Model:
     """The Model that cfg describes (cfg is validated when it is constructed)."""
     return MODELS[cfg.kind](cfg)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """The scalars of the model `cfg` describes, from its abstract init (shapes only: nothing is allocated)."""
+    return param_count(jax.eval_shape(build_model(cfg).init, jax.random.key(0)))

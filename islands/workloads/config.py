@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from islands.posttrain.rewards import BUILTIN
 from islands.posttrain.task import MAX_DIGITS, TASKS
+from islands.user_code import entry_form_ok
 
 KINDS: tuple[str, ...] = ("lm", "sft", "dpo", "rl")
 """The values of workload.kind (and of a workload.islands entry)."""
@@ -20,9 +22,6 @@ POST_TRAINING: tuple[str, ...] = ("sft", "dpo", "rl")
 
 REFERENCE_START = "start"
 """workload.reference's value for θ at the start of the run."""
-
-BUILTIN_PREFIX = "builtin:"
-"""A workload.reward naming a built-in task's reward (islands/posttrain/rewards.py)."""
 
 
 @dataclass(frozen=True)
@@ -187,10 +186,8 @@ class WorkloadConfig:
 
 
 def _reward_form_ok(spec: str) -> bool:
-    if spec.startswith(BUILTIN_PREFIX):
-        return bool(spec[len(BUILTIN_PREFIX) :])
-    module, sep, attr = spec.partition(":")
-    return bool(sep and module and attr and ":" not in attr)
+    """ "builtin:NAME" with a NAME, or the form of user code that `load_reward` loads."""
+    return bool(spec[len(BUILTIN) :]) if spec.startswith(BUILTIN) else entry_form_ok(spec)
 
 
 def workload_conflict(
