@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from islands.posttrain.rewards import BUILTIN
-from islands.posttrain.task import MAX_DIGITS, TASKS
+from islands.posttrain.task import DEFAULT_DIGITS, MAX_DIGITS, TASKS
 from islands.user_code import entry_form_ok
 
 KINDS: tuple[str, ...] = ("lm", "sft", "dpo", "rl")
@@ -55,7 +55,7 @@ class WorkloadConfig:
     with the training split. Exclusive with workload.path."""
     task_examples: int = 4096
     """workload.task only: training examples generated (all islands together)."""
-    task_digits: int = 3
+    task_digits: int = DEFAULT_DIGITS
     """workload.task only: the task's difficulty (addition: the operands' digits, 1 to 9)."""
     heldout_examples: int = 64
     """Examples each evaluation of the global model reads (of each kind the run trains): from the held-out split of
