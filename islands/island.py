@@ -27,7 +27,7 @@ runs the executable so compiled (jit's cache keeps it: the step is compiled once
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -132,6 +132,8 @@ class InnerRun:
     tokens: int
     seconds: float
     first_step: int
+    figures: Mapping[str, np.ndarray] = field(default_factory=dict)
+    """The model's `step_figures`, each a float32 array with one value per step (like `losses`)."""
 
     @classmethod
     def joined(cls, runs: list[InnerRun]) -> InnerRun:
@@ -141,6 +143,7 @@ class InnerRun:
             tokens=sum(r.tokens for r in runs),
             seconds=sum(r.seconds for r in runs),
             first_step=runs[0].first_step if runs else 0,
+            figures={k: np.concatenate([r.figures[k] for r in runs]) for k in (runs[0].figures if runs else {})},
         )
 
 
@@ -346,23 +349,39 @@ class Island:
         if not self._warm:
             self._warm_up()
         params, opt_state = self.state.params, self.state.inner_opt_state
-        losses = []
+        losses: list[jax.Array] = []
+        figures: dict[str, list[jax.Array]] = {name: [] for name in self.model.step_figures}
         t0 = time.perf_counter()
         for _ in range(n_steps):
             params, opt_state, metrics = self._step_fn(params, opt_state, self.next_batch(params))
             losses.append(metrics["loss"])
+            for name, values in figures.items():
+                values.append(metrics[name])
         # The finiteness of θ is queued behind the last step and read back with the losses: one wait on the device,
         # not two. A second round trip would cost every call, and a streaming island calls every few short steps.
-        host_losses, finite = jax.device_get((losses, _all_finite(params)))
+        host_losses, host_figures, finite = jax.device_get((losses, figures, _all_finite(params)))
         took = time.perf_counter() - t0
         lasts = max(self.slowdown * took, n_steps * self.device_step_s)
         if lasts > took:
             time.sleep(lasts - took)
         seconds = time.perf_counter() - t0
-        return self.step_to(params, opt_state, np.asarray(host_losses, np.float32), seconds, params_finite=bool(finite))
+        return self.step_to(
+            params,
+            opt_state,
+            np.asarray(host_losses, np.float32),
+            seconds,
+            params_finite=bool(finite),
+            figures={name: np.asarray(values, np.float32) for name, values in host_figures.items()},
+        )
 
     def step_to(
-        self, params: PyTree, opt_state: PyTree, losses: np.ndarray, seconds: float, params_finite: bool | None = None
+        self,
+        params: PyTree,
+        opt_state: PyTree,
+        losses: np.ndarray,
+        seconds: float,
+        params_finite: bool | None = None,
+        figures: Mapping[str, np.ndarray] | None = None,
     ) -> InnerRun:
         """Move the state to what len(losses) inner steps from it produced (on batches drawn from this island's
         stream, whose cursor is past them), once `check_finite` passed: `train`'s last part, also
@@ -378,7 +397,7 @@ class Island:
             data_cursor=self.stream.cursor,
         )
         tokens = n_steps * self.stream.batch_size * self.stream.seq_len
-        return InnerRun(losses=losses, tokens=tokens, seconds=seconds, first_step=first_step)
+        return InnerRun(losses=losses, tokens=tokens, seconds=seconds, first_step=first_step, figures=figures or {})
 
     def check_finite(
         self, losses: np.ndarray, params: PyTree, first_step: int, params_finite: bool | None = None

@@ -4,6 +4,7 @@ every way a reward can fail into one line naming the reward and the prompt; exac
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,10 +117,13 @@ def test_a_user_reward_next_to_the_config_is_found_in_the_working_directory(
         ("huge_int", "returned " + "1" + "0" * 59 + "..., not a finite float32 number"),
     ],
 )
-def test_a_reward_that_fails_is_one_line_naming_it_and_the_prompt(user_module: str, function: str, cause: str) -> None:
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["in-line", "on-a-thread"])
+def test_a_reward_that_fails_is_one_line_naming_it_and_the_prompt(
+    user_module: str, function: str, cause: str, timeout: float | None
+) -> None:
     prompt = "a long prompt\nwith a newline " + "x" * 500
     with pytest.raises(RewardError) as err:
-        score(load_reward(f"{user_module}:{function}"), [prompt], ["no"])
+        score(load_reward(f"{user_module}:{function}"), [prompt], ["no"], timeout=timeout)
     shown = repr(prompt[:60] + "...")
     assert str(err.value).startswith(f"reward {user_module}:{function} on prompt {shown} (answer 'no') {cause}")
     assert "\n" not in str(err.value)
@@ -130,9 +134,40 @@ def test_a_first_prompt_that_fails_is_named(user_module: str) -> None:
         score(load_reward(f"{user_module}:nan"), ["1+1=", "2+2="], ["x", "y"])
 
 
-def test_an_interrupt_is_not_a_reward_error(user_module: str) -> None:
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["in-line", "on-a-thread"])
+def test_an_interrupt_is_not_a_reward_error(user_module: str, timeout: float | None) -> None:
     with pytest.raises(KeyboardInterrupt):
-        score(load_reward(f"{user_module}:interrupted"), ["p"], ["a"])
+        score(load_reward(f"{user_module}:interrupted"), ["p"], ["a"], timeout=timeout)
+
+
+def test_a_reward_that_does_not_return_is_one_line_naming_the_prompt_and_no_later_call_is_made() -> None:
+    released, calls = threading.Event(), []
+
+    def stuck_on_the_second(prompt: str, answer: str) -> float:
+        calls.append(prompt)
+        if len(calls) == 2:
+            released.wait()
+        return 1.0
+
+    try:
+        with pytest.raises(RewardError) as err:
+            score(stuck_on_the_second, ["1+1=", "2+2=", "3+3="], ["2", "4", "6"], timeout=0.2)
+    finally:
+        released.set()  # the abandoned call returns; its thread makes no further call
+    assert "on prompt '2+2=' (answer '4') did not return within 0.2 s (workload.reward_timeout)" in str(err.value)
+    thread = next((t for t in threading.enumerate() if t.name == "reward"), None)
+    if thread is not None:
+        thread.join(timeout=30)
+    assert calls == ["1+1=", "2+2="]
+
+
+def test_a_watched_reward_scores_as_the_direct_one(user_module: str) -> None:
+    reward = load_reward(f"{user_module}:length")
+    answers = ["", "12345", "x" * 20]
+    assert (
+        score(reward, ["a", "b", "c"], answers, timeout=30.0).tolist()
+        == score(reward, ["a", "b", "c"], answers).tolist()
+    )
 
 
 def test_a_builtin_reward_on_a_prompt_not_its_own_names_it() -> None:

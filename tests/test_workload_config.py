@@ -66,6 +66,7 @@ def test_mixed_workloads_name_each_island_s_kind_and_file() -> None:
         (["workload.heldout_examples=0"], "workload.heldout_examples must be >= 1"),
         (["workload.kind=sft", "workload.task=sums"], "workload.task must be one of addition (got 'sums')"),
         (["workload.task_digits=10"], "workload.task_digits must be from 1 to 9"),
+        (["workload.reward_timeout=-1"], "workload.reward_timeout must be a finite number of seconds >= 0"),
     ],
 )  # fmt: skip
 def test_a_bad_workload_is_one_line_naming_the_key(overrides: list[str], expected: str) -> None:

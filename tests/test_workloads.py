@@ -16,7 +16,7 @@ from diloco.config import load_config
 from diloco.harness.procs import Federation
 from diloco.run.rundir import read_events
 from diloco.simulator.simulate import run_simulation
-from tests.conftest import FAST, WAIT_S, cut_after_round, fails
+from tests.conftest import FAST, WAIT_S, cut_after_round, fails, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +67,9 @@ def test_dpo_from_sft_prefers_the_right_answers(sft: tuple[Path, dict], tiny_con
     assert first["dpo_loss"] == pytest.approx(math.log(2.0), abs=1e-6)  # θ_0 is the reference
     assert first["dpo_accuracy"] == 0.0  # a margin of exactly 0 prefers nothing
     assert last["dpo_accuracy"] > 0.5 and last["dpo_loss"] < first["dpo_loss"]
+    inner = read_events(tmp_path / "dpo" / "metrics.jsonl", "inner")
+    assert inner and all(set(e) >= {"loss", "accuracy"} and 0.0 <= e["accuracy"] <= 1.0 for e in inner)
+    assert inner[-1]["accuracy"] > inner[0]["accuracy"]  # the training batches' own preference accuracy rises
 
 
 def test_rl_from_sft_raises_the_reward(sft: tuple[Path, dict], tiny_config: Path, tmp_path: Path) -> None:
@@ -75,6 +78,9 @@ def test_rl_from_sft_raises_the_reward(sft: tuple[Path, dict], tiny_config: Path
     first, last = summary["initial_scores"], summary["final_scores"]
     assert summary["initial_eval_loss"] == -first["rl_reward"]
     assert last["rl_reward"] > first["rl_reward"]
+    inner = read_events(tmp_path / "rl" / "metrics.jsonl", "inner")  # the sampled answers' reward, step by step
+    assert len(inner) == 2 * 20 // 2 * 2  # 2 rounds of 20 steps, an event every 2nd step (log_every), 2 islands
+    assert all(0.0 <= e["reward"] <= 1.0 and e["kl"] >= 0.0 for e in inner)
 
 
 def test_a_mixed_run_trains_both_kinds_and_resumes_bit_for_bit(tiny_config: Path, tmp_path: Path) -> None:
@@ -95,6 +101,38 @@ def test_a_mixed_run_trains_both_kinds_and_resumes_bit_for_bit(tiny_config: Path
 def test_the_sync_baseline_trains_on_examples(tiny_config: Path, tmp_path: Path) -> None:
     summary = simulate(tiny_config, tmp_path / "sync", "train.mode=sync", "workload.kind=sft", "train.rounds=2")
     assert summary["mode"] == "sync" and summary["final_scores"]["sft_ce"] < summary["initial_scores"]["sft_ce"]
+
+
+def test_a_tokens_run_post_trains_through_its_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """data.kind = "tokens": examples, answers and the stop are the BPE tokenizer's ids (sums merged into tokens of
+    several digits), and an sft and an rl island train and are scored through it."""
+    from tokenizers import Tokenizer
+
+    from diloco.cli import main
+    from diloco.run.posttrain import PostTraining
+    from islands.posttrain.task import Addition
+    from tests.conftest import TINY_TOML, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    corpus.write_text(corpus.read_text() + "\n" + Addition(seed=1).pretraining_text(3000))  # digits worth merging
+    prepared = tmp_path / "prepared"
+    assert main(["data", "prepare", str(corpus), "--out", str(prepared), "--train-vocab", "400", "--no-progress"]) == 0
+    capsys.readouterr()
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TOML.format(corpus=prepared))
+    overrides = ["data.kind=tokens", "model.vocab_size=400", "workload.kind=sft", "workload.reward=builtin:addition",
+                 'workload.islands=["island-1=rl"]', "train.rounds=1", "train.inner_steps=4"]  # fmt: skip
+    cfg = load_config(config, [*SIZE, *TASK, *overrides])
+    tokenizer = Tokenizer.from_file(str(prepared / "tokenizer.json"))
+    codec = PostTraining(cfg, init_params=None).codec
+    assert codec.codec.kind == "tokenizer" and codec.stop == tokenizer.token_to_id("Ċ")  # the newline's one token
+    assert codec.encode("37+48=") == tokenizer.encode("37+48=", add_special_tokens=False).ids
+    assert len(codec.encode("37+48=85")) < len("37+48=85")  # merged: not one id per byte
+    summary = run_simulation(cfg, tmp_path / "run", show_progress=False)
+    assert set(summary["final_scores"]) == {"sft_ce", "sft_exact_match", "rl_reward", "rl_exact_match"}
+    assert summary["final_scores"]["sft_ce"] < summary["initial_scores"]["sft_ce"]
+    rl_steps = [e for e in read_events(tmp_path / "run" / "metrics.jsonl", "inner") if e["island"] == "island-1"]
+    assert rl_steps and all(0.0 <= e["reward"] <= 1.0 for e in rl_steps)
 
 
 def test_bad_examples_rewards_and_references_are_one_line(
@@ -119,6 +157,22 @@ def test_bad_examples_rewards_and_references_are_one_line(
           "reward badreward:boom on prompt")  # fmt: skip
     fails(capsys, [*base, str(tmp_path / "e"), *TASK, "workload.kind=dpo", f"workload.reference={tmp_path / 'nope'}"],
           f"workload.reference: '{tmp_path / 'nope'}' does not exist")  # fmt: skip
+
+
+def test_a_reward_that_never_returns_stops_the_process_with_one_line(tiny_config: Path, tmp_path: Path) -> None:
+    """A real `diloco simulate` process whose reward hangs: it exits (the stuck call's thread does not hold it) with
+    exit code 2 and one line naming the prompt, and no checkpoint holds a step trained on a missing reward."""
+    (tmp_path / "hangs.py").write_text(
+        "import threading\n\ndef forever(prompt, answer):\n    threading.Event().wait()\n"
+    )
+    run_dir = tmp_path / "run"
+    done = run_cli("simulate", str(tiny_config), "--no-progress", "--run-dir", str(run_dir), *SIZE, *TASK, *RL,
+                   "workload.reward=hangs:forever", "workload.reward_timeout=1", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip()
+    assert err.startswith("diloco: error: reward hangs:forever on prompt '") and "\n" not in err, err
+    assert err.endswith("did not return within 1 s (workload.reward_timeout)"), err
+    assert list(run_dir.glob("checkpoints/*/*")) == []  # no round ended, so nothing was committed
 
 
 @pytest.mark.multiprocess

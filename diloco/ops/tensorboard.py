@@ -12,7 +12,8 @@ loss), an island process its own inner loss (`diloco launch` puts those in RUN/i
                                                     the commit's inner steps per island
     eval, round    scores/FIGURE                    as above: post-training's held-out figures (`scores`: sft_ce,
                                                     dpo_accuracy, rl_reward, ...)
-    inner          island/NAME/loss                 the island's inner step
+    inner          island/NAME/{loss, reward, kl,   the island's inner step
+                   accuracy}                        (the last three: a post-training workload's, where it has them)
     push           island/NAME/{compute_s, wall_s}  the inner steps per island of the commit it joins
 
 x is one unit everywhere, inner steps per island, so the global and the island curves share an axis: commit
@@ -40,6 +41,7 @@ from typing import Any
 from diloco.config import RunConfig
 from diloco.run.positions import commit_position, steps_per_commit
 from floor.errors import UserError
+from islands.workloads.config import STEP_FIGURE_NAMES
 
 INSTALL_HINT = "run.tensorboard = true needs tensorboardX, which is not installed: pip install 'diloco[tensorboard]'"
 GLOBAL_FIELDS = ("eval_loss", "loss", "tokens", "bytes_up", "bytes_down", "seconds")
@@ -104,7 +106,7 @@ class TensorBoardWriter:
         if island not in self.names:
             return []
         if event == "inner":
-            return _numbers(f"island/{island}", fields, ("loss",), _whole(fields.get("step")))
+            return _numbers(f"island/{island}", fields, ("loss", *STEP_FIGURE_NAMES), _whole(fields.get("step")))
         if event == "push" and _whole(fields.get("round")) is not None:
             return _numbers(f"island/{island}", fields, PUSH_FIELDS, self.commit_step(event, fields))
         return []

@@ -30,7 +30,7 @@ from islands.posttrain.data import PreferencePair, RlPrompt, SftExample, read_ex
 from islands.posttrain.rewards import load_reward, score
 from islands.posttrain.task import Task, builtin_task
 from islands.workloads.batches import ExampleStream, Table, pair_table, prompt_table, sft_table
-from islands.workloads.config import IslandWorkload
+from islands.workloads.config import STEP_FIGURES, IslandWorkload
 from islands.workloads.evaluate import HeldOut, Judge, WorkloadEval, answer_logprobs
 from islands.workloads.losses import workload_loss
 from islands.workloads.rollouts import Rollouts, Scorer
@@ -146,12 +146,14 @@ class PostTraining:
     @functools.cached_property
     def scorer(self) -> Scorer:
         """workload.reward over a batch of answers (a reward that fails is one line naming the prompt)."""
-        return functools.partial(score, load_reward(self.workload.reward))
+        limit = self.workload.reward_timeout
+        return functools.partial(score, load_reward(self.workload.reward), timeout=limit or None)
 
     def model(self, kind: str, base: Model) -> Model:
         """The model an island of this kind trains: the same parameters, the workload's loss."""
         w = self.workload
-        return Model(init=base.init, loss=workload_loss(kind, self.cfg.model, w.beta, w.kl_coef))
+        loss = workload_loss(kind, self.cfg.model, w.beta, w.kl_coef)
+        return Model(init=base.init, loss=loss, step_figures=STEP_FIGURES[kind])
 
     def stream(self, name: str, names: Sequence[str], stream_id: int) -> Batches:
         """Island `name`'s batches: its share of its kind's examples."""

@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -372,12 +372,22 @@ class RunDir:
         for observe in self.observers:
             observe(event, fields)
 
-    def log_inner(self, round: int, island: str, first_step: int, losses: Sequence[float], every: int) -> None:
+    def log_inner(
+        self,
+        round: int,
+        island: str,
+        first_step: int,
+        losses: Sequence[float],
+        every: int,
+        figures: Mapping[str, Sequence[float]] | None = None,
+    ) -> None:
         """An `inner` event for each inner step (counted from 1) that is a multiple of `every`: the same steps
-        however the losses come, a round at a time or (streaming) a few steps between two syncs."""
+        however the losses come, a round at a time or (streaming) a few steps between two syncs. `figures`: the
+        workload's own per-step values (rl's training reward and KL, dpo's accuracy), each a field beside the loss."""
         for i, loss in enumerate(losses):
             if (first_step + i + 1) % every == 0:
-                self.log("inner", round=round, island=island, step=first_step + i + 1, loss=float(loss))
+                shown = {name: float(values[i]) for name, values in (figures or {}).items()}
+                self.log("inner", round=round, island=island, step=first_step + i + 1, loss=float(loss), **shown)
 
     def truncate_after_round(self, completed_rounds: int) -> None:
         """On resume, drop events of rounds that the restored checkpoint does not contain (they will rerun)."""

@@ -143,7 +143,7 @@ def run_async(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
             island.keep_residual(push)  # in one process every push is delivered
             weight = staleness_weight(tau, cfg.outer.staleness_exponent)
             world.loop.submit(island.name, u, discount(push.sent.decoded, weight), push.run.tokens)
-            rd.log_inner(u, island.name, push.run.first_step, push.run.losses, cfg.train.log_every)
+            rd.log_inner(u, island.name, push.run.first_step, push.run.losses, cfg.train.log_every, push.run.figures)
             totals.tokens += push.run.tokens
             totals.bytes_up += push.sent.payload_nbytes
             totals.compute_s += push.run.seconds

@@ -131,7 +131,9 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
     def close(pushes: dict[str, RoundPush]) -> Commit:
         nonlocal t_sync
         for name, push in pushes.items():
-            rd.log_inner(world.loop.round, name, push.run.first_step, push.run.losses, cfg.train.log_every)
+            rd.log_inner(
+                world.loop.round, name, push.run.first_step, push.run.losses, cfg.train.log_every, push.run.figures
+            )
             totals.tokens += push.run.tokens
             totals.bytes_up += push.sent.payload_nbytes
             totals.compute_s += push.run.seconds
@@ -264,7 +266,7 @@ def _run_sync(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
         while totals.rounds < cfg.train.rounds:
             r, t_round = totals.rounds, time.monotonic()
             run = island.train(H)
-            rd.log_inner(r, "sync", run.first_step, run.losses, cfg.train.log_every)
+            rd.log_inner(r, "sync", run.first_step, run.losses, cfg.train.log_every, run.figures)
             assert island.state is not None
             totals.rounds = r + 1
             totals.syncs += H

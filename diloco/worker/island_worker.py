@@ -296,7 +296,9 @@ class IslandWorker:
             run = self.island.train_for(self.cfg.train.round_seconds, target - self.step)
             self.metrics.trained(run)
             steps_ended = time.perf_counter()
-            self.rd.log_inner(self.step // self.H, self.name, run.first_step, run.losses, self.cfg.train.log_every)
+            self.rd.log_inner(
+                self.step // self.H, self.name, run.first_step, run.losses, self.cfg.train.log_every, run.figures
+            )
             runs.append(run)
             self.step = target
             p = syncing_fragment(self.step, self.H, self.P)
@@ -391,7 +393,7 @@ class IslandWorker:
             run = self.island.train(self.H)
             self.metrics.trained(run)
             steps_ended = time.perf_counter()
-            self.rd.log_inner(self.round, self.name, run.first_step, run.losses, self.cfg.train.log_every)
+            self.rd.log_inner(self.round, self.name, run.first_step, run.losses, self.cfg.train.log_every, run.figures)
             push = self.island.encode_delta(run, flatten_named(self.copy.params))
             meta = self._push_meta(self.round, 0, run, cycle_from)
             cycle_from = time.perf_counter()

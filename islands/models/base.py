@@ -33,6 +33,10 @@ class Model:
     """(params, batch) -> (scalar loss to minimise, scalar metrics with at least "ce").
     batch is int32 [B, seq_len + 1]: inputs are batch[:, :-1], targets batch[:, 1:]."""
 
+    step_figures: tuple[str, ...] = ()
+    """Metrics of `loss` that each inner step reports beside the loss (a post-training workload's: rl's training
+    reward and KL, dpo's preference accuracy); none for a language model, whose loss is its figure."""
+
 
 def param_count(params: Params) -> int:
     """Total number of scalars in a params pytree (also of `jax.eval_shape(model.init, key)`)."""

@@ -9,14 +9,23 @@ two strings and returns a number; higher is better.
 KeyboardInterrupt, SystemExit included), or returns what is not a real number (a bool, None, a string, an array) or
 a value that is not finite as float32, is a `RewardError` of one line naming the reward, the prompt (its first
 SHOWN_CHARS characters) and the cause; the island stops with that line instead of training on a corrupted reward.
-A reward that never returns is not guarded here.
+
+With a `timeout` (workload.reward_timeout), the calls run one after another on a daemon thread of their own and a
+call that has not returned `timeout` seconds after it started is a RewardError too, "did not return within ...",
+naming its prompt: the island stops with that line instead of hanging. The stuck call is abandoned, not killed (a
+thread cannot be): it runs on until it returns or the process exits, and no further call of that batch is made. A
+reward that holds the GIL in C code for good stalls the process whatever the timeout; one in Python or waiting on
+I/O does not.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import queue
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -83,12 +92,32 @@ def _failed(fn: RewardFn, prompt: str, answer: str, cause: str) -> RewardError:
     return RewardError(f"reward {reward_name(fn)} on prompt {_shown(prompt)} (answer {_shown(answer)}) {cause}")
 
 
-def _value(fn: RewardFn, prompt: str, answer: str) -> float:
-    """fn(prompt, answer) as a float that float32 holds, or a RewardError saying why there is none."""
+@dataclass(frozen=True)
+class Outcome:
+    """What one call of a reward did: returned `value`, or raised `error`."""
+
+    value: object = None
+    error: BaseException | None = None
+
+
+def call(fn: RewardFn, prompt: str, answer: str) -> Outcome:
+    """fn(prompt, answer), whatever it returns or raises (KeyboardInterrupt included: the caller re-raises it)."""
     try:
-        value = fn(prompt, answer)
-    except (Exception, SystemExit) as err:  # user code: whatever it raises is its error, reported as one line
+        return Outcome(value=fn(prompt, answer))
+    except BaseException as err:  # noqa: BLE001 (user code: `checked` decides what is its error and what is not)
+        return Outcome(error=err)
+
+
+def checked(fn: RewardFn, prompt: str, answer: str, outcome: Outcome) -> float:
+    """The outcome of fn(prompt, answer) as a float that float32 holds, or a RewardError saying why there is none;
+    an interrupt (anything that is neither an Exception nor SystemExit) is raised as it was."""
+    if outcome.error is not None:
+        err = outcome.error
+        if not isinstance(err, Exception | SystemExit):
+            raise err
+        # user code: whatever it raises is its error, reported as one line
         raise _failed(fn, prompt, answer, f"raised {_clip(one_line(err), CAUSE_CHARS)}") from err
+    value = outcome.value
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
         raise _failed(fn, prompt, answer, f"returned {_shown_value(value)}, not a number")
     try:
@@ -100,9 +129,37 @@ def _value(fn: RewardFn, prompt: str, answer: str) -> float:
     return as_float
 
 
-def score(fn: RewardFn, prompts: Sequence[str], answers: Sequence[str]) -> np.ndarray:
-    """float32 [N]: fn of each prompt and its answer, in order; the first failure is a RewardError (module
-    docstring)."""
+def score(fn: RewardFn, prompts: Sequence[str], answers: Sequence[str], timeout: float | None = None) -> np.ndarray:
+    """float32 [N]: fn of each prompt and its answer, in order; the first failure is a RewardError, a call that runs
+    past `timeout` seconds one too (module docstring)."""
     if len(prompts) != len(answers):
         raise ValueError(f"{len(prompts)} prompts for {len(answers)} answers")
-    return np.array([_value(fn, p, a) for p, a in zip(prompts, answers, strict=True)], np.float32)
+    pairs = list(zip(prompts, answers, strict=True))
+    if timeout is None:
+        return np.array([checked(fn, p, a, call(fn, p, a)) for p, a in pairs], np.float32)
+    return np.array(_watched(fn, pairs, timeout), np.float32)
+
+
+def _watched(fn: RewardFn, pairs: list[tuple[str, str]], timeout: float) -> list[float]:
+    """The checked values of fn on each pair, the calls made on a daemon thread, each waited for `timeout` s."""
+    outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+    abandoned = threading.Event()
+
+    def calls() -> None:
+        for prompt, answer in pairs:
+            if abandoned.is_set():
+                return
+            outcomes.put(call(fn, prompt, answer))
+
+    threading.Thread(target=calls, name="reward", daemon=True).start()
+    values = []
+    try:
+        for prompt, answer in pairs:
+            try:
+                outcome = outcomes.get(timeout=timeout)
+            except queue.Empty:
+                raise _failed(fn, prompt, answer, f"did not return within {timeout:g} s (workload.reward_timeout)") from None
+            values.append(checked(fn, prompt, answer, outcome))
+    finally:
+        abandoned.set()
+    return values

@@ -20,6 +20,14 @@ KINDS: tuple[str, ...] = ("lm", "sft", "dpo", "rl")
 POST_TRAINING: tuple[str, ...] = ("sft", "dpo", "rl")
 """The kinds that train on examples rather than on a corpus."""
 
+STEP_FIGURES: dict[str, tuple[str, ...]] = {"sft": (), "dpo": ("accuracy",), "rl": ("reward", "kl")}
+"""What each kind's inner steps report beside the loss (`Model.step_figures`, `inner` events' fields): dpo's
+preference accuracy on its batch, rl's mean reward of the sampled answers and the KL to the reference; sft's loss is
+its figure."""
+
+STEP_FIGURE_NAMES: tuple[str, ...] = tuple(sorted({name for names in STEP_FIGURES.values() for name in names}))
+"""Every field an `inner` event may carry beside its loss."""
+
 REFERENCE_START = "start"
 """workload.reference's value for θ at the start of the run."""
 
@@ -81,6 +89,9 @@ class WorkloadConfig:
     reward: str = ""
     """rl: the reward of an answer, "builtin:NAME" (a built-in task's) or "package.module:function" (a function of
     prompt and answer returning a finite number), loaded as model.entry is."""
+    reward_timeout: float = 10.0
+    """rl: the most seconds one call of workload.reward may take; a call still running then stops the island with one
+    line naming the reward and the prompt (islands/posttrain/rewards.py) instead of a hung island. 0: no limit."""
     islands: tuple[str, ...] = ()
     """Mixed workloads: "NAME=KIND" or "NAME=KIND:PATH" entries, island NAME running KIND instead of workload.kind
     (on its own file PATH, else on workload.path when KIND is workload.kind, else on workload.task). Every island
@@ -102,6 +113,10 @@ class WorkloadConfig:
             raise ValueError(f"workload.beta must be a finite number > 0 (got {self.beta})")
         if not (0 <= self.temperature < math.inf):
             raise ValueError(f"workload.temperature must be a finite number >= 0 (got {self.temperature})")
+        if not (0 <= self.reward_timeout < math.inf):
+            raise ValueError(
+                f"workload.reward_timeout must be a finite number of seconds >= 0 (got {self.reward_timeout})"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"workload.top_p must be in (0, 1] (got {self.top_p})")
         if not (0 <= self.kl_coef < math.inf):
