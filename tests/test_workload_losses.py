@@ -125,6 +125,11 @@ def test_dpo_at_the_reference_is_log_2(params: object) -> None:
         table[f"ref_{side}"] = answer_logprobs(params, TINY, table[side], table[f"{side}_mask"], rows=2)
     loss, _ = workload_loss("dpo", TINY, 0.1, 0.0)(params, table)  # its forward of 2B rows rounds like 2 of B
     assert float(loss) == pytest.approx(math.log(2.0), abs=1e-6)
+    with_sft, metrics = workload_loss("dpo", TINY, 0.1, 0.0, sft_weight=0.5)(params, table)
+    chosen = sft_table(["12+5=", "3+4="], ["17", "7"], codec, TINY.seq_len)
+    sft, _ = workload_loss("sft", TINY, 0.1, 0.0)(params, chosen)
+    assert float(metrics["ce"]) == pytest.approx(float(sft), rel=1e-5)  # the chosen answers' own sft loss
+    assert float(with_sft) == pytest.approx(math.log(2.0) + 0.5 * float(sft), rel=1e-5)
 
 
 def test_an_example_stream_is_a_pure_function_of_its_cursor() -> None:

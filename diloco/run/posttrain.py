@@ -152,7 +152,7 @@ class PostTraining:
     def model(self, kind: str, base: Model) -> Model:
         """The model an island of this kind trains: the same parameters, the workload's loss."""
         w = self.workload
-        loss = workload_loss(kind, self.cfg.model, w.beta, w.kl_coef)
+        loss = workload_loss(kind, self.cfg.model, w.beta, w.kl_coef, w.sft_weight)
         return Model(init=base.init, loss=loss, step_figures=STEP_FIGURES[kind])
 
     def stream(self, name: str, names: Sequence[str], stream_id: int) -> Batches:

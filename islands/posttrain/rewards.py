@@ -158,7 +158,9 @@ def _watched(fn: RewardFn, pairs: list[tuple[str, str]], timeout: float) -> list
             try:
                 outcome = outcomes.get(timeout=timeout)
             except queue.Empty:
-                raise _failed(fn, prompt, answer, f"did not return within {timeout:g} s (workload.reward_timeout)") from None
+                raise _failed(
+                    fn, prompt, answer, f"did not return within {timeout:g} s (workload.reward_timeout)"
+                ) from None
             values.append(checked(fn, prompt, answer, outcome))
     finally:
         abandoned.set()

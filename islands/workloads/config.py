@@ -70,6 +70,9 @@ class WorkloadConfig:
     workload.task, or the last ones of each file."""
     beta: float = 0.1
     """DPO's β: how far the policy may move from the reference (its log-ratio's scale in the loss); > 0."""
+    sft_weight: float = 0.0
+    """dpo: weight of the chosen answers' cross-entropy added to DPO's loss (Pang et al. 2024: DPO alone may lower
+    the right answers' likelihood along with the wrong ones', as near-miss pairs invite); 0: DPO's loss alone."""
     reference: str = REFERENCE_START
     """The frozen reference of dpo and rl: "start" (θ_0 of this run: init.from's parameters, else the random init of
     run.seed) or a run directory or checkpoint directory of this project (its newest committed θ, as init.from reads
@@ -111,6 +114,8 @@ class WorkloadConfig:
             )
         if not (self.beta > 0 and math.isfinite(self.beta)):
             raise ValueError(f"workload.beta must be a finite number > 0 (got {self.beta})")
+        if not (0 <= self.sft_weight < math.inf):
+            raise ValueError(f"workload.sft_weight must be a finite number >= 0 (got {self.sft_weight})")
         if not (0 <= self.temperature < math.inf):
             raise ValueError(f"workload.temperature must be a finite number >= 0 (got {self.temperature})")
         if not (0 <= self.reward_timeout < math.inf):

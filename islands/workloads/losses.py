@@ -6,7 +6,9 @@ included), so it lines up with `token_logprobs(params, cfg, tokens)[b, t]` = log
 
     sft   the answer tokens' mean cross-entropy: -Σ mask·logp / Σ mask (prompt and padding add nothing)
     dpo   -log σ(β·((log π(c) - log π_ref(c)) - (log π(r) - log π_ref(r)))) averaged over pairs, with log π(y) the
-          answer's summed log-probability (Rafailov et al. 2023, arXiv 2305.18290, eq. 7); at π = π_ref it is log 2
+          answer's summed log-probability (Rafailov et al. 2023, arXiv 2305.18290, eq. 7); at π = π_ref it is log 2;
+          plus sft_weight times the chosen answers' sft loss (Pang et al. 2024, arXiv 2404.19733: DPO alone may
+          lower the right answers' likelihood along with the wrong ones', which near-miss pairs invite)
     rl    GRPO (Shao et al. 2024, arXiv 2402.03300): each answer's advantage is its reward standardized within its
           group (`group_advantages`), and the loss is -mean over answer tokens of advantage·logp, plus kl_coef times
           the mean over answer tokens of the k3 estimator of KL(π || π_ref), exp(q) - q - 1 with q = logp_ref - logp
@@ -94,7 +96,9 @@ def sft_model_loss(params: Params, batch: Batch, logprobs: LogProbs) -> tuple[ja
     return ce, {"ce": ce}
 
 
-def dpo_model_loss(params: Params, batch: Batch, logprobs: LogProbs, beta: float) -> tuple[jax.Array, Metrics]:
+def dpo_model_loss(
+    params: Params, batch: Batch, logprobs: LogProbs, beta: float, sft_weight: float = 0.0
+) -> tuple[jax.Array, Metrics]:
     """batch {chosen, rejected int32 [B, T+1], chosen_mask, rejected_mask float32 [B, T], ref_chosen, ref_rejected
     float32 [B]: the reference's answer log-probabilities, computed once (the reference is frozen)}. Both answers
     go through one forward of 2B rows. `ce` is the chosen answers' cross-entropy."""
@@ -108,8 +112,9 @@ def dpo_model_loss(params: Params, batch: Batch, logprobs: LogProbs, beta: float
         batch["ref_chosen"],
         batch["ref_rejected"],
     )
-    loss = dpo_loss(margin, beta)
-    return loss, {"ce": sft_loss(chosen, batch["chosen_mask"]), "accuracy": jnp.mean(margin > 0)}
+    ce = sft_loss(chosen, batch["chosen_mask"])
+    loss = dpo_loss(margin, beta) + sft_weight * ce if sft_weight else dpo_loss(margin, beta)
+    return loss, {"ce": ce, "accuracy": jnp.mean(margin > 0)}
 
 
 def rl_model_loss(params: Params, batch: Batch, logprobs: LogProbs, kl_coef: float) -> tuple[jax.Array, Metrics]:
@@ -131,14 +136,14 @@ def _logprobs(params: Params, tokens: jax.Array, model_cfg: ModelConfig) -> jax.
 
 
 @functools.lru_cache(maxsize=16)
-def workload_loss(kind: str, model_cfg: ModelConfig, beta: float, kl_coef: float) -> Callable:
+def workload_loss(kind: str, model_cfg: ModelConfig, beta: float, kl_coef: float, sft_weight: float = 0.0) -> Callable:
     """The loss an island of workload `kind` minimizes, (params, batch) -> (loss, metrics). Cached: islands of one
     kind share one function, so `make_train_step`'s cache (keyed by it) compiles their step once."""
     logprobs = model_logprobs(model_cfg)
     if kind == "sft":
         return functools.partial(sft_model_loss, logprobs=logprobs)
     if kind == "dpo":
-        return functools.partial(dpo_model_loss, logprobs=logprobs, beta=beta)
+        return functools.partial(dpo_model_loss, logprobs=logprobs, beta=beta, sft_weight=sft_weight)
     if kind == "rl":
         return functools.partial(rl_model_loss, logprobs=logprobs, kl_coef=kl_coef)
     raise ValueError(f"no post-training loss for workload kind {kind!r}")
