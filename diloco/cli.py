@@ -211,10 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE.png",
-        help="PNG to write (default: eval_loss.png, or eval_loss_vs_X.png with --x)",
+        help="PNG to write (default: FIGURE.png, or FIGURE_vs_X.png with --x; FIGURE is eval_loss unless --figure)",
     )
     pl.add_argument(
         "--x", choices=X_AXES, default=None, help="one panel against this x axis (default: a 2x2 grid of all four)"
+    )
+    pl.add_argument(
+        "--figure",
+        default="eval_loss",
+        metavar="NAME",
+        help="what to draw: eval_loss (default) or a post-training held-out figure (sft_exact_match, rl_reward, ...)",
     )
     pl.add_argument(
         "--label",
@@ -342,7 +348,7 @@ def _export(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from diloco.ops.plot import plot
 
-    for path in plot(args.run_dirs, args.out, args.x, args.label, args.title):
+    for path in plot(args.run_dirs, args.out, args.x, args.label, args.title, args.figure):
         print(f"wrote {path}")
     return 0
 

@@ -25,6 +25,7 @@ RUNS = {
     "sync": ["train.mode=sync"],
     "stream": ["stream.fragments=2"],
     "async": ["train.mode=async", "train.rounds=4"],
+    "sft": ["workload.kind=sft", "workload.task=addition", "workload.heldout_examples=8", "workload.max_new_tokens=4"],
 }
 """The run directories the tests read, by name: their overrides of the tiny config."""
 
@@ -50,7 +51,7 @@ def _check_against_events(curve: Curve, run_dir: Path) -> None:
     initial = read_events(run_dir / "metrics.jsonl", "eval")[0]
     commits = _commits(run_dir)
     assert len(curve.points) == len(commits) + 1
-    assert curve.eval_losses == [initial["eval_loss"], *(e["eval_loss"] for e in commits)]
+    assert curve.values == [initial["eval_loss"], *(e["eval_loss"] for e in commits)]
     assert curve.xs("tokens") == [0, *(e["tokens"] for e in commits)]
     assert curve.xs("bytes") == [0, *(e["bytes_up"] + e["bytes_down"] for e in commits)]
     assert curve.xs("wall") == [initial["t"], *(e["t"] for e in commits)]
@@ -114,6 +115,19 @@ def test_writes_a_grid_of_all_runs_and_single_axis_figures(
         assert _png_size(out) == (grid_w // 2, grid_h // 2)  # one panel where the grid has 2x2
 
 
+def test_a_post_training_figure_is_read_from_the_events_scores(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    curve = read_curve(runs["sft"], figure="sft_exact_match")
+    initial, commits = read_events(runs["sft"] / "metrics.jsonl", "eval")[0], _commits(runs["sft"])
+    assert curve.values == [e["scores"]["sft_exact_match"] for e in (initial, *commits)]
+    assert curve.xs("steps") == read_curve(runs["sft"]).xs("steps")  # the same points as its eval loss
+    monkeypatch.chdir(tmp_path)
+    assert main(["plot", str(runs["sft"]), "--figure", "sft_exact_match", "--x", "steps"]) == 0
+    assert capsys.readouterr().out == "wrote sft_exact_match_vs_steps.png\n"
+    assert _png_size(tmp_path / "sft_exact_match_vs_steps.png")
+
+
 def test_default_output_name(
     runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -145,6 +159,11 @@ def _error_cases(runs: dict[str, Path], tmp_path: Path) -> dict[str, tuple[list[
         "unwritable": ([good, "--out", str(tmp_path / "no" / "such" / "dir.png")], "cannot write"),
         "out is a dir": ([good, "--out", str(tmp_path)], "cannot write"),
         "labels": ([good, str(runs["sync"]), "--label", "only one"], "--label given 1 times for 2 run dirs"),
+        "no such figure": ([good, "--figure", "sft_ce"], "has no 'sft_ce' point (it has only eval_loss)"),
+        "another run's figure": (
+            [str(runs["sft"]), "--figure", "rl_reward"],
+            "has no 'rl_reward' point (its figures: eval_loss, sft_ce, sft_exact_match)",
+        ),
     }
 
 

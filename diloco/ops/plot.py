@@ -1,5 +1,6 @@
-"""`diloco plot`: the global model's eval loss of one or more run directories, against inner steps, tokens, WAN
-bytes or wall time, as PNG figures (README.md, "Commands").
+"""`diloco plot`: the global model's eval loss of one or more run directories, or one of its post-training
+held-out figures (`--figure sft_exact_match`, a key of the events' `scores`), against inner steps, tokens, WAN bytes
+or wall time, as PNG figures (README.md, "Commands").
 
 Two halves, so that the first is testable (and usable from a notebook) without matplotlib:
 
@@ -19,6 +20,9 @@ fragment's commit is evaluated). Each commit's x values:
 
 `train.mode = "sync"` (the data-parallel baseline) logs a `round` event every H steps with the same fields, so it
 reads the same way and overlays DiLoCo on the same axes.
+
+A figure other than EVAL_LOSS is read from the same events' `scores` (docs/metrics.md); an event without it is no
+point, and a run without any point of it is a PlotError naming the figures the run has.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ X_LABELS = {
 ASYNC_STEPS_NOTE = " (async: (update+1)·H/islands)"
 """Appended to the steps label when an async run is drawn: its x is an equivalent, not a count (module docstring)."""
 
+EVAL_LOSS = "eval_loss"
+"""The default figure: the events' own eval_loss."""
+
 INSTALL_HINT = "matplotlib is not installed; `diloco plot` needs it: pip install 'diloco[plot]'"
 
 
@@ -57,53 +64,59 @@ class PlotError(UserError):
 
 @dataclass(frozen=True)
 class Point:
-    """One evaluation of the global model and where the run stood then."""
+    """One evaluation of the global model (its figure's value) and where the run stood then."""
 
     steps: float
     tokens: int
     bytes: int
     wall: float
-    eval_loss: float
+    value: float
 
 
 @dataclass(frozen=True)
 class Curve:
-    """A run directory's eval-loss curve: points in commit order, x strictly increasing in steps."""
+    """A run directory's curve of one figure: points in commit order, x strictly increasing in steps."""
 
     label: str
     mode: str
     points: tuple[Point, ...]
+    figure: str = EVAL_LOSS
 
     def xs(self, axis: str) -> list[float]:
         """The points' x values on `axis` (one of X_AXES)."""
         return [float(getattr(p, axis)) for p in self.points]
 
     @property
-    def eval_losses(self) -> list[float]:
-        return [p.eval_loss for p in self.points]
+    def values(self) -> list[float]:
+        return [p.value for p in self.points]
 
 
 # -- reading --------------------------------------------------------------------------------------------------------
 
 
-def read_curve(run_dir: Path, label: str | None = None) -> Curve:
-    """The curve of one run directory, labelled `label` or the directory's name; PlotError when it has none."""
+def read_curve(run_dir: Path, label: str | None = None, figure: str = EVAL_LOSS) -> Curve:
+    """The curve of `figure` (module docstring) of one run directory, labelled `label` or the directory's name;
+    PlotError when it has none."""
     from diloco.run.rundir import read_events  # with the config loader: read when a curve is, not at `diloco --help`
 
     metrics = _checked_metrics(run_dir)
     cfg = _run_config(run_dir)
     events = read_events(metrics)
-    points = _initial_points(events) + _commit_points(events, cfg)
-    if not points:
+    points = _initial_points(events, figure) + _commit_points(events, cfg, figure)
+    if not points and figure == EVAL_LOSS:
         raise PlotError(f"run dir '{run_dir}' has no eval points yet (no `eval` or `round` event in metrics.jsonl)")
-    return Curve(label=label or _default_label(run_dir), mode=cfg.train.mode, points=tuple(points))
+    if not points:
+        held = sorted({k for e in events for k in (e.get("scores") or {}) if isinstance(k, str)})
+        has = f"its figures: {', '.join([EVAL_LOSS, *held])}" if held else f"it has only {EVAL_LOSS}"
+        raise PlotError(f"run dir '{run_dir}' has no {figure!r} point ({has})")
+    return Curve(label=label or _default_label(run_dir), mode=cfg.train.mode, points=tuple(points), figure=figure)
 
 
-def read_curves(run_dirs: Sequence[Path], labels: Sequence[str] = ()) -> list[Curve]:
-    """One curve per run directory; `labels`, when given, name them in order (one per directory)."""
+def read_curves(run_dirs: Sequence[Path], labels: Sequence[str] = (), figure: str = EVAL_LOSS) -> list[Curve]:
+    """One curve of `figure` per run directory; `labels`, when given, name them in order (one per directory)."""
     if labels and len(labels) != len(run_dirs):
         raise PlotError(f"--label given {len(labels)} times for {len(run_dirs)} run dirs: give one per run dir")
-    return [read_curve(d, labels[i] if labels else None) for i, d in enumerate(run_dirs)]
+    return [read_curve(d, labels[i] if labels else None, figure) for i, d in enumerate(run_dirs)]
 
 
 def _checked_metrics(run_dir: Path) -> Path:
@@ -137,23 +150,31 @@ def _default_label(run_dir: Path) -> str:
     return run_dir.resolve().name or str(run_dir)
 
 
-def _initial_points(events: list[dict[str, Any]]) -> list[Point]:
+def _value(event: dict[str, Any], figure: str) -> float | None:
+    """The event's value of `figure`: its eval_loss, or that key of its `scores`."""
+    if figure == EVAL_LOSS:
+        return _number(event.get(EVAL_LOSS))
+    scores = event.get("scores")
+    return _number(scores.get(figure)) if isinstance(scores, dict) else None
+
+
+def _initial_points(events: list[dict[str, Any]], figure: str = EVAL_LOSS) -> list[Point]:
     """θ_0's evaluation (the `eval` event at step 0), before any token or byte: at most one point."""
     for e in events:
-        loss = _number(e.get("eval_loss"))
-        if e.get("event") == "eval" and e.get("step", 0) == 0 and loss is not None:
-            return [Point(steps=0.0, tokens=0, bytes=0, wall=float(e.get("t", 0.0)), eval_loss=loss)]
+        value = _value(e, figure)
+        if e.get("event") == "eval" and e.get("step", 0) == 0 and value is not None:
+            return [Point(steps=0.0, tokens=0, bytes=0, wall=float(e.get("t", 0.0)), value=value)]
     return []
 
 
-def _commit_points(events: list[dict[str, Any]], cfg: RunConfig) -> list[Point]:
+def _commit_points(events: list[dict[str, Any]], cfg: RunConfig, figure: str = EVAL_LOSS) -> list[Point]:
     """One point per evaluated commit, in commit order. Keyed by the commit's position, the last event winning, so
     that a position logged twice (a commit rerun after a restart whose log was not truncated) is one point."""
     fragments, per_commit = cfg.stream.fragments, steps_per_commit(cfg)
     by_position: dict[int, Point] = {}
     for e in events:
-        loss = _number(e.get("eval_loss"))
-        if e.get("event") not in ("round", "sync") or loss is None or not isinstance(e.get("round"), int):
+        value = _value(e, figure)
+        if e.get("event") not in ("round", "sync") or value is None or not isinstance(e.get("round"), int):
             continue
         position = commit_position(e["event"], e, fragments)
         by_position[position] = Point(
@@ -161,7 +182,7 @@ def _commit_points(events: list[dict[str, Any]], cfg: RunConfig) -> list[Point]:
             tokens=int(e.get("tokens", 0)),
             bytes=int(e.get("bytes_up", 0)) + int(e.get("bytes_down", 0)),
             wall=float(e.get("t", 0.0)),
-            eval_loss=loss,
+            value=value,
         )
     return [by_position[s] for s in sorted(by_position)]
 
@@ -176,9 +197,9 @@ def _number(value: object) -> float | None:
 # -- drawing --------------------------------------------------------------------------------------------------------
 
 
-def default_out(axis: str | None) -> Path:
+def default_out(axis: str | None, figure: str = EVAL_LOSS) -> Path:
     """Where a figure goes without --out: the current directory, named after what it shows."""
-    return Path("eval_loss.png" if axis is None else f"eval_loss_vs_{axis}.png")
+    return Path(f"{figure}.png" if axis is None else f"{figure}_vs_{axis}.png")
 
 
 def axis_label(axis: str, curves: Sequence[Curve]) -> str:
@@ -196,7 +217,7 @@ def draw(curves: Sequence[Curve], out: Path, axes: Sequence[str] = X_AXES, title
     try:
         for ax, axis in zip(grid.flat, axes, strict=False):
             _panel(ax, axis, curves)
-        fig.suptitle(title or "global model eval loss")
+        fig.suptitle(title or f"global model {_y_label(curves)}")
         fig.tight_layout()
         _save(fig, out)
     finally:
@@ -222,15 +243,20 @@ def _panel(ax: Any, axis: str, curves: Sequence[Curve]) -> None:
     bytes, so on a linear axis DiLoCo's curve would be squeezed against zero; the linear band below the smallest
     positive value keeps θ_0's point at 0 bytes."""
     for c in curves:
-        ax.plot(c.xs(axis), c.eval_losses, marker="o", markersize=3, label=c.label)
+        ax.plot(c.xs(axis), c.values, marker="o", markersize=3, label=c.label)
     if axis == "bytes":
         positive = [x for c in curves for x in c.xs(axis) if x > 0]
         if positive:
             ax.set_xscale("symlog", linthresh=min(positive))
     ax.set_xlabel(axis_label(axis, curves))
-    ax.set_ylabel("eval loss")
+    ax.set_ylabel(_y_label(curves))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
+
+
+def _y_label(curves: Sequence[Curve]) -> str:
+    figure = curves[0].figure if curves else EVAL_LOSS
+    return "eval loss" if figure == EVAL_LOSS else f"held-out {figure}"
 
 
 def _save(fig: Any, out: Path) -> None:
@@ -246,12 +272,13 @@ def plot(
     axis: str | None = None,
     labels: Sequence[str] = (),
     title: str | None = None,
+    figure: str = EVAL_LOSS,
 ) -> list[Path]:
     """`diloco plot`: read every run directory (all checked before anything is drawn), write the figure, return the
     files written. With `axis` one panel against it, else the 2x2 grid of X_AXES."""
-    curves = read_curves(run_dirs, labels)
+    curves = read_curves(run_dirs, labels, figure)
     axes = X_AXES if axis is None else (axis,)
-    return [draw(curves, out or default_out(axis), axes, title)]
+    return [draw(curves, out or default_out(axis, figure), axes, title)]
 
 
 def draw_ratio_against_size(rows: Sequence[dict[str, Any]], out: Path, islands: int, inner_steps: int) -> Path:
