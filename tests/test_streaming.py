@@ -13,7 +13,6 @@ Every value below is a short binary fraction, so float32 holds it exactly and th
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +28,7 @@ from diloco.run.setup import build_setup
 from diloco.simulator.simulate import Lockstep, run_simulation
 from floor.codec import CodecSpec
 from islands.island import Island
+from islands.models.base import Model
 from outer_optimizer.aggregate import mean
 from outer_optimizer.fragments import Fragments
 from pytrees.naming import flatten_named
@@ -50,7 +50,7 @@ class ConstantStream:
         return np.full((1, 2), self.c, np.int32)
 
 
-def linear_model() -> SimpleNamespace:
+def linear_model() -> Model:
     def init(key: jax.Array) -> dict:
         return {"blocks": [{"w": jnp.full((1,), 8.0)}, {"w": jnp.full((1,), 8.0)}]}
 
@@ -59,7 +59,7 @@ def linear_model() -> SimpleNamespace:
         value = 0.5 * sum(jnp.sum((block["w"] - c) ** 2) for block in params["blocks"])
         return value, {"ce": value}
 
-    return SimpleNamespace(init=init, loss=loss)
+    return Model(init=init, loss=loss)
 
 
 def run(fragments: int, tau: int, alpha: float, syncs: int) -> tuple[list[float], list[list[float]]]:
