@@ -242,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0: greedy (default 1)")
     sa.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling's mass in (0, 1] (1: off)")
     sa.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    sa.add_argument(
+        "--stop",
+        default=None,
+        metavar="TEXT",
+        help="end a continuation at this text, one token (default: a newline for a post-training run, none for lm)",
+    )
     sa.add_argument("--json", action="store_true", help="print JSON: each prompt, continuation and token ids")
 
     ex = sub.add_parser("export", help="the newest committed model of a run as safetensors + config.json")
@@ -333,7 +339,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _sample(args: argparse.Namespace) -> int:
     from diloco.ops.sample import as_text, sample
 
-    result = sample(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    result = sample(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.stop)
     print(json.dumps(result, indent=2) if args.json else as_text(result))
     return 0
 

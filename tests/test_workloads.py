@@ -60,6 +60,26 @@ def test_sft_learns_the_answers(sft: tuple[Path, dict]) -> None:
     assert [r["scores"]["sft_ce"] for r in rounds][-1] == last["sft_ce"]
 
 
+def test_sample_ends_a_post_training_run_s_answer_at_its_stop(
+    sft: tuple[Path, dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diloco.cli import main
+
+    def sampled(*extra: str) -> dict:
+        args = ["sample", str(sft[0]), "--prompt", "12+34=", "--temperature", "0", "--max-new-tokens", "8", "--json"]
+        assert main([*args, *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    out = sampled()
+    (answer,) = out["samples"]
+    assert out["stop"] == "\n" and "\n" not in answer["continuation"]
+    ended = answer["tokens"][-1] == ord("\n")  # a newline ends it, else it ran to --max-new-tokens
+    assert len(answer["tokens"]) < 8 if ended else len(answer["tokens"]) == 8
+    assert answer["continuation"] == bytes(answer["tokens"][:-1] if ended else answer["tokens"]).decode()
+    digit = answer["continuation"][:1] or "0"
+    assert sampled("--stop", digit)["samples"][0]["tokens"][-1] == ord(digit)  # another stop, one byte here
+
+
 def test_dpo_from_sft_prefers_the_right_answers(sft: tuple[Path, dict], tiny_config: Path, tmp_path: Path) -> None:
     summary = simulate(tiny_config, tmp_path / "dpo", f"init.from={sft[0]}", "workload.kind=dpo", "train.rounds=3",
                        "train.inner_steps=20")  # fmt: skip

@@ -4,6 +4,8 @@ The run's θ and config come from `diloco/ops/trained.py` (what init.from reads)
 (bytes, or the run's tokenizer.json), the generation from islands/sampling.py on a mesh of the run's islands.devices
 (as many as this process has). All prompts are one batch, padded to the longest: every row has the same number of
 positions for its continuation, `--max-new-tokens` (default: what the context leaves, at most `DEFAULT_NEW_TOKENS`).
+A continuation ends early at the stop text (`--stop`, one token of the run's text; by default a post-training run's
+stop, a newline, and none for a language model's), which its `continuation` leaves out and its `tokens` keep.
 A bad argument is one line naming it, before the run is read; a prompt too long for the context is one line too.
 """
 
@@ -20,7 +22,8 @@ from diloco.ops.trained import load_trained
 from floor.errors import UserError
 from islands.mesh import build_mesh
 from islands.sampling import generate, place_rows
-from islands.text import text_codec
+from islands.text import TextCodec, text_codec
+from islands.workloads.text import STOP_TEXT
 
 DEFAULT_NEW_TOKENS = 128
 """New tokens per prompt when --max-new-tokens is not given (fewer when the context has less room)."""
@@ -30,8 +33,12 @@ class SampleError(UserError, ValueError):
     """An argument of `diloco sample` that cannot be used (a temperature below 0, a prompt too long, ...)."""
 
 
-def check_arguments(prompts: Sequence[str], max_new_tokens: int | None, temperature: float, top_p: float) -> None:
+def check_arguments(
+    prompts: Sequence[str], max_new_tokens: int | None, temperature: float, top_p: float, stop: str | None = None
+) -> None:
     """Refuse a bad argument in one line naming its flag, before the run directory is read."""
+    if stop == "":
+        raise SampleError("--stop is empty: give the text a continuation ends at (a newline: --stop $'\\n')")
     if not prompts:
         raise SampleError("give at least one --prompt TEXT")
     for i, prompt in enumerate(prompts, 1):
@@ -52,12 +59,17 @@ def sample(
     temperature: float = 1.0,
     top_p: float = 1.0,
     seed: int = 0,
+    stop: str | None = None,
 ) -> dict[str, Any]:
-    """Each prompt's continuation from the run's newest committed θ, with where θ came from (JSON-able)."""
-    check_arguments(prompts, max_new_tokens, temperature, top_p)
+    """Each prompt's continuation from the run's newest committed θ, with where θ came from (JSON-able). `stop`:
+    the text a continuation ends at (None: the run's own, module docstring)."""
+    check_arguments(prompts, max_new_tokens, temperature, top_p, stop)
     trained = load_trained(run_dir)
     seq_len = trained.model.seq_len
     codec = text_codec(trained.data, trained.model.vocab_size, "diloco sample")
+    if stop is None and trained.workload.post_training(trained.islands.island_names):
+        stop = STOP_TEXT
+    stop_token = None if stop is None else _stop_token(codec, stop)
     encoded = [codec.encode(p) for p in prompts]
     width = max(len(ids) for ids in encoded)
     room = seq_len - width
@@ -84,12 +96,14 @@ def sample(
         max_new_tokens=new_tokens,
         temperature=temperature,
         top_p=top_p,
+        stop_token=stop_token,
     )
     tokens, lengths = np.asarray(tokens)[: len(prompts)], np.asarray(lengths)[: len(prompts)]
-    samples = [
-        {"prompt": p, "continuation": codec.decode(t[:n]), "tokens": t[:n].tolist()}
-        for p, t, n in zip(prompts, tokens, lengths, strict=True)
-    ]
+    samples = []
+    for p, t, n in zip(prompts, tokens, lengths, strict=True):
+        ids = t[:n].tolist()
+        shown = ids[:-1] if ids and stop_token is not None and ids[-1] == stop_token else ids
+        samples.append({"prompt": p, "continuation": codec.decode(shown), "tokens": ids})
     return {
         "run_dir": str(trained.run_dir),
         "checkpoint": str(trained.step_dir),
@@ -100,8 +114,17 @@ def sample(
         "temperature": temperature,
         "top_p": top_p,
         "seed": seed,
+        "stop": stop,
         "samples": samples,
     }
+
+
+def _stop_token(codec: TextCodec, stop: str) -> int:
+    """The one token id of the stop text in the run's text; a text of more or fewer tokens is one line."""
+    ids = codec.encode(stop)
+    if len(ids) != 1:
+        raise SampleError(f"--stop {stop!r} is {len(ids)} tokens of this run's text: a continuation stops at one token")
+    return ids[0]
 
 
 def as_text(result: dict[str, Any]) -> str:

@@ -19,6 +19,7 @@ from diloco.run.warm_start import WarmStartError, find_source, read_item, stored
 from islands.data import DataConfig
 from islands.models.config import ModelConfig
 from islands.models.registry import build_model
+from islands.workloads.config import WorkloadConfig
 from pytrees.digest import tree_digest
 from pytrees.naming import PyTree
 
@@ -36,6 +37,8 @@ class Trained:
     model: ModelConfig
     data: DataConfig
     islands: IslandsConfig
+    workload: WorkloadConfig
+    """What its islands minimized ([workload]; the default, lm, for a run older than the section)."""
     params: PyTree
     """θ as host (numpy) float32 arrays in the model's pytree."""
 
@@ -57,6 +60,7 @@ def load_trained(path: Path, where: str = "RUN_DIR") -> Trained:
     model = stored_section(source.run_dir, ModelConfig, "model", where)
     data = stored_section(source.run_dir, DataConfig, "data", where)
     islands = stored_section(source.run_dir, IslandsConfig, "islands", where)
+    workload = stored_section(source.run_dir, WorkloadConfig, "workload", where)
     like = jax.eval_shape(build_model(model).init, jax.random.key(0))
     params = read_item(source.step_dir, "params", like, "parameters", where)
-    return Trained(source.run_dir, source.step_dir, source.round, model, data, islands, params)
+    return Trained(source.run_dir, source.step_dir, source.round, model, data, islands, workload, params)
