@@ -81,15 +81,6 @@ def _norm(tree: PyTree) -> float:
     return math.sqrt(sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in jax.tree.leaves(tree)))
 
 
-def parse_names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
-    """'a,b' -> ['a', 'b'], each one of `allowed`; otherwise a one-line BenchError naming the flag."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in allowed]
-    if not names or unknown:
-        raise BenchError(f"bench byzantine: {flag} takes a comma-separated list of {', '.join(allowed)} (got {text!r})")
-    return names
-
-
 @dataclass(frozen=True)
 class Outcome:
     """One run: its final eval loss (None when θ stopped being finite), and what the rule kept per round."""

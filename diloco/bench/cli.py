@@ -38,6 +38,7 @@ HELP = {
     "elastic": "islands admitted, killed and back, retired, lost, then the run lengthened: digests, exactly-once, loss",
     "simulator": "simulate's islands stepped in turn vs as one program (train.vectorize): wall time, speedup, max |Δ|",
     "generate": "KV-cache generation vs the training step of one model: tokens/s, first-token time, per-token decode",
+    "posttrain": "SFT, DPO and RL: DiLoCo vs one island vs data-parallel on the same samples, whole held-out split",
 }
 
 
@@ -190,6 +191,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     gen.add_argument("--new-tokens", type=int, default=None, help="N, tokens per prompt (default: what P leaves)")
     gen.add_argument("--prompt-len", type=int, default=None, help="P, tokens per prompt (default: model.seq_len / 2)")
     gen.add_argument("--repeats", type=int, default=5, help="timed runs of each (median)")
+    _add_posttrain(parsers["posttrain"])
+
+
+def _add_posttrain(p: argparse.ArgumentParser) -> None:
+    _with_config(p)
+    p.add_argument("--pretrained", type=Path, required=True, metavar="RUN_DIR", help="the run SFT starts from")
+    p.add_argument("--dpo", default=None, metavar="OVERRIDES", help="the DPO stage's overrides (default: README's)")
+    p.add_argument("--rl", default=None, metavar="OVERRIDES", help="the RL stage's overrides (default: README's)")
+    p.add_argument("--heldout", type=int, default=None, help="held-out problems to score (default: the whole split)")
+    p.add_argument("--columns", default="diloco,one,sync", help="comma-separated columns to run (diloco,one,sync)")
 
 
 def _add_fuzz(p: argparse.ArgumentParser) -> None:
@@ -348,12 +359,13 @@ def _fuzz_decoders(args: argparse.Namespace) -> Result:
 
 
 def _byzantine(args: argparse.Namespace) -> Result:
-    from diloco.bench.byzantine import ATTACKS, parse_names, run_byzantine_bench
+    from diloco.bench.byzantine import ATTACKS, run_byzantine_bench
+    from diloco.bench.errors import parse_names
     from diloco.config import load_config
     from outer_optimizer.config import RULES
 
-    attacks = parse_names(args.attacks, list(ATTACKS), "--attacks")
-    rules = parse_names(args.rules, RULES, "--rules")
+    attacks = parse_names(args.attacks, list(ATTACKS), "bench byzantine: --attacks")
+    rules = parse_names(args.rules, RULES, "bench byzantine: --rules")
     return run_byzantine_bench(load_config(args.config, args.overrides), attacks, rules, args.islands)
 
 
@@ -419,6 +431,17 @@ def _generate(args: argparse.Namespace) -> Result:
     return run_generate_bench(cfg, args.batch, args.new_tokens, args.prompt_len, args.repeats)
 
 
+def _posttrain(args: argparse.Namespace) -> Result:
+    from diloco.bench.errors import parse_names
+    from diloco.bench.posttrain import COLUMNS, DPO_DEFAULT, RL_DEFAULT, run_posttrain_bench
+
+    columns = parse_names(args.columns, list(COLUMNS), "bench posttrain: --columns")
+    stages = (args.dpo or DPO_DEFAULT, args.rl or RL_DEFAULT)
+    return run_posttrain_bench(
+        args.config, args.overrides, _run_dir(args), args.pretrained, *stages, args.heldout, columns
+    )
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "overhead": _overhead,
     "convergence": _convergence,
@@ -441,6 +464,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "elastic": _elastic,
     "simulator": _simulator,
     "generate": _generate,
+    "posttrain": _posttrain,
 }
 
 

@@ -5,6 +5,8 @@ A module of its own, free of heavy imports (no JAX), so that every benchmark mod
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from floor.errors import UserError
 
 
@@ -13,3 +15,13 @@ class BenchError(UserError, ValueError):
 
     A UserError, so the CLI prints it as one line.
     """
+
+
+def parse_names(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    """'a,b' -> ['a', 'b'], each one of `allowed`; otherwise a one-line BenchError naming the flag ("bench byzantine
+    --attacks")."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if not names or unknown:
+        raise BenchError(f"{flag} takes a comma-separated list of {', '.join(allowed)} (got {text!r})")
+    return names

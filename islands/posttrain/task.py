@@ -87,6 +87,10 @@ class Task(Protocol):
         """Plain text of the task's domain, n lines, for pre-training."""
         ...
 
+    def split_size(self, split: str) -> int | None:
+        """How many problems `split` holds, where they can be counted."""
+        ...
+
 
 def _mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer: a bijection of uint64 whose every output bit depends on every input bit (its
@@ -183,10 +187,9 @@ class Addition:
         """n problems (a, b) of the split, drawn from the stream; each at most once when unique."""
         rng = self._rng(split, stream)
         n, base, heldout = _check_count(n), 10**self.digits, split == "heldout"
-        if base * base <= ENUMERATE_LIMIT:
-            a, b = np.divmod(np.arange(base * base, dtype=np.int64), base)
-            keep = in_heldout(a, b) == heldout
-            a, b = a[keep], b[keep]
+        every = self._enumerated(split)
+        if every is not None:
+            a, b = every
             if unique and n > a.size:
                 raise TaskError(
                     f"{self.digits}-digit addition has {a.size} {split} problems, fewer than the {n} asked for"
@@ -223,6 +226,22 @@ class Addition:
 
     def reward(self, prompt: str, answer: str) -> float:
         return addition_reward(prompt, answer)
+
+    def split_size(self, split: str) -> int | None:
+        """The problems of `split`, where they are few enough to count (None: too many to enumerate)."""
+        every = self._enumerated(split)
+        return None if every is None else int(every[0].size)
+
+    def _enumerated(self, split: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every problem (a, b) of `split` in order, where there are at most ENUMERATE_LIMIT problems in all."""
+        if split not in SPLITS:
+            raise TaskError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
+        base = 10**self.digits
+        if base * base > ENUMERATE_LIMIT:
+            return None
+        a, b = np.divmod(np.arange(base * base, dtype=np.int64), base)
+        keep = in_heldout(a, b) == (split == "heldout")
+        return a[keep], b[keep]
 
     def pretraining_text(self, n: int, split: str = "train") -> str:
         return "".join(f"{a}+{b}={a + b}\n" for a, b in self._operands(split, "pretrain", n, unique=False))
