@@ -158,6 +158,7 @@ ONE_DEVICE = ["islands.devices=1", "islands.shard_params=false"]
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.bench  # 30 s: four sharded devices against one stay in CI on the tiny model (tests/test_island.py)
 def test_reduced_config_sharded_on_four_devices_matches_one_device() -> None:
     # The child trains the reduced config as shipped (4 devices, sharded, remat, bf16) and in float32; this process
     # trains both on 1 device, unsharded, meanwhile.

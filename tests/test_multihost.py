@@ -143,6 +143,7 @@ BACK_AT = "island-0:after_adopt:3"
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.bench  # a minute: the suite's 15 minutes keep its sibling below (a killed follower) in CI
 def test_an_island_goes_on_without_a_lost_process_and_grows_back(
     tmp_path: Path, tiny_config: Path, feds: list, simulated: Callable[[Sequence[str]], subprocess.Popen[str]]
 ) -> None:

@@ -221,6 +221,7 @@ ELASTIC = [
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.bench  # 45 s: its steps are each in CI through tests/test_elastic.py; this runs them as README writes them
 def test_the_elastic_walkthrough(tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> None:
     """README's "A region joins, a region leaves" with mutual TLS on localhost: certificates with the CA's key kept, an
     operator credential, two islands; sa-east admitted while the run goes on (its secret and certificate made by
