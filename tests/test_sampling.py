@@ -36,10 +36,14 @@ def model(kind: str = "transformer", dtype: str = "float32") -> tuple[ModelConfi
     return cfg, jax.jit(build_model(cfg).init)(jax.random.key(0))
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def _forward(cfg: ModelConfig, params: dict, rows: jax.Array) -> jax.Array:
+    return transformer.forward(params, rows, cfg, sampling.FEED_FORWARD[cfg.kind])[0]
+
+
 def full_logits(cfg: ModelConfig, params: dict, row: np.ndarray) -> np.ndarray:
-    """The full forward's logits [T, V] of one unpadded sequence (no cache)."""
-    logits, _ = transformer.forward(params, jnp.asarray(row)[None], cfg, sampling.FEED_FORWARD[cfg.kind])
-    return np.asarray(logits[0])
+    """The full forward's logits [T, V] of one unpadded sequence (no cache; jitted, one compile per length)."""
+    return np.asarray(_forward(cfg, params, jnp.asarray(row)[None])[0])
 
 
 def continue_rows(cfg: ModelConfig, params: dict, **kw: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -204,9 +208,10 @@ def test_token_logprobs_against_prefix_forwards():
     tokens = np.array([[3, 17, 4, 4, 40, 2, 9], [1, 1, 1, 1, 1, 1, 1]], np.int32)
     got = np.asarray(token_logprobs(params, cfg, jnp.asarray(tokens)))
     assert got.shape == (2, 6) and got.dtype == np.float32
-    for b in range(2):
-        for t in range(6):  # each prefix forwarded on its own: the log-softmax of its last position
-            last = full_logits(cfg, params, tokens[b, : t + 1])[-1].astype(np.float64)
+    for t in range(6):  # each prefix forwarded on its own (both rows at once): the log-softmax of its last position
+        prefix = _forward(cfg, params, jnp.asarray(tokens[:, : t + 1]))
+        for b in range(2):
+            last = np.asarray(prefix[b, -1], np.float64)
             logp = last - np.log(np.exp(last - last.max()).sum()) - last.max()
             assert got[b, t] == pytest.approx(logp[tokens[b, t + 1]], abs=1e-5)
 
