@@ -200,7 +200,7 @@ def _add_posttrain(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dpo", default=None, metavar="OVERRIDES", help="the DPO stage's overrides (default: README's)")
     p.add_argument("--rl", default=None, metavar="OVERRIDES", help="the RL stage's overrides (default: README's)")
     p.add_argument("--heldout", type=int, default=None, help="held-out problems to score (default: the whole split)")
-    p.add_argument("--columns", default="diloco,one,sync", help="comma-separated columns to run (diloco,one,sync)")
+    p.add_argument("--columns", default=None, help="comma-separated columns to run (default: diloco,one,sync)")
 
 
 def _add_fuzz(p: argparse.ArgumentParser) -> None:
@@ -435,7 +435,9 @@ def _posttrain(args: argparse.Namespace) -> Result:
     from diloco.bench.errors import parse_names
     from diloco.bench.posttrain import COLUMNS, DPO_DEFAULT, RL_DEFAULT, run_posttrain_bench
 
-    columns = parse_names(args.columns, list(COLUMNS), "bench posttrain: --columns")
+    columns = (
+        COLUMNS if args.columns is None else parse_names(args.columns, list(COLUMNS), "bench posttrain: --columns")
+    )
     stages = (args.dpo or DPO_DEFAULT, args.rl or RL_DEFAULT)
     return run_posttrain_bench(
         args.config, args.overrides, _run_dir(args), args.pretrained, *stages, args.heldout, columns

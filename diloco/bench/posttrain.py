@@ -31,6 +31,7 @@ from diloco.config import RunConfig, load_config
 from diloco.run.setup import Evaluator, build_setup
 from diloco.run.warm_start import find_source, read_item
 from diloco.simulator.simulate import run_simulation
+from islands.posttrain.rewards import BUILTIN
 from islands.posttrain.task import builtin_task
 
 COLUMNS = ("diloco", "one", "sync")
@@ -92,30 +93,25 @@ class HeldOutScorer:
 
     def __init__(self, config: str, overrides: Sequence[str], n: int) -> None:
         self.config, self.n = config, n
-        self.common = [*overrides, *column_overrides(load_config(config, list(overrides)), "one")]
-        self.common.append(f"workload.heldout_examples={n}")
-        self._rl = self._evaluator(["workload.kind=rl", "workload.reward=builtin:addition"])
+        base = load_config(config, list(overrides))
+        self.common = [*overrides, *column_overrides(base, "one"), f"workload.heldout_examples={n}"]
+        self._rl, self._like = self._evaluator(["workload.kind=rl", f"workload.reward={BUILTIN}{base.workload.task}"])
 
     def _evaluator(self, extra: list[str]) -> tuple[Evaluator, Any]:
+        """The evaluation of the config with `extra` overrides, and its θ_0 (the tree a checkpoint's θ is read into)."""
         cfg = load_config(self.config, [*self.common, *extra])
         setup = build_setup(cfg, islands=())
         return Evaluator.of(cfg, setup), setup.init_params
 
     def score(self, run: Path, reference: Path | None) -> dict[str, float]:
         """exact_match and reward of run's newest θ; with a reference run, dpo_accuracy against it too."""
-        out = self._measure(self._rl, run)
+        params = read_item(find_source(run).step_dir, "params", self._like, "parameters")
+        _, out = self._rl.measure(params)
         scores = {"exact_match": out["rl_exact_match"], "reward": out["rl_reward"]}
         if reference is not None:
-            dpo = self._measure(self._evaluator(["workload.kind=dpo", f"workload.reference={reference}"]), run)
-            scores["dpo_accuracy"] = dpo["dpo_accuracy"]
+            dpo, _ = self._evaluator(["workload.kind=dpo", f"workload.reference={reference}"])
+            scores["dpo_accuracy"] = dpo.measure(params)[1]["dpo_accuracy"]
         return {k: round(v, 4) for k, v in scores.items()}
-
-    @staticmethod
-    def _measure(evaluator: tuple[Evaluator, Any], run: Path) -> dict[str, float]:
-        evaluate, like = evaluator
-        params = read_item(find_source(run).step_dir, "params", like, "parameters")
-        _, figures = evaluate.measure(params)
-        return figures
 
 
 def run_posttrain_bench(
