@@ -31,6 +31,8 @@ from islands.backend import BACKENDS
 from islands.config import InnerConfig
 from islands.data import DataConfig
 from islands.models.config import ModelConfig
+from islands.models.hf.checkpoint import is_checkpoint
+from islands.models.hf.families import merged_model
 from islands.workloads.config import WorkloadConfig, workload_conflict
 from outer_optimizer.config import OuterConfig
 from outer_optimizer.fragments import LAYOUTS, check_schedule
@@ -663,7 +665,18 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
         except UnicodeDecodeError:
             raise ConfigError(f"config file '{p}' is not UTF-8 text") from None
         _refuse_literal_secrets(data, p)
-    return from_dict(RunConfig, apply_overrides(data, overrides))
+    return from_dict(RunConfig, with_checkpoint_model(apply_overrides(data, overrides)))
+
+
+def with_checkpoint_model(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with its [model] section completed from init.from's config.json where init.from is a Hugging Face
+    directory (islands/models/hf/families.py: `merged_model`); as it is otherwise."""
+    init, model = data.get("init"), data.get("model", {})
+    source = init.get("from") if isinstance(init, dict) else None
+    if not isinstance(source, str) or not source or not isinstance(model, dict):
+        return data
+    directory = Path(source).expanduser()
+    return {**data, "model": merged_model(model, directory)} if is_checkpoint(directory) else data
 
 
 def _refuse_literal_secrets(data: dict[str, Any], path: Path) -> None:
