@@ -16,9 +16,9 @@ too, but a row writes its first new token at its own position prompt_lens[b], ov
 can see that position, so padding is never attended. A row that emits `stop_token` emits `PAD` from then on.
 
 The batch runs where its arrays are: `place_rows` splits the rows over an island's mesh (islands/mesh.py, the data
-axis) and replicates the parameters, and the jitted loop keeps that layout. The dense transformer and the MoE model
-share their attention and blocks (`transformer.forward_cached` with each one's feed-forward); a custom model has no
-cached forward and is refused.
+axis) and replicates the parameters, and the jitted loop keeps that layout. Every built-in kind shares the blocks
+(`transformer.forward_cached` with the kind's `Architecture`, islands/models/registry.py); a grouped-query model's
+cache holds its key/value heads only. A custom model has no cached forward and is refused.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from jax.sharding import Mesh
 
 from floor.errors import UserError
 from islands.mesh import AXIS, param_sharding, row_sharding
-from islands.models import moe, transformer
+from islands.models import transformer
 from islands.models.base import Params
 from islands.models.config import ModelConfig
-from islands.models.transformer import FFApply
+from islands.models.registry import ARCHITECTURES
+from islands.models.transformer import Architecture
 
 PAD = 0
 """What a row emits after its stop token (its `lengths` entry says where its tokens end)."""
@@ -43,28 +44,25 @@ PAD = 0
 INF_BITS = 0x7F800000
 """float32 +inf as int32 bits: above every finite probability's."""
 
-FEED_FORWARD: dict[str, FFApply] = {"transformer": transformer.mlp, "moe": moe.experts}
-"""model.kind -> the feed-forward of its blocks: the kinds generation and `token_logprobs` support."""
-
 
 class SamplingError(UserError, ValueError):
     """A generation the model or its arguments cannot do (a custom model, a prompt too long, a bad temperature)."""
 
 
-def feed_forward_of(cfg: ModelConfig) -> FFApply:
-    """The feed-forward of the model's blocks; a model without a cached forward is refused in one line."""
-    if cfg.kind not in FEED_FORWARD:
+def architecture_of(cfg: ModelConfig) -> Architecture:
+    """The functions of the model's blocks; a model without a cached forward is refused in one line."""
+    if cfg.kind not in ARCHITECTURES:
         raise SamplingError(
-            f"generation needs model.kind {' or '.join(FEED_FORWARD)} (got {cfg.kind!r}: a custom model has no "
+            f"generation needs model.kind {', '.join(ARCHITECTURES)} (got {cfg.kind!r}: a custom model has no "
             "forward this project can cache)"
         )
-    return FEED_FORWARD[cfg.kind]
+    return ARCHITECTURES[cfg.kind]
 
 
 def check_request(cfg: ModelConfig, prompt_width: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
     """Refuse, in one line naming the argument, what `generate` cannot do: buffers beyond the context, no token to
     make, a temperature below 0, a top_p outside (0, 1]."""
-    feed_forward_of(cfg)
+    architecture_of(cfg)
     if max_new_tokens < 1:
         raise SamplingError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     if prompt_width < 1:
@@ -127,12 +125,12 @@ def rollout(
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """`generate`'s loop -> (tokens int32 [B, N], lengths int32 [B], and with keep_logits the logits float32
     [B, N, V] each token was drawn from; rows already stopped keep zeros). Arguments as `generate`'s, unchecked."""
-    ff_apply = feed_forward_of(cfg)
+    arch = architecture_of(cfg)
     b, width = prompts.shape
     prompt_lens = prompt_lens.astype(jnp.int32)
     cache = transformer.init_cache(cfg, b, width + max_new_tokens - 1)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
-    logits, cache = transformer.forward_cached(params, prompts.astype(jnp.int32), positions, cache, cfg, ff_apply)
+    logits, cache = transformer.forward_cached(params, prompts.astype(jnp.int32), positions, cache, cfg, arch)
     first = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     tokens = jnp.full((b, max_new_tokens), PAD, jnp.int32)
     kept = jnp.zeros((b, max_new_tokens, cfg.vocab_size) if keep_logits else (0,), jnp.float32)
@@ -159,7 +157,7 @@ def rollout(
         i, cache, state = carry
         previous = state[0][:, i - 1]
         step_logits, cache = transformer.forward_cached(
-            params, previous[:, None], (prompt_lens + i - 1)[:, None], cache, cfg, ff_apply
+            params, previous[:, None], (prompt_lens + i - 1)[:, None], cache, cfg, arch
         )
         return i + 1, cache, emit(i, step_logits[:, 0], state)
 
@@ -214,7 +212,7 @@ def generate(
 
 @functools.partial(jax.jit, static_argnums=1)
 def _token_logprobs(params: Params, model_cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    logits, _ = transformer.forward(params, tokens[:, :-1], model_cfg, FEED_FORWARD[model_cfg.kind])
+    logits, _ = transformer.forward(params, tokens[:, :-1], model_cfg, ARCHITECTURES[model_cfg.kind])
     return transformer.target_logprobs(logits, tokens[:, 1:])
 
 
@@ -222,7 +220,7 @@ def token_logprobs(params: Params, model_cfg: ModelConfig, tokens: jax.Array) ->
     """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t: float32 [B, T-1], from the full forward (no cache).
 
     The training forward (remat and compute dtype as configured), so it differentiates like the loss does."""
-    feed_forward_of(model_cfg)
+    architecture_of(model_cfg)
     if tokens.ndim != 2 or not 2 <= tokens.shape[1] <= model_cfg.seq_len + 1:
         raise SamplingError(
             f"tokens must be [batch, 2 .. model.seq_len + 1 ({model_cfg.seq_len + 1})] (got shape {tokens.shape})"

@@ -17,7 +17,7 @@ import pytest
 from islands import sampling
 from islands.models import transformer
 from islands.models.config import ModelConfig
-from islands.models.registry import build_model
+from islands.models.registry import ARCHITECTURES, build_model
 from islands.sampling import PAD, SamplingError, generate, nucleus, rollout, token_logprobs
 from tests.conftest import REPO, child_env
 
@@ -38,7 +38,7 @@ def model(kind: str = "transformer", dtype: str = "float32") -> tuple[ModelConfi
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _forward(cfg: ModelConfig, params: dict, rows: jax.Array) -> jax.Array:
-    return transformer.forward(params, rows, cfg, sampling.FEED_FORWARD[cfg.kind])[0]
+    return transformer.forward(params, rows, cfg, ARCHITECTURES[cfg.kind])[0]
 
 
 def full_logits(cfg: ModelConfig, params: dict, row: np.ndarray) -> np.ndarray:
@@ -87,7 +87,7 @@ def test_greedy_equals_argmax_reforwarding():
     )
     assert (np.asarray(lengths) == NEW).all()
     width = PROMPTS.shape[1] + NEW  # one padded shape for every re-forward: causal, so the padding is never seen
-    forward = jax.jit(lambda p, row: transformer.forward(p, row[None], cfg, sampling.FEED_FORWARD[cfg.kind])[0][0])
+    forward = jax.jit(lambda p, row: transformer.forward(p, row[None], cfg, ARCHITECTURES[cfg.kind])[0][0])
     for b, n in enumerate(LENS):
         sequence = list(PROMPTS[b, :n])
         for _ in range(NEW):  # re-forward the whole sequence for every token, no cache
@@ -250,7 +250,7 @@ def test_bad_requests_are_one_line(change, message):
 MESH_CHILD = """
 import json, jax, jax.numpy as jnp, numpy as np
 from islands.mesh import build_mesh
-from islands.models.registry import build_model
+from islands.models.registry import ARCHITECTURES, build_model
 from islands.sampling import generate, place_rows
 from tests.test_sampling import LENS, NEW, PROMPTS, TINY
 params = jax.jit(build_model(TINY).init)(jax.random.key(0))

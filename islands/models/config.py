@@ -196,7 +196,9 @@ class ModelConfig:
                 f"model.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)} (got {self.compute_dtype!r})"
             )
         if self.rope_scaling not in ROPE_SCALINGS:
-            raise ModelError(f"model.rope_scaling must be one of {', '.join(ROPE_SCALINGS)} (got {self.rope_scaling!r})")
+            raise ModelError(
+                f"model.rope_scaling must be one of {', '.join(ROPE_SCALINGS)} (got {self.rope_scaling!r})"
+            )
         if self.top_k > self.n_experts:
             raise ModelError(f"model.top_k ({self.top_k}) must be <= model.n_experts ({self.n_experts})")
         # Normalise TOML ints (`init_scale = 1`) to floats so equal configs compare and hash equal.
@@ -247,7 +249,15 @@ class ModelConfig:
         if self.head_dim not in (0, self.d_model // self.n_heads):
             raise ModelError(f"model.head_dim other than d_model / n_heads needs model.kind {' or '.join(LLAMA_KINDS)}")
         defaults = {f.name: f.default for f in fields(self)}
-        keys = ("rope_scaling", "qkv_bias", "qk_norm", "tie_embeddings", "sliding_window", "norm_topk_prob", "shared_expert_d_ff")
+        keys = (
+            "rope_scaling",
+            "qkv_bias",
+            "qk_norm",
+            "tie_embeddings",
+            "sliding_window",
+            "norm_topk_prob",
+            "shared_expert_d_ff",
+        )
         for name in keys:
             if getattr(self, name) != defaults[name]:
                 raise ModelError(f"model.{name} needs model.kind {' or '.join(LLAMA_KINDS)}")

@@ -1,7 +1,9 @@
 """The model registry: build a `Model` (pure init/loss functions over a float32 pytree) from a `ModelConfig`.
 
-`build_model` dispatches on `cfg.kind` through the `MODELS` registry: the dense decoder-only transformer,
-its mixture-of-experts variant, or a user model imported from `cfg.entry` ("package.module:function").
+`build_model` dispatches on `cfg.kind` through the `MODELS` registry: the dense decoder-only transformer (GPT-2
+shape), its mixture-of-experts variant, the Llama family (dense and with routed experts), or a user model imported
+from `cfg.entry` ("package.module:function"). `ARCHITECTURES` holds the built-in kinds' shared-block functions, for
+what runs them outside `loss` (the sampler's cached forward, log-probabilities, a checkpoint's logits).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections.abc import Callable
 
 import jax
 
-from islands.models import moe, transformer
+from islands.models import llama, moe, transformer
 from islands.models.base import Model, param_count
 from islands.models.config import ModelConfig, ModelError
 from islands.user_code import load_callable
@@ -37,9 +39,20 @@ def build_custom(cfg: ModelConfig) -> Model:
 MODELS: dict[str, Callable[[ModelConfig], Model]] = {
     "transformer": transformer.build,
     "moe": moe.build,
+    "llama": llama.build,
+    "llama_moe": llama.build_moe,
     "custom": build_custom,
 }
 """kind -> builder. Every kind in KINDS has an entry here."""
+
+
+ARCHITECTURES: dict[str, transformer.Architecture] = {
+    "transformer": transformer.GPT2,
+    "moe": moe.GPT2_MOE,
+    "llama": llama.LLAMA,
+    "llama_moe": llama.LLAMA_MOE,
+}
+"""kind -> its blocks' functions (transformer.forward / forward_cached run them): every kind but custom."""
 
 
 def build_model(cfg: ModelConfig) -> Model:
