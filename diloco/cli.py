@@ -254,6 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (simulate's, launch's, ...)")
     ex.add_argument("--out", type=Path, required=True, metavar="DIR", help="the directory to write (created)")
     ex.add_argument("--force", action="store_true", help="write into a DIR that is not empty (replace an export)")
+    ex.add_argument(
+        "--format",
+        choices=("diloco", "hf"),
+        default="diloco",
+        help="diloco: the project's tensor names (default); hf: a Hugging Face directory transformers loads",
+    )
+    ex.add_argument("--dtype", default="float32", metavar="DTYPE", help="--format hf: float32 (default) or bfloat16")
+    ex.add_argument(
+        "--max-shard-size", default="5GB", metavar="SIZE", help="--format hf: shards of at most SIZE (default 5GB)"
+    )
 
     data = sub.add_parser(
         "data", help="training data: `data prepare` tokenizes text, `data task` writes a built-in task's data"
@@ -345,9 +355,13 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from diloco.ops.export import export
+    from diloco.ops.export import export, export_hf
 
-    print(json.dumps({"out": str(args.out), **export(args.run_dir, args.out, args.force)}, indent=2))
+    if args.format == "hf":
+        written = export_hf(args.run_dir, args.out, args.force, args.dtype, args.max_shard_size)
+    else:
+        written = export(args.run_dir, args.out, args.force)
+    print(json.dumps({"out": str(args.out), **written}, indent=2))
     return 0
 
 

@@ -8,6 +8,14 @@
 
 θ is what `diloco sample` and `init.from` read (diloco/ops/trained.py). An existing DIR that holds anything is refused
 unless `force`, which replaces these three files (and removes a tokenizer.json that the run has none for).
+
+`--format hf` writes a Hugging Face directory instead (`export_hf`), which transformers' AutoModelForCausalLM and
+AutoTokenizer load without this project (islands/models/hf/):
+
+    DIR/config.json                 the config.json the run started from (RUN/hf/), or one made from [model]
+    DIR/model.safetensors           Hugging Face's tensor names and layouts, in float32 or bfloat16; or shards of
+    DIR/model-0000i-of-0000N...     at most --max-shard-size each and model.safetensors.index.json
+    DIR/tokenizer.json, ...         the tokenizer files the run started from (RUN/hf/), else its data's tokenizer.json
 """
 
 from __future__ import annotations
@@ -17,11 +25,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
+import numpy as np
+
 from diloco.config import to_dict
-from diloco.ops.trained import load_trained
+from diloco.ops.trained import Trained, load_trained
 from floor import safetensors
 from floor.errors import UserError
 from islands.models.base import param_count
+from islands.models.config import ModelConfig
+from islands.models.hf import checkpoint, tensors
+from islands.models.hf.families import checkpoint_model, family_of
 from islands.prepared import TOKENIZER_FILE
 from islands.text import tokenizer_file
 from pytrees.naming import flatten_named
@@ -30,6 +44,12 @@ FORMAT = "diloco-export/1"
 """config.json's `format`: bumped when a field a loader reads changes meaning."""
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+FORMATS = ("diloco", "hf")
+"""--format: the project's own (the default), or Hugging Face's."""
+DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+"""--dtype of a Hugging Face export: the weights as trained, or halved."""
+MAX_SHARD_SIZE = "5GB"
+"""--max-shard-size's default (the Hub's usual shard)."""
 
 
 class ExportError(UserError, ValueError):
@@ -77,3 +97,95 @@ def export(run_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
         (out / TOKENIZER_FILE).unlink(missing_ok=True)
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return config
+
+
+def hf_config(model: ModelConfig, kept: Path | None, dtype: str) -> tuple[dict[str, Any], str]:
+    """config.json of a Hugging Face export of `model` and its architecture: `kept` (the config.json of the checkpoint
+    the run started from, RUN/hf/config.json) with the dtype written, else one made from [model]."""
+    family = family_of(model)
+    if kept is None:
+        try:
+            architecture = family.architecture_of(model)
+        except ValueError as exc:
+            raise ExportError(f"--format hf: {exc}") from None
+        return family.config_json(model, architecture) | {"torch_dtype": dtype}, architecture
+    config = checkpoint.read_json(kept, "--format hf")
+    fixed = checkpoint_model(config, f"'{kept}'")
+    ours = {**to_dict(model), "n_kv_heads": model.kv_heads, "head_dim": model.head_size}
+    differing = sorted(key for key, value in fixed.items() if ours.get(key) != value)
+    if differing:
+        key = differing[0]
+        raise ExportError(f"--format hf: model.{key} is {ours.get(key)!r}, but '{kept}' says {fixed[key]!r}")
+    written = {key: dtype for key in ("dtype", "torch_dtype") if key in config} or {"torch_dtype": dtype}
+    return config | written, config["architectures"][0]
+
+
+def write_hf(
+    out: Path, model: ModelConfig, params: dict[str, np.ndarray], kept: Path | None, dtype: str, max_bytes: int
+) -> tuple[list[str], str]:
+    """Write `params` (named as pytrees/naming.py names them) of `model` into the existing directory `out` as a
+    Hugging Face checkpoint (`hf_config`'s config.json, the weights in `dtype`, shards of at most `max_bytes`);
+    returns the files written and the architecture."""
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    config, architecture = hf_config(model, kept, dtype)
+    family = family_of(model)
+    named = family.complete(params, model)
+    rules = family.rules(model, architecture)
+    shapes = {name: tuple(array.shape) for name, array in named.items()}
+    slots = tensors.slots(rules)
+    for stale in [*out.glob("model*.safetensors"), out / checkpoint.INDEX]:
+        stale.unlink(missing_ok=True)
+    files = checkpoint.write(
+        out,
+        tensors.hf_sizes(rules, shapes, DTYPES[dtype]),
+        lambda name: tensors.export_tensor(*slots[name], named, DTYPES[dtype]),
+        max_bytes,
+    )
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return [CONFIG, *files], architecture
+
+
+def export_hf(
+    run_dir: Path, out: Path, force: bool = False, dtype: str = "float32", max_shard_size: str = MAX_SHARD_SIZE
+) -> dict[str, Any]:
+    """Write the run's newest committed θ into `out` as a Hugging Face directory; returns what was written."""
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    try:
+        max_bytes = checkpoint.parse_size(max_shard_size)
+    except ValueError as exc:
+        raise ExportError(f"--max-shard-size: {exc}") from None
+    check_out(out, force)
+    trained = load_trained(run_dir)
+    kept = trained.run_dir / checkpoint.RUN_FILES / checkpoint.CONFIG
+    base = kept if kept.is_file() else None
+    hf_config(trained.model, base, dtype)  # a model no architecture computes is refused before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    files, architecture = write_hf(out, trained.model, flatten_named(trained.params), base, dtype, max_bytes)
+    files += tokenizer_files(trained, out)
+    return {
+        "format": "hf",
+        "architecture": architecture,
+        "dtype": dtype,
+        "files": files,
+        "round": trained.round,
+        "digest": trained.digest,
+        "param_count": param_count(trained.params),
+        "source": str(trained.step_dir),
+    }
+
+
+def tokenizer_files(trained: Trained, out: Path) -> list[str]:
+    """The tokenizer beside a Hugging Face export: the files of the checkpoint the run started from (RUN/hf/), else
+    the tokenizer.json of its data with a tokenizer_config.json naming the class that loads it (a byte-level run
+    has none to write)."""
+    kept = trained.run_dir / checkpoint.RUN_FILES
+    if kept.is_dir():
+        return checkpoint.copy_files(kept, out)
+    tokenizer = tokenizer_file(trained.data)
+    if tokenizer is None:
+        return []
+    shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
+    return [TOKENIZER_FILE, "tokenizer_config.json"]

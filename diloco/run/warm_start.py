@@ -7,6 +7,12 @@ this run's shape, dtype and layout. A different model is refused first, in one l
 `[model]` key (from the source's config.toml) or tensor (from the checkpoint's own metadata), where orbax would fail
 with a traceback.
 
+Or `init.from` names a Hugging Face model directory (config.json, model.safetensors or its shards: islands/models/hf/).
+Then the run's `[model]` is what config.json describes (the config loader fills it in: `with_checkpoint_model`), the
+checkpoint is checked whole before the run directory is made (every shard's header, tensor names, shapes and dtypes:
+`check_fresh`), θ_0 is its tensors as float32 master weights, and its config.json and tokenizer files are kept in
+RUN/hf/ (`RUN_FILES`) for the run's text and for `diloco export --format hf`. It has no inner optimizer state.
+
 Only a run that starts afresh reads it: a run directory that resumes restores its own checkpoints (`GlobalRun.start`,
 `local_islands.start_islands`, `IslandWorker.restore`), so the source may change or vanish once the run has begun.
 Who loads what:
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -38,8 +45,11 @@ from diloco.config import ConfigError, RunConfig, diff_keys, from_dict, to_dict
 from diloco.run.rundir import RunDir
 from islands.island import Island
 from islands.models.config import ModelConfig
+from islands.models.hf.checkpoint import CONFIG, RUN_FILES, TOKENIZER_FILES, copy_files, is_checkpoint
+from islands.models.hf.families import Import, open_import
+from islands.models.registry import build_model
 from pytrees.digest import tree_digest
-from pytrees.naming import PyTree, flatten_named
+from pytrees.naming import PyTree, flatten_named, unflatten_named
 
 log = logging.getLogger("diloco.run.warm_start")
 
@@ -173,11 +183,33 @@ def locate(cfg: RunConfig) -> Source:
     return source
 
 
+def checkpoint_dir(cfg: RunConfig) -> Path | None:
+    """init.from's Hugging Face directory, or None when it names none (no init.from, or this project's checkpoint)."""
+    path = Path(cfg.init.from_).expanduser()
+    return path if cfg.init.from_ and is_checkpoint(path) else None
+
+
+def open_checkpoint(cfg: RunConfig, directory: Path) -> Import:
+    """init.from's Hugging Face checkpoint checked against this run's model (its abstract init: nothing allocated)."""
+    like = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
+    shapes = {name: shape for name, (shape, _) in specs(like).items()}
+    return open_import(directory, cfg.model, shapes, "init.from")
+
+
 def check_fresh(cfg: RunConfig, run_dir: Path) -> None:
     """Refuse a wrong init.from (or init.inner_state_island) before a new run directory is made (its config.toml
     would hold the wrong path, and the corrected command could not reuse the directory); a directory that resumes
     never reads init.from again."""
-    if cfg.init.from_ and not (run_dir / "config.toml").exists():
+    if not cfg.init.from_ or (run_dir / "config.toml").exists():
+        return
+    directory = checkpoint_dir(cfg)
+    if directory is not None:
+        if cfg.init.inner_state:
+            raise WarmStartError(
+                f"init.inner_state: '{directory}' is a Hugging Face checkpoint, which holds no optimizer state"
+            )
+        open_checkpoint(cfg, directory)
+    else:
         source = locate(cfg)
         if cfg.init.inner_state_island:
             inner_state_step(source, cfg.init.inner_state_island, named=True)
@@ -235,6 +267,16 @@ def read_item(step_dir: Path, item: str, like: PyTree, what: str, where: str = "
         return checkpointer.restore(state, args=args)[item]
 
 
+def checkpoint_params(cfg: RunConfig, directory: Path, like: PyTree) -> PyTree:
+    """The parameters of init.from's Hugging Face checkpoint in the structure and on the devices of `like`."""
+    named = open_checkpoint(cfg, directory).read()
+    return jax.tree.map(
+        lambda value, leaf: jax.device_put(value, leaf.sharding) if isinstance(leaf, jax.Array) else value,
+        unflatten_named(named, like),
+        like,
+    )
+
+
 def reference_params(cfg: RunConfig, init_params: PyTree) -> tuple[PyTree, str]:
     """The frozen reference of dpo and rl (workload.reference) and where it came from: "start" is θ_0 (init.from's
     parameters, else `init_params`, the random θ_0 of run.seed), a path the newest committed θ there. Read again at
@@ -243,6 +285,9 @@ def reference_params(cfg: RunConfig, init_params: PyTree) -> tuple[PyTree, str]:
     if ref == "start":
         if not cfg.init.from_:
             return init_params, "start"
+        directory = checkpoint_dir(cfg)
+        if directory is not None:
+            return checkpoint_params(cfg, directory, init_params), str(directory)
         source = locate(cfg)
         return read_item(source.step_dir, "params", init_params, "parameters"), str(source.step_dir)
     where = "workload.reference"
@@ -256,6 +301,12 @@ def initial_params(cfg: RunConfig, init_params: PyTree, rd: RunDir) -> PyTree:
     digest), or `init_params` when init.from is unset."""
     if not cfg.init.from_:
         return init_params
+    directory = checkpoint_dir(cfg)
+    if directory is not None:
+        params = checkpoint_params(cfg, directory, init_params)
+        kept = copy_files(directory, rd.path / RUN_FILES, (CONFIG, *TOKENIZER_FILES))
+        rd.log("warm_start", source=str(directory), format="hf", files=kept, digest=tree_digest(params))
+        return params
     source = locate(cfg)
     params = read_item(source.step_dir, "params", init_params, "parameters")
     rd.log("warm_start", source=str(source.step_dir), source_round=source.round, digest=tree_digest(params))

@@ -47,6 +47,10 @@ TOKENIZER_FILES = (
 """The files beside the weights that a run keeps and an export writes back as they were: the tokenizer (its special
 tokens and chat template) and the generation defaults."""
 
+RUN_FILES = "hf"
+"""The directory of a run (RUN/hf/) that keeps the config.json and `TOKENIZER_FILES` of the checkpoint it started from:
+the tokenizer the run's text goes through, and what `diloco export --format hf` writes back beside the weights."""
+
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 """--max-shard-size's units, as transformers reads them (KB = 1000 bytes, KiB = 1024)."""
 
@@ -204,9 +208,9 @@ def write(
     return files
 
 
-def copy_files(source: Path, destination: Path) -> list[str]:
-    """Copy the `TOKENIZER_FILES` that `source` has into `destination` (made if needed); returns their names."""
-    present = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+def copy_files(source: Path, destination: Path, names: Sequence[str] = TOKENIZER_FILES) -> list[str]:
+    """Copy the files of `names` that `source` has into `destination` (made if needed); returns those copied."""
+    present = [name for name in names if (source / name).is_file()]
     if present:
         destination.mkdir(parents=True, exist_ok=True)
     for name in present:

@@ -9,14 +9,17 @@ model does not read) and `complete(params, model)` (leaves an export needs that 
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from islands.models.config import ModelConfig, ModelError
-from islands.models.hf import gpt2, llama
-from islands.models.hf.checkpoint import CONFIG, CheckpointError, read_config
+from islands.models.hf import gpt2, llama, tensors
+from islands.models.hf.checkpoint import CONFIG, Checkpoint, CheckpointError, read_config
+from islands.models.hf.tensors import Rule
 
 FAMILIES: tuple[ModuleType, ...] = (llama, gpt2)
 ARCHITECTURES: dict[str, ModuleType] = {name: family for family in FAMILIES for name in family.ARCHITECTURES}
@@ -74,3 +77,30 @@ def family_of(model: ModelConfig) -> ModuleType:
     if model.kind not in KINDS:
         raise ModelError(f"model.kind = {model.kind!r} has no Hugging Face architecture (export the project's format)")
     return KINDS[model.kind]
+
+
+@dataclass(frozen=True)
+class Import:
+    """A Hugging Face checkpoint checked against the model a run builds from it (`open_import`), ready to `read`."""
+
+    checkpoint: Checkpoint
+    rules: list[Rule]
+    shapes: dict[str, tuple[int, ...]]
+    located: dict[str, str]
+    """The rules' tensor names -> the checkpoint's (`tensors.check`)."""
+
+    def read(self) -> dict[str, np.ndarray]:
+        """Every leaf, float32, named as pytrees/naming.py names it; the checkpoint read shard by shard."""
+        return tensors.read(self.checkpoint, self.rules, self.shapes, self.located)
+
+
+def open_import(directory: Path, model: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> Import:
+    """The checkpoint at `directory` checked, before any tensor's bytes are read, against `model` (whose leaves have
+    `shapes`): its index, every shard's header, every tensor's name, shape and dtype; each problem one line."""
+    checkpoint = Checkpoint.open(directory, where)
+    name = architecture(checkpoint.config, f"{where}'s config.json ('{directory / CONFIG}')")
+    family = ARCHITECTURES[name]
+    rules = family.rules(model, name)
+    what = f"the {name} that config.json describes"
+    located = tensors.check(checkpoint, rules, shapes, what, family.ignored(model), where)
+    return Import(checkpoint, rules, shapes, located)

@@ -1,0 +1,311 @@
+"""Hugging Face checkpoints in and out, held to transformers' own numbers (tests/fixtures/hf/, made by
+make_fixtures.py with the real transformers): [model] from config.json, the project's forward against transformers'
+logits (1e-5, float32) and greedy continuation (token for token), import then export bit for bit, and one line with
+exit code 2, nothing written, for every bad checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diloco.config import load_config
+from diloco.ops.export import write_hf
+from diloco.run.warm_start import checkpoint_dir, checkpoint_params
+from floor.safetensors import SafetensorsFile
+from islands.models.hf.checkpoint import INDEX, Checkpoint, CheckpointError, parse_size, plan_shards
+from islands.models.hf.families import checkpoint_model
+from islands.models.registry import ARCHITECTURES, build_model
+from islands.models.transformer import forward
+from islands.sampling import generate
+from pytrees.naming import flatten_named
+from tests.conftest import fails, write_corpus
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
+RUN_TOML = """
+[run]
+name = "hf"
+seed = 0
+
+[model]
+seq_len = 32
+
+[data]
+kind = "text"
+path = "{corpus}"
+val_fraction = 0.1
+
+[train]
+rounds = 1
+inner_steps = 1
+batch_size = 2
+eval_batches = 1
+checkpoint_every = 1
+
+[islands]
+count = 1
+
+[init]
+from = "{source}"
+"""
+
+
+def run_config(tmp: Path, source: Path, extra: str = "") -> Path:
+    path = tmp / "run.toml"
+    path.write_text(RUN_TOML.format(corpus=write_corpus(tmp / "corpus.txt"), source=source) + extra)
+    return path
+
+
+def reference(family: str) -> dict:
+    return json.loads((FIXTURES / family / "reference.json").read_text())
+
+
+def test_the_fixtures_cover_every_family_and_stay_small() -> None:
+    assert FAMILIES == ["gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm2"]
+    assert sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file()) < 3_000_000
+
+
+# -- config.json -> [model] ----------------------------------------------------------------------------------------
+
+EXPECTED = {
+    "llama": {"kind": "llama", "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "rope_scaling": "llama3",
+              "rope_theta": 500000.0, "rope_scaling_original_max_position": 16, "tie_embeddings": False},
+    "qwen2": {"qkv_bias": True, "attn_bias": False, "rope_theta": 1e6, "d_ff": 48, "norm_eps": 1e-6},
+    "qwen3": {"qk_norm": True, "head_dim": 16, "tie_embeddings": True, "qkv_bias": False},
+    "mistral": {"n_kv_heads": 1, "sliding_window": 0, "rope_scaling": "none"},
+    "smollm2": {"d_model": 48, "n_heads": 6, "tie_embeddings": True, "rope_theta": 100000.0},
+    "qwen3_moe": {"kind": "llama_moe", "n_experts": 4, "top_k": 2, "d_ff": 16, "norm_topk_prob": True, "qk_norm": True},
+    "qwen2_moe": {"kind": "llama_moe", "shared_expert_d_ff": 24, "norm_topk_prob": False, "qkv_bias": True},
+    "mixtral": {"kind": "llama_moe", "d_ff": 32, "norm_topk_prob": True, "rope_theta": 1e6},
+    "gpt2": {"kind": "transformer", "seq_len": 32, "d_ff": 128, "attn_bias": True, "norm_eps": 1e-5},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_json_gives_the_model_section(family: str) -> None:
+    section = checkpoint_model(json.loads((FIXTURES / family / "config.json").read_text()), family)
+    assert {key: section[key] for key in EXPECTED[family]} == EXPECTED[family]
+    assert section["vocab_size"] == 320 and section["n_layers"] == 2
+
+
+def test_the_hubs_older_config_layout_gives_the_same_model() -> None:
+    """Llama 3.x and Qwen3-MoE as most Hub checkpoints write them: rope_theta and rope_scaling, num_experts."""
+    config = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    older = config | {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}
+    assert checkpoint_model(older, "old") == checkpoint_model(
+        json.loads((FIXTURES / "llama" / "config.json").read_text()), "new"
+    )
+    moe = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
+    older_moe = {k: v for k, v in moe.items() if k != "num_local_experts"} | {"num_experts": moe["num_local_experts"]}
+    assert checkpoint_model(older_moe, "old") == checkpoint_model(moe, "new")
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"architectures": ["BertForMaskedLM"]}, "architecture 'BertForMaskedLM' is not supported"),
+        ({"architectures": None}, "must list one architecture"),
+        ({"hidden_size": None}, "has no 'hidden_size'"),
+        ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, "rope type 'yarn'"),
+    ],
+)
+def test_a_config_json_the_model_cannot_compute_is_one_line(change: dict, expected: str) -> None:
+    config = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    config.update(change)
+    config = {k: v for k, v in config.items() if v is not None or k in ("rope_scaling",)}
+    with pytest.raises(CheckpointError, match=expected.replace("(", r"\(").replace("[", r"\[")):
+        checkpoint_model(config, "config.json")
+
+
+def test_sizes_and_shards() -> None:
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("64KiB") == 65536 and parse_size("1000") == 1000
+    for bad in ("", "5XB", "-1", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert plan_shards([("a", 6), ("b", 5), ("c", 20), ("d", 1)], 10) == [["a"], ["b"], ["c"], ["d"]]
+    assert plan_shards([("a", 4), ("b", 5), ("c", 2)], 10) == [["a", "b"], ["c"]]
+
+
+# -- the forward and greedy generation against transformers -------------------------------------------------------
+
+
+def imported(tmp_path: Path, family: str) -> tuple:
+    """The run config of a run from the fixture, and θ_0 as init.from reads it."""
+    cfg = load_config(run_config(tmp_path, FIXTURES / family))
+    like = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
+    directory = checkpoint_dir(cfg)
+    assert directory is not None
+    return cfg, checkpoint_params(cfg, directory, like)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_forward_and_greedy_generation_match_transformers(tmp_path: Path, family: str) -> None:
+    cfg, params = imported(tmp_path, family)
+    ref = reference(family)
+    ids = jnp.asarray(ref["input_ids"], jnp.int32)
+    logits, _ = jax.jit(forward, static_argnums=(2, 3))(params, ids, cfg.model, ARCHITECTURES[cfg.model.kind])
+    delta = float(np.abs(np.asarray(logits) - np.load(FIXTURES / family / "logits.npy")).max())
+    assert delta < 1e-5, delta
+    new = len(ref["greedy"][0])
+    tokens, lengths = generate(
+        params, cfg.model, ids, jnp.full((ids.shape[0],), ids.shape[1]), key=jax.random.key(0),
+        max_new_tokens=new, temperature=0.0,
+    )  # fmt: skip
+    assert np.asarray(tokens).tolist() == ref["greedy"] and np.asarray(lengths).tolist() == [new] * len(ids)
+
+
+# -- import then export --------------------------------------------------------------------------------------------
+
+
+def tensors_of(directory: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for shard in sorted(directory.glob("model*.safetensors")):
+        with SafetensorsFile(shard) as f:
+            out |= {name: f.read(name) for name in f.entries}
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_then_export_gives_every_tensor_back_bit_for_bit(tmp_path: Path, family: str) -> None:
+    cfg = load_config(run_config(tmp_path, FIXTURES / family))
+    like = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
+    shapes = {name: tuple(a.shape) for name, a in flatten_named(like, to_numpy=False).items()}
+    from islands.models.hf.families import open_import
+
+    params = open_import(FIXTURES / family, cfg.model, shapes, "init.from").read()
+    assert all(a.dtype == np.float32 for a in params.values())
+    theirs = tensors_of(FIXTURES / family)
+    dtype = "bfloat16" if next(iter(theirs.values())).dtype != np.float32 else "float32"
+    out = tmp_path / "export"
+    out.mkdir()
+    shard = "60KB" if (FIXTURES / family / INDEX).exists() else "5GB"
+    files, architecture = write_hf(out, cfg.model, params, FIXTURES / family / "config.json", dtype, parse_size(shard))
+    ours = tensors_of(out)
+    assert sorted(ours) == sorted(theirs)
+    for name, array in theirs.items():
+        assert ours[name].dtype == array.dtype and ours[name].tobytes() == array.tobytes(), name
+    assert json.loads((out / "config.json").read_text()) == json.loads((FIXTURES / family / "config.json").read_text())
+    assert architecture == reference(family)["architecture"]
+    assert ((out / INDEX).exists()) == ((FIXTURES / family / INDEX).exists())
+    Checkpoint.open(out)  # and the export is a valid checkpoint to start another run from
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe", "mixtral", "gpt2"])
+def test_an_export_without_the_source_config_makes_one_that_imports_to_the_same_model(
+    tmp_path: Path, family: str
+) -> None:
+    """A run trained from scratch here has no config.json to write back: the one made from [model] reads back as it."""
+    cfg = load_config(run_config(tmp_path, FIXTURES / family))
+    rng = np.random.default_rng(0)
+    like = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
+    params = {n: rng.normal(size=a.shape).astype(np.float32) for n, a in flatten_named(like, to_numpy=False).items()}
+    out = tmp_path / "export"
+    out.mkdir()
+    write_hf(out, cfg.model, params, None, "float32", parse_size("5GB"))
+    config = json.loads((out / "config.json").read_text())
+    assert checkpoint_model(config, "made") == checkpoint_model(
+        json.loads((FIXTURES / family / "config.json").read_text()), "fixture"
+    ) | ({"seq_len": 32} if family == "gpt2" else {})
+    assert sorted(tensors_of(out)) == sorted(tensors_of(FIXTURES / family))
+
+
+# -- bad checkpoints: one line, exit 2, no run directory -----------------------------------------------------------
+
+
+def broken_copy(tmp: Path, family: str) -> Path:
+    copy = tmp / f"{family}-copy"
+    shutil.copytree(FIXTURES / family, copy)
+    return copy
+
+
+def edit_json(path: Path, **changes: object) -> None:
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in (data | changes).items() if v is not None}))
+
+
+def break_missing_shard(d: Path) -> str:
+    (d / "model-00002-of-00005.safetensors").unlink()
+    return "model-00002-of-00005.safetensors' that model.safetensors.index.json lists does not exist"
+
+
+def break_truncated(d: Path) -> str:
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:100])
+    return "is not a valid safetensors file: its header length field says"
+
+
+def break_lying_header(d: Path) -> str:
+    data = (d / "model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["model.norm.weight"]["shape"] = [33]
+    text = json.dumps(header).encode()
+    text += b" " * (n - len(text)) if len(text) <= n else b""
+    (d / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n :])
+    return "tensor 'model.norm.weight' is F32[33]"
+
+
+def break_architecture(d: Path) -> str:
+    edit_json(d / "config.json", architectures=["FalconForCausalLM"])
+    return "architecture 'FalconForCausalLM' is not supported"
+
+
+def break_missing_key(d: Path) -> str:
+    edit_json(d / "config.json", num_hidden_layers=None)
+    return "has no 'num_hidden_layers', which LlamaForCausalLM needs"
+
+
+def break_wrong_shape(d: Path) -> str:
+    from floor import safetensors
+
+    with SafetensorsFile(d / "model.safetensors") as f:
+        arrays = {name: f.read(name) for name in f.entries}
+    arrays["model.layers.1.self_attn.k_proj.weight"] = np.zeros((8, 32), np.float32)
+    safetensors.write(d / "model.safetensors", arrays, {"format": "pt"})
+    return "tensor 'model.layers.1.self_attn.k_proj.weight' in"
+
+
+def break_disagreeing_run_config(d: Path) -> str:
+    return "model.n_heads is 8 in the run config, but init.from's config.json"
+
+
+BREAKS = {
+    "missing shard": ("mixtral", break_missing_shard, ""),
+    "truncated file": ("llama", break_truncated, ""),
+    "lying header": ("llama", break_lying_header, ""),
+    "unsupported architecture": ("llama", break_architecture, ""),
+    "missing config key": ("llama", break_missing_key, ""),
+    "wrong tensor shape": ("llama", break_wrong_shape, ""),
+    "run config disagrees": ("llama", break_disagreeing_run_config, "n_heads = 8\n"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BREAKS))
+def test_a_bad_checkpoint_is_one_line_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    family, breaks, model_keys = BREAKS[case]
+    source = broken_copy(tmp_path, family)
+    expected = breaks(source)
+    config = run_config(tmp_path, source)
+    if model_keys:
+        config.write_text(config.read_text().replace("[model]\n", f"[model]\n{model_keys}"))
+    run_dir = tmp_path / "run"
+    fails(capsys, ["simulate", str(config), "--run-dir", str(run_dir), "--no-progress"], expected)
+    assert not run_dir.exists()
+
+
+def test_the_shape_check_reports_what_the_model_needs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = broken_copy(tmp_path, "llama")
+    break_wrong_shape(source)
+    fails(capsys, ["simulate", str(run_config(tmp_path, source)), "--run-dir", str(tmp_path / "r"), "--no-progress"],
+          "is [8, 32], but the LlamaForCausalLM that config.json describes needs [16, 32]")  # fmt: skip
