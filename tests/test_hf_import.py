@@ -148,13 +148,30 @@ def imported(tmp_path: Path, family: str) -> tuple:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_forward_and_greedy_generation_match_transformers(tmp_path: Path, family: str) -> None:
+def test_the_forward_matches_transformers_logits_and_greedy_picks(tmp_path: Path, family: str) -> None:
+    """One forward over the inputs and transformers' greedy continuation: the inputs' logits within 1e-5 of
+    transformers', and at every position of the continuation the top logit is transformers' next token (so a greedy
+    run here, each step's prefix transformers' own, picks what it picked, token for token)."""
+    cfg, params = imported(tmp_path, family)
+    ref = reference(family)
+    ids = np.concatenate([ref["input_ids"], ref["greedy"]], axis=1).astype(np.int32)
+    logits, _ = jax.jit(forward, static_argnums=(2, 3))(params, ids, cfg.model, ARCHITECTURES[cfg.model.kind])
+    logits = np.asarray(logits)
+    prompt = len(ref["input_ids"][0])
+    delta = float(np.abs(logits[:, :prompt] - np.load(FIXTURES / family / "logits.npy")).max())
+    assert delta < 1e-5, delta
+    assert logits[:, prompt - 1 : -1].argmax(-1).tolist() == ref["greedy"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_greedy_generation_matches_transformers_token_for_token(tmp_path: Path, family: str) -> None:
+    """islands/sampling.py's generation (prefill, then one token at a time over the KV cache) from the imported
+    weights gives transformers' greedy continuation; a dense family with Llama 3 rope scaling and grouped-query
+    attention, and a mixture of experts with q/k norms."""
     cfg, params = imported(tmp_path, family)
     ref = reference(family)
     ids = jnp.asarray(ref["input_ids"], jnp.int32)
-    logits, _ = jax.jit(forward, static_argnums=(2, 3))(params, ids, cfg.model, ARCHITECTURES[cfg.model.kind])
-    delta = float(np.abs(np.asarray(logits) - np.load(FIXTURES / family / "logits.npy")).max())
-    assert delta < 1e-5, delta
     new = len(ref["greedy"][0])
     tokens, lengths = generate(
         params, cfg.model, ids, jnp.full((ids.shape[0],), ids.shape[1]), key=jax.random.key(0),
