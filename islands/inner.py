@@ -68,8 +68,8 @@ def warmup_stable_decay(cfg: InnerConfig, total_steps: int, peak: float) -> opta
     return schedule
 
 
-MUON_MATRICES = ("wqkv", "wo", "w1", "w2", "router")
-"""The names of a transformer block's weight matrices (islands/models/transformer.py and moe.py): Muon's share."""
+MUON_MATRICES = ("wqkv", "wq", "wk", "wv", "wo", "w1", "w2", "w_gate", "w_up", "w_down", "router")
+"""The names of a block's weight matrices (islands/models/transformer.py, moe.py and llama.py): Muon's share."""
 
 
 class MuonError(UserError, ValueError):
@@ -82,12 +82,14 @@ def muon_dimensions(params: PyTree) -> PyTree:
 
     MuLoCo's split (arXiv 2505.23725, after Keller Jordan's Muon): Muon's orthogonalized update is steepest descent
     under the spectral norm of a linear map between hidden vectors, so it takes the weight matrices inside the
-    transformer blocks (a leaf under `blocks/` named in MUON_MATRICES: attention wqkv and wo, the feed-forward w1 and
-    w2, the mixture-of-experts router; a stack of experts [E, D, F] is E matrices, each orthogonalized on its own).
-    AdamW takes the rest: the token and position embeddings (tables looked up by index, not maps of hidden vectors;
-    the token table is also the tied output head, which MuLoCo leaves to AdamW), the layer norms' scales and biases
-    and the feed-forward biases (vectors, or stacks of them per expert). A model with nothing for Muon (a user
-    model without `blocks/`) is refused in one line rather than trained as AdamW under Muon's name."""
+    transformer blocks (a leaf under `blocks/` named in MUON_MATRICES: attention wqkv or wq, wk, wv, and wo, the
+    feed-forward w1 and w2 or SwiGLU's w_gate, w_up and w_down (a shared expert's too), the mixture-of-experts router;
+    a stack of experts [E, D, F] is E matrices, each orthogonalized on its own). AdamW takes the rest: the token and
+    position embeddings (tables looked up by index, not maps of hidden vectors; the token table is also the tied
+    output head, which MuLoCo leaves to AdamW, as it leaves an untied lm_head), the norms' scales and biases, the
+    attention and feed-forward biases (vectors, or stacks of them per expert) and a shared expert's gate [D, 1]. A
+    model with nothing for Muon (a user model without `blocks/`) is refused in one line rather than trained as AdamW
+    under Muon's name."""
 
     def dimensions(path: tuple[Any, ...], leaf: jax.Array) -> MuonDimensionNumbers | None:
         parts = path_name(path).split("/")

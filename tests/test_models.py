@@ -187,7 +187,7 @@ def test_input_longer_than_seq_len_is_an_error():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"kind": "foo"}, "model.kind must be one of transformer, moe, custom (got 'foo')"),
+        ({"kind": "foo"}, "model.kind must be one of transformer, moe, llama, llama_moe, custom (got 'foo')"),
         ({"d_model": 130}, "model.d_model (130) must be divisible by model.n_heads (4)"),
         ({"top_k": 5}, "model.top_k (5) must be <= model.n_experts (4)"),
         ({"vocab_size": 0}, "model.vocab_size must be >= 1 (got 0)"),
