@@ -28,11 +28,16 @@ PROMPTS = np.array([[5, 9, 3, 41, 41, 41], [7, 1, 2, 3, 4, 5], [30, 41, 41, 41, 
 """Three prompts of lengths 3, 6 and 1, padded with token 41 (which the model would notice if it attended it)."""
 LENS = np.array([3, 6, 1], np.int32)
 NEW = 8
+FAMILY_KEYS = {
+    "llama": {"n_kv_heads": 2, "qk_norm": True, "tie_embeddings": False, "rope_theta": 100.0},
+    "llama_moe": {"n_kv_heads": 1, "shared_expert_d_ff": 16},
+}
+"""The Llama family's tiny models: grouped-query (a cache of 2 and of 1 key/value heads), Qwen3's q/k norms, an lm_head."""
 
 
 @functools.cache
 def model(kind: str = "transformer", dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    cfg = replace(TINY, kind=kind, compute_dtype=dtype)
+    cfg = replace(TINY, kind=kind, compute_dtype=dtype, **FAMILY_KEYS.get(kind, {}))
     return cfg, jax.jit(build_model(cfg).init)(jax.random.key(0))
 
 
@@ -67,7 +72,13 @@ def continue_rows(cfg: ModelConfig, params: dict, **kw: object) -> tuple[np.ndar
 # (2^-6 at |logit| in [2, 4)): 0.05 + 2 % of the logit, far below the gap a wrong position or an attended pad makes.
 @pytest.mark.parametrize(("kind", "dtype", "atol", "rtol"), [("transformer", "float32", 1e-5, 0),
                                                               ("moe", "float32", 1e-5, 0),
-                                                              ("transformer", "bfloat16", 0.05, 0.02)])  # fmt: skip
+                                                              ("transformer", "bfloat16", 0.05, 0.02),
+                                                              pytest.param("llama", "float32", 1e-5, 0,
+                                                                           marks=pytest.mark.slow),
+                                                              pytest.param("llama_moe", "float32", 1e-5, 0,
+                                                                           marks=pytest.mark.slow),
+                                                              pytest.param("llama", "bfloat16", 0.05, 0.02,
+                                                                           marks=pytest.mark.slow)])  # fmt: skip
 def test_cached_logits_equal_the_full_forward_at_every_generated_position(kind, dtype, atol, rtol):
     cfg, params = model(kind, dtype)
     tokens, lengths, logits = continue_rows(cfg, params)  # sampled at temperature 1: varied tokens
