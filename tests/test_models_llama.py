@@ -354,3 +354,13 @@ def test_sft_and_rl_islands_train_a_llama(tiny_config: Path, tmp_path: Path) -> 
     summary = run_simulation(load_config(tiny_config, overrides), tmp_path / "run", show_progress=False)
     assert set(summary["final_scores"]) == {"sft_ce", "sft_exact_match", "rl_reward", "rl_exact_match"}
     assert all(math.isfinite(x) for x in summary["final_scores"].values())
+
+
+def test_the_models_bench_compares_blocks_of_equal_parameters():
+    from diloco.bench.models import block_params, family_configs
+
+    rows = family_configs(d_model=256, heads=8, kv_heads=2, layers=1, seq_len=32, dtype="float32")
+    counts = {name: block_params(cfg, arch) for name, (cfg, arch) in rows.items()}
+    # 8 D / 3 with multi-head attention (and GPT-2's biases, 3 columns' worth); grouped-query pays back in width
+    assert abs(rows["llama"][0].d_ff - 8 * 256 / 3) < 4 and rows["llama_gqa"][0].d_ff > rows["llama"][0].d_ff
+    assert all(abs(n - counts["gpt2"]) <= 3 * 256 for n in counts.values())  # within one SwiGLU column of the target

@@ -39,6 +39,7 @@ HELP = {
     "simulator": "simulate's islands stepped in turn vs as one program (train.vectorize): wall time, speedup, max |Δ|",
     "generate": "KV-cache generation vs the training step of one model: tokens/s, first-token time, per-token decode",
     "posttrain": "SFT, DPO and RL: DiLoCo vs one island vs data-parallel on the same samples, whole held-out split",
+    "models": "the Llama family's block vs the GPT-2 block at equal parameters: step time and their ratio",
 }
 
 
@@ -192,6 +193,19 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     gen.add_argument("--prompt-len", type=int, default=None, help="P, tokens per prompt (default: model.seq_len / 2)")
     gen.add_argument("--repeats", type=int, default=5, help="timed runs of each (median)")
     _add_posttrain(parsers["posttrain"])
+    _add_models(parsers["models"])
+
+
+def _add_models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--d-model", type=int, default=256, help="D, the width of every stack")
+    p.add_argument("--heads", type=int, default=8, help="attention (query) heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads of the grouped-query row")
+    p.add_argument("--layers", type=int, default=4, help="blocks per stack")
+    p.add_argument("--batch", type=int, default=8, help="B, sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="T, tokens per sequence")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the compute dtype")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed run")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each stack (median)")
 
 
 def _add_posttrain(p: argparse.ArgumentParser) -> None:
@@ -431,6 +445,22 @@ def _generate(args: argparse.Namespace) -> Result:
     return run_generate_bench(cfg, args.batch, args.new_tokens, args.prompt_len, args.repeats)
 
 
+def _models(args: argparse.Namespace) -> Result:
+    from diloco.bench.models import run_models_bench
+
+    return run_models_bench(
+        args.d_model,
+        args.heads,
+        args.kv_heads,
+        args.layers,
+        args.batch,
+        args.seq_len,
+        args.dtype,
+        args.steps,
+        args.repeats,
+    )
+
+
 def _posttrain(args: argparse.Namespace) -> Result:
     from diloco.bench.errors import parse_names
     from diloco.bench.posttrain import COLUMNS, DPO_DEFAULT, RL_DEFAULT, run_posttrain_bench
@@ -467,6 +497,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "simulator": _simulator,
     "generate": _generate,
     "posttrain": _posttrain,
+    "models": _models,
 }
 
 
