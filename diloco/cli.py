@@ -260,9 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="diloco",
         help="diloco: the project's tensor names (default); hf: a Hugging Face directory transformers loads",
     )
-    ex.add_argument("--dtype", default="float32", metavar="DTYPE", help="--format hf: float32 (default) or bfloat16")
+    ex.add_argument("--dtype", default=None, metavar="DTYPE", help="--format hf: float32 (default) or bfloat16")
     ex.add_argument(
-        "--max-shard-size", default="5GB", metavar="SIZE", help="--format hf: shards of at most SIZE (default 5GB)"
+        "--max-shard-size", default=None, metavar="SIZE", help="--format hf: shards of at most SIZE (default 5GB)"
     )
 
     data = sub.add_parser(
@@ -355,10 +355,13 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from diloco.ops.export import export, export_hf
+    from diloco.ops.export import MAX_SHARD_SIZE, ExportError, export, export_hf
 
     if args.format == "hf":
-        written = export_hf(args.run_dir, args.out, args.force, args.dtype, args.max_shard_size)
+        shard = args.max_shard_size or MAX_SHARD_SIZE
+        written = export_hf(args.run_dir, args.out, args.force, args.dtype or "float32", shard)
+    elif args.dtype or args.max_shard_size:
+        raise ExportError("--dtype and --max-shard-size apply to --format hf (the project's own is float32, one file)")
     else:
         written = export(args.run_dir, args.out, args.force)
     print(json.dumps({"out": str(args.out), **written}, indent=2))
