@@ -326,3 +326,35 @@ def test_the_shape_check_reports_what_the_model_needs(tmp_path: Path, capsys: py
     break_wrong_shape(source)
     fails(capsys, ["simulate", str(run_config(tmp_path, source)), "--run-dir", str(tmp_path / "r"), "--no-progress"],
           "is [8, 32], but the LlamaForCausalLM that config.json describes needs [16, 32]")  # fmt: skip
+
+
+def test_a_corpus_whose_ids_pass_the_checkpoints_vocabulary_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Tokens prepared with a tokenizer of 401 ids, for a checkpoint of 320: refused before the run directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(400)} | {"[UNK]": 400}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "text.txt").write_text(" ".join(f"w{i % 400}" for i in range(2000)))
+    assert main_ok(["data", "prepare", str(tmp_path / "text.txt"), "--out", str(tmp_path / "tokens"),
+                    "--tokenizer", str(tmp_path / "tokenizer.json")])  # fmt: skip
+    config = run_config(tmp_path, FIXTURES / "llama")
+    text = (
+        config.read_text()
+        .replace('kind = "text"', 'kind = "tokens"')
+        .replace(str(tmp_path / "corpus.txt"), str(tmp_path / "tokens"))
+    )
+    config.write_text(text)
+    run_dir = tmp_path / "run"
+    fails(capsys, ["simulate", str(config), "--run-dir", str(run_dir), "--no-progress"],
+          "its tokenizer has a vocabulary of 401 but model.vocab_size is 320")  # fmt: skip
+    assert not run_dir.exists()
+
+
+def main_ok(args: list[str]) -> bool:
+    from diloco.cli import main
+
+    return main(args) == 0
