@@ -22,10 +22,11 @@ from diloco.ops.trained import load_trained
 from diloco.run.warm_start import checkpoint_params
 from islands.models.hf.checkpoint import RUN_FILES, copy_files, parse_size
 from islands.models.hf.families import open_import
-from islands.models.registry import build_model
+from islands.models.registry import ARCHITECTURES, build_model
+from islands.models.transformer import forward
 from pytrees.digest import tree_digest
 from pytrees.naming import flatten_named
-from tests.conftest import fails
+from tests.conftest import TINY_TOML, fails, write_corpus
 from tests.test_hf_import import FAMILIES, FIXTURES, run_config, tensors_of
 
 MAKE_FIXTURES = FIXTURES / "make_fixtures.py"
@@ -132,3 +133,52 @@ def test_transformers_loads_the_cli_export_of_a_run(exported) -> None:
     _, out, _ = exported
     result = transformers_check(out, FIXTURES / "llama")
     assert result["architecture"] == "LlamaForCausalLM" and result["tokens_of_hi"]
+
+
+@pytest.fixture(scope="module")
+def byte_level_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A one-round byte-level GPT-2-shape run trained here (no checkpoint to start from), exported as hf."""
+    tmp = tmp_path_factory.mktemp("bytes-run")
+    config = tmp / "tiny.toml"
+    config.write_text(TINY_TOML.format(corpus=write_corpus(tmp / "corpus.txt")))
+    run_dir, out = tmp / "run", tmp / "export"
+    assert main(["simulate", str(config), "--run-dir", str(run_dir), "--no-progress", "train.rounds=1"]) == 0
+    assert main(["export", str(run_dir), "--out", str(out), "--format", "hf"]) == 0
+    return run_dir, out
+
+
+@pytest.mark.slow
+def test_a_run_trained_here_exports_as_gpt2_with_a_byte_tokenizer(byte_level_export) -> None:
+    from tokenizers import Tokenizer
+
+    run_dir, out = byte_level_export
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["n_positions"] == 16
+    text = "the island\tré"
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tokenizer.encode(text).ids == list(text.encode()) and tokenizer.decode(list(text.encode())) == text
+    theirs = tensors_of(out)
+    assert not theirs["transformer.h.0.attn.c_attn.bias"].any()  # the run has no attention biases: zeros
+    trained = flatten_named(load_trained(run_dir).params)
+    assert np.array_equal(theirs["transformer.h.0.attn.c_attn.weight"], trained["blocks/0/attn/wqkv"])
+
+
+@pytest.mark.reference
+@needs_transformers
+def test_transformers_gives_a_byte_level_exports_logits(byte_level_export, tmp_path: Path) -> None:
+    """transformers' logits of the export of a run trained here against the project's forward of the run's θ."""
+    run_dir, out = byte_level_export
+    trained = load_trained(run_dir)
+    ids = np.array([list(b"the island "), list(b"outer delta")], np.int32)
+    logits, _ = forward(trained.params, ids, trained.model, ARCHITECTURES[trained.model.kind])
+    expected = tmp_path / "expected"
+    expected.mkdir()
+    np.save(expected / "logits.npy", np.asarray(logits))
+    greedy = [[int(np.asarray(logits)[r, -1].argmax())] for r in range(len(ids))]
+    (expected / "reference.json").write_text(
+        json.dumps({"family": "trained", "input_ids": ids.tolist(), "greedy": greedy})
+    )
+    result = transformers_check(out, expected)
+    print(json.dumps(result))
+    assert result["architecture"] == "GPT2LMHeadModel" and result["max_abs_logit_diff"] < 1e-5, result
+    assert result["tokens_of_hi"] == list(b"hi")

@@ -15,7 +15,7 @@ AutoTokenizer load without this project (islands/models/hf/):
     DIR/config.json                 the config.json the run started from (RUN/hf/), or one made from [model]
     DIR/model.safetensors           Hugging Face's tensor names and layouts, in float32 or bfloat16; or shards of
     DIR/model-0000i-of-0000N...     at most --max-shard-size each and model.safetensors.index.json
-    DIR/tokenizer.json, ...         the tokenizer files the run started from (RUN/hf/), else its data's tokenizer.json
+    DIR/tokenizer.json, ...         the tokenizer files the run started from (RUN/hf/), else the run's own
 """
 
 from __future__ import annotations
@@ -176,16 +176,40 @@ def export_hf(
     }
 
 
+def byte_tokenizer() -> dict[str, Any]:
+    """A byte-level run's codec (a token is one byte of the UTF-8 text, id = the byte's value) as a Hugging Face
+    tokenizer.json: GPT-2's byte-to-character table (each byte a printable character) as a BPE vocabulary without
+    merges, the text split into bytes whole (no regex), decoded back the same way."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {chars[b]: b for b in range(256)}, "merges": []},
+    }  # fmt: skip
+
+
 def tokenizer_files(trained: Trained, out: Path) -> list[str]:
     """The tokenizer beside a Hugging Face export: the files of the checkpoint the run started from (RUN/hf/), else
-    the tokenizer.json of its data with a tokenizer_config.json naming the class that loads it (a byte-level run
-    has none to write)."""
+    the run's own (its data's tokenizer.json, or a byte-level run's `byte_tokenizer`) with a tokenizer_config.json
+    naming the class that loads it."""
     kept = trained.run_dir / checkpoint.RUN_FILES
     if kept.is_dir():
         return checkpoint.copy_files(kept, out)
     tokenizer = tokenizer_file(trained.data)
-    if tokenizer is None:
-        return []
-    shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+    else:
+        (out / TOKENIZER_FILE).write_text(json.dumps(byte_tokenizer()) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
     return [TOKENIZER_FILE, "tokenizer_config.json"]

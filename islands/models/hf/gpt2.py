@@ -71,6 +71,8 @@ def config_json(model: ModelConfig, architecture: str) -> dict[str, Any]:
         "activation_function": "gelu_new",
         "layer_norm_epsilon": model.norm_eps,
         "tie_word_embeddings": True,
+        "bos_token_id": None,  # a run trained here has no special tokens (the config class's defaults are another's)
+        "eos_token_id": None,
     }
 
 

@@ -178,6 +178,8 @@ def config_json(model: ModelConfig, architecture: str) -> dict[str, Any]:
         "tie_word_embeddings": model.tie_embeddings,
         "sliding_window": None,
         "use_sliding_window": False,
+        "bos_token_id": None,  # a run trained here has no special tokens (the config class's defaults are another's)
+        "eos_token_id": None,
     }
     if model.rope_scaling == "llama3":
         config["rope_scaling"] = {
