@@ -268,13 +268,15 @@ def read_item(step_dir: Path, item: str, like: PyTree, what: str, where: str = "
 
 
 def checkpoint_params(cfg: RunConfig, directory: Path, like: PyTree) -> PyTree:
-    """The parameters of init.from's Hugging Face checkpoint in the structure and on the devices of `like`."""
-    named = open_checkpoint(cfg, directory).read()
-    return jax.tree.map(
-        lambda value, leaf: jax.device_put(value, leaf.sharding) if isinstance(leaf, jax.Array) else value,
-        unflatten_named(named, like),
-        like,
-    )
+    """The parameters of init.from's Hugging Face checkpoint in the structure and on the devices of `like`: each leaf
+    placed as soon as it is read, its host copy dropped, so the host holds θ once at most (less where `like` is on an
+    accelerator), never the checkpoint and θ together."""
+    sharding = {name: getattr(leaf, "sharding", None) for name, leaf in flatten_named(like, to_numpy=False).items()}
+    placed = {
+        name: value if sharding[name] is None else jax.device_put(value, sharding[name])
+        for name, value in open_checkpoint(cfg, directory).leaves()
+    }
+    return unflatten_named(placed, like)
 
 
 def reference_params(cfg: RunConfig, init_params: PyTree) -> tuple[PyTree, str]:

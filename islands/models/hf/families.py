@@ -9,6 +9,7 @@ model does not read) and `complete(params, model)` (leaves an export needs that 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import ModuleType
@@ -89,9 +90,13 @@ class Import:
     located: dict[str, str]
     """The rules' tensor names -> the checkpoint's (`tensors.check`)."""
 
-    def read(self) -> dict[str, np.ndarray]:
-        """Every leaf, float32, named as pytrees/naming.py names it; the checkpoint read shard by shard."""
+    def leaves(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Every leaf, float32, named as pytrees/naming.py names it, each as soon as it is whole (`tensors.read`)."""
         return tensors.read(self.checkpoint, self.rules, self.shapes, self.located)
+
+    def read(self) -> dict[str, np.ndarray]:
+        """Every leaf at once (for a caller that keeps them all as host arrays anyway)."""
+        return dict(self.leaves())
 
 
 def open_import(directory: Path, model: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> Import:

@@ -11,7 +11,7 @@ bfloat16 or float16 one exported in its own dtype (a float32 value made from one
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,21 +110,24 @@ def check(
 
 def read(
     checkpoint: Checkpoint, rules: Sequence[Rule], shapes: Mapping[str, tuple[int, ...]], located: Mapping[str, str]
-) -> dict[str, np.ndarray]:
-    """Every leaf as a float32 array in the project's layout, the checkpoint read shard by shard (`check` first: it
-    gives `located`). Each Hugging Face tensor is converted into its leaf as soon as it is read."""
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Every leaf as a float32 array in the project's layout, each given out as soon as it is whole, the checkpoint
+    read shard by shard (`check` first: it gives `located`). Each Hugging Face tensor goes into its leaf as soon as it
+    is read, so what is held at once is the leaf being made (a stack of experts may wait for a later shard)."""
     where = {located[name]: slot for name, slot in slots(rules).items()}
-    out: dict[str, np.ndarray] = {}
+    partial: dict[str, tuple[np.ndarray, int]] = {}
     for name, array in checkpoint.read(where):
         rule, i = where[name]
         value = array.T if rule.transpose else array
         if len(rule.theirs) == 1:
-            out[rule.ours] = np.ascontiguousarray(value, np.float32)
+            yield rule.ours, np.ascontiguousarray(value, np.float32)
+            continue
+        leaf, filled = partial.pop(rule.ours, None) or (np.empty(shapes[rule.ours], np.float32), 0)
+        leaf[i] = value
+        if filled + 1 == len(rule.theirs):
+            yield rule.ours, leaf
         else:
-            if rule.ours not in out:
-                out[rule.ours] = np.empty(shapes[rule.ours], np.float32)
-            out[rule.ours][i] = value
-    return out
+            partial[rule.ours] = (leaf, filled + 1)
 
 
 def hf_sizes(rules: Sequence[Rule], shapes: Mapping[str, tuple[int, ...]], dtype: np.dtype) -> list[tuple[str, int]]:
