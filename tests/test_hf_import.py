@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -24,7 +26,7 @@ from islands.models.registry import ARCHITECTURES, build_model
 from islands.models.transformer import forward
 from islands.sampling import generate
 from pytrees.naming import flatten_named
-from tests.conftest import fails, write_corpus
+from tests.conftest import child_env, fails, write_corpus
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
@@ -358,3 +360,61 @@ def main_ok(args: list[str]) -> bool:
     from diloco.cli import main
 
     return main(args) == 0
+
+
+# -- memory: read shard by shard, tensor by tensor -----------------------------------------------------------------
+
+PEAK_CHILD = """
+import json, sys
+from pathlib import Path
+from islands.models.config import ModelConfig
+from islands.models.hf.families import open_import
+model = ModelConfig(**json.loads(sys.argv[2]))
+shapes = {k: tuple(v) for k, v in json.loads(sys.argv[3]).items()}
+imported = open_import(Path(sys.argv[1]), model, shapes, "init.from")
+def peak():  # this process's own high-water mark (ru_maxrss would carry the parent's across fork and exec)
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+before = peak()
+leaves = dict(imported.leaves())
+print(json.dumps({"growth": peak() - before, "theta": sum(a.nbytes for a in leaves.values())}))
+"""
+
+
+@pytest.mark.slow
+def test_a_bfloat16_checkpoint_imports_without_a_second_copy(tmp_path: Path) -> None:
+    """θ as float32 leaves costs the host θ and a leaf or two more, not the checkpoint's bytes as well: a 58M-parameter
+    bfloat16 checkpoint in two shards (116 MB) grows a fresh process's peak by about θ (232 MB)."""
+    import ml_dtypes
+
+    from floor import safetensors
+    from islands.models.config import ModelConfig
+    from islands.models.hf import llama
+
+    section = {"kind": "llama", "vocab_size": 4096, "d_model": 1024, "n_layers": 4, "n_heads": 8, "d_ff": 2816,
+               "tie_embeddings": False, "seq_len": 64}  # fmt: skip
+    model = ModelConfig(**section)
+    shapes = {n: tuple(a.shape) for n, a in flatten_named(jax.eval_shape(build_model(model).init, jax.random.key(0)), to_numpy=False).items()}  # fmt: skip
+    rules = llama.rules(model, "LlamaForCausalLM")
+    tensors = {}
+    for rule in rules:
+        shape = rule.their_shape(shapes[rule.ours])
+        tensors[rule.theirs[0]] = np.full(shape, 0.5, ml_dtypes.bfloat16)
+    names = sorted(tensors)
+    half = len(names) // 2
+    for i, part in enumerate((names[:half], names[half:]), 1):
+        safetensors.write(tmp_path / f"model-0000{i}-of-00002.safetensors", {n: tensors[n] for n in part})
+    weight_map = {n: f"model-0000{1 + (j >= half)}-of-00002.safetensors" for j, n in enumerate(names)}
+    (tmp_path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(llama.config_json(model, "LlamaForCausalLM")))
+    file_bytes = sum(a.nbytes for a in tensors.values())
+    del tensors
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_CHILD, str(tmp_path), json.dumps(section), json.dumps(shapes)],
+        capture_output=True, text=True, timeout=240, check=True, env=child_env(),
+    )  # fmt: skip
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    largest = max(np.prod(s) for s in shapes.values()) * 4
+    print(json.dumps({**result, "file_bytes": file_bytes, "largest_leaf": int(largest)}))
+    assert result["theta"] == 2 * file_bytes
+    assert result["growth"] < result["theta"] + 3 * largest, result
