@@ -383,8 +383,9 @@ print(json.dumps({"growth": peak() - before, "theta": sum(a.nbytes for a in leav
 
 @pytest.mark.slow
 def test_a_bfloat16_checkpoint_imports_without_a_second_copy(tmp_path: Path) -> None:
-    """θ as float32 leaves costs the host θ and a leaf or two more, not the checkpoint's bytes as well: a 58M-parameter
-    bfloat16 checkpoint in two shards (116 MB) grows a fresh process's peak by about θ (232 MB)."""
+    """θ as float32 leaves costs the host θ and a leaf or two more, not the checkpoint's bytes as well: a Llama-shaped
+    bfloat16 checkpoint in two shards grows a fresh process's peak by less than θ plus three of its largest leaves
+    (a reader that kept the file's bytes while converting would need θ plus half of θ)."""
     import ml_dtypes
 
     from floor import safetensors
@@ -418,3 +419,32 @@ def test_a_bfloat16_checkpoint_imports_without_a_second_copy(tmp_path: Path) -> 
     print(json.dumps({**result, "file_bytes": file_bytes, "largest_leaf": int(largest)}))
     assert result["theta"] == 2 * file_bytes
     assert result["growth"] < result["theta"] + 3 * largest, result
+
+
+def test_a_checkpoint_has_no_inner_state_to_start_from(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = run_config(tmp_path, FIXTURES / "qwen3")
+    config.write_text(config.read_text() + "inner_state = true\n")
+    fails(capsys, ["simulate", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress"],
+          "is a Hugging Face checkpoint, which holds no optimizer state")  # fmt: skip
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_reference_of_a_run_from_a_checkpoint_is_the_checkpoint(tmp_path: Path) -> None:
+    """dpo's and rl's workload.reference = "start" is θ_0: the checkpoint's weights, read as init.from reads them."""
+    from diloco.run.warm_start import reference_params
+
+    cfg = load_config(run_config(tmp_path, FIXTURES / "qwen3"))
+    like = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0))
+    params, source = reference_params(cfg, like)
+    assert source == str(FIXTURES / "qwen3")
+    with SafetensorsFile(FIXTURES / "qwen3" / "model.safetensors") as f:
+        wq = f.read("model.layers.1.self_attn.q_proj.weight")
+    assert np.array_equal(np.asarray(params["blocks"][1]["attn"]["wq"]), wq.T)
+
+
+def test_a_model_without_a_hugging_face_architecture_is_refused_in_one_line() -> None:
+    from islands.models.config import ModelConfig, ModelError
+    from islands.models.hf.families import family_of
+
+    with pytest.raises(ModelError, match="model.kind = 'moe' has no Hugging Face architecture"):
+        family_of(ModelConfig(kind="moe"))
