@@ -134,19 +134,19 @@ def test_adamw_steps_reduce_the_loss(kind):
 
 
 def test_uniform_router_has_aux_one_and_collapse_has_aux_n_experts():
-    combine, aux = moe.route(jnp.zeros((50, 4)), top_k=2)
+    combine, aux = moe.route(jnp.zeros((50, 4)), top_k=2, normalize=True)
     assert float(aux) == pytest.approx(1.0, abs=1e-6)
     np.testing.assert_allclose(combine.sum(-1), 1.0, rtol=1e-6)
     assert (np.count_nonzero(np.asarray(combine), axis=-1) == 2).all()
     # Everything sent to expert 0 (top-1): f = (1, 0, 0, 0), P -> (1, 0, 0, 0), aux -> n_experts.
     collapsed = jnp.tile(jnp.array([30.0, 0.0, 0.0, 0.0]), (50, 1))
-    _, aux = moe.route(collapsed, top_k=1)
+    _, aux = moe.route(collapsed, top_k=1, normalize=False)
     assert float(aux) == pytest.approx(4.0, rel=1e-6)
 
 
 def test_top1_gate_is_the_router_probability():
     logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
-    combine, _ = moe.route(logits, top_k=1)
+    combine, _ = moe.route(logits, top_k=1, normalize=False)
     probs = jax.nn.softmax(logits)
     np.testing.assert_allclose(combine, jnp.where(combine > 0, probs, 0.0), rtol=1e-6)
     assert (np.count_nonzero(np.asarray(combine), axis=-1) == 1).all()
