@@ -39,6 +39,23 @@ def pack(prompt: Sequence[int], answer: Sequence[int], stop: int, width: int) ->
     return tokens, mask
 
 
+def chat_row(codec: AnswerText, text: str, spans: Sequence[tuple[int, int]], width: int
+             ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(tokens int32 [width], mask float32 [width - 1]) of a rendered conversation, right-padded: the mask is 1 where
+    the target token starts inside an assistant span (islands/chat.py). The caller has checked that it fits."""
+    from islands.chat import trained_tokens
+
+    ids, offsets = codec.codec.encode_offsets(text)  # type: ignore[attr-defined]
+    if len(ids) > width:
+        raise ValueError(f"a conversation of {len(ids)} tokens does not fit a row of {width}")
+    tokens = np.full(width, PAD, np.int32)
+    tokens[: len(ids)] = ids
+    mask = np.zeros(width - 1, np.float32)
+    trained = np.asarray(trained_tokens(offsets, spans), np.float32)
+    mask[: len(ids) - 1] = trained[1:]
+    return tokens, mask
+
+
 def _packed(prompts: Sequence[str], answers: Sequence[str], codec: AnswerText, width: int) -> tuple[np.ndarray, ...]:
     rows = [pack(codec.encode(p), codec.encode(a), codec.stop, width) for p, a in zip(prompts, answers, strict=True)]
     return np.stack([t for t, _ in rows]), np.stack([m for _, m in rows])
