@@ -86,7 +86,8 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as err:
-            raise DataError(f"{where}: the chat template is not a Jinja template (line {err.lineno}: {err})") from None
+            message = " ".join(str(err).split())
+            raise ChatError(f"{where}: the chat template is not Jinja (line {err.lineno}: {message})") from None
         self._errors = (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool, where: str) -> str:
@@ -97,7 +98,8 @@ class ChatTemplate:
                 **self.special,
             )  # fmt: skip
         except self._errors as err:
-            raise ChatError(f"{where}: the chat template of {self.where} fails to render ({str(err)[:120]})") from None
+            message = " ".join(str(err).split())[:120]
+            raise ChatError(f"{where}: the chat template of {self.where} fails to render ({message})") from None
 
     def prompt(self, messages: Sequence[Message], where: str) -> str:
         """The text a reply to `messages` continues: rendered with the generation prompt."""
