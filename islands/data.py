@@ -36,7 +36,7 @@ import numpy as np
 
 from floor.errors import UserError
 from floor.fields import LOCAL
-from islands import prepared
+from islands import documents, prepared
 
 if TYPE_CHECKING:
     from islands.documents import CorpusTokenizer
@@ -463,8 +463,6 @@ def _documents(
 ) -> tuple[str, np.dtype]:
     """(the token file, its dtype) of a data.kind = "jsonl" or "parquet" source: its shards tokenized by the run's
     tokenizer into the cache (islands/documents.py), once the tokenizer's vocabulary fits model.vocab_size."""
-    from islands import documents
-
     if tokenizer is None:
         raise DataError(
             f"{where}: data.kind = {cfg.kind!r} tokenizes documents with the run's tokenizer, and the run has none "
@@ -475,8 +473,16 @@ def _documents(
             f"{where}: the tokenizer '{tokenizer.path}' has a vocabulary of {tokenizer.vocab} but model.vocab_size is "
             f"{vocab_size} (set model.vocab_size={tokenizer.vocab} or more)"
         )
-    files = documents.shard_files(spec, cfg.kind, where, key)
-    directory = documents.cached_tokens(files, cfg.kind, cfg.text_field, tokenizer, cfg.cache_dir)
+    files = resolve_files(spec, where, key)
+    if os.path.isdir(os.path.expanduser(spec)):  # a dataset repository's folder: its shards, not its card
+        files = [f for f in files if f.endswith(documents.FORMATS[cfg.kind])]
+        if not files:
+            ends = " or ".join(documents.FORMATS[cfg.kind])
+            raise DataError(f"{where}: the directory has no {ends} files (data.kind = {cfg.kind!r})")
+    try:
+        directory = documents.cached_tokens(files, cfg.kind, cfg.text_field, tokenizer, cfg.cache_dir)
+    except documents.DocumentError as err:
+        raise DataError(str(err)) from None
     meta = prepared.read_meta(directory / prepared.META_FILE)
     if isinstance(meta, str):
         raise DataError(f"{where}: the token cache is damaged ({meta}): delete {directory}")

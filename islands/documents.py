@@ -37,8 +37,8 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
+from floor.errors import UserError
 from islands import prepared
-from islands.data import DataError, resolve_files
 
 FORMATS: dict[str, tuple[str, ...]] = {"jsonl": (".jsonl", ".jsonl.gz"), "parquet": (".parquet",)}
 """data.kind -> the file name endings of its shards (what a directory's files are filtered by)."""
@@ -54,32 +54,27 @@ CACHE_FORMAT = 1
 """Part of every cache key: bumped when the token file's layout changes."""
 
 
+class DocumentError(UserError, ValueError):
+    """A document file that cannot be used, or a cache that cannot be written: one line naming the file (and line or
+    row). islands.data re-raises it as a DataError."""
+
+
 def document_format(path: str) -> str | None:
     """The kind whose shards end like `path` ("jsonl", "parquet"), None for another file."""
     return next((kind for kind, ends in FORMATS.items() if path.endswith(ends)), None)
 
 
 def pyarrow_parquet(purpose: str) -> Any:
-    """`pyarrow.parquet`; a DataError naming `purpose` and the extra when pyarrow is not installed."""
+    """`pyarrow.parquet`; a DocumentError naming `purpose` and the extra when pyarrow is not installed."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{purpose} reads Parquet with pyarrow, which is not installed: {PARQUET_EXTRA}") from None
+        raise DocumentError(f"{purpose} reads Parquet with pyarrow, which is not installed: {PARQUET_EXTRA}") from None
     return pq
 
 
-def shard_files(spec: str, kind: str, where: str, key: str = "data.path") -> list[str]:
-    """The shards a data.path names: a file, a glob's matches, or a directory's files ending as the kind's do."""
-    files = resolve_files(spec, where, key)
-    if os.path.isdir(os.path.expanduser(spec)):
-        files = [f for f in files if f.endswith(FORMATS[kind])]
-        if not files:
-            raise DataError(f"{where}: the directory has no {' or '.join(FORMATS[kind])} files (data.kind = {kind!r})")
-    return files
-
-
 def documents(path: str, kind: str, field: str) -> Iterator[str]:
-    """The texts of one shard, in order; DataError (one line, naming the file and line or row) for a record without
+    """The texts of one shard, in order; DocumentError (one line, naming the file and line or row) for a record without
     a string `field`, a file that is not of the kind, and a shard with no documents."""
     count = 0
     reader = _jsonl_texts if kind == "jsonl" else _parquet_texts
@@ -87,14 +82,14 @@ def documents(path: str, kind: str, field: str) -> Iterator[str]:
         count += 1
         yield text
     if count == 0:
-        raise DataError(f"{path}: an empty shard (no documents)")
+        raise DocumentError(f"{path}: an empty shard (no documents)")
 
 
 def _open_jsonl(path: str) -> BinaryIO:
     try:
         return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")  # type: ignore[return-value]
     except OSError as err:
-        raise DataError(f"{path}: cannot read it ({err.strerror or err})") from None
+        raise DocumentError(f"{path}: cannot read it ({err.strerror or err})") from None
 
 
 def _jsonl_texts(path: str, field: str) -> Iterator[str]:
@@ -105,18 +100,18 @@ def _jsonl_texts(path: str, field: str) -> Iterator[str]:
             try:
                 line = f.readline(MAX_LINE_BYTES + 1)
             except (OSError, EOFError, zlib.error) as err:
-                raise DataError(f"{path}:{number}: cannot read it ({err})") from None
+                raise DocumentError(f"{path}:{number}: cannot read it ({err})") from None
             if not line:
                 return
             body = line.rstrip(b"\r\n")
             if len(body) > MAX_LINE_BYTES:
-                raise DataError(f"{path}:{number}: a line longer than {MAX_LINE_BYTES} bytes")
+                raise DocumentError(f"{path}:{number}: a line longer than {MAX_LINE_BYTES} bytes")
             if not body.strip():
                 continue
             try:
                 record = json.loads(body)
             except (ValueError, RecursionError) as err:
-                raise DataError(f"{path}:{number}: not JSON ({str(err)[:80]})") from None
+                raise DocumentError(f"{path}:{number}: not JSON ({str(err)[:80]})") from None
             yield _text_of(record, field, f"{path}:{number}")
 
 
@@ -127,13 +122,14 @@ def _json_type(value: object) -> str:
 
 def _text_of(record: object, field: str, where: str) -> str:
     if not isinstance(record, dict):
-        raise DataError(f"{where}: not a JSON object (got {_json_type(record)}); each line is {{{field!r}: TEXT, ...}}")
+        shape = f"{{{field!r}: TEXT, ...}}"
+        raise DocumentError(f"{where}: not a JSON object (got {_json_type(record)}); each line is {shape}")
     if field not in record:
         names = ", ".join(repr(k) for k in list(record)[:8])
-        raise DataError(f"{where}: no field {field!r} (data.text_field; the record has {names or 'no fields'})")
+        raise DocumentError(f"{where}: no field {field!r} (data.text_field; the record has {names or 'no fields'})")
     value = record[field]
     if not isinstance(value, str):
-        raise DataError(f"{where}: field {field!r} is {_json_type(value)}, not a string")
+        raise DocumentError(f"{where}: field {field!r} is {_json_type(value)}, not a string")
     return value
 
 
@@ -145,24 +141,24 @@ def _parquet_texts(path: str, field: str) -> Iterator[str]:
         file = pq.ParquetFile(path)
         schema = file.schema_arrow
     except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{path}: not a Parquet file we can read ({str(err)[:120]})") from None
+        raise DocumentError(f"{path}: not a Parquet file we can read ({str(err)[:120]})") from None
     with file:
         if field not in schema.names:
             names = ", ".join(repr(n) for n in schema.names[:8])
-            raise DataError(f"{path}: no column {field!r} (data.text_field; the file has {names or 'no columns'})")
+            raise DocumentError(f"{path}: no column {field!r} (data.text_field; the file has {names or 'no columns'})")
         kind = schema.field(field).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise DataError(f"{path}: column {field!r} is {kind}, not a string")
+            raise DocumentError(f"{path}: column {field!r} is {kind}, not a string")
         row = 0
         try:
             for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=[field]):
                 for value in batch.column(0).to_pylist():
                     if value is None:
-                        raise DataError(f"{path} row {row}: field {field!r} is null, not a string")
+                        raise DocumentError(f"{path} row {row}: field {field!r} is null, not a string")
                     row += 1
                     yield value
         except (pa.ArrowException, OSError) as err:
-            raise DataError(f"{path} row {row}: cannot read the Parquet data ({str(err)[:120]})") from None
+            raise DocumentError(f"{path} row {row}: cannot read the Parquet data ({str(err)[:120]})") from None
 
 
 def encode_texts(encode_batch: Callable[[list[str]], list[list[int]]], texts: Iterator[str], out: BinaryIO,
@@ -225,7 +221,7 @@ def cached_tokens(files: Sequence[str], kind: str, field: str, tokenizer: Corpus
         root.mkdir(parents=True, exist_ok=True)
         lock = open(root / f"{out.name}.lock", "wb")  # noqa: SIM115 (held until the directory is in place)
     except OSError as err:
-        raise DataError(f"data.cache_dir {str(root)!r}: cannot write the token cache ({err.strerror or err})") from None
+        raise DocumentError(f"data.cache_dir {str(root)!r}: cannot write there ({err.strerror or err})") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / prepared.META_FILE).is_file():  # another process tokenized it while this one waited
@@ -251,7 +247,7 @@ def _write_cache(out: Path, files: Sequence[str], kind: str, field: str, tokeniz
             shards.append({"path": os.path.abspath(path), "first_token": total, "tokens": count})
             total += count
     if total == 0:
-        raise DataError(f"the documents of {len(files)} shard(s) encode to no tokens: check data.text_field")
+        raise DocumentError(f"the documents of {len(files)} shard(s) encode to no tokens: check data.text_field")
     shutil.copyfile(tokenizer.path, out / prepared.TOKENIZER_FILE)
     meta = {
         "format": prepared.META_FORMAT,
