@@ -9,8 +9,10 @@ repository keeps `data/train-00000-of-00004.parquet`), or a glob of shards; shar
 holds more than one JSONL line (at most MAX_LINE_BYTES) or one Parquet record batch (BATCH_ROWS rows) at a time, so a
 corpus larger than memory tokenizes into a file on disk that the run memory-maps.
 
-The token file is the documents' ids in shard order, row order within a shard, each document followed by the
-tokenizer's end-of-sequence id when it has one (tokenizer_config.json's eos_token). It is a pure function of the
+The token file is the documents' ids in shard order, row order within a shard: each document as transformers'
+`tokenizer(text)` encodes it (with the special tokens its post-processor adds, e.g. a Llama tokenizer's BOS) and then
+the tokenizer's end-of-sequence id when it has one (tokenizer_config.json's eos_token) and the post-processor did not
+end the document with it already. It is a pure function of the
 shards' bytes and the tokenizer, so every process of a run (coordinator, islands) that tokenizes the same shards gets
 the same file, and a chunk of data.sampling = "chunks" (islands/chunks.py) names the same sequences in each. meta.json
 records each shard's first token, so a token index maps back to its shard. The cache directory holds one token file
@@ -163,11 +165,12 @@ def _parquet_texts(path: str, field: str) -> Iterator[str]:
 
 def encode_texts(encode_batch: Callable[[list[str]], list[list[int]]], texts: Iterator[str], out: BinaryIO,
                  dtype: np.dtype, eos: int | None) -> int:  # fmt: skip
-    """Write the texts' ids to `out` (flat little-endian `dtype`), each followed by `eos` when given; the count."""
+    """Write the texts' ids to `out` (flat little-endian `dtype`), each ended by `eos` when given; the count."""
     count = 0
     while batch := [text for _, text in zip(range(ENCODE_DOCUMENTS), texts, strict=False)]:
         for ids in encode_batch(batch):
-            row = np.asarray([*ids, eos] if eos is not None else ids, dtype=dtype)
+            ended = eos is None or (len(ids) > 0 and ids[-1] == eos)
+            row = np.asarray(ids if ended else [*ids, eos], dtype=dtype)
             row.tofile(out)
             count += len(row)
     return count
@@ -180,7 +183,7 @@ class CorpusTokenizer(Protocol):
     vocab: int
     eos: int | None
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def encode_documents(self, texts: list[str]) -> list[list[int]]: ...
 
 
 def cache_root(cache_dir: str) -> Path:
@@ -243,7 +246,7 @@ def _write_cache(out: Path, files: Sequence[str], kind: str, field: str, tokeniz
     shards, total = [], 0
     with open(out / prepared.TOKENS_FILE, "wb") as f:
         for path in files:
-            count = encode_texts(tokenizer.encode_batch, documents(path, kind, field), f, dtype, tokenizer.eos)
+            count = encode_texts(tokenizer.encode_documents, documents(path, kind, field), f, dtype, tokenizer.eos)
             shards.append({"path": os.path.abspath(path), "first_token": total, "tokens": count})
             total += count
     if total == 0:

@@ -147,9 +147,10 @@ class TokenizerText:
         """The end-of-sequence id: what ends a document of the corpus, an answer, and a sampled continuation."""
         return self.special_id("eos_token")
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Each text's ids (no special tokens added), the batch spread over the CPU's cores."""
-        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        """Each document's ids with the special tokens the tokenizer's post-processor adds (the BOS of a Llama
+        tokenizer; none for most), as transformers' `tokenizer(texts)` gives them; the batch spread over the cores."""
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=True)]
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """(ids, each id's (start, end) character range in `text`), no special tokens added."""

@@ -210,3 +210,31 @@ def test_simulate_trains_on_jsonl_shards_with_chunks_read_once(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == 2 and summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["sequences_consumed"] == 2 * 2 * 4 * 8 and summary["sequences_repeated"] == 0  # exactly once
+
+
+def test_a_post_processors_bos_starts_each_document(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, processors
+
+    path = write_tokenizer(tmp_path / "llama-like")
+    raw = Tokenizer.from_file(str(path))
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    raw.save(str(path))
+    tokenizer = TokenizerText(path, 300, "test")
+    cfg = config(tmp_path, "jsonl", write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS[:3]]))
+    src = open_source(cfg, cfg.path, "data.path", 300, 0, tokenizer=tokenizer)
+    want = [i for d in DOCS[:3] for i in [0, *tokenizer.encode(d), tokenizer.eos]]
+    assert np.concatenate([src.train, src.val]).tolist() == want
+
+
+def test_processes_that_meet_at_the_cache_tokenize_once(tmp_path: Path, tokenizer: TokenizerText) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from islands.documents import cached_tokens
+
+    path = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS])
+    calls = []
+    encode = tokenizer.encode_documents
+    tokenizer.encode_documents = lambda texts: calls.append(len(texts)) or encode(texts)  # type: ignore[method-assign]
+    with ThreadPoolExecutor(4) as pool:  # a lock held per open file: threads contend as processes do
+        dirs = set(pool.map(lambda _: cached_tokens([str(path)], "jsonl", "text", tokenizer, str(tmp_path)), range(4)))
+    assert len(dirs) == 1 and sum(calls) == len(DOCS)

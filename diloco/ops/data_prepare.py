@@ -180,15 +180,16 @@ def encode_files(
     text_field: str = "text",
     eos: int | None = None,
 ) -> int:
-    """Encode the files into `out` (flat little-endian `dtype` ids, no special tokens added; each document of a
-    document file followed by `eos` when given); returns the count."""
+    """Encode the files into `out` (flat little-endian `dtype` ids); returns the count. Text files get no special
+    tokens; each document of a document file is encoded as islands/documents.py encodes it (the post-processor's
+    special tokens, then `eos` when given)."""
     np_dtype = np.dtype(dtype).newbyteorder("<")
     count = 0
     with open(out, "wb") as f:
         for path in files:
             kind = document_format(path)
             if kind is not None:
-                batch = lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]  # noqa: E731
+                batch = lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=True)]  # noqa: E731
                 count += encode_texts(batch, file_texts(path, text_field, on_bytes), f, np_dtype, eos)
                 continue
             chunks = text_chunks(path, on_bytes)

@@ -201,7 +201,7 @@ class PostTraining:
             rows = [
                 chat_row(codec, e.text, e.spans, width)
                 if isinstance(e, ChatSft)
-                else pack(codec.encode(e.prompt), codec.encode(e.response), codec.stop, width)  # type: ignore[union-attr]
+                else pack(codec.encode(e.prompt), codec.encode(e.response), codec.stop, width, codec.pad)  # type: ignore[union-attr]
                 for e in examples
             ]
             return {"tokens": np.stack([t for t, _ in rows]), "mask": np.stack([m for _, m in rows])}

@@ -22,10 +22,12 @@ STOP_TEXT = "\n"
 
 @dataclass(frozen=True)
 class AnswerText:
-    """The run's text codec and its stop token."""
+    """The run's text codec, its stop token and the id that pads a row (never a target: any id would do; the
+    tokenizer's pad_token where it names one, for rows that read as the checkpoint's own)."""
 
     codec: TextCodec
     stop: int
+    pad: int = 0
 
     def encode(self, text: str) -> list[int]:
         return self.codec.encode(text)
@@ -43,7 +45,7 @@ def with_stop(codec: TextCodec) -> AnswerText:
     """`codec` with its stop token: the tokenizer's EOS when it has one, else the id of a newline (a codec that makes
     more than one token of it is refused)."""
     if isinstance(codec, TokenizerText) and codec.eos is not None:
-        return AnswerText(codec, codec.eos)
+        return AnswerText(codec, codec.eos, codec.special_id("pad_token") or 0)
     stop = codec.encode(STOP_TEXT)
     if len(stop) != 1:
         raise DataError(f"the run's tokenizer makes {len(stop)} tokens of a newline; answers need one stop token")
