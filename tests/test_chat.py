@@ -113,18 +113,28 @@ def test_a_template_that_is_not_jinja_names_its_file() -> None:
 
 
 @pytest.mark.slow
-def test_sft_on_conversations_in_simulate_fails_in_one_line_on_a_bad_line(
+def test_sft_on_conversations_trains_in_simulate_and_a_bad_line_is_one_line(
     tmp_path: Path, tokenizer: TokenizerText, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from diloco.cli import main
+
     corpus = write(tmp_path / "corpus.jsonl", [{"text": "the island trains a model " * 4}] * 40)
+    talks = [[{"role": "user", "content": f"{a} plus {a}?"}, {"role": "assistant", "content": f"{2 * a}"}]
+             for a in range(24)]  # fmt: skip
     bad = {"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}
-    data = write(tmp_path / "chat.jsonl", [{"messages": TALK}] * 3 + [bad])
     cfg = tmp_path / "c.toml"
     cfg.write_text(TINY_TOML.format(corpus="unused"))
+    run_dir = tmp_path / "run"
     args = ["simulate", str(cfg), "data.kind=jsonl", f"data.path={corpus}", f"data.tokenizer={tokenizer.path}",
-            f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=300", "model.seq_len=128", "workload.kind=sft",
-            f"workload.path={data}", "workload.heldout_examples=1", "--run-dir", str(tmp_path / "run")]  # fmt: skip
-    fails(capsys, args, f"{data}:4: the chat template of {tokenizer.path.parent / 'tokenizer_config.json'} fails")
+            f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=300", "model.seq_len=64", "workload.kind=sft",
+            "workload.heldout_examples=4", "train.rounds=2", "train.checkpoint_every=0", "--run-dir", str(run_dir),
+            "--no-progress"]  # fmt: skip
+    data = write(tmp_path / "chat.jsonl", [{"messages": t} for t in talks[:3]] + [bad])
+    fails(capsys, [*args, f"workload.path={data}"], f"{data}:4: the chat template of {tokenizer.path.parent}")
+    data = write(tmp_path / "chat.jsonl", [{"messages": t} for t in talks])
+    assert main([*args, f"workload.path={data}"]) == 0, capsys.readouterr().err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["final_scores"]["sft_ce"] < summary["initial_scores"]["sft_ce"]
 
 
 def test_sampling_and_answers_stop_at_the_tokenizers_eos(tokenizer: TokenizerText) -> None:
