@@ -149,7 +149,9 @@ def _parquet_texts(path: str, field: str) -> Iterator[str]:
             names = ", ".join(repr(n) for n in schema.names[:8])
             raise DocumentError(f"{path}: no column {field!r} (data.text_field; the file has {names or 'no columns'})")
         kind = schema.field(field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        if pa.types.is_dictionary(kind):  # a dictionary-encoded column reads as its values
+            kind = kind.value_type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
             raise DocumentError(f"{path}: column {field!r} is {kind}, not a string")
         row = 0
         try:
