@@ -204,12 +204,20 @@ def test_simulate_trains_on_jsonl_shards_with_chunks_read_once(
     run_dir = tmp_path / "run"
     args = ["simulate", str(cfg), "data.kind=jsonl", f"data.path={tmp_path / 'train-*.jsonl'}",
             f"data.tokenizer={tokenizer.path}", f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=300",
-            "data.sampling=chunks", "data.chunk_sequences=4", "train.rounds=2", "train.checkpoint_every=0",
+            "data.sampling=chunks", "data.chunk_sequences=4", "train.rounds=2", "train.checkpoint_every=2",
             "--run-dir", str(run_dir), "--no-progress"]  # fmt: skip
     assert main(args) == 0, capsys.readouterr().err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == 2 and summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert summary["sequences_consumed"] == 2 * 2 * 4 * 8 and summary["sequences_repeated"] == 0  # exactly once
+    from diloco.ops.sample import sample
+
+    result = sample(run_dir, ["the island"], max_new_tokens=8, temperature=0.0)
+    assert result["text"] == "tokenizer" and result["stop"] == "<|im_end|>"  # the tokenizer's EOS ends a sample
+    ids = result["samples"][0]["tokens"]
+    assert tokenizer.eos not in ids[:-1] and result["samples"][0]["continuation"] == tokenizer.decode(
+        [i for i in ids if i != tokenizer.eos]
+    )
 
 
 def test_a_post_processors_bos_starts_each_document(tmp_path: Path) -> None:
