@@ -246,3 +246,28 @@ def test_processes_that_meet_at_the_cache_tokenize_once(tmp_path: Path, tokenize
     with ThreadPoolExecutor(4) as pool:  # a lock held per open file: threads contend as processes do
         dirs = set(pool.map(lambda _: cached_tokens([str(path)], "jsonl", "text", tokenizer, str(tmp_path)), range(4)))
     assert len(dirs) == 1 and sum(calls) == len(DOCS)
+
+
+def test_data_prepare_trains_a_tokenizer_on_documents(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from diloco.cli import main
+
+    path = write_jsonl(tmp_path / "a.jsonl.gz", [{"text": d} for d in DOCS])
+    out = tmp_path / "prepared"
+    assert main(["data", "prepare", str(path), "--out", str(out), "--train-vocab", "300", "--no-progress"]) == 0
+    ids = np.fromfile(out / "tokens.bin", np.uint16).tolist()
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).decode(ids) == "".join(DOCS)  # no EOS: it has none
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"text_field": ""}, "data.text_field must name the field"),
+        ({"text_field": 3}, r"data.text_field must be a string \(got 3\)"),
+        ({"path": "stdlib:"}, "is text: the built-in corpus needs data.kind = 'text'"),
+    ],
+)
+def test_config_mistakes_are_one_line(keys: dict[str, object], message: str) -> None:
+    with pytest.raises(DataError, match=message):
+        DataConfig(**{"kind": "jsonl", "path": "a.jsonl", **keys})  # type: ignore[arg-type]
