@@ -278,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     how = prep.add_mutually_exclusive_group(required=True)
     how.add_argument("--train-vocab", type=int, metavar="N", help="train a byte-level BPE tokenizer of N ids (>= 256)")
     how.add_argument("--tokenizer", type=Path, metavar="FILE", help="use this Hugging Face tokenizer.json")
+    prep.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the text field of *.jsonl(.gz) and *.parquet INPUTs (text)",
+    )
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     from islands.posttrain.task import DEFAULT_DIGITS, TASKS  # NumPy only, no JAX
 
@@ -334,7 +340,14 @@ def _data(args: argparse.Namespace) -> int:
         return 0
     from diloco.ops.data_prepare import prepare, summary
 
-    meta = prepare(args.inputs, args.out, args.train_vocab, args.tokenizer, progress=not args.no_progress)
+    meta = prepare(
+        args.inputs,
+        args.out,
+        args.train_vocab,
+        args.tokenizer,
+        progress=not args.no_progress,
+        text_field=args.text_field,
+    )
     print(json.dumps(summary(args.out, meta), indent=2))
     return 0
 

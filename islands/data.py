@@ -30,14 +30,20 @@ import os
 import sysconfig
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from floor.errors import UserError
 from floor.fields import LOCAL
-from islands import prepared
+from islands import documents, prepared
 
-KINDS: tuple[str, ...] = ("text", "tokens", "synthetic")
+if TYPE_CHECKING:
+    from islands.documents import CorpusTokenizer
+
+KINDS: tuple[str, ...] = ("text", "tokens", "synthetic", "jsonl", "parquet")
+DOCUMENT_KINDS: tuple[str, ...] = ("jsonl", "parquet")
+"""The kinds whose files hold documents in a text field, tokenized by the run's tokenizer (islands/documents.py)."""
 SAMPLINGS: tuple[str, ...] = ("windows", "chunks")
 TOKEN_DTYPES: tuple[str, ...] = ("uint16", "uint32")
 
@@ -75,7 +81,9 @@ class DataConfig:
 
     kind: str = "text"
     """"text" (raw bytes of the files, one token per byte), "tokens" (pre-tokenized ids stored as a flat
-    little-endian array of token_dtype, read through np.memmap) or "synthetic" (a generated corpus)."""
+    little-endian array of token_dtype, read through np.memmap), "synthetic" (a generated corpus), "jsonl" or
+    "parquet" (documents in data.text_field of *.jsonl / *.jsonl.gz or *.parquet shards, as Hugging Face dataset
+    repositories keep them, tokenized by the run's tokenizer into a cached token file: islands/documents.py)."""
 
     path: str = ""
     """One corpus shared by all islands (IID): a file, a directory (all its files, sorted by name, hidden
@@ -126,6 +134,19 @@ class DataConfig:
     """data.sampling = "chunks" only: sequences per chunk, the unit the coordinator leases. Many more chunks than
     islands let joiners and re-leases find free ones; fewer keep the coordinator's ledger and its checkpoint small."""
 
+    text_field: str = "text"
+    """data.kind = "jsonl" or "parquet" only: the field (JSONL) or column (Parquet) that holds a document's text."""
+
+    tokenizer: str = ""
+    """data.kind = "jsonl" or "parquet" only: the Hugging Face tokenizer.json that tokenizes the documents (its
+    tokenizer_config.json beside it, when there is one, gives the end-of-sequence token that ends each document). A run
+    that brings its tokenizer otherwise passes it to `load_sources` and leaves this empty."""
+
+    cache_dir: str = field(default="", metadata=LOCAL)
+    """data.kind = "jsonl" or "parquet" only: where the tokenized documents are kept, one token file per (shards,
+    tokenizer), tokenized by the first process that needs it ("": $XDG_CACHE_HOME/diloco/tokens, else
+    ~/.cache/diloco/tokens). Per process, not part of the run's identity."""
+
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLINGS:
             raise DataError(f"data.sampling must be one of {', '.join(SAMPLINGS)} (got {self.sampling!r})")
@@ -165,7 +186,17 @@ class DataConfig:
             )
         if self.kind != "synthetic" and not (self.path or self.paths):
             raise DataError(f"data.path (or data.paths, one per island) must be set for data.kind = {self.kind!r}")
-        if self.kind == "tokens":
+        for key in ("text_field", "tokenizer", "cache_dir"):
+            if not isinstance(getattr(self, key), str):
+                raise DataError(f"data.{key} must be a string (got {getattr(self, key)!r})")
+        if not self.text_field:
+            raise DataError("data.text_field must name the field that holds a document's text (e.g. 'text')")
+        if self.tokenizer and self.kind not in DOCUMENT_KINDS:
+            raise DataError(
+                f"data.tokenizer tokenizes documents of data.kind = 'jsonl' or 'parquet'; data.kind = {self.kind!r} "
+                "reads its tokens otherwise (a prepared directory carries its own tokenizer.json)"
+            )
+        if self.kind in ("tokens", *DOCUMENT_KINDS):
             specs = [("data.path", self.path), *((f"data.paths[{i}]", p) for i, p in enumerate(self.paths))]
             for key, spec in specs:
                 if spec.startswith(STDLIB_PREFIX):
@@ -427,6 +458,37 @@ def _prepared(cfg: DataConfig, spec: str, where: str, vocab_size: int) -> str:
     return path
 
 
+def _documents(
+    cfg: DataConfig, spec: str, where: str, key: str, vocab_size: int, tokenizer: CorpusTokenizer | None
+) -> tuple[str, np.dtype]:
+    """(the token file, its dtype) of a data.kind = "jsonl" or "parquet" source: its shards tokenized by the run's
+    tokenizer into the cache (islands/documents.py), once the tokenizer's vocabulary fits model.vocab_size."""
+    if tokenizer is None:
+        raise DataError(
+            f"{where}: data.kind = {cfg.kind!r} tokenizes documents with the run's tokenizer, and the run has none "
+            "(set data.tokenizer=PATH/tokenizer.json)"
+        )
+    if vocab_size < tokenizer.vocab:
+        raise DataError(
+            f"{where}: the tokenizer '{tokenizer.path}' has a vocabulary of {tokenizer.vocab} but model.vocab_size is "
+            f"{vocab_size} (set model.vocab_size={tokenizer.vocab} or more)"
+        )
+    files = resolve_files(spec, where, key)
+    if os.path.isdir(os.path.expanduser(spec)):  # a dataset repository's folder: its shards, not its card
+        files = [f for f in files if f.endswith(documents.FORMATS[cfg.kind])]
+        if not files:
+            ends = " or ".join(documents.FORMATS[cfg.kind])
+            raise DataError(f"{where}: the directory has no {ends} files (data.kind = {cfg.kind!r})")
+    try:
+        directory = documents.cached_tokens(files, cfg.kind, cfg.text_field, tokenizer, cfg.cache_dir)
+    except documents.DocumentError as err:
+        raise DataError(str(err)) from None
+    meta = prepared.read_meta(directory / prepared.META_FILE)
+    if isinstance(meta, str):
+        raise DataError(f"{where}: the token cache is damaged ({meta}): delete {directory}")
+    return str(directory / prepared.TOKENS_FILE), np.dtype(meta["token_dtype"])
+
+
 def open_source(
     cfg: DataConfig,
     spec: str,
@@ -435,20 +497,24 @@ def open_source(
     seed: int,
     key: str = "data.path",
     tail_only: bool = False,
+    tokenizer: CorpusTokenizer | None = None,
 ) -> TokenSource:
     """Load one source (for kind = "synthetic", spec is ignored) and split off its validation tail.
 
     key is the config key the spec came from (named in a missing-path error). tail_only reads just the
     validation tail (train is then empty; n_train still counts it): what an island needs of the other
-    islands' non-IID sources."""
+    islands' non-IID sources. tokenizer: the run's, which data.kind = "jsonl" and "parquet" tokenize with."""
     if cfg.kind == "synthetic":
         train, val = split_tail(synthetic_tokens(cfg.synthetic_tokens, vocab_size, seed), cfg.val_fraction)
         return TokenSource(name=where, train=train, val=val, n_train=len(train))
-    spec = _prepared(cfg, spec, where, vocab_size)
-    dtype = np.dtype(np.uint8 if cfg.kind == "text" else cfg.token_dtype)
+    if cfg.kind in DOCUMENT_KINDS:
+        spec, dtype = _documents(cfg, spec, where, key, vocab_size, tokenizer)
+    else:
+        spec = _prepared(cfg, spec, where, vocab_size)
+        dtype = np.dtype(np.uint8 if cfg.kind == "text" else cfg.token_dtype)
     files = resolve_files(spec, where, key)
     # Name the file only when the spec (a directory, glob or stdlib:) does not already.
-    single = files == [os.path.expanduser(spec)]
+    single = files == [os.path.expanduser(spec)] or cfg.kind in DOCUMENT_KINDS
     labels = [where if single else f"{where}: file {path!r}" for path in files]
     counts = [_token_count(path, dtype, label) for path, label in zip(files, labels, strict=True)]
     total = sum(counts)
@@ -499,6 +565,7 @@ def load_sources(
     seed: int,
     seq_len: int = 1,
     only: Collection[int] | None = None,
+    tokenizer: CorpusTokenizer | None = None,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """(training tokens of each island, validation tokens).
 
@@ -511,6 +578,8 @@ def load_sources(
     only: island indices; then only those islands' shards are built (bit-identical to the full call) and the
     other entries are empty arrays of the same dtype, so an island process does not read or copy the others'
     training data (non-IID: their sources are read only for the validation tails).
+
+    tokenizer: the run's (islands.text.corpus_tokenizer), which data.kind = "jsonl" and "parquet" tokenize with.
     """
     _check_count("n_islands", n_islands, 1)
     _check_count("model.vocab_size", vocab_size, 1)
@@ -527,7 +596,9 @@ def load_sources(
             )
         wanted = range(n_islands) if only is None else only
         sources = [
-            open_source(cfg, p, f"data.paths[{i}] {p!r}", vocab_size, seed, f"data.paths[{i}]", i not in wanted)
+            open_source(
+                cfg, p, f"data.paths[{i}] {p!r}", vocab_size, seed, f"data.paths[{i}]", i not in wanted, tokenizer
+            )
             for i, p in enumerate(cfg.paths)
         ]
         for i, src in enumerate(sources):
@@ -543,7 +614,7 @@ def load_sources(
         where = (
             f"data.synthetic_tokens ({cfg.synthetic_tokens})" if cfg.kind == "synthetic" else f"data.path {cfg.path!r}"
         )
-        src = open_source(cfg, cfg.path, where, vocab_size, seed)
+        src = open_source(cfg, cfg.path, where, vocab_size, seed, tokenizer=tokenizer)
         n = len(src.train)
         sizes = [sum(hi - lo for lo, hi in r) for r in iid_layout(n, n_islands, cfg.shard_block_tokens, seed)]
         for i, size in enumerate(sizes):

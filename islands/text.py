@@ -1,5 +1,10 @@
 """A run's text as token ids and back: UTF-8 bytes for a byte-level run, the run's Hugging Face tokenizer for
-data.kind = "tokens" (the tokenizer.json that `diloco data prepare` wrote beside the run's tokens, islands/prepared.py).
+data.kind = "tokens" (the tokenizer.json that `diloco data prepare` wrote beside the run's tokens, islands/prepared.py)
+and for data.kind = "jsonl" or "parquet" (data.tokenizer, islands/documents.py).
+
+A tokenizer.json may have a tokenizer_config.json beside it, as a Hugging Face checkpoint directory has: its special
+tokens (bos_token, eos_token, pad_token: a string or an AddedToken object {"content": ...}) name ids of the tokenizer,
+and its chat_template renders conversations (islands/chat.py). Without one the tokenizer has no special tokens.
 
 `diloco sample` encodes prompts and decodes continuations through `text_codec`, `diloco export` ships the file
 `tokenizer_file` names, and `diloco data prepare` loads tokenizers through `tokenizers_package` and `load_tokenizer`.
@@ -8,18 +13,22 @@ The tokenizer needs the tokenize extra (Hugging Face `tokenizers`), imported onl
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from islands import prepared
-from islands.data import DataConfig, DataError
+from islands.data import DOCUMENT_KINDS, DataConfig, DataError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 TOKENIZE_EXTRA = "pip install 'diloco[tokenize]'"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS: tuple[str, ...] = ("bos_token", "eos_token", "pad_token", "unk_token")
+"""tokenizer_config.json's special tokens, passed to a chat template under these names (as transformers does)."""
 BYTES = 256
 """Ids of a byte-level run: one per byte value."""
 
@@ -77,9 +86,32 @@ class ByteText:
         return bytes(i if i < BYTES else 0xFF for i in map(int, ids)).decode("utf-8", errors="replace")
 
 
+def special_content(value: object) -> str | None:
+    """A special token's text as tokenizer_config.json writes it: a string or an AddedToken {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def read_tokenizer_config(path: Path) -> dict[str, object]:
+    """tokenizer_config.json beside the tokenizer.json `path` ({} when there is none); a DataError naming it when it
+    is not a JSON object."""
+    config = path.parent / TOKENIZER_CONFIG
+    if not config.is_file():
+        return {}
+    try:
+        loaded = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise DataError(f"{config}: not a JSON file we can read ({str(err)[:80]})") from None
+    if not isinstance(loaded, dict):
+        raise DataError(f"{config}: not a JSON object")
+    return loaded
+
+
 class TokenizerText:
-    """A data.kind = "tokens" run: the Hugging Face tokenizer its corpus was prepared with (no special tokens
-    added, as `diloco data prepare` encodes)."""
+    """A run's Hugging Face tokenizer (data.kind = "tokens": the one its corpus was prepared with; "jsonl" /
+    "parquet": data.tokenizer), with its special tokens and chat template from tokenizer_config.json. Text is encoded
+    with no special tokens added, as `diloco data prepare` encodes: a chat template writes its own."""
 
     kind = "tokenizer"
 
@@ -87,6 +119,43 @@ class TokenizerText:
         self.path = path
         self.vocab_size = vocab_size
         self._tokenizer = load_tokenizer(path, f"the run's tokenizer '{path}'", purpose)
+        self.vocab: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        config = read_tokenizer_config(path)
+        self.special: dict[str, str] = {}
+        """tokenizer_config.json's special tokens that it sets: name ("eos_token") -> text."""
+        for name in SPECIAL_TOKENS:
+            text = special_content(config.get(name))
+            if text is None:
+                continue
+            if name != "unk_token" and self._tokenizer.token_to_id(text) is None:  # an id the run writes
+                raise DataError(f"{path.parent / TOKENIZER_CONFIG}: {name} {text!r} is not a token of {path}")
+            self.special[name] = text
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        self.chat_template: str | None = template if isinstance(template, str) and template else None
+        """The Jinja template that renders a conversation (islands/chat.py); None when the tokenizer has none."""
+
+    def special_id(self, name: str) -> int | None:
+        """The id of special token `name` ("bos_token", "eos_token", "pad_token"), None when it has none."""
+        text = self.special.get(name)
+        return None if text is None else self._tokenizer.token_to_id(text)
+
+    @property
+    def eos(self) -> int | None:
+        """The end-of-sequence id: what ends a document of the corpus, an answer, and a sampled continuation."""
+        return self.special_id("eos_token")
+
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        """Each document's ids with the special tokens the tokenizer's post-processor adds (the BOS of a Llama
+        tokenizer; none for most), as transformers' `tokenizer(texts)` gives them; the batch spread over the cores."""
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=True)]
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, each id's (start, end) character range in `text`), no special tokens added."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(o) for o in encoding.offsets]  # type: ignore[misc]
 
     def encode(self, text: str) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -103,7 +172,10 @@ class TokenizerText:
 
 def tokenizer_file(data: DataConfig) -> Path | None:
     """The tokenizer.json beside a data.kind = "tokens" run's prepared corpus (data.path, else the first of data.paths
-    that has one); None for another kind, or a corpus that `diloco data prepare` did not write."""
+    that has one), data.tokenizer for "jsonl" and "parquet"; None for another kind, or a corpus that `diloco data
+    prepare` did not write."""
+    if data.kind in DOCUMENT_KINDS:
+        return Path(data.tokenizer).expanduser() if data.tokenizer else None
     if data.kind != "tokens":
         return None
     for spec in (data.path, *data.paths):
@@ -116,9 +188,14 @@ def tokenizer_file(data: DataConfig) -> Path | None:
 def text_codec(data: DataConfig, vocab_size: int, purpose: str) -> TextCodec:
     """How the run whose [data] this is reads text: bytes, or its tokenizer (a DataError naming data.path when a
     data.kind = "tokens" run has none, and the extra when `tokenizers` is not installed)."""
-    if data.kind != "tokens":
+    if data.kind not in ("tokens", *DOCUMENT_KINDS):
         return ByteText(vocab_size)
     path = tokenizer_file(data)
+    if path is None and data.kind in DOCUMENT_KINDS:
+        raise DataError(
+            f"data.kind = {data.kind!r} tokenizes with the run's tokenizer and the run has none: set "
+            f"data.tokenizer=PATH/tokenizer.json ({purpose} needs it)"
+        )
     if path is None:
         where = f"data.path {data.path!r}" if data.path else f"data.paths {list(data.paths)}"
         raise DataError(
@@ -126,3 +203,13 @@ def text_codec(data: DataConfig, vocab_size: int, purpose: str) -> TextCodec:
             f"`diloco data prepare` has one): {purpose} cannot turn text into this run's tokens"
         )
     return TokenizerText(path, vocab_size, purpose)
+
+
+def corpus_tokenizer(data: DataConfig, vocab_size: int) -> TokenizerText | None:
+    """The tokenizer that tokenizes a data.kind = "jsonl" or "parquet" corpus (`islands.data.load_sources` receives
+    it), None for the other kinds, which hold their tokens (or bytes) already."""
+    if data.kind not in DOCUMENT_KINDS:
+        return None
+    codec = text_codec(data, vocab_size, f"data.kind = {data.kind!r}")
+    assert isinstance(codec, TokenizerText)
+    return codec

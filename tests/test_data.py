@@ -223,7 +223,10 @@ def test_synthetic_source_splits_like_a_corpus():
 @pytest.mark.parametrize(
     ("kwargs", "fragments"),
     [
-        ({"kind": "csv", "path": "x"}, ["data.kind must be one of text, tokens, synthetic (got 'csv')"]),
+        (
+            {"kind": "csv", "path": "x"},
+            ["data.kind must be one of text, tokens, synthetic, jsonl, parquet (got 'csv')"],
+        ),
         ({"kind": "tokens", "path": "x", "token_dtype": "int8"}, ["data.token_dtype must be one of uint16"]),
         ({"path": "x", "val_fraction": 0}, ["data.val_fraction must be a number in (0, 1) (got 0)"]),
         ({"path": "x", "val_fraction": 1.0}, ["data.val_fraction", "(got 1.0)"]),

@@ -5,7 +5,10 @@
     diloco simulate configs/tiny.toml data.kind=tokens data.path=data/corpus-4k model.vocab_size=4096
 
 INPUT is what data.path takes (a file, a directory's files, a glob, or "stdlib:" for the built-in corpus:
-`islands.data.resolve_files`), read as UTF-8 text. A trained tokenizer is byte-level BPE (Hugging Face `tokenizers`,
+`islands.data.resolve_files`), read as UTF-8 text; a *.jsonl, *.jsonl.gz or *.parquet file is read as documents, the
+text of each record's --text-field, each followed by the tokenizer's end-of-sequence token when its
+tokenizer_config.json names one (islands/documents.py: the same token file a data.kind = "jsonl" or "parquet" run
+tokenizes into its cache). A trained tokenizer is byte-level BPE (Hugging Face `tokenizers`,
 the `tokenize` extra): its first 256 ids are the bytes, so every text encodes with no unknown token and decodes back
 exactly, and N (>= 256) is the vocabulary it grows to by merges (a corpus too small for N merges gives fewer: meta.json
 and the printed summary say what it got). Each file is encoded on its own, so no token spans two files; long files go
@@ -32,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from islands.data import DataError, resolve_files
+from islands.documents import document_format, documents, encode_texts
 from islands.prepared import META_FILE, META_FORMAT, TOKENIZER_FILE, TOKENS_FILE, token_dtype_for
+from islands.text import TOKENIZER_CONFIG, read_tokenizer_config, special_content, tokenizers_package
 from islands.text import load_tokenizer as load_tokenizer_file
-from islands.text import tokenizers_package
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -118,12 +122,25 @@ def text_chunks(path: str, on_bytes: Callable[[int], None] = lambda n: None) -> 
         raise DataError(f"input file {path!r}: cannot read it ({err.strerror or err})") from err
 
 
-def _corpus(files: Sequence[str], on_bytes: Callable[[int], None]) -> Iterator[str]:
-    for path in files:
+def file_texts(path: str, text_field: str, on_bytes: Callable[[int], None]) -> Iterator[str]:
+    """A document file's texts (its records' text_field), else the file's text in chunks (`text_chunks`)."""
+    kind = document_format(path)
+    if kind is None:
         yield from text_chunks(path, on_bytes)
+        return
+    for text in documents(path, kind, text_field):
+        on_bytes(len(text))
+        yield text
 
 
-def train_tokenizer(files: Sequence[str], vocab_size: int, on_bytes: Callable[[int], None]) -> Tokenizer:
+def _corpus(files: Sequence[str], text_field: str, on_bytes: Callable[[int], None]) -> Iterator[str]:
+    for path in files:
+        yield from file_texts(path, text_field, on_bytes)
+
+
+def train_tokenizer(
+    files: Sequence[str], vocab_size: int, on_bytes: Callable[[int], None], text_field: str = "text"
+) -> Tokenizer:
     """A byte-level BPE tokenizer of at most vocab_size ids, trained on the files' text (offline)."""
     tk = _tokenizers()
     tokenizer = tk.Tokenizer(tk.models.BPE())
@@ -136,7 +153,7 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, on_bytes: Callable[[i
         special_tokens=[],
         show_progress=False,  # the bar is ours (rich, on a terminal only)
     )
-    tokenizer.train_from_iterator(_corpus(files, on_bytes), trainer=trainer)
+    tokenizer.train_from_iterator(_corpus(files, text_field, on_bytes), trainer=trainer)
     return tokenizer
 
 
@@ -145,14 +162,36 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return load_tokenizer_file(path, f"--tokenizer {str(path)!r}", "diloco data prepare")
 
 
+def document_eos(tokenizer: Tokenizer, tokenizer_file: Path | None) -> int | None:
+    """The id that ends each document: the eos_token of the tokenizer_config.json beside `tokenizer_file` (None for a
+    trained tokenizer or one without it)."""
+    if tokenizer_file is None:
+        return None
+    text = special_content(read_tokenizer_config(tokenizer_file).get("eos_token"))
+    return None if text is None else tokenizer.token_to_id(text)
+
+
 def encode_files(
-    tokenizer: Tokenizer, files: Sequence[str], out: Path, dtype: str, on_bytes: Callable[[int], None]
+    tokenizer: Tokenizer,
+    files: Sequence[str],
+    out: Path,
+    dtype: str,
+    on_bytes: Callable[[int], None],
+    text_field: str = "text",
+    eos: int | None = None,
 ) -> int:
-    """Encode the files into `out` (flat little-endian `dtype` ids, no special tokens added); returns the count."""
+    """Encode the files into `out` (flat little-endian `dtype` ids); returns the count. Text files get no special
+    tokens; each document of a document file is encoded as islands/documents.py encodes it (the post-processor's
+    special tokens, then `eos` when given)."""
     np_dtype = np.dtype(dtype).newbyteorder("<")
     count = 0
     with open(out, "wb") as f:
         for path in files:
+            kind = document_format(path)
+            if kind is not None:
+                batch = lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=True)]  # noqa: E731
+                count += encode_texts(batch, file_texts(path, text_field, on_bytes), f, np_dtype, eos)
+                continue
             chunks = text_chunks(path, on_bytes)
             while batch := list(itertools.islice(chunks, ENCODE_BATCH)):
                 for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
@@ -215,9 +254,11 @@ def prepare(
     train_vocab: int | None = None,
     tokenizer_file: Path | None = None,
     progress: bool = True,
+    text_field: str = "text",
 ) -> dict[str, Any]:
     """Tokenize the INPUTs into `out` (tokens.bin, tokenizer.json, meta.json) with a tokenizer trained on them to
-    `train_vocab` ids, or the one in `tokenizer_file`; returns meta.json's contents plus the seconds each phase took."""
+    `train_vocab` ids, or the one in `tokenizer_file`; returns meta.json's contents plus the seconds each phase took.
+    text_field: the field of a document file's records that holds the text."""
     if (train_vocab is None) == (tokenizer_file is None):
         raise DataError("diloco data prepare needs exactly one of --train-vocab N and --tokenizer FILE")
     if train_vocab is not None and train_vocab < MIN_VOCAB:
@@ -239,7 +280,7 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
     try:
         with _Bar(progress) as bar:
-            meta, seconds = _write(out, files, tokenizer, train_vocab, tokenizer_file, bar)
+            meta, seconds = _write(out, files, tokenizer, train_vocab, tokenizer_file, bar, text_field)
     except BaseException:  # a bad file, Ctrl+C: leave no half-prepared directory behind
         if created:
             shutil.rmtree(out, ignore_errors=True)
@@ -269,6 +310,7 @@ def _write(
     train_vocab: int | None,
     tokenizer_file: Path | None,
     bar: _Bar,
+    text_field: str,
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """Train (tokenizer None) or copy the tokenizer, encode the files; (meta's token fields, seconds per phase)."""
     total = sum(os.path.getsize(path) for path in files)
@@ -276,16 +318,19 @@ def _write(
     if tokenizer is None:
         assert train_vocab is not None
         t0 = time.perf_counter()
-        tokenizer = train_tokenizer(files, train_vocab, bar.task("training tokenizer", total))
+        tokenizer = train_tokenizer(files, train_vocab, bar.task("training tokenizer", total), text_field)
         seconds["train"] = time.perf_counter() - t0
         tokenizer.save(str(out / TOKENIZER_FILE))
     elif tokenizer_file is not None and tokenizer_file.resolve() != (out / TOKENIZER_FILE).resolve():
         shutil.copyfile(tokenizer_file, out / TOKENIZER_FILE)  # byte for byte: its sha256 is the original's
+        if (tokenizer_file.parent / TOKENIZER_CONFIG).is_file():  # its special tokens and chat template go along
+            shutil.copyfile(tokenizer_file.parent / TOKENIZER_CONFIG, out / TOKENIZER_CONFIG)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype_for(vocab_size)
     t0 = time.perf_counter()
     partial = out / f"{TOKENS_FILE}.partial"
-    count = encode_files(tokenizer, files, partial, dtype, bar.task("encoding", total))
+    eos = document_eos(tokenizer, tokenizer_file)
+    count = encode_files(tokenizer, files, partial, dtype, bar.task("encoding", total), text_field, eos)
     seconds["encode"] = time.perf_counter() - t0
     if count == 0:
         raise DataError(f"the corpus encodes to no tokens ({len(files)} file(s), {total} bytes): check the tokenizer")

@@ -4,8 +4,9 @@ The run's θ and config come from `diloco/ops/trained.py` (what init.from reads)
 (bytes, or the run's tokenizer.json), the generation from islands/sampling.py on a mesh of the run's islands.devices
 (as many as this process has). All prompts are one batch, padded to the longest: every row has the same number of
 positions for its continuation, `--max-new-tokens` (default: what the context leaves, at most `DEFAULT_NEW_TOKENS`).
-A continuation ends early at the stop text (`--stop`, one token of the run's text; by default a post-training run's
-stop, a newline, and none for a language model's), which its `continuation` leaves out and its `tokens` keep.
+A continuation ends early at the stop text (`--stop`, one token of the run's text; by default the run tokenizer's
+end-of-sequence token where it has one, else a post-training run's stop, a newline, and none for a language model's),
+which its `continuation` leaves out and its `tokens` keep.
 A bad argument is one line naming it, before the run is read; a prompt too long for the context is one line too.
 """
 
@@ -22,8 +23,8 @@ from diloco.ops.trained import load_trained
 from floor.errors import UserError
 from islands.mesh import build_mesh
 from islands.sampling import generate, place_rows
-from islands.text import TextCodec, text_codec
-from islands.workloads.text import STOP_TEXT
+from islands.text import TextCodec, TokenizerText, text_codec
+from islands.workloads.text import with_stop
 
 DEFAULT_NEW_TOKENS = 128
 """New tokens per prompt when --max-new-tokens is not given (fewer when the context has less room)."""
@@ -67,9 +68,11 @@ def sample(
     trained = load_trained(run_dir)
     seq_len = trained.model.seq_len
     codec = text_codec(trained.data, trained.model.vocab_size, "diloco sample")
-    if stop is None and trained.workload.post_training(trained.islands.island_names):
-        stop = STOP_TEXT
     stop_token = None if stop is None else _stop_token(codec, stop)
+    has_eos = isinstance(codec, TokenizerText) and codec.eos is not None
+    if stop is None and (has_eos or trained.workload.post_training(trained.islands.island_names)):
+        stop_token = with_stop(codec).stop
+        stop = codec.decode([stop_token])
     encoded = [codec.encode(p) for p in prompts]
     width = max(len(ids) for ids in encoded)
     room = seq_len - width

@@ -23,13 +23,23 @@ import jax
 import numpy as np
 
 from diloco.config import ConfigError, RunConfig
+from islands.chat import ChatTemplate
 from islands.island import Batches
 from islands.models.base import Model
 from islands.posttrain.accuracy import exact_matches
-from islands.posttrain.data import PreferencePair, RlPrompt, SftExample, read_examples
+from islands.posttrain.data import ChatSft, PreferencePair, RlPrompt, SftExample, read_examples
 from islands.posttrain.rewards import load_reward, score
 from islands.posttrain.task import Task, builtin_task
-from islands.workloads.batches import ExampleStream, Table, pair_table, prompt_table, sft_table
+from islands.text import TOKENIZER_CONFIG, TokenizerText
+from islands.workloads.batches import (
+    ExampleStream,
+    Table,
+    chat_row,
+    pack,
+    pair_table,
+    prompt_table,
+    sft_table,
+)
 from islands.workloads.config import STEP_FIGURES, IslandWorkload
 from islands.workloads.evaluate import HeldOut, Judge, WorkloadEval, answer_logprobs
 from islands.workloads.losses import workload_loss
@@ -76,6 +86,14 @@ class PostTraining:
     def count_tokens(self, text: str) -> int:
         return len(self.codec.encode(text))
 
+    @functools.cached_property
+    def chat(self) -> ChatTemplate | None:
+        """The run tokenizer's chat template (None without one: a conversation in the data is then refused)."""
+        codec = self.codec.codec
+        if not isinstance(codec, TokenizerText) or codec.chat_template is None:
+            return None
+        return ChatTemplate(codec.chat_template, codec.special, str(codec.path.parent / TOKENIZER_CONFIG))
+
     # -- examples ------------------------------------------------------------------------------------------------
 
     def examples(self, source: IslandWorkload) -> Examples:
@@ -92,7 +110,9 @@ class PostTraining:
             where = f"workload.task {w.task!r}"
             loaded = Examples(make(w.task_examples, "train"), make(w.heldout_examples, "heldout"), where)
         else:
-            examples = read_examples(Path(source.path), source.kind, self.count_tokens, self.cfg.model.seq_len)
+            examples = read_examples(
+                Path(source.path), source.kind, self.count_tokens, self.cfg.model.seq_len, self.chat
+            )
             if len(examples) <= w.heldout_examples:
                 raise ConfigError(
                     f"{source.path}: {len(examples)} {source.kind} examples, and workload.heldout_examples "
@@ -176,6 +196,15 @@ class PostTraining:
         """Examples of kind sft or dpo as arrays; dpo's with the reference's answer log-probabilities."""
         prompts = [e.prompt for e in examples]
         seq_len = self.cfg.model.seq_len
+        if kind == "sft" and any(isinstance(e, ChatSft) for e in examples):  # conversations: loss on assistant turns
+            width, codec = seq_len + 1, self.codec
+            rows = [
+                chat_row(codec, e.text, e.spans, width)
+                if isinstance(e, ChatSft)
+                else pack(codec.encode(e.prompt), codec.encode(e.response), codec.stop, width, codec.pad)  # type: ignore[union-attr]
+                for e in examples
+            ]
+            return {"tokens": np.stack([t for t, _ in rows]), "mask": np.stack([m for _, m in rows])}
         if kind == "sft":
             return sft_table(prompts, [e.response for e in examples], self.codec, seq_len)  # type: ignore[union-attr]
         chosen = [e.chosen for e in examples]  # type: ignore[union-attr]

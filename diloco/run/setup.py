@@ -26,6 +26,7 @@ from islands.memory import Footprint, OutOfMemoryError, device_room, eval_advice
 from islands.mesh import build_mesh, replicated
 from islands.models.base import Model, param_count
 from islands.models.registry import build_model
+from islands.text import corpus_tokenizer
 from islands.workloads.evaluate import WorkloadEval, primary_loss
 from outer_optimizer.fragments import FragmentError, Fragments
 from pytrees.naming import PyTree, flatten_named
@@ -76,13 +77,18 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         only = None
     else:
         only = {names.index(n) for n in corpus if n in names}
-    shards, val = load_sources(cfg.data, len(names), cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len, only)
+    tokenizer = corpus_tokenizer(cfg.data, cfg.model.vocab_size)
+    shards, val = load_sources(
+        cfg.data, len(names), cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len, only, tokenizer
+    )
     whole = None
     for name in corpus:
         if layout is not None and not (name not in names and cfg.data.own_path):
             # Chunks of the shared training split, which every island reads whole (a memmap view of one file).
             if whole is None:
-                (whole,), _ = load_sources(cfg.data, 1, cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len)
+                (whole,), _ = load_sources(
+                    cfg.data, 1, cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len, tokenizer=tokenizer
+                )
             streams[name] = ChunkStream(whole, layout, cfg.train.batch_size, cfg.model.seq_len)
         elif name in names:
             i = names.index(name)
@@ -123,7 +129,10 @@ def chunk_layout(cfg: RunConfig) -> ChunkLayout | None:
     where = (
         f"data.synthetic_tokens ({data.synthetic_tokens})" if data.kind == "synthetic" else f"data.path {data.path!r}"
     )
-    source = open_source(data, data.path, where, cfg.model.vocab_size, cfg.run.seed, tail_only=True)
+    tokenizer = corpus_tokenizer(data, cfg.model.vocab_size)
+    source = open_source(
+        data, data.path, where, cfg.model.vocab_size, cfg.run.seed, tail_only=True, tokenizer=tokenizer
+    )
     return ChunkLayout(corpus_sequences(source.n_train, cfg.model.seq_len), data.chunk_sequences, cfg.run.seed)
 
 
@@ -133,9 +142,10 @@ def admitted_stream(cfg: RunConfig, name: str) -> BatchStream:
     of its own named by its name. With data.paths (one source per configured island) and no source of its own, an
     admitted island has nothing to train on: refused in one line."""
     data = cfg.data
+    tokenizer = corpus_tokenizer(data, cfg.model.vocab_size)
     if data.own_path:
         own = open_source(data, data.own_path, f"data.own_path {data.own_path!r}", cfg.model.vocab_size, cfg.run.seed,
-                          "data.own_path")  # fmt: skip
+                          "data.own_path", tokenizer=tokenizer)  # fmt: skip
         train = own.train
     elif data.paths:
         raise ConfigError(
@@ -143,7 +153,7 @@ def admitted_stream(cfg: RunConfig, name: str) -> BatchStream:
             "give the admitted island its own source (data.own_path=PATH on its command line)"
         )
     else:
-        (train,), _ = load_sources(data, 1, cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len)
+        (train,), _ = load_sources(data, 1, cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len, tokenizer=tokenizer)
     stream_id = ADMITTED_STREAMS + zlib.crc32(name.encode())
     return BatchStream(train, cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=stream_id)
 

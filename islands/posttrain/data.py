@@ -6,6 +6,19 @@ One example per line: a JSON object with exactly these fields, each a non-empty 
     dpo   {"prompt": "37+485=", "chosen": "522", "rejected": "512"}
     rl    {"prompt": "37+485=", "answer": "522"}        answer may be left out (or null)
 
+Conversations, TRL's conversational layouts, where the run's tokenizer has a chat template (islands/chat.py):
+
+    sft   {"messages": [{"role": "user", "content": "37+485="}, {"role": "assistant", "content": "522"}, ...]}
+    dpo   {"prompt": [MESSAGE, ...], "chosen": [MESSAGE, ...], "rejected": [MESSAGE, ...]}
+          {"chosen": [MESSAGE, ...], "rejected": [MESSAGE, ...]}    the prompt is the messages they share
+    rl    {"prompt": [MESSAGE, ...], "answer": "522"}               answer may be left out (or null)
+
+A MESSAGE is an object with a string "role" and a string "content" (other fields go to the template as they are). A
+conversation is rendered once, here: an sft example's loss is on every assistant turn (`ChatSft`'s spans), its last
+assistant message the reference a held-out greedy answer is compared with; a dpo or rl prompt is its messages rendered
+with the generation prompt, and a chosen or rejected reply the text the template gives it up to its eos_token, which
+the stop token (the tokenizer's EOS) then stands for. A template that fails to render is one line naming FILE:LINE.
+
 The prompt is the text the model continues. A response, a chosen or a rejected text is what follows the prompt,
 without the stop token: the tokenizer appends one, so that the model learns to end its answer. An RL prompt's answer
 is a reference a reward function may use (a verifier compares against it); the model writes its own. Blank lines are
@@ -34,6 +47,7 @@ from typing import Any, BinaryIO
 
 from floor.errors import UserError
 from floor.files import write_atomically
+from islands.chat import ChatError, ChatTemplate, Message
 
 MAX_FILE_BYTES = 1 << 28
 """256 MiB: the largest post-training file read (a million examples of 256 bytes)."""
@@ -75,6 +89,15 @@ class RlPrompt:
 
     prompt: str
     answer: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatSft(SftExample):
+    """A conversation to learn: its rendering and the character spans of its assistant turns (the loss is on those).
+    prompt and response are its last assistant turn's prompt (rendered with the generation prompt) and content."""
+
+    text: str = ""
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 Example = SftExample | PreferencePair | RlPrompt
@@ -140,8 +163,79 @@ def _parse(text: str, where: str) -> Any:
         raise PostTrainDataError(f"{where}: not JSON we read (arrays or objects nested too deep)") from None
 
 
-def _example(record: object, kind: str, where: str) -> Example:
+def _messages(value: object, name: str, where: str) -> list[Message]:
+    """A field that holds a conversation: a non-empty array of {"role": str, "content": str, ...}."""
+    if not isinstance(value, list) or not value:
+        raise PostTrainDataError(f"{where}: field {name!r} must be a non-empty array of messages (got {_shown(value)})")
+    for i, message in enumerate(value, 1):
+        if not isinstance(message, dict):
+            raise PostTrainDataError(f"{where}: {name} message {i} is not an object (got {_json_type(message)})")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise PostTrainDataError(
+                    f"{where}: {name} message {i} needs a string {key!r} (got {_shown(message.get(key))})"
+                )
+    return value
+
+
+def _conversational(record: object) -> bool:
+    """Whether a record is in a conversational layout (a message array where the plain one has a string)."""
+    if not isinstance(record, dict):
+        return False
+    return "messages" in record or any(isinstance(record.get(k), list) for k in ("prompt", "chosen", "rejected"))
+
+
+def _chat_example(record: dict[str, Any], kind: str, chat: ChatTemplate | None, where: str) -> Example:
+    """The example a conversational record holds, rendered through the chat template."""
+    if chat is None:
+        raise PostTrainDataError(
+            f"{where}: a conversation, and the run's tokenizer has no chat template (tokenizer_config.json's "
+            "chat_template) to render it"
+        )
+    fields = {"sft": ("messages",), "dpo": ("prompt", "chosen", "rejected"), "rl": ("prompt", "answer")}[kind]
+    for name in record:
+        if name not in fields:
+            raise PostTrainDataError(
+                f"{where}: unknown field {_clip(name)!r} ({kind} conversations have {', '.join(fields)})"
+            )
+    try:
+        if kind == "sft":
+            messages = _messages(record.get("messages"), "messages", where)
+            if messages[-1]["role"] != "assistant":
+                raise PostTrainDataError(f"{where}: the last message must be the assistant's (the reply to learn)")
+            text, spans = chat.assistant_spans(messages, where)
+            return ChatSft(chat.prompt(messages[:-1], where), messages[-1]["content"], text, tuple(spans))
+        if kind == "rl":
+            answer = record.get("answer")
+            if answer is not None and not (isinstance(answer, str) and answer.strip()):
+                raise PostTrainDataError(f"{where}: field 'answer' must be a non-empty string (got {_shown(answer)})")
+            return RlPrompt(chat.prompt(_messages(record.get("prompt"), "prompt", where), where), answer)
+        chosen = _messages(record.get("chosen"), "chosen", where)
+        rejected = _messages(record.get("rejected"), "rejected", where)
+        if "prompt" in record:
+            prompt = _messages(record["prompt"], "prompt", where)
+        else:  # TRL's implicit prompt: the messages both conversations start with
+            n = 0
+            while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+                n += 1
+            if n == 0:
+                raise PostTrainDataError(
+                    f"{where}: 'chosen' and 'rejected' share no prompt messages (or give 'prompt')"
+                )
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        pair = PreferencePair(chat.prompt(prompt, where), chat.reply(prompt, chosen, where),
+                              chat.reply(prompt, rejected, where))  # fmt: skip
+    except ChatError as err:
+        raise PostTrainDataError(str(err)) from None
+    if pair.chosen == pair.rejected:
+        raise PostTrainDataError(f"{where}: fields 'chosen' and 'rejected' are the same conversation")
+    return pair
+
+
+def _example(record: object, kind: str, where: str, chat: ChatTemplate | None = None) -> Example:
     """The example a parsed line holds, every field checked."""
+    if _conversational(record):
+        return _chat_example(record, kind, chat, where)  # type: ignore[arg-type]
     cls = KINDS[kind]
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
@@ -178,7 +272,16 @@ def _example(record: object, kind: str, where: str) -> Example:
 
 
 def _check_fits(example: Example, count_tokens: Callable[[str], int], max_tokens: int, where: str) -> None:
-    """Refuse an example whose prompt, longest answer and stop token together exceed max_tokens."""
+    """Refuse an example whose prompt, longest answer and stop token together exceed max_tokens (a conversation: its
+    rendering)."""
+    if isinstance(example, ChatSft):
+        total = count_tokens(example.text)
+        if total > max_tokens:
+            raise PostTrainDataError(
+                f"{where}: too long for the model: the conversation renders to {total} tokens > model.seq_len "
+                f"({max_tokens})"
+            )
+        return
     prompt = count_tokens(example.prompt)
     answers = {
         f.name: count_tokens(getattr(example, f.name))
@@ -218,11 +321,12 @@ def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[int, str]]:
 
 
 def read_examples(
-    path: Path, kind: str, count_tokens: Callable[[str], int], max_tokens: int
+    path: Path, kind: str, count_tokens: Callable[[str], int], max_tokens: int, chat: ChatTemplate | None = None
 ) -> list[SftExample] | list[PreferencePair] | list[RlPrompt]:
     """The examples of a JSON Lines file of this kind ("sft", "dpo" or "rl"), in file order, every line checked as
     the module docstring says. count_tokens gives a text's tokens as the run tokenizes it (`utf8_length` for a
-    byte-level model); max_tokens is what one sequence holds (model.seq_len)."""
+    byte-level model); max_tokens is what one sequence holds (model.seq_len); chat renders conversations (None: the
+    run's tokenizer has no chat template, and a conversation is refused)."""
     if kind not in KINDS:
         raise PostTrainDataError(f"unknown post-training data kind {kind!r} (one of {', '.join(KINDS)})")
     path = Path(path)
@@ -241,7 +345,7 @@ def read_examples(
             where = f"{path}:{number}"
             if len(examples) == MAX_EXAMPLES:
                 raise PostTrainDataError(f"{where}: more than {MAX_EXAMPLES} examples (the most one file holds)")
-            example = _example(_parse(text, where), kind, where)
+            example = _example(_parse(text, where), kind, where, chat)
             _check_fits(example, count_tokens, max_tokens, where)
             examples.append(example)
     if not examples:

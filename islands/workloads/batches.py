@@ -26,21 +26,42 @@ PAD = 0
 Table = dict[str, np.ndarray]
 
 
-def pack(prompt: Sequence[int], answer: Sequence[int], stop: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens int32 [width], mask float32 [width - 1]) of prompt + answer + stop, right-padded. The caller has
-    checked that it fits (islands/posttrain/data.py refuses examples longer than model.seq_len)."""
+def pack(prompt: Sequence[int], answer: Sequence[int], stop: int, width: int, pad: int = PAD
+         ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(tokens int32 [width], mask float32 [width - 1]) of prompt + answer + stop, right-padded with `pad`. The caller
+    has checked that it fits (islands/posttrain/data.py refuses examples longer than model.seq_len)."""
     ids = [*prompt, *answer, stop]
     if len(ids) > width or not prompt:
         raise ValueError(f"a sequence of {len(ids)} tokens (prompt {len(prompt)}) does not fit a row of {width}")
-    tokens = np.full(width, PAD, np.int32)
+    tokens = np.full(width, pad, np.int32)
     tokens[: len(ids)] = ids
     mask = np.zeros(width - 1, np.float32)
     mask[len(prompt) - 1 : len(ids) - 1] = 1.0
     return tokens, mask
 
 
+def chat_row(codec: AnswerText, text: str, spans: Sequence[tuple[int, int]], width: int
+             ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(tokens int32 [width], mask float32 [width - 1]) of a rendered conversation, right-padded: the mask is 1 where
+    the target token starts inside an assistant span (islands/chat.py). The caller has checked that it fits."""
+    from islands.chat import trained_tokens
+
+    ids, offsets = codec.codec.encode_offsets(text)  # type: ignore[attr-defined]
+    if len(ids) > width:
+        raise ValueError(f"a conversation of {len(ids)} tokens does not fit a row of {width}")
+    tokens = np.full(width, codec.pad, np.int32)
+    tokens[: len(ids)] = ids
+    mask = np.zeros(width - 1, np.float32)
+    trained = np.asarray(trained_tokens(offsets, spans), np.float32)
+    mask[: len(ids) - 1] = trained[1:]
+    return tokens, mask
+
+
 def _packed(prompts: Sequence[str], answers: Sequence[str], codec: AnswerText, width: int) -> tuple[np.ndarray, ...]:
-    rows = [pack(codec.encode(p), codec.encode(a), codec.stop, width) for p, a in zip(prompts, answers, strict=True)]
+    rows = [
+        pack(codec.encode(p), codec.encode(a), codec.stop, width, codec.pad)
+        for p, a in zip(prompts, answers, strict=True)
+    ]
     return np.stack([t for t, _ in rows]), np.stack([m for _, m in rows])
 
 
@@ -63,7 +84,7 @@ def prompt_table(prompts: Sequence[str], codec: AnswerText, width: int) -> Table
     """{prompt int32 [N, width] (left-aligned, padded), prompt_len int32 [N]}: what `islands.sampling.generate`
     continues."""
     ids = [codec.encode(p) for p in prompts]
-    out = np.full((len(ids), width), PAD, np.int32)
+    out = np.full((len(ids), width), codec.pad, np.int32)
     for i, row in enumerate(ids):
         if not 1 <= len(row) <= width:
             raise ValueError(f"prompt {i} has {len(row)} tokens; a prompt row holds 1 to {width}")
