@@ -294,7 +294,10 @@ class Coordinator:
             if self.asynchronous:
                 reply = self.committer.commit_update(meta, admitted)
             else:
+                # Remembered before the tick: a commit there that drops this contribution forgets it with the rest.
+                self.admission.remember(admitted.key, payload_digest, pb.PushReply())
                 self.committer.tick()
+                self.admission.refuse_if_dropped(admitted)
                 reply = pb.PushReply(accepted=True, round=self.loop.round, detail="accepted")
             return self.admission.remember(admitted.key, payload_digest, reply)
 
