@@ -423,3 +423,21 @@ def test_an_admitted_island_draws_from_the_shared_corpus_or_brings_its_own(tiny_
     non_iid = load_config(tiny_config, [f'data.paths=["{own}", "{own}"]', 'data.path=""'])
     with pytest.raises(ConfigError, match="give the admitted island its own source"):
         admitted_stream(non_iid, "sa-east")
+
+
+def test_a_retirement_that_cannot_be_written_changes_nothing_in_the_coordinator(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    """The caller is told UNAVAILABLE (not INTERNAL), and memory agrees with disk: the island is still enrolled and a
+    member, and no retirement is logged or counted."""
+    with clocked_coordinator(tiny_config, tmp_path / "run") as (coordinator, now):
+        run_id, island = coordinator.cfg.run.name, coordinator.enrollment.names[1]
+        coordinator.join(pb.JoinRequest(run_id=run_id, island=island, last_round=-1, config_digest=coordinator.digest,
+                                        release=RELEASE))  # fmt: skip
+        (tmp_path / "run" / "roster.json.tmp").mkdir()
+        with pytest.raises(Rejected) as info:
+            coordinator.retire(pb.RetireRequest(run_id=run_id, island=island, reason="region closed"), "(operator)")
+        assert info.value.code == C.UNAVAILABLE and "roster.json" in info.value.reason, info.value
+        assert island in coordinator.enrollment and island in coordinator.roster
+        assert coordinator.world.totals.islands_retired == 0
+        assert read_events(tmp_path / "run" / "metrics.jsonl", "island_retired") == []

@@ -30,7 +30,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from diloco.config import load_config
 from diloco.harness.procs import Federation
-from diloco.ops.metrics import CODES, METHODS, PULL_KINDS, UNKNOWN, IslandMetrics, metrics_port, serve_metrics
+from diloco.ops.metrics import (
+    CODES,
+    METHODS,
+    PULL_KINDS,
+    UNKNOWN,
+    CoordinatorMetrics,
+    IslandMetrics,
+    metrics_port,
+    serve_metrics,
+)
 from diloco.ops.status import show_status
 from diloco.run.rundir import RunDir
 from floor.codec import CodecSpec
@@ -248,6 +257,32 @@ def reference_server(on_call: Callable[..., None] | None = None) -> Iterator[tup
         yield server, service
     finally:
         server.stop(0)
+
+
+def test_a_retired_islands_labels_go_with_it() -> None:
+    """A label per island ever enrolled would grow under churn: a retired island's series and tally are dropped, and
+    a call in its name from then on counts under "unknown"."""
+    metrics = CoordinatorMetrics(["a"])
+
+    def labelled(name: str) -> int:
+        return sum(
+            1
+            for family in metrics.registry.collect()
+            for sample in family.samples
+            if sample.labels.get("island") == name
+        )
+
+    for cycle in range(3):
+        name = f"x{cycle}"
+        metrics.enroll(name)
+        metrics.on_event("push", {"island": name, "bytes_up": 10})
+        metrics.pulled(name, "update", 20)
+        metrics.call("PushPseudoGrad", name, grpc.StatusCode.OK, 0.01)
+        assert labelled(name) > 0 and name in metrics.tally
+        metrics.retire(name)
+        assert labelled(name) == 0 and name not in metrics.tally and metrics.island(name) == UNKNOWN
+    metrics.on_event("push", {"island": "a", "bytes_up": 1})
+    assert labelled("a") > 0 and metrics.islands == ("a", UNKNOWN)
 
 
 def test_health_is_not_serving_until_the_service_is_attached(capsys: pytest.CaptureFixture[str]) -> None:
