@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable, Collection, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +50,8 @@ RESERVED_NAMES = frozenset({"diloco-operator"})
 `diloco.operator`, no island name), which an island admitted under it would be bound to."""
 WINDOW_S = 60.0
 """`islands.admissions_per_minute` counts admissions in this window."""
+MAX_WINDOW = 1 << 16
+"""The most admissions of one second a roster.json may claim (what a damaged file can make a coordinator allocate)."""
 
 
 class RosterFileError(UserError, ValueError):
@@ -324,7 +328,9 @@ def _save(path: Path, book: Book) -> None:
         "retired": book.retired,
         "retired_total": book.retired_total,
         "retired_credentials": base64.b64encode(book.retired_credentials.bits).decode(),
-        "admissions": list(book.admissions),
+        # Per whole second (rounded up: the window holds each a fraction of a second longer, never shorter), so the
+        # file holds at most WINDOW_S + 1 pairs whatever islands.admissions_per_minute allows.
+        "admissions": sorted(collections.Counter(math.ceil(t) for t in book.admissions).items()),
     }
     write_atomically(path, json.dumps(data, indent=1), mode=0o600)
 
@@ -352,7 +358,7 @@ def _load(path: Path) -> Book:
             bits = base64.b64decode(str(data["retired_credentials"]), validate=True)
             if len(bits) != CREDENTIAL_FILTER_BYTES:
                 raise ValueError(f"retired_credentials is {len(bits)} bytes, not {CREDENTIAL_FILTER_BYTES}")
-            admissions = tuple(float(t) for t in data["admissions"])
+            admissions = tuple(float(t) for t, n in data["admissions"] for _ in range(min(int(n), MAX_WINDOW)))
             book = Book(admitted, retired, int(data["retired_total"]), RetiredCredentials(bits), admissions)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
         raise RosterFileError(f"{path}: cannot read the run's roster ({exc}); restore it from a backup") from None
