@@ -441,3 +441,22 @@ def test_a_retirement_that_cannot_be_written_changes_nothing_in_the_coordinator(
         assert island in coordinator.enrollment and island in coordinator.roster
         assert coordinator.world.totals.islands_retired == 0
         assert read_events(tmp_path / "run" / "metrics.jsonl", "island_retired") == []
+
+
+def test_a_retirement_by_timeout_that_cannot_be_written_is_tried_again(tiny_config: Path, tmp_path: Path) -> None:
+    """The ticker's retirement after islands.retire_after_s: a failed write keeps the island enrolled and says so in
+    a `retire_failed` event (the coordinator goes on); the next tick once the run dir is fixed retires it."""
+    with clocked_coordinator(tiny_config, tmp_path / "run") as (coordinator, now):
+        run_id, island = coordinator.cfg.run.name, coordinator.enrollment.names[1]
+        coordinator.join(pb.JoinRequest(run_id=run_id, island=island, last_round=-1, config_digest=coordinator.digest,
+                                        release=RELEASE))  # fmt: skip
+        coordinator.leave(pb.LeaveRequest(run_id=run_id, island=island, reason="host lost"))
+        (tmp_path / "run" / "roster.json.tmp").mkdir()
+        now[0] = 31.0
+        coordinator.tick()
+        assert island in coordinator.enrollment
+        failed = read_events(tmp_path / "run" / "metrics.jsonl", "retire_failed")
+        assert [e["island"] for e in failed] == [island] and "roster.json" in failed[0]["reason"], failed
+        (tmp_path / "run" / "roster.json.tmp").rmdir()
+        coordinator.tick()
+        assert island not in coordinator.enrollment and coordinator.world.totals.islands_retired == 1
