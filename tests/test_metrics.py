@@ -40,7 +40,7 @@ from diloco.ops.metrics import (
     metrics_port,
     serve_metrics,
 )
-from diloco.ops.status import show_status
+from diloco.ops.status import show_status, status_view
 from diloco.run.rundir import RunDir
 from floor.codec import CodecSpec
 from pytrees.encode import encode_named
@@ -283,6 +283,19 @@ def test_a_retired_islands_labels_go_with_it() -> None:
         assert labelled(name) == 0 and name not in metrics.tally and metrics.island(name) == UNKNOWN
     metrics.on_event("push", {"island": "a", "bytes_up": 1})
     assert labelled("a") > 0 and metrics.islands == ("a", UNKNOWN)
+
+
+def test_status_names_the_newest_retired_and_counts_them_all() -> None:
+    """The Status answer lists a bounded tail of the retired (diloco/coordinator/enrollment.py): the view shows the
+    newest and how many were retired in all, not only those listed."""
+    from rich.console import Console
+
+    listed = {f"x{i}": {"round": i, "reason": "churn"} for i in range(32)}
+    detail = {"roster": {"admitted": [], "retired": listed, "retired_total": 1000}}
+    console = Console(width=400, record=True)
+    console.print(status_view(pb.StatusReply(run_id="r", round=3, state="training"), detail, "SERVING"))
+    line = next(x for x in console.export_text().splitlines() if x.startswith("retired:"))
+    assert "x31 (round 31: churn)" in line and "x0 " not in line and line.endswith("and 992 more"), line
 
 
 def test_health_is_not_serving_until_the_service_is_attached(capsys: pytest.CaptureFixture[str]) -> None:
