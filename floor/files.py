@@ -8,7 +8,8 @@ from pathlib import Path
 
 def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
     """Write `text` to a sibling file (created with `mode`, never through a symlink), fsync it, rename it over
-    `path`."""
+    `path`, fsync the directory (the rename itself is durable only once the directory is: a power loss before that
+    can bring the old file back)."""
     partial = path.with_name(path.name + ".tmp")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     with os.fdopen(fd, "w") as f:
@@ -16,3 +17,8 @@ def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
         f.flush()
         os.fsync(f.fileno())
     partial.replace(path)
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

@@ -32,8 +32,11 @@ and ties between equal values are broken by that order, so every process compute
 
 from __future__ import annotations
 
+import ctypes
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -276,8 +279,38 @@ def _order_statistic(rule: str, deltas: Sequence[optax.Updates], t: int) -> Aggr
     if any(td != treedef for _, td in leaves):
         raise ValueError(f"{rule} got pseudo-gradients of different structures")
     by_leaf = tuple(tuple(flat[j] for flat, _ in leaves) for j in range(treedef.num_leaves))
+    _make_room((len(deltas), t, tuple(np.shape(values[0]) for values in by_leaf)))
     out, masks = _middle_means(by_leaf, t)
     return Aggregated(jax.tree.unflatten(treedef, out), masks=tuple(masks), islands=len(deltas))
+
+
+COMPILED_KEPT = 16
+"""Compiled `_middle_means` programs held at once: one per island count, trim count and leaf shapes (a streaming
+fragment has its own). A roster whose size keeps changing compiles one per size it reaches; past this many the
+cache starts over, so the coordinator's memory is bounded by it, not by every island count the run has seen."""
+_held: OrderedDict[Hashable, None] = OrderedDict()
+_held_lock = threading.Lock()
+
+
+def _make_room(key: Hashable) -> None:
+    """Before `_middle_means` runs for `key`: when it is a program not compiled yet and `COMPILED_KEPT` are held,
+    forget them all (recompiled when next needed, bit-identical) and hand the memory back to the system."""
+    with _held_lock:
+        if key in _held:
+            return
+        if len(_held) >= COMPILED_KEPT:
+            _middle_means.clear_cache()
+            _held.clear()
+            _trim_heap()
+        _held[key] = None
+
+
+def _trim_heap() -> None:
+    """glibc keeps freed memory in its arenas: give it back (a no-op elsewhere)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @partial(jax.jit, static_argnums=1)

@@ -354,3 +354,41 @@ def test_a_push_dropped_at_commit_leaves_its_island_free_to_push_a_new_delta(coo
     assert closing.accepted and coordinator.loop.round == 1 and coordinator.window.last is not None
     assert coordinator.window.last.islands == ("island-0", "island-1")
     assert push_through("island-0", 1e-3) == closing  # a retry after the round closed gets its original reply
+
+
+def test_a_push_dropped_by_the_commit_it_triggers_is_refused_and_its_island_may_push_again(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The running coordinator's path: the only live island's push closes the round itself, the commit drops it
+    (its update cannot be encoded), and the round stays open. Its reply says so, no cached "accepted" answers its
+    bytes again, and a newly trained Δ is heard (before, the reply said "accepted", its retry was answered from the
+    cache, and the new Δ was ALREADY_EXISTS: the island was locked out of its round)."""
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    cfg = load_config(tiny_config, ["quorum.min_islands=1", "train.checkpoint_every=0", "outer.aggregate=mean"])
+    rd = RunDir(tmp_path / "run", cfg)
+    coord = Coordinator(cfg, rd, build_setup(cfg, islands=()))
+    try:
+        service = DilocoService(coord, coord.run_id, coord.model_spec, islands=coord.enrollment)
+
+        def push_through(fill: float) -> pb.PushReply:
+            named = {k: np.full(np.shape(v), fill, np.float32) for k, v in flatten_named(coord.loop.params).items()}
+            meta = pb.PushMeta(
+                run_id=coord.run_id,
+                island="island-1",
+                round=coord.loop.round,
+                tokens=128,
+                loss=1.0,
+                base_digest=bytes.fromhex(coord.world.params_digest),
+            )
+            chunks = push_chunks(meta, encode_named(named, CodecSpec(kind="fp32")), 1 << 16)
+            return service.push(call_metadata("island-1", None), chunks)
+
+        refused(lambda: push_through(F32_MAX), grpc.StatusCode.FAILED_PRECONDITION, "was dropped")
+        assert coord.loop.round == 0 and coord.loop.pending == (), "the round did not stay open"
+        refused(lambda: push_through(F32_MAX), grpc.StatusCode.FAILED_PRECONDITION, "was dropped")
+        closing = push_through(1e-3)
+        assert closing.accepted and coord.loop.round == 1, "the island is locked out of its round"
+        assert coord.window.last is not None and coord.window.last.islands == ("island-1",)
+    finally:
+        coord.close()
+        rd.close()

@@ -222,4 +222,7 @@ def test_the_roster_knows_who_joined_a_sync_late_and_who_is_gone_for_retirement(
     assert roster.round_view(0.0, (), (), sync=7).late == frozenset()
     assert roster.gone == {"c": 0.0}
     assert not roster.retire("c") and roster.gone == {}, "a retired island is not gone: it is no island any more"
+    roster.beat("a", 4, 4.0)
+    roster.pushed("a", 2.5, 5.0)
     assert roster.retire("a") and "a" not in roster and "a" not in roster.gone
+    assert "a" not in roster.working and "a" not in roster.last_loss, "nothing of a retired island is kept"

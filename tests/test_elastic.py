@@ -98,10 +98,17 @@ def test_an_island_admitted_into_a_live_run_joins_trains_and_is_retired(
 def test_an_island_that_stops_with_retire_on_stop_retires_itself(federation: Callable[..., Federation]) -> None:
     import signal
 
-    fed = federation("train.rounds=6", "quorum.lease_s=60", pause_at=["island-1:before_push:1"])
-    fed.start_coordinator()
-    fed.start_island("island-0")
-    fed.start_island("island-1", args=["--retire-on-stop"])
+    # An island retires itself with its own credential only (without island secrets only the operator retires it).
+    secrets = {"DILOCO_TEST_S0": "secret-of-island-0", "DILOCO_TEST_S1": "secret-of-island-1"}
+    fed = federation(
+        "train.rounds=6",
+        "quorum.lease_s=60",
+        'network.secrets=["env:DILOCO_TEST_S0","env:DILOCO_TEST_S1"]',
+        pause_at=["island-1:before_push:1"],
+    )
+    fed.start_coordinator(env=secrets)
+    fed.start_island("island-0", env=secrets)
+    fed.start_island("island-1", args=["--retire-on-stop"], env=secrets)
     fed.paused("island-1:before_push:1", WAIT_S)
     fed.signal("island-1", signal.SIGTERM)  # a clean stop: it leaves at its next sync point, then retires itself
     fed.release("island-1:before_push:1")

@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from diloco import RELEASE
 from diloco.config import config_digest, load_config, to_dict
 from diloco.coordinator.coordinator import Coordinator
 from diloco.coordinator.enrollment import (
+    RETIRED_SHOWN,
     AdmissionLimits,
     Enrollment,
     EnrollmentView,
@@ -27,11 +30,12 @@ from diloco.coordinator.enrollment import (
     overdue,
 )
 from diloco.coordinator.serve import _start
+from diloco.deploy.tls import OPERATOR_CLIENT
 from diloco.ops.roster_ops import admit_island, retire_island
 from diloco.run.rundir import RunDir, read_events
 from diloco.run.setup import build_setup
 from transport import diloco_pb2 as pb
-from transport.auth import OPERATOR_KEY
+from transport.auth import OPERATOR_KEY, call_metadata, is_island_name, secret_digest
 from transport.config import TransportConfig
 from transport.errors import Rejected, TransportError
 from transport.grpc_client import GrpcTransport, OperatorClient
@@ -51,6 +55,9 @@ C = grpc.StatusCode
         ("", D1, EMPTY, C.INVALID_ARGUMENT, "1 to 64 characters"),
         ("x" * 65, D1, EMPTY, C.INVALID_ARGUMENT, "1 to 64 characters"),
         ("b/../c", D1, EMPTY, C.INVALID_ARGUMENT, "[A-Za-z0-9_-]"),
+        # the operator certificate's name: the new one is no island name, the old one is reserved
+        (OPERATOR_CLIENT, D1, EMPTY, C.INVALID_ARGUMENT, "[A-Za-z0-9_-]"),
+        ("diloco-operator", D1, EMPTY, C.INVALID_ARGUMENT, "operator certificates made by earlier releases"),
         ("b", b"short", EMPTY, C.INVALID_ARGUMENT, "secret_sha256 must be 32 bytes (got 5)"),
         ("a", D1, EMPTY, C.ALREADY_EXISTS, "'a' is already on the roster (configured)"),
         # a replayed admission of an island retired since: its credential is never taken again
@@ -85,7 +92,7 @@ def test_islands_gone_past_the_limit_are_retired_and_zero_means_never() -> None:
 
 def test_the_roster_is_durable_private_and_keeps_no_secret(tmp_path: Path) -> None:
     book = Enrollment(["a", "b"], tmp_path, LIMITS)
-    book.admit("c", D1, 3, 10.0)
+    book.admit("c", D1, 3)
     assert book.retire("b", 4, "operator") and not book.retire("b", 5, "again")
     path = tmp_path / "roster.json"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -95,10 +102,88 @@ def test_the_roster_is_durable_private_and_keeps_no_secret(tmp_path: Path) -> No
     assert again.retirement("b") == "at round 4: operator" and again.secret_of("a") is None
     assert again.retire("c", 6, "operator")
     with pytest.raises(Rejected, match="belonged to a retired island"):
-        again.admit("c", D1, 6, 11.0)
+        again.admit("c", D1, 6)
     path.write_text('{"version": 1, "admitted": {"x": {"secret_sha256": "zz", "round": 0}}}')
     with pytest.raises(RosterFileError, match="roster.json: cannot read the run's roster"):
         Enrollment(["a"], tmp_path, LIMITS)
+
+
+def test_a_failed_write_leaves_the_roster_as_it_was_and_says_so(tmp_path: Path) -> None:
+    """Durably first, in memory after: roster.json cannot be replaced (its temporary name is taken by a directory, a
+    real failure even as root), so the admission and the retirement are refused with UNAVAILABLE and change nothing
+    on disk or in memory; once the run dir is fixed they go through."""
+    book = Enrollment(["a", "b"], tmp_path, AdmissionLimits(max_islands=9, per_minute=9))
+    book.admit("c", D1, 0)
+    before = (tmp_path / "roster.json").read_bytes()
+    (tmp_path / "roster.json.tmp").mkdir()
+    for change in (lambda: book.admit("d", D2, 1), lambda: book.retire("b", 1, "operator")):
+        with pytest.raises(Rejected) as info:
+            change()
+        assert info.value.code == C.UNAVAILABLE and "the roster is unchanged" in info.value.reason, info.value
+    assert book.names == ("a", "b", "c") and book.retirement("b") is None and book.secret_of("d") is None
+    assert (tmp_path / "roster.json").read_bytes() == before
+    (tmp_path / "roster.json.tmp").rmdir()
+    assert book.retire("b", 1, "operator") and book.names == ("a", "c")
+
+
+def test_the_roster_file_is_renamed_into_place_and_its_directory_synced(tmp_path: Path) -> None:
+    """The rename is durable only once the directory is: write_atomically syncs the directory after it (observed by
+    tracing the real process's fsync calls on the directory's file descriptor)."""
+    script = f"""
+import os, stat
+from pathlib import Path
+from floor.files import write_atomically
+synced = []
+real = os.fsync
+def fsync(fd):
+    synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+    real(fd)
+os.fsync = fsync
+write_atomically(Path({str(tmp_path / "roster.json")!r}), "{{}}", mode=0o600)
+print(synced)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[False, True]", done.stdout + done.stderr
+
+
+def test_the_admission_rate_window_outlives_a_restart(tmp_path: Path) -> None:
+    now = [1000.0]
+    book = Enrollment(["a"], tmp_path, AdmissionLimits(max_islands=9, per_minute=2), wall=lambda: now[0])
+    book.admit("b", D1, 0)
+    book.admit("c", D2, 0)
+    now[0] = 1010.0
+    again = Enrollment(["a"], tmp_path, AdmissionLimits(max_islands=9, per_minute=2), wall=lambda: now[0])
+    with pytest.raises(Rejected, match="2 admissions in the last minute"):
+        again.admit("d", hashlib.sha256(b"three").digest(), 0)
+    now[0] = 1061.0
+    again.admit("d", hashlib.sha256(b"three").digest(), 0)
+    assert again.names == ("a", "b", "c", "d")
+
+
+def test_churn_leaves_the_roster_its_size_and_never_forgets_a_retired_credential(tmp_path: Path) -> None:
+    """Admissions and retirements past the listed history's bound: roster.json stays the size it had once that bound
+    was reached, the retired islands listed are bounded (every retired configured island, the newest admitted
+    ones), the count is whole, and neither the first nor the last retired credential is accepted again (the
+    1,000-cycle measurement against a coordinator is `diloco bench churn`)."""
+    now = [0.0]
+    book = Enrollment(["a", "b"], tmp_path, AdmissionLimits(max_islands=4, per_minute=1), wall=lambda: now[0])
+    assert book.retire("b", 0, "operator")
+    sizes = []
+    cycles = 2 * RETIRED_SHOWN + 16  # x0 .. x79: from x10 on, every name and round listed has two digits
+    for i in range(cycles):
+        now[0] += 61.0
+        book.admit(f"x{i}", hashlib.sha256(b"%d" % i).digest(), i)
+        assert book.retire(f"x{i}", i, "operator")
+        sizes.append(len((tmp_path / "roster.json").read_bytes()))
+    bounded = sizes[RETIRED_SHOWN + 10 :]
+    assert max(bounded) - min(bounded) <= 2, (min(bounded), max(bounded))  # a digit more in a count
+    summary = book.summary()
+    assert len(summary["retired"]) == RETIRED_SHOWN + 1 and "b" in summary["retired"]  # type: ignore[arg-type]
+    assert summary["retired_total"] == cycles + 1 and book.names == ("a",)
+    for i in (0, cycles - 1):
+        now[0] += 61.0
+        with pytest.raises(Rejected, match="belonged to a retired island"):
+            book.admit("y", hashlib.sha256(b"%d" % i).digest(), 1000)
 
 
 # -- the operator's calls, over real gRPC ----------------------------------------------------------------------
@@ -230,6 +315,56 @@ def test_a_retired_island_stops_counting_at_once_and_its_credential_is_refused(
     assert coordinator.world.totals.islands_retired == 1
 
 
+def test_a_retired_configured_islands_secret_never_authenticates_again(
+    live: tuple[Coordinator, str], tmp_path: Path
+) -> None:
+    """Retired means retired: the operator retires configured island i1; its old secret offered as the credential of
+    a re-admission is refused, and once i1 is admitted again with a new one, only the new one authenticates."""
+    coordinator, address = live
+    run = coordinator.run_id
+    retire_island(address, run, "i1", "region closed", None, operator_ref="env:TEST_OPERATOR")
+    old = pb.AdmitRequest(run_id=run, island="i1", secret_sha256=secret_digest("secret-of-i1"))
+    with OperatorClient(address, [(OPERATOR_KEY, "operator-secret")]) as client:
+        with pytest.raises(TransportError) as info:
+            client.admit(old)
+        assert info.value.code == C.PERMISSION_DENIED and "belonged to a retired island" in info.value.reason
+        fresh = pb.AdmitRequest(run_id=run, island="i1", secret_sha256=secret_digest("a-new-secret-of-i1"))
+        assert client.admit(fresh).ok
+    with pytest.raises(TransportError) as info:
+        _join(coordinator, address, "i1", "secret-of-i1")
+    assert info.value.code == C.UNAUTHENTICATED
+    assert _join(coordinator, address, "i1", "a-new-secret-of-i1").round == 0
+
+
+def test_without_island_secrets_only_the_operator_retires_an_island(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a run without per-island secrets anyone who reaches the coordinator may claim an island's name: a
+    retirement in that name alone is refused (the island stays enrolled); the operator's goes through."""
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    monkeypatch.setenv("TEST_OPERATOR", "operator-secret")
+    cfg = load_config(tiny_config, ["network.operator_secret=env:TEST_OPERATOR", "train.checkpoint_every=0"])
+    rd = RunDir(tmp_path / "run", cfg)
+    server, _, coordinator = _start(cfg, rd, "127.0.0.1:0", None, None, 0)
+    try:
+        run, island = coordinator.run_id, coordinator.enrollment.names[0]
+        with pytest.raises(TransportError) as info:
+            with OperatorClient(server.address, call_metadata(island, None)) as client:
+                client.retire(pb.RetireRequest(run_id=run, island=island, reason="hostile"))
+        assert info.value.code == C.UNAUTHENTICATED and "only the operator retires it" in info.value.reason
+        assert island in coordinator.enrollment
+        retire_island(server.address, run, island, "region closed", None, operator_ref="env:TEST_OPERATOR")
+        assert island not in coordinator.enrollment
+    finally:
+        server.stop(0)
+        coordinator.close()
+        rd.close()
+
+
+def test_the_operator_certificate_name_is_no_island_name() -> None:
+    assert not is_island_name(OPERATOR_CLIENT)
+
+
 @contextlib.contextmanager
 def clocked_coordinator(tiny_config: Path, run_dir: Path) -> Iterator[tuple[Coordinator, list[float]]]:
     """A coordinator (islands.retire_after_s = 30) on a clock the test moves: `now[0]`."""
@@ -288,3 +423,40 @@ def test_an_admitted_island_draws_from_the_shared_corpus_or_brings_its_own(tiny_
     non_iid = load_config(tiny_config, [f'data.paths=["{own}", "{own}"]', 'data.path=""'])
     with pytest.raises(ConfigError, match="give the admitted island its own source"):
         admitted_stream(non_iid, "sa-east")
+
+
+def test_a_retirement_that_cannot_be_written_changes_nothing_in_the_coordinator(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    """The caller is told UNAVAILABLE (not INTERNAL), and memory agrees with disk: the island is still enrolled and a
+    member, and no retirement is logged or counted."""
+    with clocked_coordinator(tiny_config, tmp_path / "run") as (coordinator, now):
+        run_id, island = coordinator.cfg.run.name, coordinator.enrollment.names[1]
+        coordinator.join(pb.JoinRequest(run_id=run_id, island=island, last_round=-1, config_digest=coordinator.digest,
+                                        release=RELEASE))  # fmt: skip
+        (tmp_path / "run" / "roster.json.tmp").mkdir()
+        with pytest.raises(Rejected) as info:
+            coordinator.retire(pb.RetireRequest(run_id=run_id, island=island, reason="region closed"), "(operator)")
+        assert info.value.code == C.UNAVAILABLE and "roster.json" in info.value.reason, info.value
+        assert island in coordinator.enrollment and island in coordinator.roster
+        assert coordinator.world.totals.islands_retired == 0
+        assert read_events(tmp_path / "run" / "metrics.jsonl", "island_retired") == []
+
+
+def test_a_retirement_by_timeout_that_cannot_be_written_is_tried_again(tiny_config: Path, tmp_path: Path) -> None:
+    """The ticker's retirement after islands.retire_after_s: a failed write keeps the island enrolled and says so in
+    a `retire_failed` event (the coordinator goes on); the next tick once the run dir is fixed retires it."""
+    with clocked_coordinator(tiny_config, tmp_path / "run") as (coordinator, now):
+        run_id, island = coordinator.cfg.run.name, coordinator.enrollment.names[1]
+        coordinator.join(pb.JoinRequest(run_id=run_id, island=island, last_round=-1, config_digest=coordinator.digest,
+                                        release=RELEASE))  # fmt: skip
+        coordinator.leave(pb.LeaveRequest(run_id=run_id, island=island, reason="host lost"))
+        (tmp_path / "run" / "roster.json.tmp").mkdir()
+        now[0] = 31.0
+        coordinator.tick()
+        assert island in coordinator.enrollment
+        failed = read_events(tmp_path / "run" / "metrics.jsonl", "retire_failed")
+        assert [e["island"] for e in failed] == [island] and "roster.json" in failed[0]["reason"], failed
+        (tmp_path / "run" / "roster.json.tmp").rmdir()
+        coordinator.tick()
+        assert island not in coordinator.enrollment and coordinator.world.totals.islands_retired == 1

@@ -30,8 +30,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from diloco.config import load_config
 from diloco.harness.procs import Federation
-from diloco.ops.metrics import CODES, METHODS, PULL_KINDS, UNKNOWN, IslandMetrics, metrics_port, serve_metrics
-from diloco.ops.status import show_status
+from diloco.ops.metrics import (
+    CODES,
+    METHODS,
+    PULL_KINDS,
+    UNKNOWN,
+    CoordinatorMetrics,
+    IslandMetrics,
+    metrics_port,
+    serve_metrics,
+)
+from diloco.ops.status import show_status, status_view
 from diloco.run.rundir import RunDir
 from floor.codec import CodecSpec
 from pytrees.encode import encode_named
@@ -248,6 +257,45 @@ def reference_server(on_call: Callable[..., None] | None = None) -> Iterator[tup
         yield server, service
     finally:
         server.stop(0)
+
+
+def test_a_retired_islands_labels_go_with_it() -> None:
+    """A label per island ever enrolled would grow under churn: a retired island's series and tally are dropped, and
+    a call in its name from then on counts under "unknown"."""
+    metrics = CoordinatorMetrics(["a"])
+
+    def labelled(name: str) -> int:
+        return sum(
+            1
+            for family in metrics.registry.collect()
+            for sample in family.samples
+            if sample.labels.get("island") == name
+        )
+
+    for cycle in range(3):
+        name = f"x{cycle}"
+        metrics.enroll(name)
+        metrics.on_event("push", {"island": name, "bytes_up": 10})
+        metrics.pulled(name, "update", 20)
+        metrics.call("PushPseudoGrad", name, grpc.StatusCode.OK, 0.01)
+        assert labelled(name) > 0 and name in metrics.tally
+        metrics.retire(name)
+        assert labelled(name) == 0 and name not in metrics.tally and metrics.island(name) == UNKNOWN
+    metrics.on_event("push", {"island": "a", "bytes_up": 1})
+    assert labelled("a") > 0 and metrics.islands == ("a", UNKNOWN)
+
+
+def test_status_names_the_newest_retired_and_counts_them_all() -> None:
+    """The Status answer lists a bounded tail of the retired (diloco/coordinator/enrollment.py): the view shows the
+    newest and how many were retired in all, not only those listed."""
+    from rich.console import Console
+
+    listed = {f"x{i}": {"round": i, "reason": "churn"} for i in range(32)}
+    detail = {"roster": {"admitted": [], "retired": listed, "retired_total": 1000}}
+    console = Console(width=400, record=True)
+    console.print(status_view(pb.StatusReply(run_id="r", round=3, state="training"), detail, "SERVING"))
+    line = next(x for x in console.export_text().splitlines() if x.startswith("retired:"))
+    assert "x31 (round 31: churn)" in line and "x0 " not in line and line.endswith("and 992 more"), line
 
 
 def test_health_is_not_serving_until_the_service_is_attached(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 from diloco.run.rounds import OuterLoop
 from floor.codec import CodecSpec
+from outer_optimizer import aggregate
 from outer_optimizer.aggregate import (
     global_norms,
     lower_median,
@@ -356,3 +357,17 @@ def test_ranking_by_sort_is_bit_identical_to_pairwise(n: int) -> None:
         assert len(fast_words) == len(slow_words)
         for a, b in zip(fast_words, slow_words, strict=True):
             assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), t
+
+
+def test_compiled_programs_are_bounded_and_a_recompile_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A roster whose size keeps changing compiles an order-statistic program per island count: at most
+    `COMPILED_KEPT` are held at once (the coordinator's memory is bounded by it, not by the counts it has seen), and
+    a program compiled again after the cache started over gives the same bits."""
+    monkeypatch.setattr(aggregate, "COMPILED_KEPT", 3)
+    rng = np.random.default_rng(0)
+    deltas = [{"w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)} for _ in range(8)]
+    first = np.asarray(trimmed_mean(deltas[:2], [1, 1], 0.25).delta["w"])
+    for n in range(3, 9):
+        trimmed_mean(deltas[:n], [1] * n, 0.25)
+        assert aggregate._middle_means._cache_size() <= 3, n
+    assert np.array_equal(np.asarray(trimmed_mean(deltas[:2], [1, 1], 0.25).delta["w"]), first)

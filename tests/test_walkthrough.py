@@ -249,7 +249,7 @@ def test_the_elastic_walkthrough(tmp_path: Path, processes: list[subprocess.Pope
 
     made = run_cli("certs", CONFIG, "--out", "kit", "--host", "localhost", "--keep-ca-key", cwd=tmp_path)
     assert made.returncode == 0, made.stderr
-    assert json.loads(made.stdout)["operator"]["cert"].endswith("client-diloco-operator.crt")
+    assert json.loads(made.stdout)["operator"]["cert"].endswith("client-diloco.operator.crt")
     (tmp_path / "kit" / "operator").write_text(os.urandom(32).hex())
     os.chmod(tmp_path / "kit" / "operator", 0o600)
     server_tls = ["--tls-cert", "kit/server.crt", "--tls-key", "kit/server.key", "--tls-ca", "kit/ca.crt"]
@@ -269,8 +269,8 @@ def test_the_elastic_walkthrough(tmp_path: Path, processes: list[subprocess.Pope
         _wait(lambda entry=entry: pauses.reached(entry), entry, processes)
 
     # 6. sa-east is admitted while the run goes on, and starts with the credentials admit made.
-    operator_tls = ["--tls-ca", "kit/ca.crt", "--tls-cert", "kit/client-diloco-operator.crt",
-                    "--tls-key", "kit/client-diloco-operator.key"]  # fmt: skip
+    operator_tls = ["--tls-ca", "kit/ca.crt", "--tls-cert", "kit/client-diloco.operator.crt",
+                    "--tls-key", "kit/client-diloco.operator.key"]  # fmt: skip
     admitted = run_cli("admit", CONFIG, "sa-east", "--coordinator", address, "--out", "kit/sa-east", "--ca-dir",
                        "kit", "--operator-secret", "file:kit/operator", *operator_tls, *ELASTIC, cwd=tmp_path)  # fmt: skip
     assert admitted.returncode == 0, admitted.stderr

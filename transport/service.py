@@ -296,9 +296,17 @@ class DilocoService:
         return OPERATOR
 
     def retiring_caller(self, metadata: Metadata) -> str:
-        """Who asks for a retirement: the operator (any island), or an island for itself."""
+        """Who asks for a retirement: the operator (any island), or an island for itself with its own credentials.
+        An island the run does not authenticate (no `network.secrets`) cannot retire itself: anyone who reaches the
+        coordinator could claim its name and retire it for good, so only the operator retires it."""
         if any(key == OPERATOR_KEY for key, _ in metadata or ()):
             return self.operator_caller(metadata)
+        if self.auth.authenticate(metadata) is None:
+            raise Rejected(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"island {claimed_island(metadata)[:64]!r} has no credentials to retire itself with (the run has no "
+                "network.secrets): only the operator retires it (diloco retire with network.operator_secret)",
+            )
         return self.authenticate(metadata)
 
     def admit(self, metadata: Metadata, req: pb.AdmitRequest) -> pb.AdmitReply:

@@ -36,6 +36,7 @@ HELP = {
     "utilization": "compute utilization over WAN links: plain DiLoCo vs its cost model vs Streaming with overlap",
     "heterogeneous": "one island 2x slower: plain vs time-budgeted vs async DiLoCo on one virtual time axis",
     "elastic": "islands admitted, killed and back, retired, lost, then the run lengthened: digests, exactly-once, loss",
+    "churn": "islands admitted, joined and retired against one coordinator: RSS, roster.json and Status, bounded",
     "simulator": "simulate's islands stepped in turn vs as one program (train.vectorize): wall time, speedup, max |Δ|",
     "generate": "KV-cache generation vs the training step of one model: tokens/s, first-token time, per-token decode",
     "posttrain": "SFT, DPO and RL: DiLoCo vs one island vs data-parallel on the same samples, whole held-out split",
@@ -180,6 +181,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
     _add_load(parsers["load"])
     _with_config(parsers["elastic"])
+    churn = parsers["churn"]
+    _with_config(churn)
+    churn.add_argument("--cycles", type=int, default=1000, help="admit, join, retire cycles (default 1000)")
+    churn.add_argument("--warm-up", type=int, default=100, help="cycles before the figures compared (default 100)")
     _add_soak(parsers["soak"])
     _add_heterogeneous(parsers["heterogeneous"])
     sim = parsers["simulator"]
@@ -353,6 +358,12 @@ def _elastic(args: argparse.Namespace) -> Result:
     return run_elastic_bench(args.config, args.overrides, _run_dir(args))
 
 
+def _churn(args: argparse.Namespace) -> Result:
+    from diloco.bench.churn import run_churn_bench
+
+    return run_churn_bench(args.config, args.overrides, _run_dir(args), args.cycles, args.warm_up)
+
+
 def _soak(args: argparse.Namespace) -> Result:
     from diloco.bench.soak import SoakPlan, run_soak_bench
 
@@ -488,6 +499,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "fuzz-decoders": _fuzz_decoders,
     "load": _load,
     "soak": _soak,
+    "churn": _churn,
     "streaming": _streaming,
     "sync": _sync,
     "colocation": _colocation,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -78,13 +78,15 @@ class Coordinator:
         setup: Setup,
         clock: Callable[[], float] = time.monotonic,
         metrics: CoordinatorMetrics | None = None,
+        credentials: Mapping[str, bytes] | None = None,
     ) -> None:
+        """`credentials`: SHA-256 of each configured island's secret (`network.secrets`), refused for good once that
+        island is retired (`Enrollment`)."""
         self.cfg = cfg
         self.rd = rd
         self.clock = clock
-        self.enrollment = Enrollment(
-            cfg.islands.island_names, rd.path, AdmissionLimits(cfg.islands.max, cfg.islands.admissions_per_minute)
-        )
+        limits = AdmissionLimits(cfg.islands.max, cfg.islands.admissions_per_minute)
+        self.enrollment = Enrollment(cfg.islands.island_names, rd.path, limits, credentials)
         self.metrics = metrics or CoordinatorMetrics(cfg.islands.island_names)
         for name in self.enrollment:
             self.metrics.enroll(name)
@@ -224,7 +226,7 @@ class Coordinator:
         """The operator admits an island: enrolled durably (roster.json) before the reply; it joins when it comes,
         at the next sync point, and is never waited for by the round open when it arrives."""
         with self.cond:
-            self.enrollment.admit(req.island, bytes(req.secret_sha256), self.loop.round, self.clock())
+            self.enrollment.admit(req.island, bytes(req.secret_sha256), self.loop.round)
             self.metrics.enroll(req.island)
             self.world.totals.islands_admitted += 1
             self.rd.log("island_admitted", round=self.loop.round, island=req.island, enrolled=len(self.enrollment))
@@ -244,8 +246,10 @@ class Coordinator:
             return pb.RetireReply(ok=True, round=self.loop.round, detail=f"island {req.island} retired")
 
     def _retire(self, island: str, reason: str) -> None:
+        """Durably first (a failed write raises and changes nothing), then everywhere else."""
         self.enrollment.retire(island, self.loop.round, reason)
         self.roster.retire(island)
+        self.metrics.retire(island)
         self.leases.release(island)
         self.world.totals.islands_retired += 1
         self.rd.log("island_retired", round=self.loop.round, island=island, reason=clip(reason))
@@ -294,7 +298,10 @@ class Coordinator:
             if self.asynchronous:
                 reply = self.committer.commit_update(meta, admitted)
             else:
+                # Remembered before the tick: a commit there that drops this contribution forgets it with the rest.
+                self.admission.remember(admitted.key, payload_digest, pb.PushReply())
                 self.committer.tick()
+                self.admission.refuse_if_dropped(admitted)
                 reply = pb.PushReply(accepted=True, round=self.loop.round, detail="accepted")
             return self.admission.remember(admitted.key, payload_digest, reply)
 
@@ -338,9 +345,13 @@ class Coordinator:
             self.events.flush(now, self.loop.round)
             for island in overdue(self.roster.gone, now, self.cfg.islands.retire_after_s):
                 gone_s = now - self.roster.gone[island]
-                self._retire(
-                    island, f"gone {gone_s:.0f}s (islands.retire_after_s = {self.cfg.islands.retire_after_s:g})"
-                )
+                try:
+                    self._retire(
+                        island, f"gone {gone_s:.0f}s (islands.retire_after_s = {self.cfg.islands.retire_after_s:g})"
+                    )
+                except Rejected as exc:  # roster.json could not be written: nothing changed, a later tick tries again
+                    if self.events.membership_logged(now, "retire_failed", self.loop.round, island):
+                        self.rd.log("retire_failed", round=self.loop.round, island=island, reason=clip(exc.reason))
             self.committer.tick()
 
     def on_rejected(self, island: str, reason: str) -> None:

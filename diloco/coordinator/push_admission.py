@@ -13,7 +13,8 @@ finiteness, the payload digest). What is left is about rounds, and all of it is 
 * `enter`: the contribution joins the open sync, or (streaming) waits in `early` for its sync to open;
 * `drop` (a commit could not be made with it): its island's contribution leaves the round, its bytes are
   remembered as dropped (the same bytes are refused again), and its key is forgotten, so a new Δ of that island
-  for the round is heard;
+  for the round is heard. A push is remembered before the tick it sets off, so a commit there that drops it
+  forgets it too, and its own reply is the refusal (`refuse_if_dropped`), never a cached "accepted";
 * `undo_to` (a commit diverged and was undone with every later one): the reopened sync's contributions as they
   were, every later one forgotten.
 
@@ -289,6 +290,17 @@ class PushAdmission:
 
     def remember(self, key: PushKey, payload_digest: bytes, reply: pb.PushReply) -> pb.PushReply:
         return self.accepted.remember(key, payload_digest, reply)
+
+    def refuse_if_dropped(self, admitted: Admitted) -> None:
+        """After the tick its push set off: a contribution that a commit there dropped (`drop` forgot its key) is
+        refused, so its island hears at once that the round does not hold it, and may push a new Δ."""
+        if admitted.key not in self.accepted:
+            island, round_, _ = admitted.key
+            why = self.dropped.get(admitted.content, "its round could not be committed with it")
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"island {island}'s pseudo-gradient for round {round_} was dropped: {why}",
+            )
 
     # -- what commits do to it ----------------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ class Roster:
         self.working: dict[str, int] = {}
         """The round each island last said (by heartbeat) it is training on."""
         self.last_loss: dict[str, float] = {}
-        """Each island's loss in its last push (kept after it leaves: the divergence vote reads it)."""
+        """Each island's loss in its last push (kept after it leaves, until it is retired: the divergence vote reads
+        it)."""
         self.late: dict[str, int] = {}
         """Member -> the sync it joined during without that sync's θ: that sync does not wait for it."""
         self.gone: dict[str, float] = {}
@@ -99,9 +100,11 @@ class Roster:
             self.leave(island, now)
 
     def retire(self, island: str) -> bool:
-        """The island is retired: no member any more, and nothing of it is waited for; True when it was a member."""
+        """The island is retired: no member any more, nothing of it is waited for, and nothing of it is kept (the
+        table is bounded by the roster, not by every island ever enrolled); True when it was a member."""
         member = self.leave(island, 0.0)
-        self.gone.pop(island, None)
+        for table in (self.gone, self.working, self.last_loss):
+            table.pop(island, None)
         return member
 
     def round_view(

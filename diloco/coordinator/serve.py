@@ -150,7 +150,8 @@ def _start(
         port = metrics_port(cfg, None, metrics_port_flag)
         host = listen.rpartition(":")[0]
         metrics_server = serve_metrics(metrics.registry, host, port, certfile=net.tls_cert, keyfile=net.tls_key)
-        coordinator = Coordinator(cfg, rd, build_setup(cfg, islands=()), metrics=metrics)
+        credentials = {name: secret_digest(secret) for name, secret in (secrets or {}).items()}
+        coordinator = Coordinator(cfg, rd, build_setup(cfg, islands=()), metrics=metrics, credentials=credentials)
     except BaseException:
         server.stop(0)
         if metrics_server is not None:

@@ -237,10 +237,11 @@ def _san(host: str) -> Any:
         return x509.DNSName(host)
 
 
-OPERATOR_CLIENT = "diloco-operator"
+OPERATOR_CLIENT = "diloco.operator"
 """The common name of the operator's client certificate (`diloco certs --keep-ca-key`): what `diloco admit` and
 `diloco retire` present to a mutual-TLS coordinator. The certificate opens the TLS door only; the operator's secret
-is the credential."""
+is the credential. It is no island name (a '.' is outside `[A-Za-z0-9_-]`), so no island can be admitted under it
+and bound to the operator's certificate (`transport.auth.check_certified`)."""
 
 
 def make_federation_kit(

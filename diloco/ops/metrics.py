@@ -218,6 +218,17 @@ class CoordinatorMetrics:
             self.islands = (*sorted(self.names), UNKNOWN)
             self.tally[name] = {"bytes_up": 0, "bytes_down": 0}
 
+    def retire(self, name: str) -> None:
+        """`name` was retired: its labels and tally go, so the series are bounded by the roster, not by every island
+        ever enrolled (a call in its name is counted under "unknown" from then on)."""
+        if name not in self.names:
+            return
+        self.names = self.names - {name}
+        self.islands = (*sorted(self.names), UNKNOWN)
+        self.tally.pop(name, None)
+        for family in (self.pushes, self.pulls, self.bytes_up, self.bytes_down):
+            family.remove_by_labels({"island": name})
+
     def island(self, name: str) -> str:
         """The `island` label of `name`: itself when it is one of the run's islands, else "unknown"."""
         return bounded(name, self.names, UNKNOWN)

@@ -87,8 +87,11 @@ def status_view(reply: pb.StatusReply, detail: dict[str, Any], health: str) -> R
     retired = roster.get("retired") or {}
     if not isinstance(retired, dict) or not retired:
         return Group(header, table, totals)
-    shown = ", ".join(f"{n} (round {e.get('round')}: {e.get('reason')})" for n, e in list(retired.items())[:8])
-    more = f" and {len(retired) - 8} more" if len(retired) > 8 else ""
+    shown_names = list(retired)[-8:]  # the newest
+    shown = ", ".join(f"{n} (round {retired[n].get('round')}: {retired[n].get('reason')})" for n in shown_names)
+    total = roster.get("retired_total")
+    total = total if isinstance(total, int) and total >= len(retired) else len(retired)  # an older coordinator's
+    more = f" and {total - len(shown_names)} more" if total > len(shown_names) else ""
     return Group(header, table, totals, Text(f"retired: {shown}{more}"))
 
 
