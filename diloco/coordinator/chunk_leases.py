@@ -78,6 +78,15 @@ class ChunkLeases:
         if ledger is not None:
             ledger.drop(island, round_)
 
+    def release_all_but(self, enrolled: Collection[str]) -> None:
+        """A restarted coordinator's ledger, as its checkpoint saved it, may give chunks to islands that are not
+        enrolled now (retired after that checkpoint, or dropped from islands.names on resume): they go back to the
+        pool, as they would have when the island went."""
+        ledger = self.ledger()
+        if ledger is not None:
+            for island in sorted(ledger.readers() - set(enrolled)):
+                ledger.release(island)
+
     def release(self, island: str) -> None:
         """A retired, lost or departed island's chunks return to the pool (its pending spans still count)."""
         ledger = self.ledger()

@@ -123,6 +123,7 @@ class Coordinator:
         kept = cfg.outer.max_staleness + 1 if self.asynchronous else fragments.count
         self.window = CommitWindow(kept, self.loop.sync, self.world.params_digest)
         self.leases = ChunkLeases(lambda: self.world.chunks, cfg.islands.island_names, cfg.model.seq_len)
+        self.leases.release_all_but(self.enrollment)  # a resumed ledger's readers that are gone for good
         self.committer = Committer(
             cfg, rd, self.world, self.cond, lambda: self.clock(), self.roster, self.admission, self.window, self.leases
         )

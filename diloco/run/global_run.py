@@ -141,9 +141,11 @@ class GlobalRun:
         self.totals = Totals.from_meta(meta["totals"])
         self.durations = list(meta.get("durations", []))
         self.rd.truncate_after_round(self.loop.round)
+        kept = read_events(self.rd.metrics_path)
+        self.totals = roster_counted(self.totals, kept)
         if self.chunks is not None:
             self.chunks.restore(meta["chunks"])
-            for event in read_events(self.rd.metrics_path):  # the records kept: what the restored ledger holds
+            for event in kept:  # the records kept: what the restored ledger holds
                 self.consumption.add(event)
         self.rd.log("resumed", round=self.loop.round, digest=self.params_digest)
 
@@ -343,6 +345,19 @@ class GlobalRun:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def roster_counted(totals: Totals, events: Sequence[dict[str, Any]]) -> Totals:
+    """Totals restored from a checkpoint, with the admissions and retirements of the records kept on resume (the
+    `DURABLE_EVENTS`, some after that checkpoint); never fewer than the checkpoint counted (an older diloco dropped
+    such records on resume)."""
+    admitted = sum(e.get("event") == "island_admitted" for e in events)
+    retired = sum(e.get("event") == "island_retired" for e in events)
+    return replace(
+        totals,
+        islands_admitted=max(totals.islands_admitted, admitted),
+        islands_retired=max(totals.islands_retired, retired),
+    )
 
 
 def checkpoint_due(cfg: RunConfig, completed_rounds: int) -> bool:
