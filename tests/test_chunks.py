@@ -269,6 +269,30 @@ def test_the_checker_counts_from_the_records(records: list[list[int]], expected:
 
 
 @pytest.mark.parametrize(
+    ("records", "unread"),
+    [
+        ([], 40),  # nothing read: the first pass is begun and unread
+        ([[0, 0, 10], [1, 0, 5]], 25),
+        ([[0, 0, 4], [0, 6, 10]], 30),  # the hole is lost, not unread
+        ([[c, 0, 10] for c in range(4)], 0),  # a whole pass, and the next not begun
+        ([[c, 0, 10] for c in range(4)] + [[6, 0, 3]], 37),  # the second pass begun
+        ([[0, 0, 10], [5, 0, 10]], 60),  # a pass begun before the last is finished: both count
+    ],
+)
+def test_what_is_unread_is_what_the_passes_begun_hold_beyond_the_consumed_and_lost(
+    records: list[list[int]], unread: int
+) -> None:
+    events = [
+        {"event": "chunks_layout", "sequences": 40, "chunk_sequences": 10, "chunks": 4},
+        *({"event": "chunks_consumed", "round": i, "spans": {"a": [r]}} for i, r in enumerate(records)),
+    ]
+    got = consumption(events)
+    assert got.unread == unread and got.consumed + got.lost + got.unread == 40 * (
+        1 + (max(r[0] for r in records) // 4 if records else 0)
+    )
+
+
+@pytest.mark.parametrize(
     ("records", "complete"),
     [
         ([[0, 0, 10], [1, 0, 10], [2, 0, 10], [3, 0, 7]], 1),  # the last chunk of an epoch is shorter (37 = 3x10+7)
@@ -513,6 +537,13 @@ def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: 
     assert (got.consumed, got.repeated, got.lost) == (4 * 2 * 4 * 8, 0, 0)
     assert (whole["sequences_consumed"], whole["sequences_repeated"], whole["sequences_lost"]) == (256, 0, 0)
     assert whole["epochs"] == got.epochs > 0
+    # What the run leaves of its pass over the corpus is said, by the records and where it is by the ledger.
+    (layout,) = [e for e in records if e["event"] == "chunks_layout"]
+    (unread,) = [e for e in records if e["event"] == "chunks_unread"]
+    assert whole["sequences_unread"] == unread["sequences"] == layout["sequences"] - 256 > 0
+    begun = sum(end - start for _, start, end in unread["spans"])
+    assert begun > 0 and begun + unread["fresh_sequences"] == unread["sequences"]
+    assert unread["round"] == 3 and [e["event"] for e in records].count("chunks_unread") == 1
     # Killed after round 2's checkpoint: the resumed run reads the same chunks and ends with the same θ.
     run_simulation(cfg, tmp_path / "cut", show_progress=False)
     cut_after_round(tmp_path / "cut", 2)

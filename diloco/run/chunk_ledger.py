@@ -133,6 +133,11 @@ class ChunkLedger:
         """The islands that hold a chunk now."""
         return {ch.owner for ch in self._chunks.values() if ch.owner is not None}
 
+    def fresh_sequences(self) -> int:
+        """Sequences in the chunks of the open epoch that nobody has leased yet."""
+        n, first = len(self._epoch_homes), self.epoch * self.layout.chunks
+        return sum(self.size(first + h + n * j) for h, (lo, hi) in enumerate(self._slots) for j in range(lo, hi))
+
     def unfinished(self) -> list[Span]:
         """What is left of every chunk begun and not consumed to its end (leased, partly read, or returned), lowest id
         first: with the open epoch's fresh chunks, what the run has not read of the passes it began."""
@@ -328,7 +333,13 @@ def _saved_homes(saved: Sequence[str] | None, count: int, configured: tuple[str,
 
 # -- the check from the records ---------------------------------------------------------------------------------
 
-CONSUMPTION_KEYS: tuple[str, ...] = ("sequences_consumed", "sequences_repeated", "sequences_lost", "epochs")
+CONSUMPTION_KEYS: tuple[str, ...] = (
+    "sequences_consumed",
+    "sequences_repeated",
+    "sequences_lost",
+    "sequences_unread",
+    "epochs",
+)
 """summary.json's keys of a `Consumption` (null under data.sampling = "windows")."""
 
 
@@ -342,11 +353,16 @@ class Consumption:
     """Sequences trained on more than once in one epoch."""
     lost: int
     """Sequences skipped: never consumed while a later one of their chunk was (chunks are read in order)."""
+    unread: int
+    """Sequences of the passes begun (every epoch up to the newest one a record names) neither consumed nor lost:
+    what is left to read, the tails of chunks begun and the chunks nobody read yet. 0 when the run ends on a pass's
+    end."""
     epochs: float
     """Passes over the corpus: consumed / sequences per epoch."""
 
     def summary(self) -> dict[str, Any]:
-        return dict(zip(CONSUMPTION_KEYS, (self.consumed, self.repeated, self.lost, self.epochs), strict=True))
+        values = (self.consumed, self.repeated, self.lost, self.unread, self.epochs)
+        return dict(zip(CONSUMPTION_KEYS, values, strict=True))
 
 
 class ConsumptionCheck:
@@ -396,8 +412,12 @@ class ConsumptionCheck:
             inside = sum(e - s for s, e in merged)
             covered += inside
             lost += merged[-1][1] - inside  # holes below the highest sequence consumed
-        sequences = self.layout["sequences"] if self.layout else 0
-        return Consumption(covered, self.repeated, lost, round(covered / sequences, 4) if sequences else 0.0)
+        if self.layout is None:
+            return Consumption(covered, self.repeated, lost, 0, 0.0)
+        sequences = self.layout["sequences"]
+        begun = max(self._spans, default=0) // self.layout["chunks"] + 1
+        unread = begun * sequences - covered - lost
+        return Consumption(covered, self.repeated, lost, unread, round(covered / sequences, 4))
 
 
 def _merged(intervals: Iterable[tuple[int, int]]) -> list[list[int]]:

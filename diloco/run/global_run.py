@@ -263,6 +263,8 @@ class GlobalRun:
                 sequences=sum(s.length for got in spans.values() for s in got),
                 spans={island: [s.as_list() for s in got] for island, got in spans.items()},
             )
+            if t.rounds >= self.cfg.train.rounds:
+                self._log_unread(commit.round)
         losses, reason = pending.losses, pending.reason
         self.rd.log(
             "round" if pending.round_closed else "sync",
@@ -285,6 +287,18 @@ class GlobalRun:
         if self.store is None or not pending.round_closed or not checkpoint_due(self.cfg, t.rounds):
             return None
         return self.checkpoint_meta()
+
+    def _log_unread(self, round_: int) -> None:
+        """The run's last round is kept: what it leaves unread of the passes it began, by its records (summary.json's
+        `sequences_unread`) and where, by the ledger."""
+        assert self.chunks is not None
+        self.rd.log(
+            "chunks_unread",
+            round=round_,
+            sequences=self.consumption.result().unread,
+            spans=[s.as_list() for s in self.chunks.unfinished()],
+            fresh_sequences=self.chunks.fresh_sequences(),
+        )
 
     def checkpoint_meta(self) -> dict:
         """What a checkpoint stores beside the state: the totals, the deadline's history and (chunks) the ledger, as
