@@ -9,6 +9,8 @@ back and another is retired, checked from the run's own metrics.jsonl.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -418,10 +420,12 @@ def test_a_windows_run_has_nothing_to_lease(tiny_config: Path, tmp_path: Path) -
 # -- the coordinator restarted: a changed roster, a retired island, the roster's records ------------------------
 
 
-def started(tiny_config: Path, run_dir: Path, *overrides: str) -> Coordinator:
+def started(
+    tiny_config: Path, run_dir: Path, *overrides: str, clock: Callable[[], float] = time.monotonic
+) -> Coordinator:
     """A coordinator on `run_dir` (resuming it when it holds a checkpoint), as `diloco coordinator` starts one."""
     cfg = load_config(tiny_config, [*CHUNKS, "train.rounds=6", *overrides])
-    return Coordinator(cfg, RunDir(run_dir, cfg), build_setup(cfg, islands=()))
+    return Coordinator(cfg, RunDir(run_dir, cfg), build_setup(cfg, islands=()), clock=clock)
 
 
 def stopped(coord: Coordinator) -> None:
@@ -502,6 +506,37 @@ def test_a_restarted_coordinator_returns_the_chunks_of_an_island_retired_since_i
         joined(coord, "island-0")
         mine = lease(coord, "island-0")
         assert held[0] in mine, (held, mine)  # the retired island's chunk, read on from where it stands
+    finally:
+        stopped(coord)
+
+
+def test_a_restarted_coordinator_returns_the_chunks_of_an_island_that_does_not_come_back(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """island-1 read round 0 and the coordinator restarts; island-1 never comes back (nobody retires it): a lease's
+    length after the restart its chunks go to island-0, as a lost island's do."""
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    run = tmp_path / "run"
+    coord = started(tiny_config, run, "quorum.min_islands=2")
+    try:
+        joined(coord, "island-0", "island-1")
+        a_round(coord, "island-0", "island-1")
+        (left,) = [c for c in range(8) if coord.world.chunks.owner(c) == "island-1" and coord.world.chunks.position(c)]
+    finally:
+        stopped(coord)
+    now = [0.0]
+    coord = started(tiny_config, run, "quorum.min_islands=1", "quorum.lease_s=15", clock=lambda: now[0])
+    try:
+        coord.tick()
+        now[0] = 14.9
+        coord.tick()
+        assert coord.world.chunks.owner(left) == "island-1"  # it may still come back to its chunks
+        now[0] = 15.0
+        coord.tick()
+        assert coord.world.chunks.owner(left) is None
+        joined(coord, "island-0")
+        mine = lease(coord, "island-0")
+        assert Span(left, coord.world.chunks.position(left), 20) in mine, mine
     finally:
         stopped(coord)
 

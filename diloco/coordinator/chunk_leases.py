@@ -9,7 +9,7 @@ window sampling there is no ledger: a lease is refused, a push that names spans 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import grpc
 
@@ -85,6 +85,15 @@ class ChunkLeases:
         ledger = self.ledger()
         if ledger is not None:
             for island in sorted(ledger.readers() - set(enrolled)):
+                ledger.release(island)
+
+    def release_gone(self, gone: Mapping[str, float], now: float, after_s: float) -> None:
+        """Chunks of islands gone (`Roster.gone`) for `after_s` (a lease's length) go back to the pool. A lost or
+        departed member's went at once; this returns those of an island a restarted coordinator's ledger names and
+        that has not come back, as if it had been lost then."""
+        ledger = self.ledger()
+        if ledger is not None:
+            for island in sorted(ledger.readers() & {name for name, since in gone.items() if now - since >= after_s}):
                 ledger.release(island)
 
     def release(self, island: str) -> None:

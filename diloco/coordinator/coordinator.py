@@ -337,6 +337,7 @@ class Coordinator:
         with self.cond:
             now = self.clock()
             self.events.flush(now, self.loop.round)
+            self.leases.release_gone(self.roster.gone, now, self.cfg.quorum.lease_s)
             for island in overdue(self.roster.gone, now, self.cfg.islands.retire_after_s):
                 gone_s = now - self.roster.gone[island]
                 self._retire(
