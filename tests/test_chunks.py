@@ -9,6 +9,7 @@ back and another is retired, checked from the run's own metrics.jsonl.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -314,7 +315,7 @@ def test_a_whole_pass_is_every_chunk_read_to_its_end(records: list[list[int]], c
 
 def test_the_config_refuses_what_chunks_cannot_do(tiny_config: Path) -> None:
     for extra, words in [
-        (["train.mode=async"], "train.mode = 'async'"),
+        (["train.mode=sync"], "train.mode = 'sync'"),
         (["stream.fragments=2"], "stream.fragments"),
         (["data.chunk_sequences=0"], "data.chunk_sequences"),
         (["data.sampling=tiles"], "data.sampling must be one of"),
@@ -356,16 +357,17 @@ def lease(coord: Coordinator, island: str, sequences: int = 32) -> list[Span]:
     return [Span(s.chunk, s.start, s.end) for s in reply.spans]
 
 
-def push(coord: Coordinator, island: str, claim: list[Span]) -> pb.PushReply:
+def push(coord: Coordinator, island: str, claim: list[Span], base: int | None = None) -> pb.PushReply:
+    """`island`'s push of Δ trained on `claim`, from θ of the open round (or, asynchronous, of update `base`)."""
     named = {k: np.full(np.shape(v), 1e-3, np.float32) for k, v in flatten_named(coord.loop.params).items()}
     tensors = encode_named(named, CodecSpec(kind="fp32"))
     meta = pb.PushMeta(
         run_id=coord.run_id,
         island=island,
-        round=coord.loop.round,
+        round=coord.loop.round if base is None else base,
         tokens=sum(s.length for s in claim) * coord.cfg.model.seq_len or 1,
         loss=1.0,
-        base_digest=bytes.fromhex(coord.world.params_digest),
+        base_digest=bytes.fromhex(coord.world.params_digest if base is None else coord.window.digests[base]),
         chunks=[pb.ChunkSpan(chunk=s.chunk, start=s.start, end=s.end) for s in claim],
     )
     return coord.push(meta, tensors, named, payload_digest(tensors))
@@ -561,6 +563,30 @@ def test_a_restarted_coordinator_keeps_the_open_round_s_roster_events_and_counts
         stopped(coord)
 
 
+def test_asynchronous_updates_consume_what_their_island_read(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.mode = "async": each push is an update committed at once, and consumes its spans as that update, not as
+    the round its Δ was taken from (a stale push is placed in the update it becomes)."""
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    coord = started(tiny_config, tmp_path / "run", "train.mode=async", "quorum.min_islands=1")
+    try:
+        joined(coord, "island-0", "island-1")
+        base = coord.loop.round
+        stale = lease(coord, "island-1")  # island-1 trains from update 0 while island-0 pushes twice
+        for _ in range(2):
+            assert push(coord, "island-0", lease(coord, "island-0")).accepted
+        assert push(coord, "island-1", stale, base=base).accepted
+        assert coord.settled(60) and coord.world.totals.rounds == 3
+    finally:
+        stopped(coord)
+    events = read_events(tmp_path / "run" / "metrics.jsonl")
+    records = [(e["round"], sorted(e["spans"])) for e in events if e["event"] == "chunks_consumed"]
+    assert records == [(0, ["island-0"]), (1, ["island-0"]), (2, ["island-1"])]
+    got = consumption(events)
+    assert (got.consumed, got.repeated, got.lost) == (96, 0, 0)
+
+
 # -- whole runs ------------------------------------------------------------------------------------------------
 
 
@@ -590,6 +616,24 @@ def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: 
 
     assert spans_by_round("cut") == spans_by_round("whole")
     assert resumed["sequences_consumed"] == 256 and resumed["sequences_repeated"] == 0
+
+
+@pytest.mark.slow  # a small asynchronous run and its resume
+def test_simulate_asynchronous_updates_consume_every_sequence_once_and_resume_exactly(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    cfg = load_config(tiny_config, [*CHUNKS, "train.mode=async", "train.rounds=4", 'islands.slowdown=["island-1=2"]'])
+    whole = run_simulation(cfg, tmp_path / "whole", show_progress=False)
+    records = read_events(tmp_path / "whole" / "metrics.jsonl")
+    consumed = [(e["round"], sorted(e["spans"])) for e in records if e["event"] == "chunks_consumed"]
+    updates = [(e["round"], [e["island"]]) for e in records if e["event"] == "round"]
+    assert consumed == updates and len(updates) == 4  # each update consumes what its own island read
+    assert (whole["sequences_consumed"], whole["sequences_repeated"], whole["sequences_lost"]) == (4 * 32, 0, 0)
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    cut_after_round(tmp_path / "cut", 2)  # as a kill after update 2's checkpoint leaves it
+    resumed = run_simulation(cfg, tmp_path / "cut", show_progress=False)
+    assert resumed["params_digest"] == whole["params_digest"]
+    assert (resumed["sequences_consumed"], resumed["sequences_repeated"]) == (4 * 32, 0)
 
 
 def test_windows_stay_the_default_and_their_digest(tiny_config: Path, tmp_path: Path) -> None:

@@ -46,10 +46,11 @@ class ChunkLeases:
             raise Rejected(chunk_status(exc), exc.reason) from None
         return pb.LeaseReply(spans=[pb.ChunkSpan(chunk=s.chunk, start=s.start, end=s.end) for s in spans], round=round_)
 
-    def record(self, meta: pb.PushMeta) -> None:
-        """A push that passed every other check: the chunk spans it trained on are recorded (pending until its
-        round is kept), or the push is refused with why. An island that brings its own source (data.own_path) and
-        a run of windows name none."""
+    def record(self, meta: pb.PushMeta, round_: int) -> None:
+        """A push that passed every other check, placed in round `round_` (its own, or the update it becomes in the
+        asynchronous mode): the chunk spans it trained on are recorded (pending until that round is kept), or the
+        push is refused with why. An island that brings its own source (data.own_path) and a run of windows name
+        none."""
         ledger = self.ledger()
         if ledger is None:
             if meta.chunks:
@@ -68,7 +69,7 @@ class ChunkLeases:
                 f"{meta.tokens / self.seq_len:g} sequences of model.seq_len tokens",
             )
         try:
-            ledger.record(meta.island, int(meta.round), spans)
+            ledger.record(meta.island, round_, spans)
         except ChunkRefused as exc:
             raise Rejected(chunk_status(exc), exc.reason) from None
 

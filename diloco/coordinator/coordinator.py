@@ -279,11 +279,12 @@ class Coordinator:
             if self.world.done or meta.round >= self.cfg.train.rounds:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
             admitted = self.admission.place(meta, tensors, arrays, payload_digest, self.loop, self.base_digest)
-            self.leases.record(meta)
+            round_ = admitted.placement.position // self.loop.fragments.count  # async: the update it becomes
+            self.leases.record(meta, round_)
             try:
                 self.admission.enter(admitted, self.loop)
             except Rejected:
-                self.leases.drop(meta.island, int(meta.round))
+                self.leases.drop(meta.island, round_)
                 raise
             self._count_push(
                 meta,
