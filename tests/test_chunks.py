@@ -465,10 +465,10 @@ def test_a_roster_changed_on_resume_consumes_every_sequence_once(
     tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Four islands read round 0; resumed with two they read rounds 1 and 2 (their homes and the two left's), then
-    with three (a newcomer that has no home in the open epoch leases as a joiner does)."""
+    with five (island-4 has no home in the open epoch: it leases as a joiner does)."""
     monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
     run = tmp_path / "run"
-    for count, rounds in [(4, 1), (2, 2), (3, 1)]:
+    for count, rounds in [(4, 1), (2, 2), (5, 1)]:
         coord = started(tiny_config, run, f"islands.count={count}", f"quorum.min_islands={count}")
         try:
             joined(coord, *island_names(count))
@@ -479,7 +479,7 @@ def test_a_roster_changed_on_resume_consumes_every_sequence_once(
     events = read_events(run / "metrics.jsonl")
     assert [e["round"] for e in events if e["event"] == "chunks_consumed"] == [0, 1, 2, 3]
     got = consumption(events)
-    assert (got.consumed, got.repeated, got.lost) == ((4 + 2 * 2 + 3) * 32, 0, 0), got
+    assert (got.consumed, got.repeated, got.lost) == ((4 + 2 * 2 + 5) * 32, 0, 0), got
 
 
 def roster_changed_in_an_open_round(tiny_config: Path, run: Path) -> list[Span]:
