@@ -33,7 +33,7 @@ the global state; what is pending is not saved (a restarted coordinator reopens 
 the islands lease again, so they are told the positions it knows).
 
 `consumption` reads the events a run logged (`chunks_layout`, `chunks_consumed`) and says how many sequences were
-consumed, repeated and lost: exactly-once is checked from the run's records, not from these counters.
+consumed, repeated, lost and left unread: exactly-once is checked from the run's records, not from these counters.
 """
 
 from __future__ import annotations
