@@ -93,8 +93,9 @@ class ChunkLeases:
         departed member's went at once; this returns those of an island a restarted coordinator's ledger names and
         that has not come back, as if it had been lost then."""
         ledger = self.ledger()
-        if ledger is not None:
-            for island in sorted(ledger.readers() & {name for name, since in gone.items() if now - since >= after_s}):
+        overdue = {name for name, since in gone.items() if now - since >= after_s}
+        if ledger is not None and overdue:
+            for island in sorted(ledger.readers() & overdue):
                 ledger.release(island)
 
     def release(self, island: str) -> None:
