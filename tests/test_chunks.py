@@ -606,7 +606,7 @@ def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: 
     assert begun > 0 and begun + unread["fresh_sequences"] == unread["sequences"]
     assert unread["round"] == 3 and [e["event"] for e in records].count("chunks_unread") == 1
     # Killed after round 2's checkpoint: the resumed run reads the same chunks and ends with the same θ.
-    run_simulation(cfg, tmp_path / "cut", show_progress=False)
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
     cut_after_round(tmp_path / "cut", 2)
     resumed = run_simulation(cfg, tmp_path / "cut", show_progress=False)
     assert resumed["params_digest"] == whole["params_digest"]
