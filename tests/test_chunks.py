@@ -460,7 +460,7 @@ def island_names(count: int) -> tuple[str, ...]:
     return tuple(f"island-{i}" for i in range(count))
 
 
-@pytest.mark.slow  # a commit compiled for each island count: about 15 s on 2 busy cores
+@pytest.mark.slow  # it compiles a commit for each of three island counts
 def test_a_roster_changed_on_resume_consumes_every_sequence_once(
     tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
