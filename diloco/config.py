@@ -448,15 +448,12 @@ class RunConfig:
                 f"train.mode = 'async' pushes whole runs of train.inner_steps steps (its virtual clock "
                 f"counts steps): {key} cannot be set with it"
             )
-        if self.data.sampling == "chunks" and (self.train.mode != "diloco" or self.stream.streaming):
-            key = (
-                f"train.mode = {self.train.mode!r}"
-                if self.train.mode != "diloco"
-                else "stream.fragments / overlap_steps"
-            )
+        if self.data.sampling == "chunks" and (self.train.mode == "sync" or self.stream.streaming):
+            key = "train.mode = 'sync'" if self.train.mode == "sync" else "stream.fragments / overlap_steps"
             raise ValueError(
-                f"data.sampling = 'chunks' leases chunks round by round to islands that push whole rounds: plain "
-                f"DiLoCo rounds only (train.mode = 'diloco', no streaming); {key} cannot be set with it"
+                f"data.sampling = 'chunks' leases chunks round by round to islands that push whole rounds: DiLoCo "
+                f"rounds or asynchronous updates (train.mode = 'diloco' or 'async', no streaming); {key} cannot be "
+                "set with it"
             )
         if self.train.vectorize:
             why = cannot_vectorize(self)

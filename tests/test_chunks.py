@@ -9,6 +9,9 @@ back and another is retired, checked from the run's own metrics.jsonl.
 from __future__ import annotations
 
 import json
+import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -103,7 +106,7 @@ def test_leases_take_home_chunks_then_others_then_the_next_epoch() -> None:
         (spans((0, 3, 3)), INVALID, "is empty"),
         (spans((99, 0, 1)), INVALID, "does not exist"),
         ([], INVALID, "names no chunk span"),
-        (spans(*[(0, 0, 1)] * 5), INVALID, "at most 4"),
+        (spans(*[(0, 0, 1)] * 26), INVALID, "at most 25"),
     ],
 )
 def test_a_claim_is_refused_with_its_reason_and_changes_nothing(claim: list[Span], kind: str, words: str) -> None:
@@ -166,6 +169,21 @@ def test_a_released_island_s_chunks_go_to_the_next_reader_once_nothing_is_pendin
         book.record("a", 1, spans((2, 3, 5)))  # the retired island's stale claim
 
 
+def test_a_lease_over_returned_remainders_stays_a_claim_the_ledger_takes() -> None:
+    """Islands that leave mid-chunk return short remainders; a lease may gather many of them, and its push is still
+    within what one round may name."""
+    book = ledger(sequences=200, chunk=10, homes=("a", "b", "c", "d", "e"), most=25)
+    for island in "bcde":
+        book.record(island, 0, book.lease(island, 7))
+    book.commit(0, "bcde")
+    for island in "bcde":
+        book.release(island)  # gone with 3 sequences of its chunk unread
+    plan = book.lease("a", 25)
+    assert [s.length for s in plan] == [3, 3, 3, 3, 10, 3] and len(plan) <= book.max_spans
+    book.record("a", 9, plan)
+    assert sum(s.length for s in book.commit(9, ["a"])["a"]) == 25
+
+
 def test_the_ledger_survives_a_restart_without_its_pending_spans() -> None:
     book = ledger()
     book.lease("a", 15)
@@ -175,6 +193,64 @@ def test_the_ledger_survives_a_restart_without_its_pending_spans() -> None:
     again = ledger()
     again.restore(json.loads(json.dumps(book.to_meta())))
     assert again.lease("a", 5) == spans((2, 5, 10)) and again.consumed == 15
+
+
+def read_rounds(book: ChunkLedger, islands: tuple[str, ...], rounds: int, first: int = 0) -> list[dict]:
+    """`rounds` rounds in which every island leases as much as it may, pushes it and the round is kept: the
+    `chunks_consumed` records they leave."""
+    records = []
+    for r in range(first, first + rounds):
+        for island in islands:
+            book.record(island, r, book.lease(island, book.max_sequences))
+        got = book.commit(r, islands)
+        records.append(
+            {"event": "chunks_consumed", "round": r, "spans": {k: [s.as_list() for s in v] for k, v in got.items()}}
+        )
+    return records
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "rounds"),
+    [
+        (("a", "b", "c", "d"), ("a", "b"), 4),  # fewer islands: c's and d's homes are read by the others
+        (("a", "b"), ("a", "b", "c", "d", "e"), 2),  # more: the newcomers read as joiners until the next epoch
+        (("a", "b", "c"), ("c", "x"), 4),  # renamed and reordered
+    ],
+)
+def test_a_roster_changed_on_resume_reads_each_sequence_once(
+    before: tuple[str, ...], after: tuple[str, ...], rounds: int
+) -> None:
+    layout = {"event": "chunks_layout", "sequences": 97, "chunk_sequences": 10, "chunks": 10}
+    book = ledger(sequences=97, chunk=10, homes=before, most=13)
+    records = [layout, *read_rounds(book, before, 1)]
+    book.lease(before[-1], 13)  # leased and not pushed when the coordinator stopped
+    again = ledger(sequences=97, chunk=10, homes=after, most=13)
+    again.restore(json.loads(json.dumps(book.to_meta())))
+    for gone in sorted(set(before) - set(after)):  # what the coordinator does for islands not enrolled now
+        again.release(gone)
+    records += read_rounds(again, after, rounds, first=1)  # into the second epoch
+    check = ConsumptionCheck()
+    for event in records:
+        check.add(event)
+    got = check.result()
+    assert (got.repeated, got.lost) == (0, 0) and check.complete_epochs() == 1, got
+    assert again.epoch == 1 and again.to_meta()["homes"] == list(after)
+
+
+def test_a_checkpoint_that_names_no_homes_reads_as_joiners_when_the_roster_changed() -> None:
+    book = ledger(sequences=97, chunk=10, homes=("a", "b", "c"), most=13)
+    records = [{"event": "chunks_layout", "sequences": 97, "chunk_sequences": 10, "chunks": 10}]
+    records += read_rounds(book, ("a", "b", "c"), 1)
+    meta = book.to_meta()
+    meta.pop("homes", None)  # as an older diloco saved it
+    again = ledger(sequences=97, chunk=10, homes=("a", "b"), most=13)
+    again.restore(meta)
+    again.release("c")
+    records += read_rounds(again, ("a", "b"), 4, first=1)
+    check = ConsumptionCheck()
+    for event in records:
+        check.add(event)
+    assert (check.result().repeated, check.result().lost, check.complete_epochs()) == (0, 0, 1)
 
 
 @pytest.mark.parametrize(
@@ -193,6 +269,30 @@ def test_the_checker_counts_from_the_records(records: list[list[int]], expected:
     ]
     got = consumption(events)
     assert (got.consumed, got.repeated, got.lost) == expected and got.epochs == round(expected[0] / 40, 4)
+
+
+@pytest.mark.parametrize(
+    ("records", "unread"),
+    [
+        ([], 40),  # nothing read: the first pass is begun and unread
+        ([[0, 0, 10], [1, 0, 5]], 25),
+        ([[0, 0, 4], [0, 6, 10]], 30),  # the hole is lost, not unread
+        ([[c, 0, 10] for c in range(4)], 0),  # a whole pass, and the next not begun
+        ([[c, 0, 10] for c in range(4)] + [[6, 0, 3]], 37),  # the second pass begun
+        ([[0, 0, 10], [5, 0, 10]], 60),  # a pass begun before the last is finished: both count
+    ],
+)
+def test_what_is_unread_is_what_the_passes_begun_hold_beyond_the_consumed_and_lost(
+    records: list[list[int]], unread: int
+) -> None:
+    events = [
+        {"event": "chunks_layout", "sequences": 40, "chunk_sequences": 10, "chunks": 4},
+        *({"event": "chunks_consumed", "round": i, "spans": {"a": [r]}} for i, r in enumerate(records)),
+    ]
+    got = consumption(events)
+    assert got.unread == unread and got.consumed + got.lost + got.unread == 40 * (
+        1 + (max(r[0] for r in records) // 4 if records else 0)
+    )
 
 
 @pytest.mark.parametrize(
@@ -215,7 +315,7 @@ def test_a_whole_pass_is_every_chunk_read_to_its_end(records: list[list[int]], c
 
 def test_the_config_refuses_what_chunks_cannot_do(tiny_config: Path) -> None:
     for extra, words in [
-        (["train.mode=async"], "train.mode = 'async'"),
+        (["train.mode=sync"], "train.mode = 'sync'"),
         (["stream.fragments=2"], "stream.fragments"),
         (["data.chunk_sequences=0"], "data.chunk_sequences"),
         (["data.sampling=tiles"], "data.sampling must be one of"),
@@ -257,16 +357,17 @@ def lease(coord: Coordinator, island: str, sequences: int = 32) -> list[Span]:
     return [Span(s.chunk, s.start, s.end) for s in reply.spans]
 
 
-def push(coord: Coordinator, island: str, claim: list[Span]) -> pb.PushReply:
+def push(coord: Coordinator, island: str, claim: list[Span], base: int | None = None) -> pb.PushReply:
+    """`island`'s push of Δ trained on `claim`, from θ of the open round (or, asynchronous, of update `base`)."""
     named = {k: np.full(np.shape(v), 1e-3, np.float32) for k, v in flatten_named(coord.loop.params).items()}
     tensors = encode_named(named, CodecSpec(kind="fp32"))
     meta = pb.PushMeta(
         run_id=coord.run_id,
         island=island,
-        round=coord.loop.round,
+        round=coord.loop.round if base is None else base,
         tokens=sum(s.length for s in claim) * coord.cfg.model.seq_len or 1,
         loss=1.0,
-        base_digest=bytes.fromhex(coord.world.params_digest),
+        base_digest=bytes.fromhex(coord.world.params_digest if base is None else coord.window.digests[base]),
         chunks=[pb.ChunkSpan(chunk=s.chunk, start=s.start, end=s.end) for s in claim],
     )
     return coord.push(meta, tensors, named, payload_digest(tensors))
@@ -318,6 +419,174 @@ def test_a_windows_run_has_nothing_to_lease(tiny_config: Path, tmp_path: Path) -
         rd.close()
 
 
+# -- the coordinator restarted: a changed roster, a retired island, the roster's records ------------------------
+
+
+def started(
+    tiny_config: Path, run_dir: Path, *overrides: str, clock: Callable[[], float] = time.monotonic
+) -> Coordinator:
+    """A coordinator on `run_dir` (resuming it when it holds a checkpoint), as `diloco coordinator` starts one."""
+    cfg = load_config(tiny_config, [*CHUNKS, "train.rounds=6", *overrides])
+    return Coordinator(cfg, RunDir(run_dir, cfg), build_setup(cfg, islands=()), clock=clock)
+
+
+def stopped(coord: Coordinator) -> None:
+    """The coordinator goes, as a killed one does, between two checkpoints: what is not saved is lost."""
+    coord.close()
+    coord.rd.close()
+
+
+def joined(coord: Coordinator, *islands: str) -> None:
+    for name in islands:
+        coord.join(
+            pb.JoinRequest(
+                run_id=coord.run_id,
+                island=name,
+                last_round=coord.loop.round,  # it holds the open round's θ: it trains on, as after a restart
+                release=_release(),
+                config_digest=coord.digest,
+            )
+        )
+
+
+def a_round(coord: Coordinator, *islands: str) -> None:
+    """Every island leases a round's worth and pushes it; the round is kept and checkpointed."""
+    for name in islands:
+        assert push(coord, name, lease(coord, name)).accepted
+    assert coord.settled(60) and coord.loop.round == coord.world.totals.rounds
+
+
+def island_names(count: int) -> tuple[str, ...]:
+    return tuple(f"island-{i}" for i in range(count))
+
+
+@pytest.mark.slow  # it compiles a commit for each of three island counts
+def test_a_roster_changed_on_resume_consumes_every_sequence_once(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four islands read round 0; resumed with two they read rounds 1 and 2 (their homes and the two left's), then
+    with five (island-4 has no home in the open epoch: it leases as a joiner does)."""
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    run = tmp_path / "run"
+    for count, rounds in [(4, 1), (2, 2), (5, 1)]:
+        coord = started(tiny_config, run, f"islands.count={count}", f"quorum.min_islands={count}")
+        try:
+            joined(coord, *island_names(count))
+            for _ in range(rounds):
+                a_round(coord, *island_names(count))
+        finally:
+            stopped(coord)
+    events = read_events(run / "metrics.jsonl")
+    assert [e["round"] for e in events if e["event"] == "chunks_consumed"] == [0, 1, 2, 3]
+    got = consumption(events)
+    assert (got.consumed, got.repeated, got.lost) == ((4 + 2 * 2 + 5) * 32, 0, 0), got
+
+
+def roster_changed_in_an_open_round(tiny_config: Path, run: Path) -> list[Span]:
+    """Round 1 is open when sa-east is admitted and island-1, holding chunks, is retired; then the coordinator stops,
+    its last checkpoint (round 1's) knowing neither. Returns what island-1 held."""
+    coord = started(tiny_config, run, "quorum.min_islands=2")
+    try:
+        joined(coord, "island-0", "island-1")
+        a_round(coord, "island-0", "island-1")
+        held = lease(coord, "island-1")
+        coord.admit(pb.AdmitRequest(run_id=coord.run_id, island="sa-east", secret_sha256=bytes(32)))
+        coord.retire(pb.RetireRequest(run_id=coord.run_id, island="island-1", reason="region closed"), by="(operator)")
+        return held
+    finally:
+        stopped(coord)
+
+
+def test_a_restarted_coordinator_returns_the_chunks_of_an_island_retired_since_its_checkpoint(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    held = roster_changed_in_an_open_round(tiny_config, tmp_path / "run")
+    coord = started(tiny_config, tmp_path / "run", "quorum.min_islands=1")
+    try:
+        assert coord.world.chunks is not None and coord.world.chunks.owner(held[0].chunk) is None
+        joined(coord, "island-0")
+        mine = lease(coord, "island-0")
+        assert held[0] in mine, (held, mine)  # the retired island's chunk, read on from where it stands
+    finally:
+        stopped(coord)
+
+
+def test_a_restarted_coordinator_returns_the_chunks_of_an_island_that_does_not_come_back(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """island-1 read round 0 and the coordinator restarts; island-1 never comes back (nobody retires it): a lease's
+    length after the restart its chunks go to island-0, as a lost island's do."""
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    run = tmp_path / "run"
+    coord = started(tiny_config, run, "quorum.min_islands=2")
+    try:
+        joined(coord, "island-0", "island-1")
+        a_round(coord, "island-0", "island-1")
+        (left,) = [c for c in range(8) if coord.world.chunks.owner(c) == "island-1" and coord.world.chunks.position(c)]
+    finally:
+        stopped(coord)
+    now = [0.0]
+    coord = started(tiny_config, run, "quorum.min_islands=1", "quorum.lease_s=15", clock=lambda: now[0])
+    try:
+        coord.tick()
+        now[0] = 14.9
+        coord.tick()
+        assert coord.world.chunks.owner(left) == "island-1"  # it may still come back to its chunks
+        now[0] = 15.0
+        coord.tick()
+        assert coord.world.chunks.owner(left) is None
+        joined(coord, "island-0")
+        mine = lease(coord, "island-0")
+        assert Span(left, coord.world.chunks.position(left), 20) in mine, mine
+    finally:
+        stopped(coord)
+
+
+def test_a_restarted_coordinator_keeps_the_open_round_s_roster_events_and_counts(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    run = tmp_path / "run"
+    roster_changed_in_an_open_round(tiny_config, run)
+    coord = started(tiny_config, run, "quorum.min_islands=1")
+    try:
+        summary = coord.world.summary()
+        assert (summary["islands_admitted"], summary["islands_retired"]) == (1, 1)
+        kept = [(e["event"], e.get("round"), e.get("island")) for e in read_events(run / "metrics.jsonl")]
+        assert [k for k in kept if k[0] in ("island_admitted", "island_retired")] == [
+            ("island_admitted", 1, "sa-east"),
+            ("island_retired", 1, "island-1"),
+        ]
+        assert ("resumed", 1, None) in kept and not [k for k in kept if k[0] == "push" and k[1] == 1]
+    finally:
+        stopped(coord)
+
+
+def test_asynchronous_updates_consume_what_their_island_read(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.mode = "async": each push is an update committed at once, and consumes its spans as that update, not as
+    the round its Δ was taken from (a stale push is placed in the update it becomes)."""
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    coord = started(tiny_config, tmp_path / "run", "train.mode=async", "quorum.min_islands=1")
+    try:
+        joined(coord, "island-0", "island-1")
+        base = coord.loop.round
+        stale = lease(coord, "island-1")  # island-1 trains from update 0 while island-0 pushes twice
+        for _ in range(2):
+            assert push(coord, "island-0", lease(coord, "island-0")).accepted
+        assert push(coord, "island-1", stale, base=base).accepted
+        assert coord.settled(60) and coord.world.totals.rounds == 3
+    finally:
+        stopped(coord)
+    events = read_events(tmp_path / "run" / "metrics.jsonl")
+    records = [(e["round"], sorted(e["spans"])) for e in events if e["event"] == "chunks_consumed"]
+    assert records == [(0, ["island-0"]), (1, ["island-0"]), (2, ["island-1"])]
+    got = consumption(events)
+    assert (got.consumed, got.repeated, got.lost) == (96, 0, 0)
+
+
 # -- whole runs ------------------------------------------------------------------------------------------------
 
 
@@ -329,8 +598,15 @@ def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: 
     assert (got.consumed, got.repeated, got.lost) == (4 * 2 * 4 * 8, 0, 0)
     assert (whole["sequences_consumed"], whole["sequences_repeated"], whole["sequences_lost"]) == (256, 0, 0)
     assert whole["epochs"] == got.epochs > 0
+    # What the run leaves of its pass over the corpus is said, by the records and where it is by the ledger.
+    (layout,) = [e for e in records if e["event"] == "chunks_layout"]
+    (unread,) = [e for e in records if e["event"] == "chunks_unread"]
+    assert whole["sequences_unread"] == unread["sequences"] == layout["sequences"] - 256 > 0
+    begun = sum(end - start for _, start, end in unread["spans"])
+    assert begun > 0 and begun + unread["fresh_sequences"] == unread["sequences"]
+    assert unread["round"] == 3 and [e["event"] for e in records].count("chunks_unread") == 1
     # Killed after round 2's checkpoint: the resumed run reads the same chunks and ends with the same θ.
-    run_simulation(cfg, tmp_path / "cut", show_progress=False)
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
     cut_after_round(tmp_path / "cut", 2)
     resumed = run_simulation(cfg, tmp_path / "cut", show_progress=False)
     assert resumed["params_digest"] == whole["params_digest"]
@@ -340,6 +616,24 @@ def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: 
 
     assert spans_by_round("cut") == spans_by_round("whole")
     assert resumed["sequences_consumed"] == 256 and resumed["sequences_repeated"] == 0
+
+
+@pytest.mark.slow  # a small asynchronous run and its resume
+def test_simulate_asynchronous_updates_consume_every_sequence_once_and_resume_exactly(
+    tiny_config: Path, tmp_path: Path
+) -> None:
+    cfg = load_config(tiny_config, [*CHUNKS, "train.mode=async", "train.rounds=4", 'islands.slowdown=["island-1=2"]'])
+    whole = run_simulation(cfg, tmp_path / "whole", show_progress=False)
+    records = read_events(tmp_path / "whole" / "metrics.jsonl")
+    consumed = [(e["round"], sorted(e["spans"])) for e in records if e["event"] == "chunks_consumed"]
+    updates = [(e["round"], [e["island"]]) for e in records if e["event"] == "round"]
+    assert consumed == updates and len(updates) == 4  # each update consumes what its own island read
+    assert (whole["sequences_consumed"], whole["sequences_repeated"], whole["sequences_lost"]) == (4 * 32, 0, 0)
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    cut_after_round(tmp_path / "cut", 2)  # as a kill after update 2's checkpoint leaves it
+    resumed = run_simulation(cfg, tmp_path / "cut", show_progress=False)
+    assert resumed["params_digest"] == whole["params_digest"]
+    assert (resumed["sequences_consumed"], resumed["sequences_repeated"]) == (4 * 32, 0)
 
 
 def test_windows_stay_the_default_and_their_digest(tiny_config: Path, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from diloco.harness.procs import Federation, devices_env
+from diloco.run.chunk_ledger import consumption
 from diloco.run.rundir import read_events
 from diloco.run.summary import SUMMARY_KEYS
 from tests.conftest import FAST, TOKENS, WAIT_S, H, SharedLaunch
@@ -552,6 +553,8 @@ def test_asynchronous_federation_does_not_wait_for_a_slow_island(federation: Cal
     fed = federation(
         f"train.rounds={rounds}",
         "train.mode=async",
+        "data.sampling=chunks",  # each update consumes what its island read: exactly once (below)
+        "data.chunk_sequences=20",
         'islands.slowdown=["island-1=40"]',
         "outer.kind=delayed_nesterov",
         "outer.momentum_every=2",
@@ -575,6 +578,10 @@ def test_asynchronous_federation_does_not_wait_for_a_slow_island(federation: Cal
     per_island = [sum(c["islands"] == [name] for c in commits) for name in ("island-0", "island-1")]
     # The island 40x slower pushes far less often and the fast one never waits for it (a round would need both).
     assert per_island[0] > per_island[1], per_island
+    consumed = [(e["round"], list(e["spans"])) for e in fed.events("chunks_consumed")]
+    assert consumed == [(c["round"], c["islands"]) for c in commits]
+    got = consumption(fed.events())
+    assert (got.consumed, got.repeated, got.lost) == (rounds * 32, 0, 0), got
 
 
 # -- Graceful stops: SIGTERM on an island leaves the federation at once (Leave, checkpoint flushed); SIGTERM on the

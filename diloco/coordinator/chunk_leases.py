@@ -9,7 +9,7 @@ window sampling there is no ledger: a lease is refused, a push that names spans 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import grpc
 
@@ -46,10 +46,11 @@ class ChunkLeases:
             raise Rejected(chunk_status(exc), exc.reason) from None
         return pb.LeaseReply(spans=[pb.ChunkSpan(chunk=s.chunk, start=s.start, end=s.end) for s in spans], round=round_)
 
-    def record(self, meta: pb.PushMeta) -> None:
-        """A push that passed every other check: the chunk spans it trained on are recorded (pending until its
-        round is kept), or the push is refused with why. An island that brings its own source (data.own_path) and
-        a run of windows name none."""
+    def record(self, meta: pb.PushMeta, round_: int) -> None:
+        """A push that passed every other check, placed in round `round_` (its own, or the update it becomes in the
+        asynchronous mode): the chunk spans it trained on are recorded (pending until that round is kept), or the
+        push is refused with why. An island that brings its own source (data.own_path) and a run of windows name
+        none."""
         ledger = self.ledger()
         if ledger is None:
             if meta.chunks:
@@ -68,7 +69,7 @@ class ChunkLeases:
                 f"{meta.tokens / self.seq_len:g} sequences of model.seq_len tokens",
             )
         try:
-            ledger.record(meta.island, int(meta.round), spans)
+            ledger.record(meta.island, round_, spans)
         except ChunkRefused as exc:
             raise Rejected(chunk_status(exc), exc.reason) from None
 
@@ -77,6 +78,25 @@ class ChunkLeases:
         ledger = self.ledger()
         if ledger is not None:
             ledger.drop(island, round_)
+
+    def release_all_but(self, enrolled: Collection[str]) -> None:
+        """A restarted coordinator's ledger, as its checkpoint saved it, may give chunks to islands that are not
+        enrolled now (retired after that checkpoint, or dropped from islands.names on resume): they go back to the
+        pool, as they would have when the island went."""
+        ledger = self.ledger()
+        if ledger is not None:
+            for island in sorted(ledger.readers() - set(enrolled)):
+                ledger.release(island)
+
+    def release_gone(self, gone: Mapping[str, float], now: float, after_s: float) -> None:
+        """Chunks of islands gone (`Roster.gone`) for `after_s` (a lease's length) go back to the pool. A lost or
+        departed member's went at once; this returns those of an island a restarted coordinator's ledger names and
+        that has not come back, as if it had been lost then."""
+        ledger = self.ledger()
+        overdue = {name for name, since in gone.items() if now - since >= after_s}
+        if ledger is not None and overdue:
+            for island in sorted(ledger.readers() & overdue):
+                ledger.release(island)
 
     def release(self, island: str) -> None:
         """A retired, lost or departed island's chunks return to the pool (its pending spans still count)."""

@@ -125,6 +125,7 @@ class Coordinator:
         kept = cfg.outer.max_staleness + 1 if self.asynchronous else fragments.count
         self.window = CommitWindow(kept, self.loop.sync, self.world.params_digest)
         self.leases = ChunkLeases(lambda: self.world.chunks, cfg.islands.island_names, cfg.model.seq_len)
+        self.leases.release_all_but(self.enrollment)  # a resumed ledger's readers that are gone for good
         self.committer = Committer(
             cfg, rd, self.world, self.cond, lambda: self.clock(), self.roster, self.admission, self.window, self.leases
         )
@@ -282,11 +283,12 @@ class Coordinator:
             if self.world.done or meta.round >= self.cfg.train.rounds:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
             admitted = self.admission.place(meta, tensors, arrays, payload_digest, self.loop, self.base_digest)
-            self.leases.record(meta)
+            round_ = admitted.placement.position // self.loop.fragments.count  # async: the update it becomes
+            self.leases.record(meta, round_)
             try:
                 self.admission.enter(admitted, self.loop)
             except Rejected:
-                self.leases.drop(meta.island, int(meta.round))
+                self.leases.drop(meta.island, round_)
                 raise
             self._count_push(
                 meta,
@@ -343,6 +345,7 @@ class Coordinator:
         with self.cond:
             now = self.clock()
             self.events.flush(now, self.loop.round)
+            self.leases.release_gone(self.roster.gone, now, self.cfg.quorum.lease_s)
             for island in overdue(self.roster.gone, now, self.cfg.islands.retire_after_s):
                 gone_s = now - self.roster.gone[island]
                 try:

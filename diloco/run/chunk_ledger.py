@@ -14,7 +14,10 @@ A chunk is read in order, so its *position*, where its reader goes on, is commit
   taking new ones as it needs them: a chunk released by another island first (its remainder), then a fresh one of
   its own *home* (chunk i's home is configured island i mod N, so without churn every process leases the same
   chunks whatever the timing: a federation equals `simulate` bit for bit), then a fresh one of another home (taken
-  from the back of the fullest), then the next epoch's. Asking again before a push changes nothing.
+  from the back of the fullest), then the next epoch's. Asking again before a push changes nothing. The homes of an
+  epoch are the configured islands when it opened: a run resumed with another roster (islands.names / count) reads
+  the open epoch's remaining fresh chunks by its old homes, so none is handed out twice; an island without a home
+  there reads as a joiner does, and the next epoch opens with the new roster's homes.
 * `record(island, round, spans)` when a push is accepted: each span must be of a chunk leased to that island and
   start exactly at its position (before it: those sequences are consumed or pending already; after it: the ones
   between would be lost) and end within the chunk. All or nothing; `ChunkRefused` says why.
@@ -30,7 +33,7 @@ the global state; what is pending is not saved (a restarted coordinator reopens 
 the islands lease again, so they are told the positions it knows).
 
 `consumption` reads the events a run logged (`chunks_layout`, `chunks_consumed`) and says how many sequences were
-consumed, repeated and lost: exactly-once is checked from the run's records, not from these counters.
+consumed, repeated, lost and left unread: exactly-once is checked from the run's records, not from these counters.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ class ChunkRefused(ValueError):
         self.reason = reason
 
 
+MAX_LEASE_SPANS = 1024
+"""The most spans one lease hands out, whatever a round reads (below transport.validate.MAX_CHUNK_SPANS, what a push
+may name on the wire)."""
 INVALID = "invalid"
 """A malformed request: a count out of bounds, a span that is empty, a chunk that does not exist, one twice."""
 NOT_LEASED = "not_leased"
@@ -80,16 +86,20 @@ class ChunkLedger:
 
     def __init__(self, layout: ChunkLayout, homes: Sequence[str], max_sequences: int) -> None:
         """`homes`: the configured islands (islands.names), in order; `max_sequences`: the most one lease may ask for
-        (a round's H × batch_size), which bounds the chunks an island holds to ⌈max / chunk_sequences⌉ + 1."""
+        (a round's H × batch_size)."""
         self.layout = layout
         self.homes = tuple(homes)
         self.max_sequences = max_sequences
-        self.max_spans = -(-max_sequences // layout.chunk_sequences) + 1
-        """The most spans a push may claim: what one lease can hand out."""
+        self.max_spans = min(max_sequences, MAX_LEASE_SPANS)
+        """The most spans a push may claim: what one lease can hand out. Returned chunks may have a sequence or two
+        left each, so a lease may take many of them; it takes one only while the spans left can still finish it with
+        fresh chunks (`_fresh_spans`)."""
         self.epoch = 0
         """The newest epoch opened; older ones have no fresh chunk left."""
+        self._epoch_homes: tuple[str | None, ...] = self.homes
+        """The homes `epoch` opened with (None: a home whose island a checkpoint of an older diloco did not name)."""
         self._slots: list[list[int]] = self._fresh_slots()
-        """Per home h, the fresh chunks of `epoch` with that home: indices h + N·j for j in [lo, hi)."""
+        """Per home h, the fresh chunks of `epoch` with that home: indices h + N·j for j in [lo, hi), N its homes."""
         self._chunks: dict[int, _Chunk] = {}
         """Every chunk leased, pending or partly consumed; a chunk absent here is fresh (in a slot) or consumed."""
         self._returned: set[int] = set()
@@ -98,7 +108,7 @@ class ChunkLedger:
         """Sequences committed so far, all epochs (a counter; the records are what `consumption` reads)."""
 
     def _fresh_slots(self) -> list[list[int]]:
-        n, chunks = len(self.homes), self.layout.chunks
+        n, chunks = len(self._epoch_homes), self.layout.chunks
         return [[0, len(range(h, chunks, n))] for h in range(n)]
 
     # -- reading -----------------------------------------------------------------------------------------------
@@ -119,6 +129,20 @@ class ChunkLedger:
         ch = self._chunks.get(chunk)
         return ch.owner if ch is not None else None
 
+    def readers(self) -> set[str]:
+        """The islands that hold a chunk now."""
+        return {ch.owner for ch in self._chunks.values() if ch.owner is not None}
+
+    def fresh_sequences(self) -> int:
+        """Sequences in the chunks of the open epoch that nobody has leased yet."""
+        n, first = len(self._epoch_homes), self.epoch * self.layout.chunks
+        return sum(self.size(first + h + n * j) for h, (lo, hi) in enumerate(self._slots) for j in range(lo, hi))
+
+    def unfinished(self) -> list[Span]:
+        """What is left of every chunk begun and not consumed to its end (leased, partly read, or returned), lowest id
+        first: with the open epoch's fresh chunks, what the run has not read of the passes it began."""
+        return [Span(c, ch.committed, self.size(c)) for c, ch in sorted(self._chunks.items())]
+
     # -- leases ------------------------------------------------------------------------------------------------
 
     def lease(self, island: str, sequences: int) -> list[Span]:
@@ -135,8 +159,13 @@ class ChunkLedger:
             if need == 0:
                 return plan
         while need > 0:
-            need = self._plan(plan, self._take(island), need)
+            returned = len(plan) + self._fresh_spans(need) < self.max_spans
+            need = self._plan(plan, self._take(island, returned), need)
         return plan
+
+    def _fresh_spans(self, sequences: int) -> int:
+        """The most spans `sequences` take from fresh chunks: whole chunks, and an epoch's shorter last one."""
+        return -(-sequences // self.layout.chunk_sequences) + 1
 
     def _plan(self, plan: list[Span], chunk: int, need: int) -> int:
         start = self.position(chunk)
@@ -144,10 +173,10 @@ class ChunkLedger:
         plan.append(Span(chunk, start, start + n))
         return need - n
 
-    def _take(self, island: str) -> int:
-        """A chunk for `island` to read: a returned one, a fresh one of its home, of the fullest other home, or the
-        next epoch's."""
-        if self._returned:
+    def _take(self, island: str, returned: bool) -> int:
+        """A chunk for `island` to read: a returned one (when `returned`), a fresh one of its home, of the fullest
+        other home, or the next epoch's."""
+        if returned and self._returned:
             chunk = min(self._returned)
             self._returned.discard(chunk)
         else:
@@ -156,11 +185,12 @@ class ChunkLedger:
         return chunk
 
     def _fresh(self, island: str) -> int:
-        n = len(self.homes)
         if all(lo == hi for lo, hi in self._slots):
             self.epoch += 1
+            self._epoch_homes = self.homes
             self._slots = self._fresh_slots()
-        home = self.homes.index(island) if island in self.homes else -1
+        n = len(self._epoch_homes)
+        home = self._epoch_homes.index(island) if island in self._epoch_homes else -1
         if home >= 0 and self._slots[home][0] < self._slots[home][1]:
             j = self._slots[home][0]
             self._slots[home][0] += 1
@@ -276,23 +306,40 @@ class ChunkLedger:
         """The ledger as JSON values, without what is pending (module docstring)."""
         return {
             "epoch": self.epoch,
+            "homes": list(self._epoch_homes),
             "slots": [list(s) for s in self._slots],
             "chunks": [[c, ch.owner, ch.committed] for c, ch in sorted(self._chunks.items())],
             "consumed": self.consumed,
         }
 
     def restore(self, meta: Mapping[str, Any]) -> None:
-        """Back to a state `to_meta` saved: pending spans are gone, so every position is the committed one."""
+        """Back to a state `to_meta` saved: pending spans are gone, so every position is the committed one. The open
+        epoch keeps the homes it opened with, whatever the roster is now (module docstring)."""
         self.epoch = int(meta["epoch"])
         self._slots = [[int(lo), int(hi)] for lo, hi in meta["slots"]]
+        self._epoch_homes = _saved_homes(meta.get("homes"), len(self._slots), self.homes)
         self._chunks = {int(c): _Chunk(owner, int(committed)) for c, owner, committed in meta["chunks"]}
         self._returned = {c for c, ch in self._chunks.items() if ch.owner is None}
         self.consumed = int(meta["consumed"])
 
 
+def _saved_homes(saved: Sequence[str] | None, count: int, configured: tuple[str, ...]) -> tuple[str | None, ...]:
+    """The homes a saved epoch opened with: as saved, or (a checkpoint that did not name them) the configured ones
+    when their count is the saved slots' count, else `count` homes of no island (every island reads as a joiner)."""
+    if saved is not None:
+        return tuple(None if name is None else str(name) for name in saved)
+    return configured if len(configured) == count else (None,) * count
+
+
 # -- the check from the records ---------------------------------------------------------------------------------
 
-CONSUMPTION_KEYS: tuple[str, ...] = ("sequences_consumed", "sequences_repeated", "sequences_lost", "epochs")
+CONSUMPTION_KEYS: tuple[str, ...] = (
+    "sequences_consumed",
+    "sequences_repeated",
+    "sequences_lost",
+    "sequences_unread",
+    "epochs",
+)
 """summary.json's keys of a `Consumption` (null under data.sampling = "windows")."""
 
 
@@ -306,11 +353,16 @@ class Consumption:
     """Sequences trained on more than once in one epoch."""
     lost: int
     """Sequences skipped: never consumed while a later one of their chunk was (chunks are read in order)."""
+    unread: int
+    """Sequences of the passes begun (every epoch up to the newest one a record names) neither consumed nor lost:
+    what is left to read, the tails of chunks begun and the chunks nobody read yet. 0 when the run ends on a pass's
+    end."""
     epochs: float
     """Passes over the corpus: consumed / sequences per epoch."""
 
     def summary(self) -> dict[str, Any]:
-        return dict(zip(CONSUMPTION_KEYS, (self.consumed, self.repeated, self.lost, self.epochs), strict=True))
+        values = (self.consumed, self.repeated, self.lost, self.unread, self.epochs)
+        return dict(zip(CONSUMPTION_KEYS, values, strict=True))
 
 
 class ConsumptionCheck:
@@ -360,8 +412,12 @@ class ConsumptionCheck:
             inside = sum(e - s for s, e in merged)
             covered += inside
             lost += merged[-1][1] - inside  # holes below the highest sequence consumed
-        sequences = self.layout["sequences"] if self.layout else 0
-        return Consumption(covered, self.repeated, lost, round(covered / sequences, 4) if sequences else 0.0)
+        if self.layout is None:
+            return Consumption(covered, self.repeated, lost, 0, 0.0)
+        sequences = self.layout["sequences"]
+        begun = max(self._spans, default=0) // self.layout["chunks"] + 1
+        unread = begun * sequences - covered - lost
+        return Consumption(covered, self.repeated, lost, unread, round(covered / sequences, 4))
 
 
 def _merged(intervals: Iterable[tuple[int, int]]) -> list[list[int]]:

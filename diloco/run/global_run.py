@@ -141,9 +141,11 @@ class GlobalRun:
         self.totals = Totals.from_meta(meta["totals"])
         self.durations = list(meta.get("durations", []))
         self.rd.truncate_after_round(self.loop.round)
+        kept = read_events(self.rd.metrics_path)
+        self.totals = roster_counted(self.totals, kept)
         if self.chunks is not None:
             self.chunks.restore(meta["chunks"])
-            for event in read_events(self.rd.metrics_path):  # the records kept: what the restored ledger holds
+            for event in kept:  # the records kept: what the restored ledger holds
                 self.consumption.add(event)
         self.rd.log("resumed", round=self.loop.round, digest=self.params_digest)
 
@@ -261,6 +263,8 @@ class GlobalRun:
                 sequences=sum(s.length for got in spans.values() for s in got),
                 spans={island: [s.as_list() for s in got] for island, got in spans.items()},
             )
+            if t.rounds >= self.cfg.train.rounds:
+                self._log_unread(commit.round)
         losses, reason = pending.losses, pending.reason
         self.rd.log(
             "round" if pending.round_closed else "sync",
@@ -283,6 +287,18 @@ class GlobalRun:
         if self.store is None or not pending.round_closed or not checkpoint_due(self.cfg, t.rounds):
             return None
         return self.checkpoint_meta()
+
+    def _log_unread(self, round_: int) -> None:
+        """The run's last round is kept: what it leaves unread of the passes it began, by its records (summary.json's
+        `sequences_unread`) and where, by the ledger."""
+        assert self.chunks is not None
+        self.rd.log(
+            "chunks_unread",
+            round=round_,
+            sequences=self.consumption.result().unread,
+            spans=[s.as_list() for s in self.chunks.unfinished()],
+            fresh_sequences=self.chunks.fresh_sequences(),
+        )
 
     def checkpoint_meta(self) -> dict:
         """What a checkpoint stores beside the state: the totals, the deadline's history and (chunks) the ledger, as
@@ -343,6 +359,19 @@ class GlobalRun:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def roster_counted(totals: Totals, events: Sequence[dict[str, Any]]) -> Totals:
+    """Totals restored from a checkpoint, with the admissions and retirements of the records kept on resume (the
+    `DURABLE_EVENTS`, some after that checkpoint); never fewer than the checkpoint counted (an older diloco dropped
+    such records on resume)."""
+    admitted = sum(e.get("event") == "island_admitted" for e in events)
+    retired = sum(e.get("event") == "island_retired" for e in events)
+    return replace(
+        totals,
+        islands_admitted=max(totals.islands_admitted, admitted),
+        islands_retired=max(totals.islands_retired, retired),
+    )
 
 
 def checkpoint_due(cfg: RunConfig, completed_rounds: int) -> bool:

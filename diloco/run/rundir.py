@@ -48,6 +48,9 @@ class RunDirBusy(RunDirError):
     """Another live process holds the run directory (its lock file names it)."""
 
 
+DURABLE_EVENTS = frozenset({"island_admitted", "island_retired"})
+"""Events of changes kept outside the checkpoint (the roster, RUN_DIR/roster.json): a resumed run keeps them whatever
+their round, since the roster does not go back with θ (docs/architecture.md, "Elastic federation")."""
 LOCK_FILE = "run.lock"
 """Held by the process that writes the directory: the coordinator (launch's too), an island worker, simulate."""
 LAUNCH_LOCK_FILE = "launch.lock"
@@ -390,9 +393,14 @@ class RunDir:
                 self.log("inner", round=round, island=island, step=first_step + i + 1, loss=float(loss), **shown)
 
     def truncate_after_round(self, completed_rounds: int) -> None:
-        """On resume, drop events of rounds that the restored checkpoint does not contain (they will rerun)."""
+        """On resume, drop events of rounds that the restored checkpoint does not contain (they will rerun), but for
+        the `DURABLE_EVENTS`: what they record outlives the checkpoint, and no rerun logs it again."""
         self._metrics.close()
-        kept = [json.dumps(r) for r in read_events(self.metrics_path) if r.get("round", -1) < completed_rounds]
+        kept = [
+            json.dumps(r)
+            for r in read_events(self.metrics_path)
+            if r.get("round", -1) < completed_rounds or r.get("event") in DURABLE_EVENTS
+        ]
         tmp = self.metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.metrics_path)

@@ -105,7 +105,7 @@ def summary(
     """summary.json's contents: exactly SUMMARY_KEYS.
 
     `consumption` (data.sampling = "chunks"): what the run's `chunks_consumed` records add up to (the sequences
-    consumed, repeated and lost, and the epochs); None (windows) leaves those keys null: nothing is tracked.
+    consumed, repeated, lost and unread, and the epochs); None (windows) leaves those keys null: nothing is tracked.
 
     inner_steps_per_island: rounds × H; in the asynchronous mode, where a round is one island's H steps, their mean
     over the islands (a fast island trains more of them than a slow one)."""

@@ -55,6 +55,7 @@ from diloco.run.memory_plan import check_process
 from diloco.run.rundir import RunDir
 from diloco.run.setup import Setup, make_island
 from diloco.simulator.local_islands import finish, save_islands, start_islands
+from islands.chunks import ChunkStream
 from outer_optimizer.asynchronous import discount, staleness_weight
 from pytrees.naming import flatten_named
 
@@ -139,7 +140,12 @@ def run_async(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -> 
             t0 = time.monotonic()
             # θ as the island pulled it, τ updates ago, copied: the inner steps donate (free) the island's buffers.
             pulled = jax.tree.map(lambda x: jnp.array(x, copy=True), flatten_named(island.state.params, to_numpy=False))
+            chunks = world.chunks if isinstance(island.stream, ChunkStream) else None
+            if chunks is not None:  # its H steps read what the ledger leases it now, and the update consumes them
+                island.stream.begin(chunks.lease(island.name, cfg.train.inner_steps * island.stream.batch_size))
             push = island.encode_delta(island.train(cfg.train.inner_steps), pulled)
+            if chunks is not None:
+                chunks.record(island.name, u, island.stream.taken())
             island.keep_residual(push)  # in one process every push is delivered
             weight = staleness_weight(tau, cfg.outer.staleness_exponent)
             world.loop.submit(island.name, u, discount(push.sent.decoded, weight), push.run.tokens)

@@ -389,6 +389,7 @@ class IslandWorker:
         θ. The run ends for this island once its copy reaches θ_rounds."""
         cycle_from, steps_ended = time.perf_counter(), None
         while self.round < self.cfg.train.rounds and self.stop_reason is None:
+            self._lease_chunks(self.round)
             self._log_train_start(self.round, steps_ended)
             run = self.island.train(self.H)
             self.metrics.trained(run)
@@ -406,7 +407,7 @@ class IslandWorker:
             self._catch_up(reply.round + 1 if reply is not None else None)
             self._restart_from_global()
             self.spent.waited_s += time.perf_counter() - t0
-            self.checkpoints.save(self.round)
+            self.checkpoints.save(self.round, **self._chunk_meta())
 
     def _catch_up(self, position: int | None) -> None:
         """Move the global copy to `position` by pulling the updates it missed, one at a time, each proved by its
