@@ -2,10 +2,11 @@
 loss, and the held-out evaluation of the global model (docs/architecture.md, "Workloads").
 
 Examples come from a built-in task (workload.task: train and held-out splits that share no prompt) or a JSON Lines
-file (its last workload.heldout_examples examples held out). The islands that run one kind on one source deal its
-training examples among themselves, island j of m taking examples j, j + m, ...: each island its own share, as each
-has its own shard of a corpus. Texts become token ids as the run's data is tokenized (islands/text.py), every
-answer ending with a stop token (islands/workloads/text.py).
+file (its last workload.heldout_examples examples held out, and no example of their prompts trained on:
+`split_by_prompt`). The islands that run one kind on one source deal its training examples among themselves,
+island j of m taking examples j, j + m, ...: each island its own share, as each has its own shard of a corpus.
+Texts become token ids as the run's data is tokenized (islands/text.py), every answer ending with a stop token
+(islands/workloads/text.py).
 
 Every check that a text fits is made here, before anything trains, one line naming the key: an rl prompt or a
 held-out prompt too long to leave workload.max_new_tokens of context, a reference answer (and its stop) longer than
@@ -48,6 +49,16 @@ class Examples:
     heldout: list[Example]
     where: str
     """How messages name the source: "workload.task 'addition'" or the file's path."""
+
+
+def split_by_prompt(examples: Sequence[Example], heldout: int) -> tuple[list[Example], list[Example]]:
+    """(train, held out) of a file's examples: its last `heldout` examples are held out, and an earlier example
+    whose prompt one of them has is left out of training, so no prompt is both trained on and evaluated (a file may
+    hold several responses or pairs per prompt)."""
+    cut = max(len(examples) - heldout, 0)
+    held = list(examples[cut:])
+    prompts = {e.prompt for e in held}
+    return [e for e in examples[:cut] if e.prompt not in prompts], held
 
 
 def answer_of(example: Example) -> str | None:
@@ -93,13 +104,14 @@ class PostTraining:
             loaded = Examples(make(w.task_examples, "train"), make(w.heldout_examples, "heldout"), where)
         else:
             examples = read_examples(Path(source.path), source.kind, self.count_tokens, self.cfg.model.seq_len)
-            if len(examples) <= w.heldout_examples:
+            train, heldout = split_by_prompt(examples, w.heldout_examples)
+            if not train:
                 raise ConfigError(
                     f"{source.path}: {len(examples)} {source.kind} examples, and workload.heldout_examples "
-                    f"({w.heldout_examples}) of them are held out: none is left to train on"
+                    f"({w.heldout_examples}) of them are held out with every example that shares their prompts: "
+                    "none is left to train on"
                 )
-            cut = len(examples) - w.heldout_examples
-            loaded = Examples(list(examples[:cut]), list(examples[cut:]), source.path)
+            loaded = Examples(train, heldout, source.path)
         self._check_fits(loaded, source.kind)
         return loaded
 
