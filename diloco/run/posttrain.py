@@ -33,7 +33,7 @@ from islands.posttrain.task import Task, builtin_task
 from islands.workloads.batches import ExampleStream, Table, pair_table, prompt_table, sft_table
 from islands.workloads.config import STEP_FIGURES, IslandWorkload
 from islands.workloads.evaluate import HeldOut, Judge, WorkloadEval, answer_logprobs
-from islands.workloads.losses import workload_loss
+from islands.workloads.losses import WorkloadLoss
 from islands.workloads.rollouts import Rollouts, Scorer
 from islands.workloads.text import STOP_TEXT, AnswerText, answer_text
 from pytrees.naming import PyTree
@@ -164,7 +164,7 @@ class PostTraining:
     def model(self, kind: str, base: Model) -> Model:
         """The model an island of this kind trains: the same parameters, the workload's loss."""
         w = self.workload
-        loss = workload_loss(kind, self.cfg.model, w.beta, w.kl_coef, w.sft_weight)
+        loss = WorkloadLoss(kind, self.cfg.model, w.beta, w.kl_coef, w.sft_weight, w.temperature)
         return Model(init=base.init, loss=loss, step_figures=STEP_FIGURES[kind])
 
     def stream(self, name: str, names: Sequence[str], stream_id: int) -> Batches:

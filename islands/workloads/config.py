@@ -84,7 +84,8 @@ class WorkloadConfig:
     """Tokens generated per answer at most (rl's samples, and the greedy answers evaluation scores); the stop token
     counts. Every reference answer the evaluation compares with must fit."""
     temperature: float = 1.0
-    """rl: the sampling temperature of the policy's answers (0: greedy, which gives a group nothing to compare)."""
+    """rl: the sampling temperature of the policy's answers (0: greedy, which gives a group nothing to compare).
+    The answers' log-probabilities, the policy's and the reference's, are scored at it too (at 1 for 0)."""
     top_p: float = 1.0
     """rl: nucleus sampling, the smallest set of tokens holding this much probability (1: all)."""
     kl_coef: float = 0.04
