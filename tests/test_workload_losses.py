@@ -173,7 +173,9 @@ def _uneven_batch(kind: str, params: object) -> dict[str, np.ndarray]:
     return table
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "rl"])
+@pytest.mark.parametrize(
+    "kind", ["sft", pytest.param("dpo", marks=pytest.mark.slow), pytest.param("rl", marks=pytest.mark.slow)]
+)  # each compiles two accumulated steps: sft alone in the fast tier keeps its share small
 def test_a_batch_in_passes_has_the_loss_and_gradient_of_the_whole_batch(kind: str, params: object) -> None:
     """train.microbatch: the loss over the batch is Σ over its passes of token (or pair) sums / the whole batch's
     count, whatever tokens fall into which pass (transformers' num_items_in_batch); figures likewise."""
