@@ -2,7 +2,8 @@
 
 AdamW (or Muon for the hidden layers' matrices and AdamW for the rest: inner.kind) with linear warmup and cosine
 decay (or warmup-stable-decay, whose shape does not depend on the run's length), global-norm gradient clipping, and
-gradient accumulation over `passes` micro-batches so that the island's batch is the same whatever its device count.
+gradient accumulation over `passes` micro-batches so that the island's batch is the same whatever its device count
+(a post-training loss divides by the whole batch's counts of tokens, pairs or answers: `WholeBatchLoss`).
 The step is jitted with explicit shardings over the island's mesh and donates the parameters and optimizer state.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -140,14 +141,35 @@ def make_inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTr
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt) if cfg.clip_norm > 0 else opt
 
 
+@runtime_checkable
+class WholeBatchLoss(Protocol):
+    """A loss whose every term and figure is a sum over the items of the rows it is given (answer tokens, pairs,
+    answers) divided by the whole batch's count of them: `totals(batch)` counts them over a batch in passes, and
+    `loss(params, one_pass, totals)` is that pass's share, so the passes' shares add up to the loss and gradient of
+    the batch taken at once, however the items fall into passes (transformers' `num_items_in_batch`, which TRL's
+    trainers divide by under gradient accumulation). The post-training losses are such
+    (islands/workloads/losses.py, `WorkloadLoss`); a loss that is not, such as the lm loss (a mean over windows of
+    one length, so over passes of equal weight), has its passes' means averaged."""
+
+    def totals(self, batch: PyTree) -> PyTree: ...
+
+    def __call__(
+        self, params: PyTree, batch: PyTree, totals: PyTree = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+
 def _accumulated_grads(loss_fn: LossFn, params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree, dict]:
-    """Mean loss and gradient over the leading `passes` axis of batch [passes, seqs, tokens+1] (or of every leaf of
-    a pytree batch, [passes, seqs, ...]: a post-training workload's, islands/workloads/batches.py)."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    """Loss and gradient over the leading `passes` axis of batch [passes, seqs, tokens+1] (or of every leaf of a
+    pytree batch, [passes, seqs, ...]: a post-training workload's, islands/workloads/batches.py): a
+    `WholeBatchLoss`'s passes' shares (and figures) summed, another loss's passes' means averaged."""
     passes = jax.tree.leaves(batch)[0].shape[0]
     if passes == 1:
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda leaf: leaf[0], batch))
         return loss, grads, metrics
+    whole = isinstance(loss_fn, WholeBatchLoss)
+    share = functools.partial(loss_fn, totals=loss_fn.totals(batch)) if whole else loss_fn
+    grad_fn = jax.value_and_grad(share, has_aux=True)
 
     def one_pass(carry: tuple, micro: jax.Array) -> tuple[tuple, dict]:
         loss_sum, grad_sum = carry
@@ -156,6 +178,8 @@ def _accumulated_grads(loss_fn: LossFn, params: PyTree, batch: PyTree) -> tuple[
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     (loss_sum, grad_sum), metrics = jax.lax.scan(one_pass, (jnp.zeros((), jnp.float32), zeros), batch)
+    if whole:
+        return loss_sum, grad_sum, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
     scale = 1.0 / passes
     return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum), jax.tree.map(jnp.mean, metrics)
 

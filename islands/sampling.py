@@ -211,13 +211,15 @@ def generate(
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _token_logprobs(params: Params, model_cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+def _token_logprobs(params: Params, model_cfg: ModelConfig, tokens: jax.Array, temperature: jax.Array) -> jax.Array:
     logits, _ = transformer.forward(params, tokens[:, :-1], model_cfg, ARCHITECTURES[model_cfg.kind])
-    return transformer.target_logprobs(logits, tokens[:, 1:])
+    return transformer.target_logprobs(logits / temperature, tokens[:, 1:])
 
 
-def token_logprobs(params: Params, model_cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t: float32 [B, T-1], from the full forward (no cache).
+def token_logprobs(params: Params, model_cfg: ModelConfig, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t under softmax(logits / temperature): float32 [B, T-1],
+    from the full forward (no cache). At temperature T it is the distribution `next_token` draws from (top_p aside);
+    dividing by 1 is exact, so T = 1 is the plain model.
 
     The training forward (remat and compute dtype as configured), so it differentiates like the loss does."""
     architecture_of(model_cfg)
@@ -225,7 +227,7 @@ def token_logprobs(params: Params, model_cfg: ModelConfig, tokens: jax.Array) ->
         raise SamplingError(
             f"tokens must be [batch, 2 .. model.seq_len + 1 ({model_cfg.seq_len + 1})] (got shape {tokens.shape})"
         )
-    return _token_logprobs(params, model_cfg, tokens)
+    return _token_logprobs(params, model_cfg, tokens, jnp.float32(temperature))
 
 
 def place_rows(mesh: Mesh, params: Params, shard_params: bool, *rows: np.ndarray) -> tuple[Params, list[jax.Array]]:

@@ -202,3 +202,34 @@ def test_mangled_files_are_read_or_refused_in_one_line(tmp_path: Path) -> None:
             assert "\n" not in str(err) and str(err).startswith(f"{path}:")
             outcomes["refused"] += 1
     assert outcomes["refused"] > 100
+
+
+def test_a_file_s_heldout_prompts_are_never_trained_on(tmp_path: Path) -> None:
+    """The last workload.heldout_examples examples are held out, and every earlier example with one of their prompts
+    leaves training (diloco/run/posttrain.py, `split_by_prompt`); a file whose every example shares a held-out
+    prompt leaves none to train on, one line."""
+    from diloco.config import ConfigError, load_config
+    from diloco.run.posttrain import PostTraining, split_by_prompt
+    from islands.workloads.config import IslandWorkload
+    from tests.conftest import TINY_TOML, write_corpus
+
+    rows = [("1+1=", "2"), ("2+2=", "4"), ("1+1=", "two"), ("3+3=", "6"), ("2+2=", "four"), ("1+1=", "2!")]
+    examples = [SftExample(p, r) for p, r in rows]
+    train, held = split_by_prompt(examples, 2)
+    assert held == examples[4:] and train == [examples[3]]  # "1+1=" and "2+2=" are held out, every example of them
+    assert split_by_prompt(examples, 0) == (examples, [])
+    assert split_by_prompt(examples, 9) == ([], examples)
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TOML.format(corpus=write_corpus(tmp_path / "corpus.txt")))
+    path = _file(tmp_path, *(json.dumps({"prompt": p, "response": r}) for p, r in rows))
+
+    def split(heldout: int) -> tuple[set[str], set[str]]:
+        keys = ["workload.kind=sft", f"workload.path={path}", f"workload.heldout_examples={heldout}"]
+        post = PostTraining(load_config(config, [*keys, "workload.max_new_tokens=8"]), None)
+        loaded = post.examples(IslandWorkload("sft", str(path)))
+        return {e.prompt for e in loaded.train}, {e.prompt for e in loaded.heldout}
+
+    assert split(2) == ({"3+3="}, {"1+1=", "2+2="})
+    with pytest.raises(ConfigError, match="held out with every example that shares their prompts: none is left"):
+        split(3)

@@ -45,6 +45,18 @@ def test_train_and_heldout_never_share_a_prompt_across_seeds_and_digits(digits: 
     assert all(not in_heldout(*_operands(p)) for p in train) and all(in_heldout(*_operands(p)) for p in heldout)
 
 
+@pytest.mark.parametrize("digits", [1, 2, 3])  # listed whole: every held-out problem is checked
+def test_no_heldout_problem_has_its_operands_in_training_in_either_order(digits: int) -> None:
+    task = Addition(seed=0, digits=digits)
+    n_train, n_held = task.split_size("train"), task.split_size("heldout")
+    assert n_train is not None and n_held is not None
+    train = {frozenset(_operands(e.prompt)) for e in task.sft(n_train)}
+    held = {frozenset(_operands(e.prompt)) for e in task.sft(n_held, "heldout")}
+    assert held and not train & held  # {a, b}: a+b and b+a alike
+    a, b = np.divmod(np.arange(10 ** (2 * digits)), 10**digits)
+    assert np.array_equal(in_heldout(a, b), in_heldout(b, a))
+
+
 def test_the_two_splits_cover_every_problem_once() -> None:
     a, b = np.divmod(np.arange(10**4), 10**2)
     heldout = in_heldout(a, b)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.flatten_util import ravel_pytree
 
 from islands.models.config import ModelConfig
 from islands.models.registry import build_model
@@ -15,14 +16,15 @@ from islands.workloads.batches import ExampleStream, answer_rows, pack, pair_tab
 from islands.workloads.evaluate import answer_logprobs
 from islands.workloads.losses import (
     ADVANTAGE_EPS,
+    WorkloadLoss,
     dpo_loss,
     dpo_margin,
     group_advantages,
     grpo_loss,
     masked_mean,
+    sampled_logprobs,
     sequence_logprob,
     sft_loss,
-    workload_loss,
 )
 from islands.workloads.rollouts import answer_texts
 from islands.workloads.text import byte_text
@@ -80,11 +82,21 @@ def test_the_dpo_loss_by_hand() -> None:
     assert float(dpo_loss(margin, beta)) == pytest.approx(expected, rel=1e-6)
 
 
-def test_group_advantages_are_standardized_within_each_group() -> None:
+def test_group_advantages_are_standardized_within_each_group_by_the_unbiased_std() -> None:
     adv = group_advantages(np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), group_size=4)
-    # group 1: mean 0.5, population std 0.5; group 2: all equal, so no answer is better than another
-    assert adv[:4] == pytest.approx(np.array([1, -1, -1, 1]) * 0.5 / (0.5 + ADVANTAGE_EPS))
+    # group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) (TRL's torch.std); group 2: all equal, no answer is better
+    std = math.sqrt(1.0 / 3.0)
+    assert adv[:4] == pytest.approx(np.array([1, -1, -1, 1]) * 0.5 / (std + ADVANTAGE_EPS), rel=1e-6)
     assert adv[4:].tolist() == [0.0, 0.0, 0.0, 0.0]
+    pair = group_advantages(np.array([3.0, 1.0]), group_size=2)  # a pair: ±1/√2 · ... = ±(1 / (√2 + ε))
+    assert pair == pytest.approx(np.array([1.0, -1.0]) / (math.sqrt(2.0) + ADVANTAGE_EPS), rel=1e-6)
+
+
+def test_a_group_of_one_has_advantage_zero_not_nan() -> None:
+    """ddof = 1 has no std for one answer: its advantage is 0 (nothing to compare it with), as its r - mean is."""
+    with np.errstate(all="raise"):  # no division by zero on the way
+        adv = group_advantages(np.array([3.0, -1.0, 0.5]), group_size=1)
+    assert adv.tolist() == [0.0, 0.0, 0.0]
 
 
 def test_the_grpo_loss_and_its_gradient_by_hand() -> None:
@@ -110,9 +122,7 @@ def params() -> object:
 def test_sft_over_every_token_is_the_model_s_own_loss(params: object) -> None:
     tokens = np.random.default_rng(0).integers(0, 256, size=(3, TINY.seq_len + 1)).astype(np.int32)
     own, _ = build_model(TINY).loss(params, tokens)
-    sft, metrics = workload_loss("sft", TINY, 0.1, 0.0)(
-        params, {"tokens": tokens, "mask": np.ones((3, 16), np.float32)}
-    )
+    sft, metrics = WorkloadLoss("sft", TINY)(params, {"tokens": tokens, "mask": np.ones((3, 16), np.float32)})
     assert float(sft) == pytest.approx(float(own), rel=1e-5) and float(metrics["ce"]) == pytest.approx(
         float(own), rel=1e-5
     )
@@ -123,11 +133,11 @@ def test_dpo_at_the_reference_is_log_2(params: object) -> None:
     table = pair_table(["12+5=", "3+4="], ["17", "7"], ["18", "8"], codec, TINY.seq_len)
     for side in ("chosen", "rejected"):
         table[f"ref_{side}"] = answer_logprobs(params, TINY, table[side], table[f"{side}_mask"], rows=2)
-    loss, _ = workload_loss("dpo", TINY, 0.1, 0.0)(params, table)  # its forward of 2B rows rounds like 2 of B
+    loss, _ = WorkloadLoss("dpo", TINY, beta=0.1)(params, table)  # its forward of 2B rows rounds like 2 of B
     assert float(loss) == pytest.approx(math.log(2.0), abs=1e-6)
-    with_sft, metrics = workload_loss("dpo", TINY, 0.1, 0.0, sft_weight=0.5)(params, table)
+    with_sft, metrics = WorkloadLoss("dpo", TINY, beta=0.1, sft_weight=0.5)(params, table)
     chosen = sft_table(["12+5=", "3+4="], ["17", "7"], codec, TINY.seq_len)
-    sft, _ = workload_loss("sft", TINY, 0.1, 0.0)(params, chosen)
+    sft, _ = WorkloadLoss("sft", TINY)(params, chosen)
     assert float(metrics["ce"]) == pytest.approx(float(sft), rel=1e-5)  # the chosen answers' own sft loss
     assert float(with_sft) == pytest.approx(math.log(2.0) + 0.5 * float(sft), rel=1e-5)
 
@@ -145,20 +155,88 @@ def test_an_example_stream_is_a_pure_function_of_its_cursor() -> None:
     }
 
 
-def test_accumulation_splits_every_leaf_of_an_example_batch(params: object) -> None:
-    """train.microbatch on a pytree batch: each leaf cut into passes on axis 0, the passes' mean loss and gradient
-    those of the whole batch (equal-sized passes of a mean over tokens: equal when every pass has as many answer
-    tokens, as here)."""
-    import optax
+def _uneven_batch(kind: str, params: object) -> dict[str, np.ndarray]:
+    """4 rows whose answers are 1, 2, 9 and 10 tokens long (stop included): split in 2 passes, the first holds 3
+    answer tokens and the second 19, so a mean of the passes' means is not the batch's mean."""
+    codec, rng = byte_text(), np.random.default_rng(0)
+    prompts, answers = ["1+1=", "4+5=", "12+30=", "99+9="], ["", "9", "42424242", "108108108"]
+    if kind == "dpo":
+        table = pair_table(prompts, answers, ["7", "8", "4242", "1"], codec, TINY.seq_len)
+        table["ref_chosen"], table["ref_rejected"] = rng.normal(-20, 3, (2, 4)).astype(np.float32)
+        return table
+    table = sft_table(prompts, answers, codec, TINY.seq_len)
+    if kind == "rl":  # as if sampled: the reference near the policy, advantages and rewards of a batch
+        ref = np.asarray(sampled_logprobs(params, TINY, table["tokens"], 0.7))
+        table["ref_logprobs"] = (ref + rng.normal(0, 0.3, ref.shape) * table["mask"]).astype(np.float32)
+        table["advantages"] = rng.normal(0, 1, 4).astype(np.float32)
+        table["reward"] = rng.uniform(0, 1, 4).astype(np.float32)
+    return table
 
-    from islands.inner import inner_update
 
-    table = sft_table([f"{i}+{i}=" for i in range(4)], [str(2 * i) for i in range(4)], byte_text(), TINY.seq_len)
-    loss = workload_loss("sft", TINY, 0.1, 0.0)
-    tx = optax.sgd(0.1)
+@pytest.mark.parametrize(
+    "kind", ["sft", pytest.param("dpo", marks=pytest.mark.slow), pytest.param("rl", marks=pytest.mark.slow)]
+)  # each compiles two accumulated steps: sft alone in the fast tier keeps its share small
+def test_a_batch_in_passes_has_the_loss_and_gradient_of_the_whole_batch(kind: str, params: object) -> None:
+    """train.microbatch: the loss over the batch is Σ over its passes of token (or pair) sums / the whole batch's
+    count, whatever tokens fall into which pass (transformers' num_items_in_batch); figures likewise."""
+    from islands.inner import WholeBatchLoss, _accumulated_grads
+
+    table = _uneven_batch(kind, params)
+    loss = WorkloadLoss(kind, TINY, beta=0.5, kl_coef=0.1, sft_weight=0.3, temperature=0.7)
+    assert isinstance(loss, WholeBatchLoss)
+    accumulate = jax.jit(_accumulated_grads, static_argnums=0)
     whole = jax.tree.map(lambda x: x[None], table)  # [1 pass, 4 rows, ...]
     halves = jax.tree.map(lambda x: x.reshape(2, 2, *x.shape[1:]), table)  # [2 passes, 2 rows, ...]
-    _, _, m1 = inner_update(loss, tx, params, tx.init(params), whole)
-    _, _, m2 = inner_update(loss, tx, params, tx.init(params), halves)
-    assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
-    assert float(m2["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=1e-4)
+    l1, g1, m1 = accumulate(loss, params, whole)
+    l2, g2, m2 = accumulate(loss, params, halves)
+    assert float(l2) == pytest.approx(float(l1), rel=1e-5)
+    assert {k: pytest.approx(float(v), rel=1e-5, abs=1e-6) for k, v in m1.items()} == {
+        k: float(v) for k, v in m2.items()
+    }
+    flat1, flat2 = ravel_pytree(g1)[0], ravel_pytree(g2)[0]
+    np.testing.assert_allclose(np.asarray(flat2), np.asarray(flat1), rtol=2e-4, atol=1e-6)
+    # uneven passes, so averaging the passes' own means (what accumulation did before) would weigh a token of the
+    # first 19/3 times one of the second, and fail the comparisons above
+    assert [float(m.sum()) for m in halves["chosen_mask" if kind == "dpo" else "mask"]] == [3.0, 19.0]
+
+
+def test_rl_scores_its_answers_at_the_temperature_they_were_drawn_at(params: object) -> None:
+    """At T != 1 an rl batch's reference log-probabilities, and the policy's in its loss, are the sampler's own
+    log-probabilities of its draws, log softmax(logits / T)[token]: on-policy, and k3 is 0 where θ = θ_ref."""
+    from islands.sampling import rollout
+    from islands.workloads.config import WorkloadConfig
+    from islands.workloads.rollouts import Rollouts
+
+    t, n_new, seed = 0.6, 6, 1
+    workload = WorkloadConfig(kind="rl", task="addition", reward="builtin:addition", temperature=t,
+                              max_new_tokens=n_new, group_size=2)  # fmt: skip
+    codec, texts = byte_text(), ["12+5="]
+    prompts = prompt_table(texts, codec, width=TINY.seq_len - n_new)
+    zero = lambda p, a: np.zeros(len(a), np.float32)  # noqa: E731
+    batch = Rollouts(prompts, texts, zero, codec, params, TINY, workload, 4, seed, stream_id=0).next_for(params)
+    # the sampler's draw of batch 0 (Rollouts' key: (seed, island, k) folded in), with the logits it drew from
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0), 0)
+    rows = {name: np.repeat(column, 4, axis=0) for name, column in prompts.items()}
+    new, lengths, logits = rollout(params, TINY, rows["prompt"], rows["prompt_len"], key, jnp.float32(t),
+                                   jnp.float32(1.0), max_new_tokens=n_new, stop_token=codec.stop, keep_logits=True)  # fmt: skip
+    p = int(prompts["prompt_len"][0])
+    drawn = jax.nn.log_softmax(logits / t, axis=-1)
+    sampler, scored, at_one = [], [], []
+    plain = np.asarray(token_logprobs_of(params, batch["tokens"]))
+    for b in range(4):
+        n = int(lengths[b])
+        assert batch["tokens"][b, p : p + n].tolist() == np.asarray(new[b, :n]).tolist()  # the same draw
+        sampler += [float(drawn[b, i, new[b, i]]) for i in range(n)]
+        scored += batch["ref_logprobs"][b, p - 1 : p - 1 + n].tolist()
+        at_one += plain[b, p - 1 : p - 1 + n].tolist()
+    np.testing.assert_allclose(scored, sampler, atol=1e-4)
+    assert np.max(np.abs(np.array(at_one) - sampler)) > 0.05  # at T = 1 they would not be
+    _, metrics = WorkloadLoss("rl", TINY, kl_coef=0.1, temperature=t)(params, batch)
+    assert float(metrics["ce"]) == pytest.approx(-np.mean(sampler), rel=1e-4)  # the policy's side: the same
+    assert abs(float(metrics["kl"])) < 1e-5
+
+
+def token_logprobs_of(params: object, tokens: np.ndarray) -> jax.Array:
+    from islands.sampling import token_logprobs
+
+    return token_logprobs(params, TINY, tokens)

@@ -166,7 +166,8 @@ def test_bad_examples_rewards_and_references_are_one_line(
     few = tmp_path / "few.jsonl"
     few.write_text('{"prompt": "1+2=", "response": "3"}\n')
     fails(capsys, [*base, str(tmp_path / "b"), "workload.kind=sft", f"workload.path={few}"],
-          "workload.heldout_examples (64) of them are held out: none is left to train on")  # fmt: skip
+          "workload.heldout_examples (64) of them are held out with every example that shares their prompts: none is "
+          "left to train on")  # fmt: skip
     long = tmp_path / "long.jsonl"
     long.write_text("".join(json.dumps({"prompt": f"{i}=", "response": "x" * 9}) + "\n" for i in range(70)))
     fails(capsys, [*base, str(tmp_path / "c"), "workload.kind=sft", f"workload.path={long}",

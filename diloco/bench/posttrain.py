@@ -13,7 +13,7 @@ stage's overrides (`--dpo`, `--rl`; README's by default). The runs are `simulate
 config ends with the same digest (benchmarks/log/posttrain.md), so the figures are the federation's.
 
 Every θ (the pre-trained one and each stage's) is then scored on `--heldout` problems of the task's held-out split
-(default: all of it, for two-digit addition 997, against the 64-256 a run's own evaluation reads): exact match and
+(default: all of it, for two-digit addition 1007, against the 64-256 a run's own evaluation reads): exact match and
 the mean reward of greedy answers, and DPO's preference accuracy against the column's SFT θ (its reference). The
 result holds each run's own before and after (`initial` / `final`), wall time, WAN bytes and digest, the held-out
 scores, and per stage DiLoCo's exact match over each baseline's (`ratios`).

@@ -2,10 +2,11 @@
 loss, and the held-out evaluation of the global model (docs/architecture.md, "Workloads").
 
 Examples come from a built-in task (workload.task: train and held-out splits that share no prompt) or a JSON Lines
-file (its last workload.heldout_examples examples held out). The islands that run one kind on one source deal its
-training examples among themselves, island j of m taking examples j, j + m, ...: each island its own share, as each
-has its own shard of a corpus. Texts become token ids as the run's data is tokenized (islands/text.py), every
-answer ending with a stop token (islands/workloads/text.py).
+file (its last workload.heldout_examples examples held out, and no example of their prompts trained on:
+`split_by_prompt`). The islands that run one kind on one source deal its training examples among themselves,
+island j of m taking examples j, j + m, ...: each island its own share, as each has its own shard of a corpus.
+Texts become token ids as the run's data is tokenized (islands/text.py), every answer ending with a stop token
+(islands/workloads/text.py).
 
 Every check that a text fits is made here, before anything trains, one line naming the key: an rl prompt or a
 held-out prompt too long to leave workload.max_new_tokens of context, a reference answer (and its stop) longer than
@@ -42,7 +43,7 @@ from islands.workloads.batches import (
 )
 from islands.workloads.config import STEP_FIGURES, IslandWorkload
 from islands.workloads.evaluate import HeldOut, Judge, WorkloadEval, answer_logprobs
-from islands.workloads.losses import workload_loss
+from islands.workloads.losses import WorkloadLoss
 from islands.workloads.rollouts import Rollouts, Scorer
 from islands.workloads.text import STOP_TEXT, AnswerText, answer_text
 from pytrees.naming import PyTree
@@ -58,6 +59,16 @@ class Examples:
     heldout: list[Example]
     where: str
     """How messages name the source: "workload.task 'addition'" or the file's path."""
+
+
+def split_by_prompt(examples: Sequence[Example], heldout: int) -> tuple[list[Example], list[Example]]:
+    """(train, held out) of a file's examples: its last `heldout` examples are held out, and an earlier example
+    whose prompt one of them has is left out of training, so no prompt is both trained on and evaluated (a file may
+    hold several responses or pairs per prompt)."""
+    cut = max(len(examples) - heldout, 0)
+    held = list(examples[cut:])
+    prompts = {e.prompt for e in held}
+    return [e for e in examples[:cut] if e.prompt not in prompts], held
 
 
 def answer_of(example: Example) -> str | None:
@@ -113,13 +124,14 @@ class PostTraining:
             examples = read_examples(
                 Path(source.path), source.kind, self.count_tokens, self.cfg.model.seq_len, self.chat
             )
-            if len(examples) <= w.heldout_examples:
+            train, heldout = split_by_prompt(examples, w.heldout_examples)
+            if not train:
                 raise ConfigError(
                     f"{source.path}: {len(examples)} {source.kind} examples, and workload.heldout_examples "
-                    f"({w.heldout_examples}) of them are held out: none is left to train on"
+                    f"({w.heldout_examples}) of them are held out with every example that shares their prompts: "
+                    "none is left to train on"
                 )
-            cut = len(examples) - w.heldout_examples
-            loaded = Examples(list(examples[:cut]), list(examples[cut:]), source.path)
+            loaded = Examples(train, heldout, source.path)
         self._check_fits(loaded, source.kind)
         return loaded
 
@@ -172,7 +184,7 @@ class PostTraining:
     def model(self, kind: str, base: Model) -> Model:
         """The model an island of this kind trains: the same parameters, the workload's loss."""
         w = self.workload
-        loss = workload_loss(kind, self.cfg.model, w.beta, w.kl_coef, w.sft_weight)
+        loss = WorkloadLoss(kind, self.cfg.model, w.beta, w.kl_coef, w.sft_weight, w.temperature)
         return Model(init=base.init, loss=loss, step_figures=STEP_FIGURES[kind])
 
     def stream(self, name: str, names: Sequence[str], stream_id: int) -> Batches:

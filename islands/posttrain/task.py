@@ -19,12 +19,13 @@ them (benchmarks/log/ptdata.md).
   to know the format (and the train split's sums) before post-training; a model pre-trained on another corpus (the
   default `stdlib:`) starts SFT from about chance.
 
-Splits. Whether a problem is "heldout" is a fixed function of its two operands (a keyed hash; HELDOUT_PERCENT % of
-all problems), the same for every seed and every `digits`, so no run's training data holds a prompt that another
-run's held-out evaluation uses. The seed chooses which problems of a split, and in what order: sft, pairs, prompts
-and the pretraining text draw from streams of their own (SFT, DPO and RL see different problems), and `sft(n)` is
-the first n of `sft(n + k)`. Within one call sft, pairs and prompts never repeat a problem (asking for more than a
-split holds is an error); the pretraining text may.
+Splits. Whether a problem is "heldout" is a fixed function of its unordered pair of operands (a keyed hash;
+HELDOUT_PERCENT % of all pairs), the same for every seed and every `digits`, so no run's training data holds a
+prompt that another run's held-out evaluation uses, nor its commuted twin (b+a, the same answer). The seed
+chooses which problems of a split, and in what order: sft, pairs, prompts and the pretraining text draw from streams
+of their own (SFT, DPO and RL see different problems), and `sft(n)` is the first n of `sft(n + k)`. Within one call
+sft, pairs and prompts never repeat a problem (asking for more than a split holds is an error); the pretraining text
+may.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from islands.posttrain.data import MAX_EXAMPLES, PreferencePair, RlPrompt, SftEx
 
 SPLITS: tuple[str, ...] = ("train", "heldout")
 HELDOUT_PERCENT = 10
-"""The share of all problems, in percent, that belongs to the held-out split."""
+"""The share of all unordered pairs of operands, in percent, that belongs to the held-out split."""
 
 DEFAULT_DIGITS = 2
 MAX_DIGITS = 9
@@ -102,8 +103,10 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 
 def in_heldout(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """bool: whether each problem a + b (operands below 2^32) belongs to the held-out split."""
-    key = (np.asarray(a, np.uint64) << np.uint64(32)) | np.asarray(b, np.uint64)
+    """bool: whether each problem a + b (operands below 2^32) belongs to the held-out split. Keyed on the unordered
+    pair {a, b}: b + a has a + b's answer, so a problem and its commuted twin fall in the same split."""
+    a, b = np.asarray(a, np.uint64), np.asarray(b, np.uint64)
+    key = (np.minimum(a, b) << np.uint64(32)) | np.maximum(a, b)
     return _mix64(key ^ _SPLIT_KEY) % np.uint64(100) < np.uint64(HELDOUT_PERCENT)
 
 

@@ -55,12 +55,12 @@ class WorkloadConfig:
     path: str = ""
     """A JSON Lines file of workload.kind's examples (islands/posttrain/data.py: {"prompt", "response"} for sft,
     {"prompt", "chosen", "rejected"} for dpo, {"prompt", "answer"?} for rl). Its last workload.heldout_examples
-    examples are held out for evaluation; the rest are dealt to the islands, each its own share. Exclusive with
-    workload.task."""
+    examples are held out for evaluation; the rest, less any example whose prompt a held-out one has, are dealt to
+    the islands, each its own share. Exclusive with workload.task."""
     task: str = ""
     """A built-in task (islands/posttrain/task.py) whose examples are generated from run.seed: workload.task_examples
     for training, dealt to the islands, and workload.heldout_examples from its held-out split, which shares no prompt
-    with the training split. Exclusive with workload.path."""
+    with the training split (addition: nor a commuted one, b+a for a+b). Exclusive with workload.path."""
     task_examples: int = 4096
     """workload.task only: training examples generated (all islands together)."""
     task_digits: int = DEFAULT_DIGITS
@@ -84,7 +84,8 @@ class WorkloadConfig:
     """Tokens generated per answer at most (rl's samples, and the greedy answers evaluation scores); the stop token
     counts. Every reference answer the evaluation compares with must fit."""
     temperature: float = 1.0
-    """rl: the sampling temperature of the policy's answers (0: greedy, which gives a group nothing to compare)."""
+    """rl: the sampling temperature of the policy's answers (0: greedy, which gives a group nothing to compare).
+    The answers' log-probabilities, the policy's and the reference's, are scored at it too (at 1 for 0)."""
     top_p: float = 1.0
     """rl: nucleus sampling, the smallest set of tokens holding this much probability (1: all)."""
     kl_coef: float = 0.04

@@ -10,7 +10,8 @@ Batch k (`Rollouts.next_for(θ)`, an `islands.island.PolicyBatches`):
     rewards     the reward function of (prompt, answer text up to the stop), on the host (islands/posttrain/rewards.py:
                 a reward that raises or is not a finite number is one line naming the prompt)
     advantages  standardized within each group (`losses.group_advantages`)
-    reference   the frozen reference's log-probabilities of the same rows (the KL penalty's other side)
+    reference   the frozen reference's log-probabilities of the same rows at workload.temperature, the
+                distribution they were drawn from (`losses.sampled_logprobs`; the KL penalty's other side)
 
 θ is read by the generation and the reference's forward before the step that donates it runs: the answers are
 fetched to the host for their rewards, which waits for them.
@@ -25,10 +26,10 @@ import numpy as np
 
 from islands.models.base import Params
 from islands.models.config import ModelConfig
-from islands.sampling import generate, token_logprobs
+from islands.sampling import generate
 from islands.workloads.batches import Table, answer_rows, rows_of
 from islands.workloads.config import WorkloadConfig
-from islands.workloads.losses import group_advantages
+from islands.workloads.losses import group_advantages, sampled_logprobs
 from islands.workloads.text import AnswerText
 
 Scorer = Callable[[Sequence[str], Sequence[str]], np.ndarray]
@@ -89,7 +90,8 @@ class Rollouts:
         new, lengths = jax.device_get((new, lengths))
         reward = self.scorer([self.texts[i] for i in picked], answer_texts(self.codec, new, lengths))
         tokens, mask = answer_rows(prompts["prompt"], prompts["prompt_len"], new, lengths, self.seq_len + 1)
-        reference = np.asarray(jax.device_get(token_logprobs(self.reference, self.model_cfg, tokens)), np.float32)
+        scored = sampled_logprobs(self.reference, self.model_cfg, tokens, self.workload.temperature)
+        reference = np.asarray(jax.device_get(scored), np.float32)
         self.cursor += 1
         return {
             "tokens": tokens,
