@@ -1,7 +1,9 @@
-"""Files replaced whole: a crash leaves the old content or the new, never half of either."""
+"""Files replaced whole (a crash leaves the old content or the new, never half of either), and files named by their
+content."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -22,3 +24,12 @@ def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def file_sha256(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes, read a MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()

@@ -40,6 +40,7 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 
 from floor.errors import UserError
+from floor.files import file_sha256
 from islands import prepared
 
 FORMATS: dict[str, tuple[str, ...]] = {"jsonl": (".jsonl", ".jsonl.gz"), "parquet": (".parquet",)}
@@ -196,14 +197,6 @@ def cache_root(cache_dir: str) -> Path:
     return Path(base) / "diloco" / "tokens"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _cache_key(files: Sequence[str], kind: str, field: str, tokenizer_sha: str, eos: int | None) -> str:
     stats = []
     for path in files:
@@ -218,7 +211,7 @@ def cached_tokens(files: Sequence[str], kind: str, field: str, tokenizer: Corpus
     tokenized now unless the cache already holds it. Written under a temporary name and renamed whole, under a lock
     that makes concurrent processes tokenize it once."""
     root = cache_root(cache_dir)
-    tokenizer_sha = _sha256(tokenizer.path)
+    tokenizer_sha = file_sha256(tokenizer.path)
     out = root / _cache_key(files, kind, field, tokenizer_sha, tokenizer.eos)
     if (out / prepared.META_FILE).is_file():
         return out

@@ -20,7 +20,6 @@ first (tokens.bin through a temporary name), meta.json last. An --out that alrea
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from floor.files import file_sha256
 from islands.data import DataError, resolve_files
 from islands.documents import document_format, documents, encode_texts
 from islands.prepared import META_FILE, META_FORMAT, TOKENIZER_FILE, TOKENS_FILE, token_dtype_for
@@ -201,14 +201,6 @@ def encode_files(
     return count
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _check_out(out: Path) -> None:
     for name in (META_FILE, TOKENS_FILE):
         if (out / name).exists():
@@ -338,7 +330,7 @@ def _write(
     source = {"requested_vocab": train_vocab} if train_vocab is not None else {"from": str(tokenizer_file)}
     tokenizer_meta = {
         "file": TOKENIZER_FILE,
-        "sha256": _sha256(out / TOKENIZER_FILE),
+        "sha256": file_sha256(out / TOKENIZER_FILE),
         "trained": train_vocab is not None,
         **source,
     }
