@@ -147,11 +147,12 @@ def child_env(devices: int = 1, jax_cache: bool = False) -> dict[str, str]:
     return env
 
 
-def fails(capsys: pytest.CaptureFixture[str], args: list[str], expected: str) -> None:
-    """`diloco ARGS` in this process ends with exit code 2 and one `diloco: error:` line holding `expected`."""
+def fails(capsys: pytest.CaptureFixture[str], args: list[str], expected: str, code: int = 2) -> None:
+    """`diloco ARGS` in this process ends with exit code `code` (2: a user error) and one `diloco: error:` line
+    holding `expected`."""
     from diloco.cli import main
 
-    assert main(args) == 2
+    assert main(args) == code
     err = capsys.readouterr().err.strip()
     assert err.startswith("diloco: error:") and expected in err, err
     assert "\n" not in err and "Traceback" not in err

@@ -124,6 +124,7 @@ def test_coordinator_that_does_not_answer(
             "transport.max_attempts=1",
         ],
         "join 127.0.0.1:1: coordinator did not answer for 1s",
+        code=69,  # a bounded wait that ran out: a supervisor starts the island again
     )
 
 
