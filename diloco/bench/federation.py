@@ -150,11 +150,20 @@ def finished_run(
     wrap: Wrap | None = None,
 ) -> Iterator[tuple[RunConfig, Federation, dict[str, Any]]]:
     """A federation of the config run to its end with `train.rounds = rounds`: the resolved config, the federation
-    (its events readable until the block ends) and summary.json's contents. `wrap` as for `_federation`."""
+    (its events readable until the block ends) and summary.json's contents. `wrap` as for `_federation`. Every
+    island holds its first push until all have joined: a round does not wait for an island that has not joined,
+    and on a busy machine one island's start could otherwise outlast the whole run."""
     overrides = [*overrides, f"train.rounds={rounds}"]
     cfg = load_config(config_path, overrides)
-    with _federation(config_path, overrides, run_dir, wrap) as fed:
+    names = cfg.islands.island_names
+    held = [f"{name}:before_push:0" for name in names]
+    with _federation(config_path, overrides, run_dir, wrap, pause_at=held) as fed:
         fed.start()
+        fed.wait_for(
+            lambda: set(names) <= {e["island"] for e in fed.events("island_joined")}, slack_s, "every island to join"
+        )
+        for entry in held:
+            fed.release(entry)
         yield cfg, fed, fed.wait_done(timeout_s=slack_s + 60.0 * rounds)
 
 
