@@ -3,7 +3,9 @@ prepare, data task, deploy k8s.
 
 Every command takes `--run-dir DIR` (where one applies) and trailing `key=value` config overrides. A user
 mistake (config, data, model path, run directory, a refused island ...) is a `floor.errors.UserError`: it ends
-with one line on stderr and exit code 2, never a traceback. Each command imports what it needs when it runs, so
+with one line on stderr and exit code 2, never a traceback; a bounded wait that ran out (`floor.errors.WaitedTooLong`:
+a coordinator away for longer than an island's patience) the same way, with exit code 69, which a supervisor
+restarts. Each command imports what it needs when it runs, so
 `diloco --help` and `diloco status` start without importing JAX.
 
 Secure by default (diloco/deploy/tls.py): the coordinator listens on loopback unless told otherwise, and beyond loopback
@@ -647,7 +649,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return COMMANDS[args.command](args)
     except (UserError, faults.FaultSpecError) as exc:
         log.error("%s", exc)
-        return 2
+        return exc.exit_code if isinstance(exc, UserError) else 2
     except KeyboardInterrupt:
         log.warning("interrupted")
         return 130

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diloco.harness.procs import Federation
+from diloco.harness.procs import Federation, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -147,11 +146,12 @@ def child_env(devices: int = 1, jax_cache: bool = False) -> dict[str, str]:
     return env
 
 
-def fails(capsys: pytest.CaptureFixture[str], args: list[str], expected: str) -> None:
-    """`diloco ARGS` in this process ends with exit code 2 and one `diloco: error:` line holding `expected`."""
+def fails(capsys: pytest.CaptureFixture[str], args: list[str], expected: str, code: int = 2) -> None:
+    """`diloco ARGS` in this process ends with exit code `code` (2: a user error) and one `diloco: error:` line
+    holding `expected`."""
     from diloco.cli import main
 
-    assert main(args) == 2
+    assert main(args) == code
     err = capsys.readouterr().err.strip()
     assert err.startswith("diloco: error:") and expected in err, err
     assert "\n" not in err and "Traceback" not in err
@@ -277,25 +277,25 @@ def shared_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedLa
         )
         seen: dict[int, tuple[list[str], dict[str, str]]] = {}
         probes: dict[str, str] = {}
+
+        def every_process_seen() -> bool:
+            """Records the launch's processes as they appear; True once each role is there (or the launch ended)."""
+            if launch.poll() is not None:
+                return True
+            seen.update({pid: p for pid, p in processes_under(str(run_dir)).items() if pid != launch.pid})
+            address_file = run_dir / "coordinator.addr"
+            if not probes and address_file.exists():
+                address = address_file.read_text()
+                probes["plaintext"] = _status_code(address, None)
+                probes["tls_without_client_cert"] = _status_code(address, run_dir / "tls" / "ca.crt")
+            roles = [
+                argv[argv.index("--name") + 1] if "--name" in argv else " ".join(argv[3:4]) for argv, _ in seen.values()
+            ]
+            wanted = {"coordinator": 1, **dict.fromkeys(LAUNCH_SECRETS, 2)}  # a supervisor and a worker per island
+            return bool(probes) and all(roles.count(role) >= n for role, n in wanted.items())
+
         try:
-            deadline = time.monotonic() + 300
-            while launch.poll() is None and time.monotonic() < deadline:
-                seen |= {pid: p for pid, p in processes_under(str(run_dir)).items() if pid != launch.pid}
-                address_file = run_dir / "coordinator.addr"
-                if not probes and address_file.exists():
-                    address = address_file.read_text()
-                    probes = {
-                        "plaintext": _status_code(address, None),
-                        "tls_without_client_cert": _status_code(address, run_dir / "tls" / "ca.crt"),
-                    }
-                roles = [
-                    argv[argv.index("--name") + 1] if "--name" in argv else " ".join(argv[3:4])
-                    for argv, _ in seen.values()
-                ]
-                wanted = {"coordinator": 1, **dict.fromkeys(LAUNCH_SECRETS, 2)}  # a supervisor and a worker per island
-                if probes and all(roles.count(role) >= n for role, n in wanted.items()):
-                    break
-                time.sleep(0.05)
+            wait_until(every_process_seen, "every process of the launch", 300, 0.05)
             out, err = launch.communicate(timeout=300)
             simulate.wait(timeout=300)
         finally:

@@ -110,5 +110,7 @@ def test_failover_run_closes_the_round_on_the_supervisors_leave(tiny_config: Pat
     out = fed_bench.run_failover_bench(tiny_config, ["train.inner_steps=100"], tmp_path / "fo")
     assert out["victim"] == "island-1" and out["detected_by"] == "island_left: worker died (signal 9)", out
     assert out["round_islands"] == ["island-0"] and out["round_reason"].startswith("all 1 live islands pushed"), out
-    # Noticed from the supervisor's Leave, far inside the lease and deadlines that would otherwise close the round.
-    assert out["detected_s"] <= out["survivors_stalled_s"] < fed_bench.FAILOVER_LEASE_S / 4, out
+    # Noticed from the supervisor's Leave (`island_left`, not a lease's `island_lost`), and the round closed on it
+    # (every live island pushed), before the lease and deadlines of FAILOVER_LEASE_S could have closed it: causes,
+    # not seconds, so a busy machine does not fail it.
+    assert out["detected_s"] <= out["survivors_stalled_s"] < fed_bench.FAILOVER_LEASE_S, out

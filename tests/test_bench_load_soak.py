@@ -79,34 +79,50 @@ class _Files:
 
     def __init__(self) -> None:
         self.commits: list[dict[str, Any]] = []
+        self.resumed: list[dict[str, Any]] = []
         self.synced: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
 
     def rounds(self) -> list[dict[str, Any]]:
         return self.commits
 
     def events(self, event: str | None = None, island: str | None = None) -> list[dict[str, Any]]:
-        assert island is not None
+        if island is None:
+            return self.resumed if event == "resumed" else []
         return self.synced[island] if event == "synced" else []
+
+
+def synced(round_: int, digest: str, kind: str = "update") -> dict[str, Any]:
+    return {"round": round_, "digest": digest, "kind": kind}
 
 
 def test_digests_compare_with_the_last_commit_of_a_round() -> None:
     """A coordinator killed after logging round 1 but before saving it reruns round 1 with another digest: legal,
-    since no island could see the lost commit. An island holding the lost θ would be a mismatch."""
+    since no island saw the lost commit. An island holding the lost θ is a mismatch, unless the coordinator resumed
+    before that round and the island took a full θ in its place afterwards (it rolled back)."""
     files = _Files()
     watch = DigestWatch(("a", "b"))
     files.commits = [{"round": 0, "digest": "d0"}, {"round": 1, "digest": "lost"}]
-    files.synced["a"] = [{"round": 0, "digest": "init"}, {"round": 1, "digest": "d0"}]
-    files.synced["b"] = [{"round": 0, "digest": "init"}, {"round": 1, "digest": "d0"}]
+    files.synced["a"] = [synced(0, "init", "full"), synced(1, "d0")]
+    files.synced["b"] = [synced(0, "init", "full"), synced(1, "d0")]
     assert watch.observe(files) == 1
     files.commits = [{"round": 0, "digest": "d0"}]  # the restarted coordinator truncated round 1 ...
+    files.resumed = [{"round": 1}]
     watch.observe(files)
     files.commits = [{"round": 0, "digest": "d0"}, {"round": 1, "digest": "d1"}, {"round": 2, "digest": "d2"}]
     for name in ("a", "b"):  # ... and committed it again
-        files.synced[name] += [{"round": 2, "digest": "d1"}, {"round": 3, "digest": "d2"}]
+        files.synced[name] += [synced(2, "d1"), synced(3, "d2")]
     result = watch.final(files, rounds=3)
     assert result["commit_sequence_ok"] and result["rounds_recommitted"] == [1]
     assert result["digest_mismatches"] == 0 and result["live_digest_mismatches"] == 0
     assert result["synced_checked"] == 6 and result["islands_at_final_round"] == ["a", "b"]
+    assert result["rolled_back_syncs"] == 0
 
-    files.synced["b"].append({"round": 2, "digest": "lost"})  # an island that kept the lost commit
+    kept = list(files.synced["b"])
+    files.synced["b"] = [*kept, synced(2, "lost")]  # an island that kept the lost commit
+    assert watch.final(files, rounds=3)["digest_mismatches"] == 1
+    # the same θ, then the coordinator's full θ in its place: a roll-back, counted and legal
+    files.synced["b"] = [*kept[:3], synced(2, "lost"), synced(2, "d1", "full"), synced(3, "d2")]
+    rolled = watch.final(files, rounds=3)
+    assert rolled["digest_mismatches"] == 0 and rolled["rolled_back_syncs"] == 1, rolled
+    files.resumed = [{"round": 2}]  # a coordinator that resumed at round 2 cannot have served a lost θ_2
     assert watch.final(files, rounds=3)["digest_mismatches"] == 1

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from diloco.harness.procs import wait_until
 from floor.codec import EncodedTensor
 from transport.chunking import (
     BufferPool,
@@ -249,11 +250,7 @@ def test_a_large_payload_is_hashed_on_a_helper_thread_as_it_lands():
         half.add(i, data, digest)
     assert helpers() == before + 1
     half.close()
-    for _ in range(100):
-        if helpers() == before:
-            break
-        threading.Event().wait(0.05)
-    assert helpers() == before
+    wait_until(lambda: helpers() == before, "the hashing thread to end", 60)
 
     class NoRoom(BufferPool):
         def acquire(self, nbytes: int) -> bytearray:

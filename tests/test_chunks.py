@@ -688,6 +688,10 @@ def test_under_churn_every_sequence_is_consumed_once(federation, tmp_path: Path)
     fed.kill("island-1")  # it read round 1's spans; its presence call breaks, it is lost and its chunks go back
     fed.wait_for(lambda: fed.events("island_lost"), WAIT_S, "island-1 lost")
     fed.start_island("island-1")  # it comes back: its own checkpoint, a join, a new lease
+    # ... before the rounds it is paused in below can close without it (a new JAX process is slow on a busy machine)
+    fed.wait_for(
+        lambda: len([e for e in fed.events("island_joined") if e["island"] == "island-1"]) >= 2, WAIT_S, "island-1 back"
+    )
 
     fed.paused("island-0:before_push:3", WAIT_S)
     kit = operator_command(fed, "admit", fed.config, "sa-east", "--out", str(tmp_path / "kit"))

@@ -124,6 +124,7 @@ def test_coordinator_that_does_not_answer(
             "transport.max_attempts=1",
         ],
         "join 127.0.0.1:1: coordinator did not answer for 1s",
+        code=69,  # a bounded wait that ran out: a supervisor starts the island again
     )
 
 
@@ -132,9 +133,12 @@ def test_coordinator_that_does_not_answer(
 def test_config_that_differs_from_the_coordinators(tiny_config: Path, tmp_path: Path) -> None:
     import subprocess
     import sys
-    import time
 
+    from diloco.harness.procs import wait_until
     from tests.conftest import REPO, child_env
+
+    def alive(proc: subprocess.Popen[bytes]) -> None:
+        assert proc.poll() is None, f"the coordinator exited with code {proc.returncode}"
 
     run_dir = tmp_path / "coord"
     coord = subprocess.Popen(
@@ -156,10 +160,12 @@ def test_config_that_differs_from_the_coordinators(tiny_config: Path, tmp_path: 
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "coordinator.addr").exists():
-            assert coord.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until(
+            lambda: (run_dir / "coordinator.addr").exists(),
+            "the coordinator's address",
+            240,
+            check=lambda: alive(coord),
+        )
         address = (run_dir / "coordinator.addr").read_text()
         out = run_cli(
             "island",

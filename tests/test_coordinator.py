@@ -391,4 +391,33 @@ def test_a_push_dropped_by_the_commit_it_triggers_is_refused_and_its_island_may_
         assert coord.window.last is not None and coord.window.last.islands == ("island-1",)
     finally:
         coord.close()
+
+
+def test_once_the_run_is_done_it_awaits_the_islands_that_took_part_and_did_not_finish(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An island killed before the last commit and starting again finds the coordinator still there (`serve`
+    lingers while `awaited_at_end` names it), hears at its join that the run is done, and leaves."""
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)
+    cfg = load_config(tiny_config, ["train.rounds=1", "quorum.min_islands=1", "train.checkpoint_every=0"])
+    rd = RunDir(tmp_path / "run", cfg)
+    coord = Coordinator(cfg, rd, build_setup(cfg, islands=()))
+    try:
+        joins = {
+            name: pb.JoinRequest(run_id=coord.run_id, island=name, config_digest=coord.digest, release=RELEASE)
+            for name in ("island-0", "island-1")
+        }
+        for request in joins.values():
+            coord.join(request)
+        coord.leave(pb.LeaveRequest(run_id=coord.run_id, island="island-1", reason="killed"))
+        assert coord.awaited_at_end() == ["island-1"]  # it took part, and left before the end
+        push(coord, "island-0", 1e-3)  # the run's one round closes with island-0 alone
+        assert coord.settled(60) and coord.done
+        coord.leave(pb.LeaveRequest(run_id=coord.run_id, island="island-0", reason="done"))
+        assert coord.awaited_at_end() == ["island-1"] and len(coord.roster) == 0
+        assert coord.join(joins["island-1"]).state == "done"  # started again: told the run is over
+        coord.leave(pb.LeaveRequest(run_id=coord.run_id, island="island-1", reason="done"))
+        assert coord.awaited_at_end() == []
+    finally:
+        coord.close()
         rd.close()

@@ -14,7 +14,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import yaml
 from diloco.cli import OVERRIDE, build_parser, main
 from diloco.config import config_digest, load_config
 from diloco.deploy import k8s
+from diloco.harness.procs import wait_until
 from tests.conftest import REPO
 
 TWO_REGION = REPO / "configs" / "two-region.toml"
@@ -581,14 +581,15 @@ def test_the_rendered_coordinator_serves_and_its_probe_passes(tmp_path: Path) ->
     with open(tmp_path / "coordinator.log", "wb") as log:
         coordinator = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert coordinator.poll() is None, (tmp_path / "coordinator.log").read_text()[-2000:]
+
+        def ready() -> subprocess.CompletedProcess[str] | None:
             done = subprocess.run(probe, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
-            if done.returncode == 0:
-                break
-            assert time.monotonic() < deadline, done.stdout + done.stderr
-            time.sleep(1.0)
+            return done if done.returncode == 0 else None
+
+        def running() -> None:
+            assert coordinator.poll() is None, (tmp_path / "coordinator.log").read_text()[-2000:]
+
+        done = wait_until(ready, "the readiness probe to pass", 300, poll_s=1.0, check=running)
         status = json.loads(done.stdout)
         assert status["health"] == "SERVING" and status["run_id"] == "two-region"
     finally:

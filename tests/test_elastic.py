@@ -49,9 +49,11 @@ def test_an_island_admitted_into_a_live_run_joins_trains_and_is_retired(
 ) -> None:
     rounds = 7
     # island-0 waits before its push of round 2 while sa-east is admitted and starts: sa-east joins during round 2
-    # without θ_2, so round 2 must not wait for it (it closes as soon as island-0 and island-1 pushed). island-1 waits
-    # before its push of round 5 while sa-east is retired.
-    pauses = ["island-0:before_push:2", "island-1:before_push:5"]
+    # without θ_2, so round 2 must not wait for it (it closes as soon as island-0 and island-1 pushed). sa-east waits
+    # before a push of round 2 until round 2 is committed: on a busy machine its push could otherwise land before
+    # island-0's, and round 2 take it (a late joiner's push counts when it comes in time). island-1 waits before its
+    # push of round 5 while sa-east is retired.
+    pauses = ["island-0:before_push:2", "island-1:before_push:5", "sa-east:before_push:2"]
     fed = federation(f"train.rounds={rounds}", *ELASTIC, pause_at=pauses)
     fed.env.update(OPERATOR)
     fed.start()
@@ -62,6 +64,8 @@ def test_an_island_admitted_into_a_live_run_joins_trains_and_is_retired(
     fed.wait_for(lambda: fed.events("island_joined") and fed.events("island_joined")[-1]["island"] == "sa-east",
                  WAIT_S, "sa-east to join")  # fmt: skip
     fed.release("island-0:before_push:2")
+    fed.wait_rounds(3, WAIT_S)
+    fed.release("sa-east:before_push:2")  # reached or not (its first pull may bring θ_3): it goes on
     first = fed.wait_for(
         lambda: [r for r in fed.rounds() if "sa-east" in r["islands"]], WAIT_S, "a round with sa-east's push"
     )[0]

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -13,6 +12,7 @@ import pytest
 
 from diloco import faults
 from diloco.faults import FaultSpecError, Pause, Pauses, from_env, parse
+from diloco.harness.procs import wait_until
 from tests.conftest import fails
 
 WAIT_S = 30.0
@@ -106,7 +106,7 @@ def test_a_thread_stops_at_its_point_until_released_and_only_once(armed: Pauses)
     faults.at("island-0", "before_push", 3)  # not its process
     assert armed.reached("island-1:before_push:3") is None
     stopped = _reach("island-1", "before_push", 3)
-    marker = _until(lambda: armed.reached("island-1:before_push:3"))
+    marker = wait_until(lambda: armed.reached("island-1:before_push:3"), "island-1:before_push:3", WAIT_S)
     assert marker == {"round": 3, "pid": os.getpid()}
     stopped.join(0.2)
     assert stopped.is_alive()  # it waits for the test, however long the test takes
@@ -119,7 +119,10 @@ def test_a_thread_stops_at_its_point_until_released_and_only_once(armed: Pauses)
 def test_or_later_stops_at_the_first_round_reached_from_there(armed: Pauses) -> None:
     faults.at("coordinator", "after_commit", 1)
     stopped = _reach("coordinator", "after_commit", 4)
-    assert _until(lambda: armed.reached("coordinator:after_commit:2+"))["round"] == 4
+    assert (
+        wait_until(lambda: armed.reached("coordinator:after_commit:2+"), "coordinator:after_commit:2+", WAIT_S)["round"]
+        == 4
+    )
     armed.release("coordinator:after_commit:2+")
     stopped.join(WAIT_S)
     assert not stopped.is_alive()
@@ -150,11 +153,3 @@ def test_the_cli_refuses_a_malformed_spec_with_one_line(
         fails(capsys, ["status", "127.0.0.1:1"], "DILOCO_PAUSE_AT: 'island-1:befor_push:3': island-1's points are")
     finally:
         faults.armed.cache_clear()
-
-
-def _until(probe: Callable[[], T | None]) -> T:
-    deadline = time.monotonic() + WAIT_S
-    while not (value := probe()):
-        assert time.monotonic() < deadline, "the point was not reached"
-        time.sleep(0.01)
-    return value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diloco.worker.global_copy import GlobalCopy
+from diloco.worker.global_copy import GlobalCopy, rolled_back
 from outer_optimizer.fragments import Fragments
 from pytrees.digest import tree_digest
 from tests.reference_handler import fp32_tensor
@@ -112,3 +112,20 @@ def test_apply_takes_a_ready_update_as_it_is_while_the_copy_holds_its_base() -> 
     redone = other.apply(pulled, ready)
     assert redone is not None and redone.params["a"] is not ready.leaves["a"]
     assert redone.params["a"].tolist() == taken.params["a"].tolist()
+
+
+@pytest.mark.parametrize(
+    ("held", "taken", "back"),
+    [
+        (GlobalCopy(WHOLE, LIKE), at(WHOLE, 3), False),  # nothing held yet
+        (at(WHOLE, 3), at(WHOLE, 3), False),  # the θ it held, taken again (a restart's full pull)
+        (at(WHOLE, 2), at(WHOLE, 3), False),  # a lagging copy moved on
+        (at(WHOLE, 4), at(WHOLE, 3), True),  # an earlier round: its commit of round 3 is forgotten
+        (at(WHOLE, 3), GlobalCopy.whole(WHOLE, LIKE, plus(THETA, ("a",)), 3), True),  # round 3 with another θ
+        (at(SPLIT, 5), at(SPLIT, 4), True),  # streaming: an earlier sync position
+    ],
+)
+def test_rolled_back_says_when_a_full_theta_undoes_held_commits(
+    held: GlobalCopy, taken: GlobalCopy, back: bool
+) -> None:
+    assert rolled_back(held, taken) is back

@@ -14,9 +14,8 @@ import logging
 import mmap
 import struct
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,6 +23,7 @@ import grpc
 import numpy as np
 import pytest
 
+from diloco.harness.procs import wait_until
 from floor.codec import CodecSpec, EncodedTensor, decode, raw_payload_nbytes
 from pytrees.encode import encode
 from tests.reference_handler import ReferenceHandler, fp32_tensor
@@ -119,13 +119,6 @@ def code_of(future: grpc.Future) -> grpc.StatusCode:
     return future.exception(timeout=DEADLINE_S).code()
 
 
-def wait_until(probe: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not probe():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 # -- admission: idle calls never starve heartbeats and Status --------------------------------------------------------
 
 
@@ -135,7 +128,7 @@ def test_idle_push_streams_do_not_block_heartbeat_or_status():
     with serving(config, secrets=None, islands=names) as s:
         raw = s.raw(PUSH, pb.PushReply)
         calls = [raw.future(s.stalled(), metadata=call_metadata(f"x{i}", None), timeout=DEADLINE_S) for i in range(64)]
-        wait_until(lambda: sum(c.done() for c in calls) == 64 - config.max_streams, "the refusals")
+        wait_until(lambda: sum(c.done() for c in calls) == 64 - config.max_streams, "the refusals", DEADLINE_S)
         assert s.server.admission.in_use("stream") == config.max_streams
         assert {code_of(c) for c in calls if c.done()} == {grpc.StatusCode.UNAVAILABLE}
         c = s.client("i0")
@@ -150,7 +143,9 @@ def test_calls_that_never_send_their_request_hold_only_their_islands_slots():
         raw = s.raw("/diloco.v1.Diloco/Heartbeat", pb.HeartbeatReply)
         md = call_metadata("i1", "s1")  # a compromised island: valid credentials, hostile client
         calls = [raw.future(s.stalled(), metadata=md, timeout=DEADLINE_S) for _ in range(32)]
-        wait_until(lambda: sum(c.done() for c in calls) == 32 - config.max_unary_calls_per_island, "the refusals")
+        wait_until(
+            lambda: sum(c.done() for c in calls) == 32 - config.max_unary_calls_per_island, "the refusals", DEADLINE_S
+        )
         assert s.server.admission.in_use("unary") == config.max_unary_calls_per_island
         assert {code_of(c) for c in calls if c.done()} == {grpc.StatusCode.UNAVAILABLE}
         assert s.client("i0").heartbeat(pb.HeartbeatRequest(run_id=RUN, island="i0")).round == 0
@@ -169,7 +164,7 @@ def test_without_credentials_nothing_is_held():
 
 def _expired(s: Server, call: grpc.Future, words: str, lane: str = "stream") -> None:
     assert code_of(call) == grpc.StatusCode.CANCELLED
-    wait_until(lambda: s.server.admission.in_use(lane) == 0, "the slot to come back")
+    wait_until(lambda: s.server.admission.in_use(lane) == 0, "the slot to come back", DEADLINE_S)
     assert s.service.budget.used == 0
     reasons = s.reasons(grpc.StatusCode.DEADLINE_EXCEEDED)
     assert len(reasons) == 1 and words in reasons[0], s.rejections
@@ -221,7 +216,7 @@ def test_a_pull_the_client_does_not_read_is_cancelled():
             timeout=DEADLINE_S,
         )
         next(call)  # the first chunk; then the client stops reading
-        wait_until(lambda: s.server.admission.in_use("stream") == 0, "the pull to be cancelled")
+        wait_until(lambda: s.server.admission.in_use("stream") == 0, "the pull to be cancelled", DEADLINE_S)
         reasons = s.reasons(grpc.StatusCode.DEADLINE_EXCEEDED)
         assert len(reasons) == 1 and "the client took no message" in reasons[0]
         with pytest.raises(grpc.RpcError) as info:
@@ -318,17 +313,17 @@ def test_buffered_bytes_are_bounded_and_given_back_on_rejection(monkeypatch):
             yield pb.PushChunk(index=7, data=b"x")  # out of order: the stream is rejected
 
         holder = raw.future(first_32_mib_then_a_bad_chunk(), metadata=call_metadata("a", None), timeout=DEADLINE_S)
-        wait_until(lambda: s.service.budget.used == 48 * mib, "the first stream's reservation")
+        wait_until(lambda: s.service.budget.used == 48 * mib, "the first stream's reservation", DEADLINE_S)
         second = raw.future(s.stalled(chunks[0]), metadata=call_metadata("a", None), timeout=DEADLINE_S)
         assert code_of(second) == grpc.StatusCode.UNAVAILABLE  # 48 + 48 MiB > 64 MiB: busy, retry later
         assert "would exceed" in s.reasons(grpc.StatusCode.UNAVAILABLE)[0]
-        wait_until(lambda: sum(r for _, r in buffers.alive()) >= 32 * mib, "the first 32 MiB to land")
+        wait_until(lambda: sum(r for _, r in buffers.alive()) >= 32 * mib, "the first 32 MiB to land", DEADLINE_S)
         [(size, resident)] = buffers.alive()
         assert size == 48 * mib and resident <= 34 * mib, "the 16 MiB not written yet cost nothing"
         gate.set()
         assert code_of(holder) == grpc.StatusCode.INVALID_ARGUMENT
         assert s.service.budget.used == 0
-        wait_until(lambda: buffers.alive() == [], "the rejected stream's buffer to be unmapped")
+        wait_until(lambda: buffers.alive() == [], "the rejected stream's buffer to be unmapped", DEADLINE_S)
 
 
 # -- identity, bytes that are not protobuf, and lies in the push metadata ------------------------------------------

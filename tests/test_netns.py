@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ from diloco.harness.netns import (
     remove_stale_namespaces,
     shaped_namespace,
 )
+from diloco.harness.procs import wait_until
 
 _OK, _WHY = netns_available()
 needs_netns = pytest.mark.skipif(not _OK, reason=f"kernel-shaped namespaces unavailable here: {_WHY}")
@@ -61,10 +61,8 @@ def test_namespace_has_lo_up_with_tbf_and_is_removed() -> None:
 def test_namespace_removed_after_exception_and_its_processes_killed(exc: type[BaseException]) -> None:
     with pytest.raises(exc), shaped_namespace(ShapedLink(rate_mbit=10), PREFIX) as ns:
         sleeper = ns.popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        deadline = time.monotonic() + 5
-        while sleeper.pid not in ns.pids() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert sleeper.pid in ns.pids()  # `ip netns exec` execs: the Popen pid is the process inside
+        # `ip netns exec` execs: the Popen pid is the process inside
+        wait_until(lambda: sleeper.pid in ns.pids(), "the sleeper inside the namespace", 60)
         name = ns.name
         raise exc("boom")
     assert name not in list_namespaces()

@@ -15,12 +15,13 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
 
+from diloco.harness.procs import wait_until
 from tests.reference_handler import ReferenceHandler
 from transport import diloco_pb2 as pb
 from transport.admission import PRESENCE
@@ -110,15 +111,8 @@ def _open(client: IslandClient, service: DilocoService, island: str = "i0") -> t
     ended: list[str] = []
     waiter = threading.Thread(target=lambda: ended.append(presence.wait()))
     waiter.start()
-    _until(f"{island}'s call", lambda: island in service.presences.attending())
+    wait_until(lambda: island in service.presences.attending(), f"{island}'s call", WAIT_S)
     return presence, waiter, ended
-
-
-def _until(what: str, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        assert time.monotonic() < deadline, f"no {what} within {WAIT_S:g} s"
-        time.sleep(0.02)
 
 
 ISLAND_PROCESS = textwrap.dedent(
@@ -142,12 +136,12 @@ def test_an_island_process_gone_or_frozen_breaks_its_presence(server, how: signa
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     island = subprocess.Popen([sys.executable, "-c", ISLAND_PROCESS, running.address, "i1", RUN], env=env)
     try:
-        _until("presence call from i1", lambda: "i1" in service.presences.attending())
+        wait_until(lambda: "i1" in service.presences.attending(), "presence call from i1", WAIT_S)
         assert handler.absences == []  # held: no break while the island lives (pings are answered)
         time.sleep(3 * (CONFIG.keepalive_s + CONFIG.keepalive_timeout_s))
         assert handler.absences == [], "a live island's presence broke"
         island.send_signal(how)
-        _until("break of i1's presence", lambda: handler.absences == ["i1"])
+        wait_until(lambda: handler.absences == ["i1"], "break of i1's presence", WAIT_S)
         assert "i1" not in service.presences.attending()
     finally:
         island.kill()
@@ -163,10 +157,10 @@ def test_a_replaced_call_is_no_break_and_a_closed_one_is(server) -> None:
         second, _, _ = _open(client, service)
         first.join(WAIT_S)
         assert first_ended and first_ended[0].startswith("CANCELLED"), first_ended  # the server ended the older call
-        _until("i0's second call", lambda: "i0" in service.presences.attending())
+        wait_until(lambda: "i0" in service.presences.attending(), "i0's second call", WAIT_S)
         assert handler.absences == []
         second.close()
-        _until("break of i0's presence", lambda: handler.absences == ["i0"])
+        wait_until(lambda: handler.absences == ["i0"], "break of i0's presence", WAIT_S)
     finally:
         client.close()
 
@@ -212,16 +206,16 @@ def test_a_flood_of_calls_holds_one_slot_and_breaks_nothing(server) -> None:
         for w in waiters:
             w.start()
         # Each call replaced the one before (or was refused at the island's cap): one is left, holding one slot.
-        _until("all but one call ended", lambda: len(ended) == len(calls) - 1)
+        wait_until(lambda: len(ended) == len(calls) - 1, "all but one call ended", WAIT_S)
         assert all(why.startswith(("CANCELLED", "UNAVAILABLE")) for why in ended), ended
-        _until("one presence slot", lambda: running.admission.in_use(PRESENCE) == 1)
+        wait_until(lambda: running.admission.in_use(PRESENCE) == 1, "one presence slot", WAIT_S)
         assert service.presences.attending() == {"i0"} and handler.absences == []
         for c in calls:
             c.close()
         for w in waiters:
             w.join(WAIT_S)
-        _until("the last call's break", lambda: handler.absences == ["i0"])
-        _until("no presence slot", lambda: running.admission.in_use(PRESENCE) == 0)
+        wait_until(lambda: handler.absences == ["i0"], "the last call's break", WAIT_S)
+        wait_until(lambda: running.admission.in_use(PRESENCE) == 0, "no presence slot", WAIT_S)
     finally:
         client.close()
 
@@ -246,7 +240,7 @@ def test_a_call_that_sends_nothing_or_garbage_is_ended() -> None:
             with pytest.raises(grpc.RpcError) as info:
                 list(method(requests, metadata=md, timeout=WAIT_S))
             assert info.value.code() == code
-        _until("the slots back", lambda: running.admission.in_use(PRESENCE) == 0)
+        wait_until(lambda: running.admission.in_use(PRESENCE) == 0, "the slots back", WAIT_S)
         assert handler.absences == [] and service.presences.attending() == frozenset()
     finally:
         release.set()

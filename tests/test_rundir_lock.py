@@ -12,13 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from diloco.config import RunConfig, load_config
+from diloco.harness.procs import wait_until
 from diloco.run.rundir import (
     LAUNCH_LOCK_FILE,
     LOCK_FILE,
@@ -50,14 +50,6 @@ time.sleep(600)
 
 def _cfg() -> RunConfig:
     return load_config(None, ["data.kind=synthetic"])
-
-
-def _wait_for(probe: Callable[[], object], what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not probe():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -219,13 +211,13 @@ def test_a_worker_does_not_outlive_its_supervisor(tmp_path: Path, tiny_config: P
         cwd=REPO,
     )
     holders.append(supervisor)
-    _wait_for(lambda: (run_dir / "worker.pid").exists() and (run_dir / LOCK_FILE).exists(), "the worker's lock")
+    wait_until(lambda: (run_dir / "worker.pid").exists() and (run_dir / LOCK_FILE).exists(), "the worker's lock", 90)
     worker = int((run_dir / "worker.pid").read_text())
-    _wait_for(lambda: read_holder(run_dir / LOCK_FILE, 0.0).get("pid") == worker, "the worker to hold the run dir")
+    wait_until(lambda: read_holder(run_dir / LOCK_FILE, 0.0).get("pid") == worker, "the worker to hold the run dir", 90)
     supervisor.kill()
     supervisor.wait(timeout=30)
-    _wait_for(lambda: not _running(worker), "the orphaned worker to stop", timeout_s=60)
-    _wait_for(lambda: _free(run_dir), "the run dir to be free", timeout_s=10)  # the next supervisor may take it
+    wait_until(lambda: not _running(worker), "the orphaned worker to stop", 60)
+    wait_until(lambda: _free(run_dir), "the run dir to be free", 60)  # the next supervisor may take it
     assert b"supervisor (pid" in supervisor_log.read_bytes()
 
 
@@ -262,7 +254,7 @@ def test_a_second_coordinator_on_a_run_dir_exits_2_with_one_line(tmp_path: Path,
 
     first = start()
     try:
-        _wait_for(lambda: first.poll() is not None or addr_file.exists(), "the first coordinator", 240)
+        wait_until(lambda: first.poll() is not None or addr_file.exists(), "the first coordinator", 240)
         assert first.poll() is None, f"the first coordinator exited with {first.returncode}"
         address = addr_file.read_text()
         second = run_cli(
@@ -290,7 +282,7 @@ def test_a_second_coordinator_on_a_run_dir_exits_2_with_one_line(tmp_path: Path,
         addr_file.unlink()
         restarted = start()
         try:
-            _wait_for(lambda: restarted.poll() is not None or addr_file.exists(), "the restarted coordinator", 240)
+            wait_until(lambda: restarted.poll() is not None or addr_file.exists(), "the restarted coordinator", 240)
             assert restarted.poll() is None, f"the restarted coordinator exited with {restarted.returncode}"
             assert read_holder(run_dir / LOCK_FILE)["pid"] == restarted.pid
         finally:

@@ -16,13 +16,13 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from diloco.config import config_digest, dump_toml, load_config, to_dict
+from diloco.harness.procs import wait_until
 from tests.conftest import LAUNCH_SECRETS, REPO, SharedLaunch, child_env, run_cli
 from tests.test_auth_tls import make_test_pki
 
@@ -79,11 +79,10 @@ def _coordinator(config: Path, run_dir: Path, *args: str, env: dict[str, str] | 
 
 
 def _address(proc: subprocess.Popen, run_dir: Path) -> str:
-    deadline = time.monotonic() + WAIT_S
-    while not (run_dir / "coordinator.addr").exists():
+    def alive() -> None:
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "coordinator never wrote its address"
-        time.sleep(0.1)
+
+    wait_until((run_dir / "coordinator.addr").exists, "the coordinator's address", WAIT_S, 0.1, alive)
     return (run_dir / "coordinator.addr").read_text()
 
 

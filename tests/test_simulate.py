@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from diloco.config import load_config
+from diloco.harness.procs import wait_until
 from diloco.run.rundir import read_events
 from diloco.run.setup import Evaluator, build_setup
 from diloco.run.summary import SUMMARY_KEYS
@@ -112,15 +112,15 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(tiny_config: Path, tm
         reference_run = pool.submit(
             run_simulation, load_config(tiny_config, rounds), tmp_path / "ref", show_progress=False
         )
+
         # Kill it once the coordinator and both islands have each finished saving a round (orbax renames a step's
         # directory to its number when the save is complete; saves are asynchronous, so a `round` event alone
         # does not mean its checkpoint is there yet).
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if _finished_steps(run_dir, ["coordinator", "island-0", "island-1"]):
-                break
+        def alive() -> None:
             assert child.poll() is None, child.communicate()[1][-2000:]
-            time.sleep(0.05)
+
+        finished = ["coordinator", "island-0", "island-1"]
+        wait_until(lambda: _finished_steps(run_dir, finished), "a round saved by every process", 300, 0.05, alive)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
         assert child.returncode == -signal.SIGKILL

@@ -22,6 +22,7 @@ import pytest
 
 from diloco import faults
 from diloco.faults import Pauses
+from diloco.harness.procs import wait_until
 from diloco.run.rundir import read_events
 from tests.conftest import REPO, child_env, run_cli
 
@@ -48,12 +49,11 @@ def _free_port() -> int:
 
 
 def _wait(probe: Callable[[], object], what: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not probe():
+    def none_died() -> None:
         dead = [p.args for p in procs if p.poll() not in (None, 0)]
         assert not dead, f"exited while waiting for {what}: {dead}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+
+    wait_until(probe, what, timeout_s, 0.2, none_died)
 
 
 def _scrape(url: str, trust: ssl.SSLContext, attempts: int = 5) -> str:

@@ -8,8 +8,10 @@ processes (diloco/faults.py), so the scenario is the same on a fast machine and 
               credential over gRPC); it starts with its own secret and joins while the round is open
     round 2   the same for JOINERS[1]
     round 3   B stops before its push and is SIGKILLed there; the round closes without it; B starts again,
-              resumes from its own checkpoint and rejoins
-    round 5   A stops; the operator retires JOINERS[0]: its process is refused and ends with code 2
+              resumes from its own checkpoint and rejoins while A stops before its push of round 4 (so B is back
+              for round 5 however long its start takes)
+    round 5   A stops; once JOINERS[0] has pushed (its push still counts), the operator retires it: its process is
+              refused and ends with code 2; round 5 is the one with all four islands
     round 6   A stops; JOINERS[1] is SIGKILLed for good and stays away: the coordinator retires it after
               islands.retire_after_s
     end       the run ends at train.rounds; it is then lengthened: coordinator, A and B start again on the same
@@ -141,7 +143,7 @@ class Scenario:
         """The run to train.rounds, with every change of roster at its round (the module docstring)."""
         a, b = self.a, self.b
         pauses = [f"{a}:before_push:1", f"{a}:before_push:2", f"{b}:before_push:3"]
-        pauses += [f"{a}:before_push:5", f"{a}:before_push:6"]
+        pauses += [f"{a}:before_push:5", f"{a}:before_push:6", f"{a}:before_push:4"]
         with self._federation([], pauses) as fed:
             fed.start()
             for joiner, pause in zip(JOINERS, pauses[:2], strict=True):
@@ -149,7 +151,14 @@ class Scenario:
                 self._admit(fed, joiner)
                 fed.release(pause)
             self._kill_and_return(fed, pauses[2])
+            fed.release(pauses[5])  # B is back: round 4 may close (B takes part from round 5 at the latest)
             fed.paused(pauses[3], WAIT_S)
+            # Its push of round 5 is in before it is retired (it still counts): round 5 holds all four islands.
+            fed.wait_for(
+                lambda: any(e["round"] == 5 and e["island"] == JOINERS[0] for e in fed.events("push")),
+                WAIT_S,
+                f"{JOINERS[0]}'s push of round 5",
+            )
             self._retire(fed, JOINERS[0])
             fed.release(pauses[3])
             fed.paused(pauses[4], WAIT_S)

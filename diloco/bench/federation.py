@@ -123,13 +123,17 @@ def _rounds_with(fed: Federation, name: str, after_round: int = -1) -> list[int]
 
 @contextlib.contextmanager
 def _federation(
-    config_path: str | Path, overrides: Sequence[str], run_dir: Path, wrap: Wrap | None = None
+    config_path: str | Path,
+    overrides: Sequence[str],
+    run_dir: Path,
+    wrap: Wrap | None = None,
+    pause_at: Sequence[str] = (),
 ) -> Iterator[Federation]:
     """A Federation whose failure ends the benchmark as one BenchError line; the details stay in its logs.
     `wrap` prefixes every process's command (`diloco.harness.netns.Namespace.wrap`: the federation in a shaped
-    namespace)."""
+    namespace); `pause_at` names where its processes wait for the benchmark (diloco/faults.py)."""
     try:
-        with Federation(config_path, overrides, run_dir, wrap=wrap) as fed:
+        with Federation(config_path, overrides, run_dir, wrap=wrap, pause_at=pause_at) as fed:
             yield fed
     except FederationError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -146,11 +150,20 @@ def finished_run(
     wrap: Wrap | None = None,
 ) -> Iterator[tuple[RunConfig, Federation, dict[str, Any]]]:
     """A federation of the config run to its end with `train.rounds = rounds`: the resolved config, the federation
-    (its events readable until the block ends) and summary.json's contents. `wrap` as for `_federation`."""
+    (its events readable until the block ends) and summary.json's contents. `wrap` as for `_federation`. Every
+    island holds its first push until all have joined: a round does not wait for an island that has not joined,
+    and on a busy machine one island's start could otherwise outlast the whole run."""
     overrides = [*overrides, f"train.rounds={rounds}"]
     cfg = load_config(config_path, overrides)
-    with _federation(config_path, overrides, run_dir, wrap) as fed:
+    names = cfg.islands.island_names
+    held = [f"{name}:before_push:0" for name in names]
+    with _federation(config_path, overrides, run_dir, wrap, pause_at=held) as fed:
         fed.start()
+        fed.wait_for(
+            lambda: set(names) <= {e["island"] for e in fed.events("island_joined")}, slack_s, "every island to join"
+        )
+        for entry in held:
+            fed.release(entry)
         yield cfg, fed, fed.wait_done(timeout_s=slack_s + 60.0 * rounds)
 
 
@@ -315,12 +328,20 @@ def run_failover_bench(
         f'islands.slowdown=["{victim}={factor:g}"]',
         *(f"quorum.{key}={FAILOVER_LEASE_S}" for key in ("lease_s", "min_deadline_s", "max_deadline_s")),
     ]
+    # The survivors hold their first push until the victim has joined: a round does not wait for an island that has
+    # not joined, and a supervised JAX process can be the last to start; it takes part from round 0.
+    held = [f"{name}:before_push:0" for name in survivors]
     t0 = time.monotonic()
-    with _federation(config_path, run_overrides, run_dir) as fed:
+    with _federation(config_path, run_overrides, run_dir, pause_at=held) as fed:
         fed.start_coordinator()
         fed.start_island(victim, supervised=True)
         for name in survivors:
             fed.start_island(name)
+        fed.wait_for(
+            lambda: any(e["island"] == victim for e in fed.events("island_joined")), timeout_s, f"{victim} to join"
+        )
+        for entry in held:
+            fed.release(entry)
         fed.wait_rounds(kill_after, timeout_s)
         open_round = kill_after
 

@@ -18,15 +18,18 @@ that a round closes soon after an island died), each a real coordinator and real
 
 Digests (`DigestWatch`). The coordinator's `round` event of round r carries the digest of θ_{r+1}, and an
 island's `synced` event of round r+1 the digest of the θ_{r+1} it holds. After every new commit the watch checks
-every island's synced events against the coordinator's digests as they stand. A coordinator restarted from its
-checkpoint drops the events of the rounds it did not save (diloco/run/rundir.py, truncate_after_round) and commits
-them again, possibly with other contributions and another digest; that is legal only because no island can have
-seen the lost commit (the checkpoint is saved before any island can pull θ_{r+1}). So "every digest equal after
-every round" means: every θ_{r+1} any island ever synced equals the LAST digest committed for round r, both while
-the run goes (against the digests committed so far) and at the end (against the final ones). Rounds committed
-twice are counted (`rounds_recommitted`) to show the case happened; the committed sequence must still be 0..R-1,
-each once. The islands' own `digest_mismatch` events (an update that did not reproduce the coordinator's digest)
-are counted too. Every count must be 0.
+every island's synced events against the coordinator's digests as they stand. A coordinator serves θ_{r+1} before
+it has checkpointed it (docs/architecture.md, "Commits off the critical path"); killed in that window, it restarts
+from its last checkpoint, drops the events of the rounds it did not save (diloco/run/rundir.py,
+truncate_after_round) and commits them again, possibly with other contributions and another digest. Its islands
+that held a lost θ roll back: they take the coordinator's full θ (a `rolled_back` event when it is an earlier round,
+or the same round with another θ). So "every digest equal after every round" means: every θ_{r+1} an island synced
+equals the LAST digest committed for round r, both while the run goes (against the digests committed so far) and
+at the end (against the final ones), except a θ the run forgot, which is legal only when the coordinator resumed
+before round r+1 and the island later took a full θ in its place; those are counted (`rolled_back_syncs`, with the
+islands' `rolled_back` events) to show the case happened. Rounds committed twice are counted (`rounds_recommitted`);
+the committed sequence must still be 0..R-1, each once. The islands' own `digest_mismatch` events (an update that
+did not reproduce the coordinator's digest) are counted too. Every mismatch count must be 0.
 
 Run: ``diloco bench soak [--rounds 50] [--island-kills 10] [--coordinator-kills 2] [--seed S] [--run-dir DIR]
 [--no-fault-free]`` (JSON on stdout; a federation that fails ends it with one line naming its logs).
@@ -217,26 +220,32 @@ class DigestWatch:
         commits = fed.rounds()
         sequence = [c["round"] for c in commits]
         digest_after = {c["round"] + 1: c["digest"] for c in commits}
+        resumed_at = [e["round"] for e in fed.events("resumed")]
         mismatches: list[dict[str, Any]] = []
+        forgotten: set[tuple[str, int, str]] = set()
         initial: set[str] = set()
         checked = 0
         last_synced: dict[str, int] = {}
         for name in self.islands:
             synced = fed.events("synced", island=name)
-            for s in synced:
+            for i, s in enumerate(synced):
                 if s["round"] == 0:
                     initial.add(s["digest"])
                     continue
                 checked += 1
-                if s["digest"] != digest_after.get(s["round"]):
-                    mismatches.append(
-                        {
-                            "island": name,
-                            "round": s["round"],
-                            "digest": s["digest"],
-                            "coordinator": digest_after.get(s["round"]),
-                        }
-                    )
+                if s["digest"] == digest_after.get(s["round"]):
+                    continue
+                if was_forgotten(s, synced[i + 1 :], resumed_at):
+                    forgotten.add((name, s["round"], s["digest"]))
+                    continue
+                mismatches.append(
+                    {
+                        "island": name,
+                        "round": s["round"],
+                        "digest": s["digest"],
+                        "coordinator": digest_after.get(s["round"]),
+                    }
+                )
             last_synced[name] = synced[-1]["round"] if synced else -1
         return {
             "rounds_committed": len(commits),
@@ -244,11 +253,21 @@ class DigestWatch:
             "synced_checked": checked,
             "digest_mismatches": len(mismatches) + max(0, len(initial) - 1),
             "mismatch_examples": mismatches[:5],
-            "live_digest_mismatches": len(self.live_mismatches),
+            "live_digest_mismatches": len(self.live_mismatches - forgotten),
             "island_digest_mismatch_events": sum(len(fed.events("digest_mismatch", island=n)) for n in self.islands),
+            "rolled_back_syncs": len(forgotten),
+            "rolled_back_events": sum(len(fed.events("rolled_back", island=n)) for n in self.islands),
             "rounds_recommitted": sorted(r for r, ds in self.committed.items() if len(ds) > 1),
             "islands_at_final_round": sorted(n for n, r in last_synced.items() if r == rounds),
         }
+
+
+def was_forgotten(synced: dict[str, Any], later: list[dict[str, Any]], resumed_at: list[int]) -> bool:
+    """Whether an island's synced θ that differs from the run's final one is a θ the run forgot, legally: a
+    coordinator resumed from a checkpoint before that round (it served a commit it had not saved yet) and the island
+    took a full θ in its place later."""
+    before = any(r < synced["round"] for r in resumed_at)
+    return before and any(s["kind"] == "full" for s in later)
 
 
 # -- the runs ----------------------------------------------------------------------------------------------------

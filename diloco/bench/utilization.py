@@ -204,6 +204,9 @@ def _run(
             "final_eval_loss": summary["final_eval_loss"],
             "wall_s": summary["wall_s"],
             "bytes_up": summary["bytes_up"],
+            # what one push carries: a round may close without an island still starting, so totals of two runs
+            # differ by their pushes as well as by their codecs
+            "bytes_up_per_push": round(summary["bytes_up"] / max(1, sum(len(r["islands"]) for r in fed.rounds()))),
         }
         model = _plain_model(cfg, fed, goodput_mbit) if not cfg.stream.streaming else None
     return cfg, result, model

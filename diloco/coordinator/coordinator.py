@@ -131,6 +131,8 @@ class Coordinator:
         )
         self.pulls = PullAnswers(cfg, self.world, self.cond, self.admission, self.window, self.metrics)
         self.events = ThrottledEvents(rd.log)
+        self.finished: set[str] = set()
+        """Islands that left once every round was committed (`awaited_at_end`)."""
         self.metrics.follow(self)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -214,12 +216,21 @@ class Coordinator:
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         with self.cond:
+            if self.world.done:
+                self.finished.add(req.island)
             self.leases.release(req.island)
             left = self.roster.leave(req.island, self.clock())
             if left and self.events.membership_logged(self.clock(), "island_left", self.loop.round, req.island):
                 self.rd.log("island_left", round=self.loop.round, island=req.island, reason=req.reason)
             self.committer.tick()
         return pb.LeaveReply(ok=True)
+
+    def awaited_at_end(self) -> list[str]:
+        """Islands that took part, are no members now and have not left since the last commit: a process killed and
+        starting again, which a coordinator that exits at once would leave retrying for its whole patience
+        (network.coordinator_wait_s). `serve` lingers for them a while; joining, they hear that the run is done."""
+        with self.cond:
+            return sorted(n for n in self.roster.gone if n not in self.finished and n in self.enrollment)
 
     # -- the roster ----------------------------------------------------------------------------------------------
 

@@ -191,8 +191,9 @@ def _announce(run_dir: Path, rd: RunDir, server: RunningServer, coordinator: Coo
 
 
 def _tick_until_done(coordinator: Coordinator, stop: threading.Event, progress: bool, linger_s: float) -> None:
-    """Tick every 0.1 s until a signal stops the coordinator or the run is done and its islands left (or lingered
-    `linger_s`); a diverged run or a checkpoint that could not be written ends it with its error."""
+    """Tick every 0.1 s until a signal stops the coordinator or the run is done and its islands left, those starting
+    again included (`Coordinator.awaited_at_end`), or it lingered `linger_s`; a diverged run or a checkpoint that
+    could not be written ends it with its error."""
     last_line = 0.0
     done_at: float | None = None
     while not stop.is_set():
@@ -208,8 +209,10 @@ def _tick_until_done(coordinator: Coordinator, stop: threading.Event, progress: 
             _log_progress(coordinator)
         if coordinator.done:
             done_at = done_at or now
-            # Islands collect the last update and leave; do not wait for ever on one that died.
-            if not coordinator.roster or now - done_at > linger_s:
+            # Islands collect the last update and leave, and one starting again (killed near the end) learns that the
+            # run is done; do not wait for ever on one that died.
+            settled = not coordinator.roster and not coordinator.awaited_at_end()
+            if settled or now - done_at > linger_s:
                 return
         stop.wait(0.1)
 

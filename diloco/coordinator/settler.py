@@ -22,11 +22,17 @@ from typing import Any
 from diloco import faults
 from diloco.run.global_run import GlobalRun, Settling
 from diloco.run.rundir import DiskFullError
+from floor.errors import WaitedTooLong
 
 EVAL_YIELD_S = 2.0
 """The longest a commit's evaluation waits for the islands that contributed to it to be done with it: long enough
 for a pull of a large model over a slow link to be out of the way, short enough that an island that died before
 pulling delays the evaluation (and the checkpoint behind it) only a little."""
+
+SETTLE_WAIT_S = 300.0
+"""The longest a stopping coordinator waits for its commits to be evaluated and checkpointed (`flush`, `close`):
+a save that takes longer is stuck (a hung disk), and the coordinator exits with one line rather than hang; its
+last complete checkpoint is intact."""
 
 
 @dataclass(frozen=True)
@@ -91,16 +97,23 @@ class Settler:
     def flush(self) -> None:
         """A graceful stop: once every commit is settled, checkpoint the last committed round if its save was not
         due, so that a restart resumes exactly where this process stopped."""
-        self.hurry()
-        self.settled()
+        self._settle_all()
         if self.unsaved is not None and self.world.store is not None:
             self.world.save(*self.unsaved)
             self.unsaved = None
 
     def close(self) -> None:
+        self._queue.put(None)  # the thread ends after the commits queued before
+        self._settle_all()
+
+    def _settle_all(self) -> None:
+        """Settle every commit queued now, without waiting for its islands; at most SETTLE_WAIT_S."""
         self.hurry()
-        self.settled()
-        self._queue.put(None)
+        if not self.settled(SETTLE_WAIT_S):
+            raise WaitedTooLong(
+                f"{self.unsettled} commit(s) were not evaluated and checkpointed within {SETTLE_WAIT_S:g} s "
+                "(a stuck checkpoint write?); the last complete checkpoint is intact"
+            )
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:

@@ -104,6 +104,34 @@ def log_lines(path: Path) -> list[str]:
         return []
 
 
+class WaitTimeout(TimeoutError):
+    """A `wait_until` ran past its bound; the message names what it waited for."""
+
+
+def wait_until(
+    condition: Callable[[], T | None],
+    what: str,
+    timeout: float,
+    poll_s: float = 0.02,
+    check: Callable[[], None] | None = None,
+) -> T:
+    """Poll `condition` until it returns something truthy, and return that. `check` runs between polls and raises
+    to end the wait early (a process that died). After `timeout` seconds, `WaitTimeout` naming `what`: the bound is
+    for a system that hangs, never the measure of one that is merely slow, so it is generous. The one polling loop
+    of the harness and the tests: a test waits for a condition or a named point (`Federation.paused`), never for a
+    time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(poll_s)
+
+
 def tail(path: Path, n: int = 3) -> str:
     return " | ".join(log_lines(path)[-n:]) or "(empty log)"
 
@@ -325,13 +353,10 @@ class Federation:
         *,
         coordinator_needed: bool = True,
     ) -> T:
-        """Poll `probe` until it returns something truthy, and return that; fail fast when a process crashed, or (with
+        """`wait_until` `probe` returns something truthy, and return that; fail fast when a process crashed, or (with
         `coordinator_needed`) when the coordinator exited, which no longer-running wait can survive."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = probe()
-            if value:
-                return value
+
+        def check() -> None:
             self.check_alive()
             coordinator = self.coordinator
             if coordinator_needed and coordinator is not None and COORDINATOR not in self.killed:
@@ -339,9 +364,11 @@ class Federation:
                     raise FederationError(
                         f"coordinator exited while waiting for {what}: {tail(self.log_path())}", COORDINATOR
                     )
-            if time.monotonic() > deadline:
-                raise FederationError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{self.logs()}")
-            time.sleep(poll_s)
+
+        try:
+            return wait_until(probe, what, timeout_s, poll_s, check)
+        except WaitTimeout as exc:
+            raise FederationError(f"{exc}\n{self.logs()}") from None
 
     def paused(self, entry: str, timeout_s: float) -> dict[str, Any]:
         """Wait until a process stopped at `entry` of `pause_at` (WHO:POINT:ROUND); returns its marker, {"round":

@@ -45,6 +45,16 @@ def same_leaves(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(a[n] is b[n] for n in a)
 
 
+def rolled_back(held: GlobalCopy, taken: GlobalCopy) -> bool:
+    """Taking the full θ `taken` in place of the copy `held` undoes commits the island held: `taken` is at an earlier
+    position, or at the same one with another θ. A coordinator restarted from a checkpoint older than a commit it had
+    served does this (docs/architecture.md, "Commits off the critical path"). A copy that lagged and is replaced by a
+    later θ cannot tell here whether its own θ was one the run forgot; the soak reads that from the digests."""
+    if held.params is None or held.position < 0:
+        return False
+    return taken.position < held.position or (taken.position == held.position and taken.digests != held.digests)
+
+
 @dataclass(frozen=True)
 class Ready:
     """A streaming fragment's update applied ahead of `apply` (`GlobalCopy.ready`): the fragment's leaves of the

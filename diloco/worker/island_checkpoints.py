@@ -11,6 +11,7 @@ optimizer state, residual and data cursor). A kill mid-save leaves the previous 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
@@ -19,7 +20,12 @@ import jax.numpy as jnp
 
 from diloco.run.checkpoint import CheckpointStore, save_state
 from diloco.worker.island_group import LeaderIsland, restore_checkpoint
+from floor.errors import WaitedTooLong
 from islands.island import Island, IslandState
+
+SAVE_WAIT_S = 300.0
+"""The longest a leaving island waits for its last save (`close`): one that takes longer is stuck (a hung disk), and
+the island exits with one line rather than hang; the checkpoint before it is intact."""
 
 
 class IslandCheckpoints:
@@ -59,7 +65,13 @@ class IslandCheckpoints:
             self._saving = self._saves.submit(partial(save_state, self.store, round_, state, {"round": round_, **meta}))
 
     def close(self) -> None:
-        """Let the last save finish (its error, if any, is raised by `check`), then close the store."""
+        """Let the last save finish (its error, if any, is raised by `check`; at most SAVE_WAIT_S), then close the
+        store."""
+        if self._saving is not None:
+            try:
+                self._saving.exception(timeout=SAVE_WAIT_S)
+            except FutureTimeout:
+                raise WaitedTooLong(f"the island's last checkpoint was not written within {SAVE_WAIT_S:g} s") from None
         self._saves.shutdown(wait=True)
         if self.store is not None:
             self.store.close()

@@ -328,7 +328,7 @@ def exit_code(exc: BaseException | None) -> int:
     """What the leader's end means for its followers' exit codes (the supervisor's reading: 2 is not retried)."""
     if exc is None or isinstance(exc, SystemExit | KeyboardInterrupt):
         return 0
-    return USER_ERROR if isinstance(exc, UserError) else 1
+    return exc.exit_code if isinstance(exc, UserError) else 1
 
 
 # -- the followers ------------------------------------------------------------------------------------------------

@@ -27,17 +27,19 @@ import grpc
 
 from diloco.run.rundir import RunDir
 from diloco.worker.global_copy import Ready
+from floor.errors import WaitedTooLong
 from islands.island import RoundPush, TakenDelta
 from transport import diloco_pb2 as pb
 from transport.client import IslandClient
-from transport.errors import TransportError, UserError
+from transport.errors import TransportError
 from transport.handler import PullPayload
 
 T = TypeVar("T")
 
 
-class CoordinatorAway(UserError, ConnectionError):
-    """The coordinator did not answer for longer than the island is willing to wait."""
+class CoordinatorAway(WaitedTooLong, ConnectionError):
+    """The coordinator did not answer for longer than the island is willing to wait (exit 69: a supervisor starts
+    the island again, which then waits as long again)."""
 
 
 def retry_forever(fn: Callable[[], T], what: str, give_up_s: float, on_retry: Callable[[], None] | None = None) -> T:

@@ -55,7 +55,7 @@ from diloco.run.rundir import RunDir
 from diloco.run.setup import build_setup, make_island
 from diloco.run.warm_start import initial_inner_state
 from diloco.simulator.async_sim import async_order, planned_steps
-from diloco.worker.global_copy import GlobalCopy, Ready, same_leaves
+from diloco.worker.global_copy import GlobalCopy, Ready, rolled_back, same_leaves
 from diloco.worker.island_checkpoints import IslandCheckpoints
 from diloco.worker.island_formation import FormationFiles, Lead
 from diloco.worker.island_group import ONE_PROCESS, Channel, Group, LeaderIsland, exit_code, join
@@ -240,10 +240,11 @@ class IslandWorker:
         """
         have = self.restore()
         reply = self.join(have)
+        self.presence.state = reply.state  # "done": the run ended while this island was away; it takes θ and leaves
         self.presence.attend()
         if reply.needs_full_params or self.copy.params is None:
-            self.copy = replace(self.copy, position=-1)
-            self.adopt(self.sync.pull(-1, full=True))
+            held, self.copy = self.copy, replace(self.copy, position=-1)
+            self.adopt(self.sync.pull(-1, full=True), held=held)
             self._restart_from_global()
         self.presence.start_heartbeats(reply.lease_s)
         self.contributed = 0
@@ -426,11 +427,13 @@ class IslandWorker:
 
     # -- the global copy ---------------------------------------------------------------------------------------
 
-    def adopt(self, payload: PullPayload, ready: Ready | None = None) -> bool:
+    def adopt(self, payload: PullPayload, ready: Ready | None = None, held: GlobalCopy | None = None) -> bool:
         """Move the global copy to the payload's commit (`GlobalCopy.apply`; `ready`: the update already applied
         on the pull lane) and log it. True when it was an update (the caller merges that fragment into the local
         θ), False for the full θ (the caller restarts from it). An update that does not prove out is replaced by
-        the full θ; a full θ that does not is an error."""
+        the full θ; a full θ that does not is an error. A full θ that undoes commits the copy held (`held`, default
+        the copy now: `rolled_back`) is logged as `rolled_back` first."""
+        held = self.copy if held is None else held
         moved = self.copy.apply(payload, ready)
         if moved is None and payload.kind == "update":  # should never happen; recover with the full parameters
             self.rd.log(
@@ -440,6 +443,15 @@ class IslandWorker:
             moved = self.copy.apply(payload)
         if moved is None:
             raise IslandError(f"full parameters of round {payload.round} fail their digest check")
+        if rolled_back(held, moved):
+            self.rd.log(
+                "rolled_back",
+                round=moved.round,
+                island=self.name,
+                from_round=held.round,
+                from_digests=list(held.digests),
+                digest=payload.param_digest.hex(),
+            )
         self.copy = moved
         update = payload.kind == "update"
         # With streaming, a `synced` event says the fragment it moved (an update) and the copy's sync position.
