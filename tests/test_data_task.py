@@ -62,7 +62,7 @@ def test_existing_files_are_never_overwritten(tmp_path: Path, capsys: pytest.Cap
         (["--heldout", "-1"], "--heldout must be from 1 to 1048576 (got -1)"),
         (["--digits", "12"], "addition's digits must be an integer from 1 to 9 (got 12)"),
         (["--seed", "-2"], "the task's seed must be an integer >= 0 (got -2)"),
-        (["--digits", "1", "--n", "200"], "1-digit addition has 96 train problems, fewer than the 200 asked for"),
+        (["--digits", "1", "--n", "200"], "1-digit addition has 98 train problems, fewer than the 200 asked for"),
     ],
 )
 def test_a_request_the_task_cannot_meet_is_one_line_and_writes_nothing(
