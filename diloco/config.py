@@ -29,7 +29,7 @@ from floor.errors import UserError
 from floor.fields import LOCAL
 from islands.backend import BACKENDS
 from islands.config import InnerConfig
-from islands.data import DataConfig
+from islands.data import DOCUMENT_KINDS, DataConfig
 from islands.models.config import ModelConfig
 from islands.models.hf.checkpoint import is_checkpoint
 from islands.models.hf.families import merged_model
@@ -667,13 +667,22 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
 
 def with_checkpoint_model(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with its [model] section completed from init.from's config.json where init.from is a Hugging Face
-    directory (islands/models/hf/families.py: `merged_model`); as it is otherwise."""
+    directory (islands/models/hf/families.py: `merged_model`), and a JSONL or Parquet corpus given no data.tokenizer
+    tokenized by the checkpoint's tokenizer.json; as it is otherwise."""
     init, model = data.get("init"), data.get("model", {})
     source = init.get("from") if isinstance(init, dict) else None
     if not isinstance(source, str) or not source or not isinstance(model, dict):
         return data
     directory = Path(source).expanduser()
-    return {**data, "model": merged_model(model, directory)} if is_checkpoint(directory) else data
+    if not is_checkpoint(directory):
+        return data
+    completed = {**data, "model": merged_model(model, directory)}
+    corpus = data.get("data")
+    tokenizer = directory / "tokenizer.json"
+    if isinstance(corpus, dict) and corpus.get("kind") in DOCUMENT_KINDS and not corpus.get("tokenizer"):
+        if tokenizer.is_file():
+            completed["data"] = {**corpus, "tokenizer": str(tokenizer)}
+    return completed
 
 
 def _refuse_literal_secrets(data: dict[str, Any], path: Path) -> None:

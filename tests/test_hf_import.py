@@ -96,6 +96,16 @@ def test_config_json_gives_the_model_section(family: str) -> None:
     assert section["vocab_size"] == 320 and section["n_layers"] == 2
 
 
+def test_a_document_corpus_is_tokenized_by_the_checkpoints_tokenizer_unless_one_is_named(tmp_path: Path) -> None:
+    source = FIXTURES / "llama"
+    documents = ["data.kind=jsonl", f"data.path={tmp_path / 'docs.jsonl'}"]
+    cfg = load_config(run_config(tmp_path, source), documents)
+    assert cfg.data.tokenizer == str(source / "tokenizer.json")
+    own = tmp_path / "own" / "tokenizer.json"
+    assert load_config(run_config(tmp_path, source), [*documents, f"data.tokenizer={own}"]).data.tokenizer == str(own)
+    assert load_config(run_config(tmp_path, source)).data.tokenizer == ""  # a byte-level corpus takes none
+
+
 def test_the_hubs_older_config_layout_gives_the_same_model() -> None:
     """Llama 3.x and Qwen3-MoE as most Hub checkpoints write them: rope_theta and rope_scaling, num_experts."""
     config = json.loads((FIXTURES / "llama" / "config.json").read_text())
