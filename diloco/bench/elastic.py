@@ -16,7 +16,8 @@ processes (diloco/faults.py), so the scenario is the same on a fast machine and 
               islands.retire_after_s
     end       the run ends at train.rounds; it is then lengthened: coordinator, A and B start again on the same
               run directories with train.rounds + EXTRA_ROUNDS and the warmup-stable-decay decay started over the
-              extra rounds (a change README's "What a resumed run may change" permits), and run to the new end
+              extra rounds (a change README's "What a resumed run may change" permits), each holding its first push
+              until both have joined, and run to the new end
 
 What is checked, from the run's own records (the metrics.jsonl of the coordinator and of every island):
 
@@ -172,8 +173,18 @@ class Scenario:
     def lengthen(self) -> dict[str, Any]:
         """Resume the finished run with EXTRA_ROUNDS more, the decay started over them; its summary."""
         rounds = self.cfg.train.rounds + EXTRA_ROUNDS
-        with self._federation(_decay(self.cfg, rounds, EXTRA_ROUNDS)) as fed:
+        # A round does not wait for an island that has not joined: each holds its first push until both have, or
+        # the first one back could close the resumed rounds alone.
+        held = [f"{name}:before_push:{self.cfg.train.rounds}" for name in (self.a, self.b)]
+        with self._federation(_decay(self.cfg, rounds, EXTRA_ROUNDS), held) as fed:
             fed.start()
+            fed.wait_for(
+                lambda: {self.a, self.b} <= {e["island"] for e in fed.events("island_joined")},
+                WAIT_S,
+                "both islands to join the lengthened run",
+            )
+            for entry in held:
+                fed.release(entry)
             summary = fed.wait_done(WAIT_S * 2)
             fed.wait_exit(WAIT_S)
         return summary
