@@ -111,8 +111,8 @@ def read_tokenizer_config(path: Path) -> dict[str, object]:
 
 
 class TokenizerText:
-    """A run's Hugging Face tokenizer (data.kind = "tokens": the one its corpus was prepared with; "jsonl" /
-    "parquet": data.tokenizer), with its special tokens and chat template from tokenizer_config.json. Text is encoded
+    """A run's Hugging Face tokenizer (`tokenizer_file`: data.tokenizer, else the one a data.kind = "tokens" corpus was
+    prepared with), with its special tokens and chat template from tokenizer_config.json. Text is encoded
     with no special tokens added, as `diloco data prepare` encodes: a chat template writes its own."""
 
     kind = "tokenizer"
