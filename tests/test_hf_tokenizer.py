@@ -17,6 +17,7 @@ from diloco.run.posttrain import PostTraining
 from islands.text import TokenizerText
 from islands.workloads.batches import chat_row
 from islands.workloads.config import IslandWorkload
+from tests.conftest import run_cli
 from tests.test_hf_import import FIXTURES, run_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -76,3 +77,22 @@ def test_an_sft_run_from_a_checkpoint_samples_through_its_tokenizer_once_the_che
     assert eos not in tokens[:-1] and (tokens[-1] == eos or len(tokens) == 6)  # it stops at the checkpoint's EOS
     shown = tokens[:-1] if tokens[-1] == eos else tokens
     assert sample["continuation"] == theirs.decode(shown, skip_special_tokens=False)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_launch_from_a_checkpoint_ends_with_simulates_parameters(tmp_path: Path) -> None:
+    """Two island processes and a coordinator, each reading the conversations through the checkpoint's tokenizer,
+    end where one `diloco simulate` process ends."""
+    config, overrides = sft_config(tmp_path, LLAMA)
+    overrides += ["islands.count=2", "train.rounds=2"]
+    digests = []
+    for command in ("launch", "simulate"):
+        run_dir = tmp_path / command
+        out = run_cli(command, str(config), *overrides, "--run-dir", str(run_dir), "--no-progress", timeout=180)
+        assert out.returncode == 0, out.stderr
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["rounds"] == 2
+        digests.append(summary["params_digest"])
+    assert digests[0] == digests[1]
