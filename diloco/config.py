@@ -29,7 +29,7 @@ from floor.errors import UserError
 from floor.fields import LOCAL
 from islands.backend import BACKENDS
 from islands.config import InnerConfig
-from islands.data import DOCUMENT_KINDS, DataConfig
+from islands.data import DataConfig
 from islands.models.config import ModelConfig
 from islands.models.hf.checkpoint import is_checkpoint
 from islands.models.hf.families import merged_model
@@ -455,6 +455,12 @@ class RunConfig:
                 f"rounds or asynchronous updates (train.mode = 'diloco' or 'async', no streaming); {key} cannot be "
                 "set with it"
             )
+        if self.data.kind == "text" and self.data.tokenizer and "lm" in self.workload.kinds(self.islands.island_names):
+            raise ValueError(
+                f"data.kind = 'text' feeds the corpus to the model as byte ids, and this run's model reads the ids of "
+                f"its tokenizer {self.data.tokenizer!r}: give the corpus as data.kind = 'jsonl' or 'parquet' "
+                "(tokenized by it) or prepare it with `diloco data prepare --tokenizer`"
+            )
         if self.train.vectorize:
             why = cannot_vectorize(self)
             if why is not None:
@@ -667,8 +673,9 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
 
 def with_checkpoint_model(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with its [model] section completed from init.from's config.json where init.from is a Hugging Face
-    directory (islands/models/hf/families.py: `merged_model`), and a JSONL or Parquet corpus given no data.tokenizer
-    tokenized by the checkpoint's tokenizer.json; as it is otherwise."""
+    directory (islands/models/hf/families.py: `merged_model`), and the checkpoint's tokenizer.json the run's tokenizer
+    (data.tokenizer, islands/text.py `tokenizer_file`) unless the run names one or its data.kind = "tokens" carries
+    its own; as it is otherwise."""
     init, model = data.get("init"), data.get("model", {})
     source = init.get("from") if isinstance(init, dict) else None
     if not isinstance(source, str) or not source or not isinstance(model, dict):
@@ -679,7 +686,7 @@ def with_checkpoint_model(data: dict[str, Any]) -> dict[str, Any]:
     completed = {**data, "model": merged_model(model, directory)}
     corpus = data.get("data")
     tokenizer = directory / "tokenizer.json"
-    if isinstance(corpus, dict) and corpus.get("kind") in DOCUMENT_KINDS and not corpus.get("tokenizer"):
+    if isinstance(corpus, dict) and corpus.get("kind") != "tokens" and not corpus.get("tokenizer"):
         if tokenizer.is_file():
             completed["data"] = {**corpus, "tokenizer": str(tokenizer)}
     return completed

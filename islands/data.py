@@ -138,9 +138,12 @@ class DataConfig:
     """data.kind = "jsonl" or "parquet" only: the field (JSONL) or column (Parquet) that holds a document's text."""
 
     tokenizer: str = ""
-    """data.kind = "jsonl" or "parquet" only: the Hugging Face tokenizer.json that tokenizes the documents (its
-    tokenizer_config.json beside it, when there is one, gives the end-of-sequence token that ends each document). A run
-    that brings its tokenizer otherwise passes it to `load_sources` and leaves this empty."""
+    """The run's Hugging Face tokenizer.json (islands/text.py `tokenizer_file`): it tokenizes the documents of
+    data.kind = "jsonl" or "parquet" (its tokenizer_config.json beside it, when there is one, gives the end-of-sequence
+    token that ends each document), post-training data and `diloco sample`'s prompts. A run from a Hugging Face
+    checkpoint (init.from) that names none takes the checkpoint's. Not with data.kind = "tokens", whose prepared
+    directory carries its own; with data.kind = "text" only for a run that trains on no corpus (a byte corpus is not
+    text for a tokenizer's model: diloco/config.py refuses it)."""
 
     cache_dir: str = field(default="", metadata=LOCAL)
     """data.kind = "jsonl" or "parquet" only: where the tokenized documents are kept, one token file per (shards,
@@ -191,10 +194,10 @@ class DataConfig:
                 raise DataError(f"data.{key} must be a string (got {getattr(self, key)!r})")
         if not self.text_field:
             raise DataError("data.text_field must name the field that holds a document's text (e.g. 'text')")
-        if self.tokenizer and self.kind not in DOCUMENT_KINDS:
+        if self.tokenizer and self.kind == "tokens":
             raise DataError(
-                f"data.tokenizer tokenizes documents of data.kind = 'jsonl' or 'parquet'; data.kind = {self.kind!r} "
-                "reads its tokens otherwise (a prepared directory carries its own tokenizer.json)"
+                "data.tokenizer is the run's tokenizer; data.kind = 'tokens' has it already: the tokenizer.json that "
+                "`diloco data prepare` writes beside the tokens"
             )
         if self.kind in ("tokens", *DOCUMENT_KINDS):
             specs = [("data.path", self.path), *((f"data.paths[{i}]", p) for i, p in enumerate(self.paths))]

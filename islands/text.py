@@ -1,6 +1,8 @@
-"""A run's text as token ids and back: UTF-8 bytes for a byte-level run, the run's Hugging Face tokenizer for
-data.kind = "tokens" (the tokenizer.json that `diloco data prepare` wrote beside the run's tokens, islands/prepared.py)
-and for data.kind = "jsonl" or "parquet" (data.tokenizer, islands/documents.py).
+"""A run's text as token ids and back: the run's Hugging Face tokenizer where it has one (`tokenizer_file`:
+data.tokenizer, which a run from a Hugging Face checkpoint fills with the checkpoint's; else, for data.kind = "tokens",
+the tokenizer.json that `diloco data prepare` wrote beside the run's tokens, islands/prepared.py), UTF-8 bytes for a
+byte-level run. Pre-training documents (data.kind = "jsonl" / "parquet", islands/documents.py), post-training data
+(islands/workloads/text.py) and `diloco sample` all read text through it.
 
 A tokenizer.json may have a tokenizer_config.json beside it, as a Hugging Face checkpoint directory has: its special
 tokens (bos_token, eos_token, pad_token: a string or an AddedToken object {"content": ...}) name ids of the tokenizer,
@@ -109,8 +111,8 @@ def read_tokenizer_config(path: Path) -> dict[str, object]:
 
 
 class TokenizerText:
-    """A run's Hugging Face tokenizer (data.kind = "tokens": the one its corpus was prepared with; "jsonl" /
-    "parquet": data.tokenizer), with its special tokens and chat template from tokenizer_config.json. Text is encoded
+    """A run's Hugging Face tokenizer (`tokenizer_file`: data.tokenizer, else the one a data.kind = "tokens" corpus was
+    prepared with), with its special tokens and chat template from tokenizer_config.json. Text is encoded
     with no special tokens added, as `diloco data prepare` encodes: a chat template writes its own."""
 
     kind = "tokenizer"
@@ -171,11 +173,12 @@ class TokenizerText:
 
 
 def tokenizer_file(data: DataConfig) -> Path | None:
-    """The tokenizer.json beside a data.kind = "tokens" run's prepared corpus (data.path, else the first of data.paths
-    that has one), data.tokenizer for "jsonl" and "parquet"; None for another kind, or a corpus that `diloco data
-    prepare` did not write."""
-    if data.kind in DOCUMENT_KINDS:
-        return Path(data.tokenizer).expanduser() if data.tokenizer else None
+    """The run's tokenizer, the one place it is decided: data.tokenizer when set (a user's, or the checkpoint's that
+    diloco/config.py `with_checkpoint_model` fills in for a run from a Hugging Face checkpoint), else the tokenizer.json
+    beside a data.kind = "tokens" run's prepared corpus (data.path, else the first of data.paths that has one); None
+    for a byte-level run, or a corpus that `diloco data prepare` did not write."""
+    if data.tokenizer:
+        return Path(data.tokenizer).expanduser()
     if data.kind != "tokens":
         return None
     for spec in (data.path, *data.paths):
@@ -186,23 +189,24 @@ def tokenizer_file(data: DataConfig) -> Path | None:
 
 
 def text_codec(data: DataConfig, vocab_size: int, purpose: str) -> TextCodec:
-    """How the run whose [data] this is reads text: bytes, or its tokenizer (a DataError naming data.path when a
-    data.kind = "tokens" run has none, and the extra when `tokenizers` is not installed)."""
-    if data.kind not in ("tokens", *DOCUMENT_KINDS):
-        return ByteText(vocab_size)
+    """How the run whose [data] this is reads text: its tokenizer (`tokenizer_file`), else bytes (a DataError naming
+    the missing tokenizer when a data.kind = "tokens", "jsonl" or "parquet" run has none, and the extra when
+    `tokenizers` is not installed)."""
     path = tokenizer_file(data)
-    if path is None and data.kind in DOCUMENT_KINDS:
+    if path is not None:
+        return TokenizerText(path, vocab_size, purpose)
+    if data.kind in DOCUMENT_KINDS:
         raise DataError(
             f"data.kind = {data.kind!r} tokenizes with the run's tokenizer and the run has none: set "
             f"data.tokenizer=PATH/tokenizer.json ({purpose} needs it)"
         )
-    if path is None:
+    if data.kind == "tokens":
         where = f"data.path {data.path!r}" if data.path else f"data.paths {list(data.paths)}"
         raise DataError(
             f"data.kind = 'tokens' and {where} holds no {prepared.TOKENIZER_FILE} (a directory written by "
             f"`diloco data prepare` has one): {purpose} cannot turn text into this run's tokens"
         )
-    return TokenizerText(path, vocab_size, purpose)
+    return ByteText(vocab_size)
 
 
 def corpus_tokenizer(data: DataConfig, vocab_size: int) -> TokenizerText | None:

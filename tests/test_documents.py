@@ -144,8 +144,8 @@ def test_without_a_tokenizer_or_with_a_small_vocabulary_is_one_line(tmp_path: Pa
         open_source(cfg, cfg.path, "data.path", 300, 0)
     with pytest.raises(DataError, match=r"has a vocabulary of 300 but model.vocab_size is 256 \(set model.vocab_size"):
         open_source(cfg, cfg.path, "data.path", 256, 0, tokenizer=tokenizer)
-    with pytest.raises(DataError, match="data.tokenizer tokenizes documents"):
-        DataConfig(kind="text", path="x", tokenizer="t.json")
+    with pytest.raises(DataError, match="data.kind = 'tokens' has it already"):
+        DataConfig(kind="tokens", path="x", tokenizer="t.json")
 
 
 def test_without_pyarrow_the_extra_is_named(

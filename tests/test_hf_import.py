@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco.config import load_config
+from diloco.config import ConfigError, load_config
 from diloco.ops.export import write_hf
 from diloco.run.warm_start import checkpoint_dir, checkpoint_params
 from floor.safetensors import SafetensorsFile
@@ -39,8 +39,9 @@ seed = 0
 seq_len = 32
 
 [data]
-kind = "text"
+kind = "jsonl"
 path = "{corpus}"
+cache_dir = "{cache}"
 val_fraction = 0.1
 
 [train]
@@ -58,9 +59,18 @@ from = "{source}"
 """
 
 
+def write_documents(path: Path) -> Path:
+    """The `write_corpus` words as JSONL documents of a text field, for a checkpoint's tokenizer to tokenize."""
+    words = write_corpus(path.with_suffix(".txt")).read_text().split()
+    lines = (json.dumps({"text": " ".join(words[i : i + 40])}) for i in range(0, len(words), 40))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def run_config(tmp: Path, source: Path, extra: str = "") -> Path:
     path = tmp / "run.toml"
-    path.write_text(RUN_TOML.format(corpus=write_corpus(tmp / "corpus.txt"), source=source) + extra)
+    corpus = write_documents(tmp / "corpus.jsonl")
+    path.write_text(RUN_TOML.format(corpus=corpus, cache=tmp / "token-cache", source=source) + extra)
     return path
 
 
@@ -96,14 +106,21 @@ def test_config_json_gives_the_model_section(family: str) -> None:
     assert section["vocab_size"] == 320 and section["n_layers"] == 2
 
 
-def test_a_document_corpus_is_tokenized_by_the_checkpoints_tokenizer_unless_one_is_named(tmp_path: Path) -> None:
+def test_the_checkpoints_tokenizer_is_the_runs_unless_one_is_named(tmp_path: Path) -> None:
     source = FIXTURES / "llama"
-    documents = ["data.kind=jsonl", f"data.path={tmp_path / 'docs.jsonl'}"]
-    cfg = load_config(run_config(tmp_path, source), documents)
+    cfg = load_config(run_config(tmp_path, source))
     assert cfg.data.tokenizer == str(source / "tokenizer.json")
     own = tmp_path / "own" / "tokenizer.json"
-    assert load_config(run_config(tmp_path, source), [*documents, f"data.tokenizer={own}"]).data.tokenizer == str(own)
-    assert load_config(run_config(tmp_path, source)).data.tokenizer == ""  # a byte-level corpus takes none
+    assert load_config(run_config(tmp_path, source), [f"data.tokenizer={own}"]).data.tokenizer == str(own)
+    sft = ["data.kind=text", f"data.path={tmp_path / 'corpus.txt'}", "workload.kind=sft", "workload.task=addition"]
+    assert load_config(run_config(tmp_path, source), sft).data.tokenizer == str(source / "tokenizer.json")
+
+
+def test_a_byte_corpus_for_a_checkpoint_with_a_tokenizer_is_one_line(tmp_path: Path) -> None:
+    """Bytes as ids to a model that reads its tokenizer's ids would train silently wrong: refused."""
+    text = ["data.kind=text", f"data.path={tmp_path / 'corpus.txt'}"]
+    with pytest.raises(ConfigError, match="data.kind = 'text' feeds the corpus to the model as byte ids"):
+        load_config(run_config(tmp_path, FIXTURES / "llama"), text)
 
 
 def test_the_hubs_older_config_layout_gives_the_same_model() -> None:
@@ -356,8 +373,9 @@ def test_a_corpus_whose_ids_pass_the_checkpoints_vocabulary_is_one_line(
     config = run_config(tmp_path, FIXTURES / "llama")
     text = (
         config.read_text()
-        .replace('kind = "text"', 'kind = "tokens"')
-        .replace(str(tmp_path / "corpus.txt"), str(tmp_path / "tokens"))
+        .replace('kind = "jsonl"', 'kind = "tokens"')
+        .replace(str(tmp_path / "corpus.jsonl"), str(tmp_path / "tokens"))
+        .replace(f'cache_dir = "{tmp_path / "token-cache"}"', "")
     )
     config.write_text(text)
     run_dir = tmp_path / "run"

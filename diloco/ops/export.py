@@ -65,11 +65,12 @@ def check_out(out: Path, force: bool) -> None:
 
 
 def text_kind(data_kind: str, tokenizer: Path | None) -> str:
-    """config.json's `text`: "bytes" (a token is a UTF-8 byte), "tokenizer" (tokenizer.json beside it) or "ids" (a
-    data.kind = "tokens" run whose corpus has no tokenizer.json: the ids mean what its preparer made them mean)."""
-    if data_kind != "tokens":
-        return "bytes"
-    return "tokenizer" if tokenizer is not None else "ids"
+    """config.json's `text`: "tokenizer" (the run's tokenizer.json, beside it), "bytes" (a token is a UTF-8 byte) or
+    "ids" (a data.kind = "tokens" run whose corpus has no tokenizer.json: the ids mean what its preparer made them
+    mean)."""
+    if tokenizer is not None:
+        return "tokenizer"
+    return "ids" if data_kind == "tokens" else "bytes"
 
 
 def export(run_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:

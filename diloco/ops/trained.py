@@ -4,20 +4,23 @@ Its newest committed global θ is the one `init.from` would start another run fr
 `find_source`, `read_item`): the newest complete step of checkpoints/coordinator (simulate, launch, a coordinator) or
 checkpoints/sync (the data-parallel baseline), or the checkpoint directory or step given instead. Its model, data and
 islands sections come from the run's config.toml (`stored_section`), and its text codec from the data section
-(islands/text.py).
+(islands/text.py). A run from a Hugging Face checkpoint reads the checkpoint's tokenizer from RUN/hf/, where the run
+copied it when it started (`kept_tokenizer`), so a finished run decodes wherever the checkpoint has gone since.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 
-from diloco.config import IslandsConfig
+from diloco.config import InitConfig, IslandsConfig
 from diloco.run.warm_start import WarmStartError, find_source, read_item, stored_section
 from islands.data import DataConfig
 from islands.models.config import ModelConfig
+from islands.models.hf.checkpoint import RUN_FILES
 from islands.models.registry import build_model
 from islands.workloads.config import WorkloadConfig
 from pytrees.digest import tree_digest
@@ -58,9 +61,21 @@ def load_trained(path: Path, where: str = "RUN_DIR") -> Trained:
             "unknown: give the run directory"
         )
     model = stored_section(source.run_dir, ModelConfig, "model", where)
-    data = stored_section(source.run_dir, DataConfig, "data", where)
+    init = stored_section(source.run_dir, InitConfig, "init", where)
+    data = kept_tokenizer(stored_section(source.run_dir, DataConfig, "data", where), init, source.run_dir)
     islands = stored_section(source.run_dir, IslandsConfig, "islands", where)
     workload = stored_section(source.run_dir, WorkloadConfig, "workload", where)
     like = jax.eval_shape(build_model(model).init, jax.random.key(0))
     params = read_item(source.step_dir, "params", like, "parameters", where)
     return Trained(source.run_dir, source.step_dir, source.round, model, data, islands, workload, params)
+
+
+def kept_tokenizer(data: DataConfig, init: InitConfig, run_dir: Path) -> DataConfig:
+    """The run's [data] with its tokenizer read from RUN/hf/ where it is the one of the init.from checkpoint that the
+    run copied there (diloco/config.py `with_checkpoint_model` names the checkpoint's own); as stored otherwise."""
+    kept = run_dir / RUN_FILES / "tokenizer.json"
+    if not (data.tokenizer and init.from_ and kept.is_file()):
+        return data
+    if Path(data.tokenizer).expanduser() != Path(init.from_).expanduser() / "tokenizer.json":
+        return data
+    return dataclasses.replace(data, tokenizer=str(kept))
