@@ -86,7 +86,7 @@ def test_launch_from_a_checkpoint_ends_with_simulates_parameters(tmp_path: Path)
     """Two island processes and a coordinator, each reading the conversations through the checkpoint's tokenizer,
     end where one `diloco simulate` process ends."""
     config, overrides = sft_config(tmp_path, LLAMA)
-    overrides += ["islands.count=2", "train.rounds=2"]
+    overrides += ["islands.count=2", "train.rounds=2", "quorum.min_islands=2"]  # each round holds both islands
     digests = []
     for command in ("launch", "simulate"):
         run_dir = tmp_path / command
