@@ -286,6 +286,7 @@ def test_an_async_setting_that_cannot_work_is_one_line(tiny_config: Path, overri
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_simulate_refuses_a_slowdown_whose_pushes_the_coordinator_would_refuse(
     tiny_config: Path, tmp_path: Path
 ) -> None:

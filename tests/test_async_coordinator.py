@@ -76,6 +76,7 @@ def refused(call, code: grpc.StatusCode, words: str) -> None:
     assert info.value.code == code and words in info.value.reason, info.value
 
 
+@pytest.mark.slow
 def test_each_push_is_one_update_weighted_by_its_staleness(coordinator: Coordinator) -> None:
     theta0, digest0 = _theta(coordinator), coordinator.world.params_digest
     for name in ("island-0", "island-1", "island-2"):

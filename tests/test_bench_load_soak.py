@@ -37,6 +37,7 @@ def test_load_smoke(tmp_path: Path, shared_jax_cache: Path) -> None:
     assert moved["down_clients"] == moved["down_coordinator"] == islands * (rounds + 1) * out["push_bytes"]
 
 
+@pytest.mark.slow
 def test_load_grows_the_roster_while_rounds_go_on(tmp_path: Path, shared_jax_cache: Path) -> None:
     out = run_load_bench(2, 6, tmp_path / "load", admit=4)
     assert out["rounds_committed"] == 6 and out["islands_admitted"] == 4 and out["digest_mismatched_rounds"] == []

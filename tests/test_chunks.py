@@ -497,6 +497,7 @@ def roster_changed_in_an_open_round(tiny_config: Path, run: Path) -> list[Span]:
         stopped(coord)
 
 
+@pytest.mark.slow
 def test_a_restarted_coordinator_returns_the_chunks_of_an_island_retired_since_its_checkpoint(
     tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -512,6 +513,7 @@ def test_a_restarted_coordinator_returns_the_chunks_of_an_island_retired_since_i
         stopped(coord)
 
 
+@pytest.mark.slow
 def test_a_restarted_coordinator_returns_the_chunks_of_an_island_that_does_not_come_back(
     tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -563,6 +565,7 @@ def test_a_restarted_coordinator_keeps_the_open_round_s_roster_events_and_counts
         stopped(coord)
 
 
+@pytest.mark.slow
 def test_asynchronous_updates_consume_what_their_island_read(
     tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -590,6 +593,7 @@ def test_asynchronous_updates_consume_what_their_island_read(
 # -- whole runs ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: Path, tmp_path: Path) -> None:
     cfg = load_config(tiny_config, [*CHUNKS, "train.rounds=4"])
     whole = run_simulation(cfg, tmp_path / "whole", show_progress=False)
@@ -636,6 +640,7 @@ def test_simulate_asynchronous_updates_consume_every_sequence_once_and_resume_ex
     assert (resumed["sequences_consumed"], resumed["sequences_repeated"]) == (4 * 32, 0)
 
 
+@pytest.mark.slow
 def test_windows_stay_the_default_and_their_digest(tiny_config: Path, tmp_path: Path) -> None:
     cfg = load_config(tiny_config, ["train.rounds=1", "train.checkpoint_every=0"])
     assert cfg.data.sampling == "windows"

@@ -113,6 +113,7 @@ def test_spec_defaults_and_frozen():
         spec.kind = "int4"  # type: ignore[misc]
 
 
+@pytest.mark.slow
 def test_ratio_targets_before_zstd():
     x = np.random.default_rng(0).standard_normal((256, 1024)).astype(np.float32)
     ratios = {k: x.nbytes / encode("w", x, CodecSpec(kind=k)).nbytes for k in KINDS}
@@ -139,6 +140,7 @@ def test_round_trip_within_documented_bound(x, spec):
 
 @PROP
 @given(x=tensors(), spec=specs)
+@pytest.mark.slow
 def test_deterministic_bytes_and_arrays(x, spec):
     a, b = encode("t", x, spec), encode("t", x.copy(), spec)
     assert a == b
@@ -189,6 +191,7 @@ def test_unaligned_and_strided_numpy_input():
     bad=st.sampled_from([np.nan, np.inf, -np.inf]),
     where=st.integers(0, 10_000),
 )
+@pytest.mark.slow
 def test_non_finite_refused_naming_the_tensor(x, spec, bad, where):
     x = x.copy()
     x.reshape(-1)[where % x.size] = bad
@@ -341,6 +344,7 @@ def test_named_tree_mismatches_refused():
         flatten_named({"a/b": np.ones(1), "a": {"b": np.ones(1)}})
 
 
+@pytest.mark.slow
 def test_encode_named_decode_named():
     named = flatten_named(_tree())
     spec = CodecSpec(kind="int4", block_size=4, zstd_level=1)

@@ -125,6 +125,7 @@ def test_a_round_left_empty_stays_open_and_a_dropped_contribution_may_not_come_b
 @pytest.mark.parametrize(
     "config_json", ["0", "null", "[[1]]", "[" * 100_000 + "]" * 100_000, "{not json", '{"a": [1, {"b": {}}]}', ""]
 )
+@pytest.mark.slow
 def test_a_join_with_any_config_json_is_refused_with_a_reason(coordinator: Coordinator, config_json: str) -> None:
     req = pb.JoinRequest(
         run_id=coordinator.run_id, island="island-0", config_digest=b"x" * 16, config_json=config_json, release=RELEASE
@@ -140,6 +141,7 @@ def test_a_join_with_any_config_json_is_refused_with_a_reason(coordinator: Coord
         ("9" * 200, "island island-0 runs diloco 99999"),  # clipped: the reason stays one bounded line
     ],
 )
+@pytest.mark.slow
 def test_a_join_from_another_release_is_refused_naming_both(coordinator: Coordinator, release: str, named: str) -> None:
     req = pb.JoinRequest(
         run_id=coordinator.run_id, island="island-0", config_digest=coordinator.digest, release=release
@@ -149,6 +151,7 @@ def test_a_join_from_another_release_is_refused_naming_both(coordinator: Coordin
     assert "island-0" not in coordinator.roster  # not a member
 
 
+@pytest.mark.slow
 def test_a_flood_of_refusals_writes_a_bounded_log(coordinator: Coordinator) -> None:
     size_before = coordinator.rd.metrics_path.stat().st_size
     for i in range(20_000):
@@ -233,6 +236,7 @@ def test_an_insiders_join_leave_loop_is_counted_not_logged_line_by_line(coordina
     assert len(read_events(path, "island_joined")) == MEMBERSHIP_BURST + 1
 
 
+@pytest.mark.slow
 def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
     coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -63,6 +63,7 @@ def test_divergence_rule() -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_an_island_names_its_first_non_finite_step(tiny: tuple[RunConfig, Setup]) -> None:
     cfg, setup = tiny
     island = make_island(cfg, "island-0", setup.model, setup.streams["island-0"])

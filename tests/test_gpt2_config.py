@@ -118,6 +118,7 @@ def test_remat_keeps_only_block_inputs_for_the_backward_pass() -> None:
 # -- bfloat16 compute -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bf16_matmuls_over_float32_master_weights() -> None:
     cfg = replace(SMALL, compute_dtype="bfloat16", remat=True)
     params = jax.eval_shape(build_model(cfg).init, jax.random.key(0))

@@ -336,6 +336,7 @@ BREAKS = {
 
 
 @pytest.mark.parametrize("case", sorted(BREAKS))
+@pytest.mark.slow
 def test_a_bad_checkpoint_is_one_line_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
 ) -> None:
@@ -350,6 +351,7 @@ def test_a_bad_checkpoint_is_one_line_and_writes_nothing(
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_the_shape_check_reports_what_the_model_needs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source = broken_copy(tmp_path, "llama")
     break_wrong_shape(source)

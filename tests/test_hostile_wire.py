@@ -172,6 +172,7 @@ def _expired(s: Server, call: grpc.Future, words: str, lane: str = "stream") -> 
 
 
 @pytest.mark.parametrize("method, lane", [(PUSH, "stream"), ("/diloco.v1.Diloco/Join", "unary")])
+@pytest.mark.slow
 def test_first_message_timeout_cancels_a_silent_call(method, lane):
     with serving(TransportConfig(first_message_timeout_s=0.3)) as s:
         call = s.raw(method).future(s.stalled(), metadata=call_metadata("i0", "s0"), timeout=DEADLINE_S)
@@ -203,6 +204,7 @@ def test_a_trickling_stream_is_cut_by_the_progress_deadline():
         _expired(s, call, "fell below")
 
 
+@pytest.mark.slow
 def test_a_pull_the_client_does_not_read_is_cancelled():
     big = {"w": np.ones(4 << 20, np.float32)}  # 16 MiB: far more than the flow-control windows hold
     config = TransportConfig(idle_timeout_s=0.5)
@@ -433,6 +435,7 @@ def test_bad_push_metadata_is_refused(fields, words):
         (CodecSpec(kind="int4"), CodecSpec(kind="int4", block_size=128), "blocks of 128"),
     ],
 )
+@pytest.mark.slow
 def test_a_push_encoded_otherwise_than_the_run_says_is_refused(run, sent, words):
     """Kind, block size and zstd level are the run's (codec.*): a push that decodes but was encoded otherwise is not a
     push of this run, and is refused with a reason naming both encodings."""

@@ -80,6 +80,7 @@ def test_island_asks_for_devices_it_does_not_have(tiny_config) -> None:
         Island("x", setup.model, tx, setup.streams["island-0"], n_devices=64)
 
 
+@pytest.mark.slow
 def test_train_advances_step_cursor_and_never_frees_the_callers_params(tiny_config) -> None:
     cfg = load_config(tiny_config)
     setup = build_setup(cfg)

@@ -186,6 +186,7 @@ def test_a_pull_names_the_position_it_wants(have: int, full: bool, after_push: b
         ([grpc.StatusCode.INVALID_ARGUMENT], 60.0, TransportError, 0),  # refused: never retried
     ],
 )
+@pytest.mark.slow
 def test_retry_forever(outcomes: list, give_up_s: float, result: Any, retries: int) -> None:
     script = deque(outcomes)
     counted: list[None] = []

@@ -141,12 +141,14 @@ def cached_schemas() -> Iterator[None]:
         yield
 
 
+@pytest.mark.slow
 def test_the_variants_render_every_kind(documents: list[tuple[str, Obj]]) -> None:
     """Every kind deploy k8s makes is among the documents checked: a kind no variant renders goes unchecked."""
     assert {doc["kind"] for _, doc in documents} == RENDERED_KINDS
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.slow
 def test_manifests_match_the_api_schemas(documents: list[tuple[str, Obj]], cached_schemas: None, version: str) -> None:
     errors = []
     for where, doc in documents:

@@ -120,6 +120,7 @@ def _circle(graph: dict[str, set[str]], component: list[str]) -> str:
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
+@pytest.mark.slow
 def test_packages_import_only_downwards(package: str) -> None:
     wrong = []
     for path in sorted((REPO / package).rglob("*.py")):
@@ -134,6 +135,7 @@ def test_packages_import_only_downwards(package: str) -> None:
     assert sorted(set(wrong)) == []
 
 
+@pytest.mark.slow
 def test_no_import_circles() -> None:
     """No product module imports itself through others, counting every import (in functions and under
     TYPE_CHECKING too): a circle means a shared thing lives above one of the modules that need it."""
@@ -180,12 +182,14 @@ def test_the_wire_imports_no_jax() -> None:
     assert _loaded_by(wire, NO_JAX) == {}
 
 
+@pytest.mark.slow
 def test_loading_a_config_imports_no_jax() -> None:
     """The CLI's loader reads and validates every section without JAX (each section's dataclass is JAX-free)."""
     setup = "from diloco.config import load_config\nload_config('configs/local.toml', ['outer.lr=0.5'])"
     assert _loaded_by(["diloco.config"], NO_JAX, setup) == {}
 
 
+@pytest.mark.slow
 def test_help_and_status_start_without_jax() -> None:
     code = (
         "import sys\n"

@@ -101,6 +101,7 @@ def test_settings_come_from_the_command_line_then_the_environment(
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
+@pytest.mark.slow
 def test_a_user_error_is_one_line_in_either_format(tmp_path: Path, fmt: str) -> None:
     missing = tmp_path / "nope.toml"
     result = run_cli("simulate", str(missing), "--log-format", fmt)

@@ -189,6 +189,7 @@ def test_an_evaluation_too_big_is_one_error(tiny_config: Path) -> None:
         evaluate(model.init(jax.random.key(0)))
 
 
+@pytest.mark.slow
 def test_the_evaluator_compiles_once(tiny_config: Path) -> None:
     """Its memory check compiles the evaluation ahead of time; the calls after it must reuse that executable, not
     compile again (one compile per commit would cost the coordinator seconds a round on a large model)."""

@@ -131,6 +131,7 @@ def test_metrics_ports_follow_one_rule(tiny_config: Path) -> None:
     assert metrics_port(load_config(tiny_config, []), "island-0") == 0  # off by default
 
 
+@pytest.mark.slow
 def test_island_metrics_from_runs_and_events(tiny_config: Path, tmp_path: Path) -> None:
     class Run:
         def __init__(self, losses: list[float], tokens: int, seconds: float) -> None:
@@ -351,6 +352,7 @@ def test_status_watch_redraws_until_ctrl_c(monkeypatch: pytest.MonkeyPatch, caps
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_status_watch_ends_on_sigint_with_exit_code_0() -> None:
     statuses = threading.Semaphore(0)
     with reference_server(lambda method, *_: statuses.release() if method == "Status" else None) as (server, service):

@@ -88,6 +88,7 @@ def test_moe_shapes():
 
 
 @pytest.mark.parametrize("kind", ["transformer", "moe"])
+@pytest.mark.slow
 def test_loss_at_init_is_about_log_vocab(kind):
     cfg, model, params = tiny(kind)
     loss, metrics = jax.jit(model.loss)(params, random_batch(cfg))
@@ -101,6 +102,7 @@ def test_loss_at_init_is_about_log_vocab(kind):
 
 
 @pytest.mark.parametrize("kind", ["transformer", "moe"])
+@pytest.mark.slow
 def test_causal_future_tokens_do_not_change_the_past(kind):
     cfg, _, params = tiny(kind)
     tokens = random_batch(cfg)[:, :-1]
@@ -133,6 +135,7 @@ def test_adamw_steps_reduce_the_loss(kind):
     assert after < before - 1.0
 
 
+@pytest.mark.slow
 def test_uniform_router_has_aux_one_and_collapse_has_aux_n_experts():
     combine, aux = moe.route(jnp.zeros((50, 4)), top_k=2, normalize=True)
     assert float(aux) == pytest.approx(1.0, abs=1e-6)
@@ -144,6 +147,7 @@ def test_uniform_router_has_aux_one_and_collapse_has_aux_n_experts():
     assert float(aux) == pytest.approx(4.0, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_top1_gate_is_the_router_probability():
     logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     combine, _ = moe.route(logits, top_k=1, normalize=False)
@@ -152,6 +156,7 @@ def test_top1_gate_is_the_router_probability():
     assert (np.count_nonzero(np.asarray(combine), axis=-1) == 1).all()
 
 
+@pytest.mark.slow
 def test_moe_aux_at_init_is_near_balanced():
     cfg, model, params = tiny("moe")
     _, metrics = jax.jit(model.loss)(params, random_batch(cfg))
@@ -168,6 +173,7 @@ def test_custom_model_builds_and_trains():
     assert after < before - 1.0
 
 
+@pytest.mark.slow
 def test_custom_entry_found_in_working_directory(tmp_path, monkeypatch):
     (tmp_path / "cwd_model_for_test.py").write_text(
         "from tests.custom_model import build as make\n\ndef build(cfg):\n    return make(cfg)\n"
@@ -178,6 +184,7 @@ def test_custom_entry_found_in_working_directory(tmp_path, monkeypatch):
     assert "table" in model.init(jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_input_longer_than_seq_len_is_an_error():
     _, _, params = tiny("transformer")
     with pytest.raises(ModelError, match=r"model.seq_len \(16\)"):

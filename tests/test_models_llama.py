@@ -136,6 +136,7 @@ def test_grouped_query_attention_is_multi_head_attention_with_repeated_key_value
     np.testing.assert_allclose(logits_of(DENSE, params, tokens), logits_of(mha_cfg, mha, tokens), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_rotary_embedding_against_the_pairwise_rotation():
     """Dimension i and i + Dh/2 of a head rotate together by position * θ^(-2i/Dh) (the rotate_half convention)."""
     cfg = replace(DENSE, rope_scaling="none", rope_theta=10000.0, head_dim=8)
@@ -221,6 +222,7 @@ def test_bfloat16_compute_keeps_the_loss_and_float32_master_weights():
     assert all(g.dtype == jnp.float32 and bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_routed_swiglu_experts_against_a_per_token_loop():
     """Each token: softmax over the router's logits, its top_k experts' SwiGLU outputs weighted by their (with
     norm_topk_prob renormalised) probabilities, plus the shared expert times sigmoid(x @ gate) (Qwen2-MoE)."""

@@ -57,6 +57,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest() -> None:
     }
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_gives_muon_its_router_and_each_experts_matrices() -> None:
     taken = split(params_of("moe"))
     assert taken["blocks/0/ff/router"] == (0, 1)
@@ -74,6 +75,7 @@ def test_a_model_with_nothing_for_muon_is_refused_in_one_line() -> None:
 # -- one update ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_update_orthogonalizes_the_matrices_and_steps_the_rest_with_adamw() -> None:
     """Past its warmup, Muon's update of a matrix is lr · sqrt(max(1, fan_out / fan_in)) times a near-orthogonal
     matrix (its singular values near 1, whatever the gradient's); every other leaf moves as optax's (Nesterov) AdamW
@@ -106,6 +108,7 @@ def test_one_update_orthogonalizes_the_matrices_and_steps_the_rest_with_adamw() 
     assert not np.allclose(updates["embed/tok"], np.asarray(plain), rtol=1e-3)  # optax's Muon gives its AdamW Nesterov
 
 
+@pytest.mark.slow
 def test_adamw_is_the_optimizer_it_always_was() -> None:
     """inner.kind = "adamw" (the default) builds clip + optax.adamw on the cosine: the digests of every AdamW run
     stay as they were."""
@@ -133,6 +136,7 @@ def test_adamw_is_the_optimizer_it_always_was() -> None:
 # -- the schedule's span ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_schedule_steps_sets_the_span_whatever_the_runs_length() -> None:
     """Two runs on one inner.schedule_steps have one schedule: a pretraining of 8 steps and its continuation of 24
     see the rates of a single run of 32 (the count they step at is what the warm start carries over)."""

@@ -37,6 +37,7 @@ def _prompts(task: Addition, n: int, split: str) -> set[str]:
 
 
 @pytest.mark.parametrize("digits", [2, 3, 4, 7])  # up to 3 digits the problems are listed, from 4 sampled
+@pytest.mark.slow
 def test_train_and_heldout_never_share_a_prompt_across_seeds_and_digits(digits: int) -> None:
     train = set().union(*(_prompts(Addition(seed, digits), 400, "train") for seed in (0, 1)))
     heldout = set().union(*(_prompts(Addition(seed, d), 100, "heldout") for seed in (0, 5) for d in (2, digits)))
@@ -46,6 +47,7 @@ def test_train_and_heldout_never_share_a_prompt_across_seeds_and_digits(digits: 
 
 
 @pytest.mark.parametrize("digits", [1, 2, 3])  # listed whole: every held-out problem is checked
+@pytest.mark.slow
 def test_no_heldout_problem_has_its_operands_in_training_in_either_order(digits: int) -> None:
     task = Addition(seed=0, digits=digits)
     n_train, n_held = task.split_size("train"), task.split_size("heldout")

@@ -220,6 +220,7 @@ def test_a_flood_of_calls_holds_one_slot_and_breaks_nothing(server) -> None:
         client.close()
 
 
+@pytest.mark.slow
 def test_a_call_that_sends_nothing_or_garbage_is_ended() -> None:
     handler, service = _service(TransportConfig(first_message_timeout_s=0.5, max_attempts=1))
     running = start_server(service)

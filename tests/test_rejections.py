@@ -45,6 +45,7 @@ def test_bursts_per_kind_then_counts_and_reports_the_window() -> None:
     assert log.admit(12.0, "a", "UNAUTHENTICATED: no").event is not None
 
 
+@pytest.mark.slow
 def test_a_flood_writes_a_bounded_number_of_events() -> None:
     log = RejectionLog(burst=5, window_s=60.0)
     events = suppressed = 0

@@ -101,6 +101,7 @@ def test_a_forbidden_change_is_refused_and_leaves_the_run_as_it_was(tiny_config:
     assert not read_events(run_dir / "metrics.jsonl", "config_changed")
 
 
+@pytest.mark.slow
 def test_wsd_before_its_decay_does_not_depend_on_the_planned_length() -> None:
     held = InnerConfig(lr=1.0, warmup_steps=4, schedule="wsd", min_lr_ratio=0.1)
     short, long = learning_rate_schedule(held, 40), learning_rate_schedule(held, 400)

@@ -60,6 +60,7 @@ def _trees(*rows: list[float]) -> list[dict[str, np.ndarray]]:
         ([[1, 1], [1.5, 0], [0, -1.2]], [1, 2, 1], [(1 + 3) / 4, (1 - 1.2) / 4], [1.0, 1.0, 1.0]),
     ],
 )
+@pytest.mark.slow
 def test_norm_clip_table(rows: list, weights: list[int], expected: list[float], kept: list[float]) -> None:
     got = norm_clip(_trees(*rows), weights, bound=2.0)
     np.testing.assert_allclose(got.delta["w"], expected, rtol=1e-6)
@@ -85,6 +86,7 @@ def test_norm_clip_table(rows: list, weights: list[int], expected: list[float], 
         ([[NAN, 3], [1, INF], [2, 1], [0, 2]], 1, [0.5, 1.5], [0.0, 0.5, 0.5, 1.0]),
     ],
 )
+@pytest.mark.slow
 def test_trimmed_mean_table(rows: list, trim: float, expected: list[float], kept: list[float]) -> None:
     got = trimmed_mean(_trees(*rows), [1] * len(rows), trim)
     np.testing.assert_allclose(got.delta["w"], expected, rtol=1e-6)
@@ -166,6 +168,7 @@ def test_weights_do_not_change_the_order_statistics() -> None:
 
 
 @pytest.mark.parametrize("rule", RULES)
+@pytest.mark.slow
 def test_one_island_is_its_own_aggregate(rule: str) -> None:
     delta = {"a": np.array([[1.5, -2.0], [0.0, 3e-7]], np.float32), "b": np.array([7.0], np.float32)}
     got = make_rule(rule, 2.0, 0.25)([delta], [123])
@@ -181,6 +184,7 @@ def _honest_round(seed: int = 0, n: int = 4) -> list[dict[str, np.ndarray]]:
     ]
 
 
+@pytest.mark.slow
 def test_norm_clip_without_clipping_is_bit_identical_to_mean() -> None:
     deltas = _honest_round()
     assert float(global_norms(deltas).max()) < 2 * float(lower_median(global_norms(deltas)))
@@ -199,6 +203,7 @@ def test_two_equal_islands_are_bit_identical_to_mean(rule: str) -> None:
 
 
 @pytest.mark.parametrize("rule", RULES)
+@pytest.mark.slow
 def test_rules_trace_under_jit(rule: str) -> None:
     deltas, weights = _honest_round(1), [1, 2, 3, 4]
     fn = make_rule(rule, 2.0, 0.25)
@@ -255,6 +260,7 @@ def _round_with(honest: list[np.ndarray], byzantine: np.ndarray, at: int) -> lis
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(HONEST, min_size=3, max_size=3), BYZANTINE, st.integers(0, 3), st.sampled_from(["median", 1, 0.25]))
+@pytest.mark.slow
 def test_order_statistics_stay_in_the_honest_range(
     honest: list[np.ndarray], byzantine: np.ndarray, at: int, trim: str | float
 ) -> None:
@@ -294,6 +300,7 @@ def test_norm_clip_bounds_the_byzantine_island(
 
 @pytest.mark.parametrize("rule", ["norm_clip", "trimmed_mean", "median"])
 @pytest.mark.parametrize("poison", [F32_MAX, -F32_MAX, INF, NAN])
+@pytest.mark.slow
 def test_a_robust_commit_stays_finite_when_one_island_sends_float32_max(rule: str, poison: float) -> None:
     cfg = OuterConfig(aggregate=rule)  # nesterov, lr 0.7, momentum 0.9: the outer step that overflowed
     params = {"w": jnp.zeros(6, jnp.float32)}
@@ -338,6 +345,7 @@ def test_rules_are_bit_identical_across_processes() -> None:
 
 
 @pytest.mark.parametrize("n", [17, 33])
+@pytest.mark.slow
 def test_ranking_by_sort_is_bit_identical_to_pairwise(n: int) -> None:
     """Above PAIRWISE_MAX islands the order statistics rank by a sort (its compile does not grow with n): the same
     aggregate, bit for bit, and the same masks, with ties (broken in island order), NaN, ±inf and -0.0."""
@@ -359,6 +367,7 @@ def test_ranking_by_sort_is_bit_identical_to_pairwise(n: int) -> None:
             assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), t
 
 
+@pytest.mark.slow
 def test_compiled_programs_are_bounded_and_a_recompile_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
     """A roster whose size keeps changing compiles an order-statistic program per island count: at most
     `COMPILED_KEPT` are held at once (the coordinator's memory is bounded by it, not by the counts it has seen), and

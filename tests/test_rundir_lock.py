@@ -116,6 +116,7 @@ def test_a_sigkilled_holder_does_not_block_a_restart(tmp_path: Path, holders: li
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_one_process_cannot_open_one_run_dir_twice(tmp_path: Path) -> None:
     """flock belongs to an open file, not a process: two RunDirs in one process would also mix their writes."""
     first = RunDir(tmp_path / "run", _cfg(), role="first")

@@ -51,6 +51,7 @@ def committed_theta(run_dir: Path) -> dict:
     return read_item(find_source(run_dir).step_dir, "params", build_setup(cfg).init_params, "parameters")
 
 
+@pytest.mark.slow
 def test_sample_continues_with_the_newest_committed_theta(run, capsys):
     run_dir, summary = run
     out = cli_json(capsys, ["sample", str(run_dir), "--prompt", "the island ", "--prompt", "x", "--temperature", "0",
@@ -73,6 +74,7 @@ def test_sample_continues_with_the_newest_committed_theta(run, capsys):
     assert capsys.readouterr().out == out["samples"][0]["continuation"] + "\n"
 
 
+@pytest.mark.slow
 def test_sample_follows_its_seed_and_reads_a_relative_run_dir(run, capsys, monkeypatch):
     run_dir, _ = run
     monkeypatch.chdir(run_dir.parent)  # orbax wants absolute paths: a relative RUN_DIR (or init.from) is made one
@@ -85,6 +87,7 @@ def test_sample_follows_its_seed_and_reads_a_relative_run_dir(run, capsys, monke
     assert len(draw(1)) == 32 - len("inner")  # the default fills what the context leaves
 
 
+@pytest.mark.slow
 def test_sample_bad_input_is_one_line(run, tmp_path, capsys):
     run_dir, _ = run
     ok = ["sample", str(run_dir), "--prompt", "abc"]
@@ -111,6 +114,7 @@ def test_sample_bad_input_is_one_line(run, tmp_path, capsys):
     fails(capsys, ["export", str(empty), "--out", str(tmp_path / "e")], f"RUN_DIR: '{empty}' holds no checkpoint")
 
 
+@pytest.mark.slow
 def test_export_writes_what_safetensors_loads_bit_for_bit(run, tmp_path, capsys):
     from safetensors import safe_open
     from safetensors.numpy import load_file
@@ -135,6 +139,7 @@ def test_export_writes_what_safetensors_loads_bit_for_bit(run, tmp_path, capsys)
     assert config["param_count"] == sum(a.size for a in theta.values())
 
 
+@pytest.mark.slow
 def test_export_refuses_a_directory_that_holds_something_unless_forced(run, tmp_path, capsys):
     run_dir, _ = run
     out = tmp_path / "export"
@@ -154,6 +159,7 @@ def doc_block() -> str:
     return block
 
 
+@pytest.mark.slow
 def test_the_documented_numpy_forward_matches_the_model(run, tmp_path, capsys):
     run_dir, _ = run
     out = tmp_path / "export"

@@ -70,15 +70,13 @@ def continue_rows(cfg: ModelConfig, params: dict, **kw: object) -> tuple[np.ndar
 
 # bfloat16: the cache and the full forward round their matmuls of different shapes differently, by a few bfloat16 ulps
 # (2^-6 at |logit| in [2, 4)): 0.05 + 2 % of the logit, far below the gap a wrong position or an attended pad makes.
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "dtype", "atol", "rtol"), [("transformer", "float32", 1e-5, 0),
                                                               ("moe", "float32", 1e-5, 0),
                                                               ("transformer", "bfloat16", 0.05, 0.02),
-                                                              pytest.param("llama", "float32", 1e-5, 0,
-                                                                           marks=pytest.mark.slow),
-                                                              pytest.param("llama_moe", "float32", 1e-5, 0,
-                                                                           marks=pytest.mark.slow),
-                                                              pytest.param("llama", "bfloat16", 0.05, 0.02,
-                                                                           marks=pytest.mark.slow)])  # fmt: skip
+                                                              ("llama", "float32", 1e-5, 0),
+                                                              ("llama_moe", "float32", 1e-5, 0),
+                                                              ("llama", "bfloat16", 0.05, 0.02)])  # fmt: skip
 def test_cached_logits_equal_the_full_forward_at_every_generated_position(kind, dtype, atol, rtol):
     cfg, params = model(kind, dtype)
     tokens, lengths, logits = continue_rows(cfg, params)  # sampled at temperature 1: varied tokens
@@ -91,6 +89,7 @@ def test_cached_logits_equal_the_full_forward_at_every_generated_position(kind, 
     assert len({tuple(row) for row in tokens}) == len(tokens)  # the rows did not collapse onto one another
 
 
+@pytest.mark.slow
 def test_greedy_equals_argmax_reforwarding():
     cfg, params = model()
     tokens, lengths = generate(
@@ -108,6 +107,7 @@ def test_greedy_equals_argmax_reforwarding():
         assert list(np.asarray(tokens[b])) == sequence[n:]
 
 
+@pytest.mark.slow
 def test_a_batched_row_continues_as_it_does_alone():
     cfg, params = model()
     batched, _ = generate(
@@ -136,17 +136,20 @@ HAND_MADE = np.array([0.05, 0.5, 0.15, 0.3], np.float32)
     [(0.2, {1}), (0.5, {1}), (0.500001, {1, 3}), (0.7, {1, 3}), (0.9, {1, 2, 3}), (0.96, {0, 1, 2, 3}),
      (1.0, {0, 1, 2, 3})],
 )  # fmt: skip
+@pytest.mark.slow
 def test_top_p_keeps_exactly_the_nucleus(top_p, nucleus_tokens):
     keep = np.asarray(nucleus(jnp.asarray(HAND_MADE)[None], top_p))[0]
     assert set(np.flatnonzero(keep)) == nucleus_tokens
 
 
+@pytest.mark.slow
 def test_tokens_tied_at_the_nucleus_edge_are_all_kept():
     probs = jnp.asarray([[0.3, 0.4, 0.3], [0.25, 0.25, 0.5]], jnp.float32)
     assert np.asarray(nucleus(probs, 0.5)).tolist() == [[True, True, True], [False, False, True]]
     assert np.asarray(nucleus(probs, 0.6)).tolist() == [[True, True, True], [True, True, True]]
 
 
+@pytest.mark.slow
 def test_top_p_draws_from_the_renormalised_nucleus():
     logits = jnp.log(jnp.tile(jnp.asarray(HAND_MADE), (20_000, 1)))
     drawn = np.asarray(sampling.next_token(logits, jax.random.key(0), jnp.float32(1.0), jnp.float32(0.7)))
@@ -155,6 +158,7 @@ def test_top_p_draws_from_the_renormalised_nucleus():
     np.testing.assert_allclose(counts[[1, 3]], [0.5 / 0.8, 0.3 / 0.8], atol=0.015)
 
 
+@pytest.mark.slow
 def test_temperature_sharpens_and_zero_is_the_argmax():
     logits = jnp.log(jnp.tile(jnp.asarray(HAND_MADE), (20_000, 1)))
     cold = np.asarray(sampling.next_token(logits, jax.random.key(0), jnp.float32(0.5), jnp.float32(1.0)))
@@ -164,6 +168,7 @@ def test_temperature_sharpens_and_zero_is_the_argmax():
     assert list(np.asarray(greedy)) == [1, 1, 1]
 
 
+@pytest.mark.slow
 def test_temperature_zero_is_deterministic_and_sampling_follows_its_key():
     cfg, params = model()
     prompts, lens = jnp.asarray(PROMPTS), jnp.asarray(LENS)
@@ -187,6 +192,7 @@ def test_temperature_zero_is_deterministic_and_sampling_follows_its_key():
     assert not np.array_equal(run(5, 1.0), run(6, 1.0))
 
 
+@pytest.mark.slow
 def test_a_row_that_emits_the_stop_token_emits_padding_after_it():
     cfg, params = model()
     free, _, free_logits = continue_rows(cfg, params)
@@ -202,6 +208,7 @@ def test_a_row_that_emits_the_stop_token_emits_padding_after_it():
     assert lengths[0] == 3
 
 
+@pytest.mark.slow
 def test_every_row_stopped_ends_the_loop_with_padding():
     cfg, params = model()
     prompts, lens = jnp.asarray(PROMPTS[[1, 1]]), jnp.asarray(LENS[[1, 1]])  # two rows that stop together
@@ -214,6 +221,7 @@ def test_every_row_stopped_ends_the_loop_with_padding():
     assert np.asarray(tokens).tolist() == [[first] + [PAD] * (NEW - 1)] * 2
 
 
+@pytest.mark.slow
 def test_token_logprobs_against_prefix_forwards():
     cfg, params = model("moe")
     tokens = np.array([[3, 17, 4, 4, 40, 2, 9], [1, 1, 1, 1, 1, 1, 1]], np.int32)
@@ -227,6 +235,7 @@ def test_token_logprobs_against_prefix_forwards():
             assert got[b, t] == pytest.approx(logp[tokens[b, t + 1]], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_token_logprobs_differentiate():
     cfg, params = model()
     tokens = jnp.asarray(PROMPTS)

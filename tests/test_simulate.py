@@ -141,6 +141,7 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(tiny_config: Path, tm
     assert resumed["tokens"] == reference["tokens"]
 
 
+@pytest.mark.slow
 def test_run_dir_of_another_run_is_refused(tiny_config: Path, tmp_path: Path) -> None:
     cfg = load_config(tiny_config, ["train.rounds=1", "train.checkpoint_every=0"])
     run_simulation(cfg, tmp_path / "r", show_progress=False)
@@ -153,6 +154,7 @@ def test_run_dir_of_another_run_is_refused(tiny_config: Path, tmp_path: Path) ->
         )
 
 
+@pytest.mark.slow
 def test_custom_model_trains_through_simulate(tiny_config: Path, tmp_path: Path) -> None:
     overrides = [
         "model.kind=custom",

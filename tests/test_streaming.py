@@ -112,6 +112,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_streaming_matches_the_values_worked_out_by_hand(case: str) -> None:
     (fragments, tau, alpha, syncs), want_global, want_islands = CASES[case]
     got_global, got_islands = run(fragments, tau, alpha, syncs)

@@ -20,6 +20,7 @@ from diloco.simulator.simulate import run_simulation
 H = 8
 
 
+@pytest.mark.slow
 def test_a_slow_island_fits_fewer_steps_in_the_same_budget(tiny_config: Path) -> None:
     cfg = load_config(tiny_config, [f"train.inner_steps={H}", "islands.slowdown=['island-1=20']"])
     setup = build_setup(cfg)

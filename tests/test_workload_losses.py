@@ -62,6 +62,7 @@ def test_generated_answers_become_rows_and_texts() -> None:
     assert texts == ["4", "567"]  # the stop is not part of an answer; a row that never stopped keeps all it made
 
 
+@pytest.mark.slow
 def test_the_sft_loss_is_the_answer_tokens_mean_cross_entropy() -> None:
     logprobs = jnp.array([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
     mask = jnp.array([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
@@ -70,6 +71,7 @@ def test_the_sft_loss_is_the_answer_tokens_mean_cross_entropy() -> None:
     assert float(masked_mean(logprobs, jnp.zeros_like(mask))) == 0.0  # an empty mask is no NaN
 
 
+@pytest.mark.slow
 def test_the_dpo_loss_by_hand() -> None:
     # pair 1: the policy likes chosen 1 nat more and rejected 1 nat less than the reference: margin 2
     # pair 2: the policy is the reference: margin 0, loss log 2
@@ -99,6 +101,7 @@ def test_a_group_of_one_has_advantage_zero_not_nan() -> None:
     assert adv.tolist() == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_the_grpo_loss_and_its_gradient_by_hand() -> None:
     logprobs = jnp.array([[-1.0, -2.0, -9.0]])
     ref = jnp.array([[-1.5, -2.0, -9.0]])
@@ -119,6 +122,7 @@ def params() -> object:
     return build_model(TINY).init(jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_sft_over_every_token_is_the_model_s_own_loss(params: object) -> None:
     tokens = np.random.default_rng(0).integers(0, 256, size=(3, TINY.seq_len + 1)).astype(np.int32)
     own, _ = build_model(TINY).loss(params, tokens)
@@ -128,6 +132,7 @@ def test_sft_over_every_token_is_the_model_s_own_loss(params: object) -> None:
     )
 
 
+@pytest.mark.slow
 def test_dpo_at_the_reference_is_log_2(params: object) -> None:
     codec = byte_text()
     table = pair_table(["12+5=", "3+4="], ["17", "7"], ["18", "8"], codec, TINY.seq_len)
@@ -173,9 +178,8 @@ def _uneven_batch(kind: str, params: object) -> dict[str, np.ndarray]:
     return table
 
 
-@pytest.mark.parametrize(
-    "kind", ["sft", pytest.param("dpo", marks=pytest.mark.slow), pytest.param("rl", marks=pytest.mark.slow)]
-)  # each compiles two accumulated steps: sft alone in the fast tier keeps its share small
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sft", "dpo", "rl"])  # each compiles two accumulated steps
 def test_a_batch_in_passes_has_the_loss_and_gradient_of_the_whole_batch(kind: str, params: object) -> None:
     """train.microbatch: the loss over the batch is Σ over its passes of token (or pair) sums / the whole batch's
     count, whatever tokens fall into which pass (transformers' num_items_in_batch); figures likewise."""
@@ -200,6 +204,7 @@ def test_a_batch_in_passes_has_the_loss_and_gradient_of_the_whole_batch(kind: st
     assert [float(m.sum()) for m in halves["chosen_mask" if kind == "dpo" else "mask"]] == [3.0, 19.0]
 
 
+@pytest.mark.slow
 def test_rl_scores_its_answers_at_the_temperature_they_were_drawn_at(params: object) -> None:
     """At T != 1 an rl batch's reference log-probabilities, and the policy's in its loss, are the sampler's own
     log-probabilities of its draws, log softmax(logits / T)[token]: on-policy, and k3 is 0 where θ = θ_ref."""
