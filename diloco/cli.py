@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--coordinator",
         default=None,
         help="HOST:PORT of the coordinator (needed by every island process but a multi-process island's "
-        "processes 1..N-1)",
+        "processes 1..N-1, which can take the island over when process 0 is lost for good only with it)",
     )
     isl.add_argument(
         "--secret", default=None, help="env:VAR or file:PATH (a literal works but shows in ps); default: from config"
@@ -138,13 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="I",
-        help="this process's index in a multi-process island (0, the leader, talks to the coordinator)",
+        help="this process's index in a multi-process island (0 leads the island, and talks to the coordinator, "
+        "whenever it is there)",
     )
     isl.add_argument(
         "--island-coordinator",
         default=None,
         metavar="HOST:PORT",
-        help="where process 0 serves jax.distributed to the island's processes (with N > 1)",
+        help="where this process serves jax.distributed to the island's processes when it leads the island "
+        "(with N > 1; on one host the same for all, across hosts this process's own host)",
     )
     isl.add_argument(
         "--metrics-port",

@@ -170,6 +170,8 @@ def test_an_island_goes_on_without_a_lost_process_and_grows_back(
     island = fed.island_dir("island-0")
     group = fed.group_args("island-0", 2)
     host_1 = fed.island_argv("island-0", [*group, "--process-id", "1"], supervised=True)
+    at = host_1.index("--coordinator")
+    del host_1[at : at + 2]  # a follower only: without the coordinator's address it never takes the island over
     ready = FormationFiles(island, 2).candidates  # process 1, alive and ready to join
 
     fed.spawn("island-0-host-1", host_1)
