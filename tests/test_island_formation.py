@@ -146,6 +146,7 @@ def test_a_formation_reads_back_as_written(tmp_path: Path) -> None:
     files.write(formation)
     assert files.read() == formation and formation.rank("c") == 1 and formation.rank("b") is None
     assert formation.leader == 0 and formation.preferred == 2
+    assert files.led_by(0) and not files.led_by(2)  # process 0's supervisor speaks for the island, 2's does not
     (tmp_path / "formation.json").write_text("{half")
     assert files.read() is None  # unreadable: process 0 writes a new one
 
