@@ -22,8 +22,8 @@ live process holds it, and only when the island's rule names it (`elected`):
 
     every process, at each start   says it is ready, then waits (`take_place`) until a formation names its nonce (it
                                    follows: it is ready no more and joins as the rank of its place), or run.lock is
-                                   free and `elected` names it (it leads), or its patience (network.
-                                   coordinator_wait_s) runs out: one line naming what it waited for, exit 69, and
+                                   free and `elected` names it (it leads), or its patience runs out
+                                   (network.coordinator_wait_s): one line naming what it waited for, exit 69, and
                                    its supervisor starts it again; refused, it stops with one line (exit 2)
     who leads                      the preferred leader (the newest formation's, or the process it named to succeed
                                    it; process 0 before the first formation) at once; when it is not back after
