@@ -342,3 +342,19 @@ def test_simulate_refuses_several_processes(tiny_config: Path, capsys: pytest.Ca
     err = capsys.readouterr().err.strip()
     assert "islands.processes = 2: simulate runs every island in this one process" in err
     assert len(err.splitlines()) == 1, err
+
+
+def test_a_follower_without_a_leader_gives_up_in_one_line(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Process 1 without --coordinator cannot lead, and no process 0 comes: after network.coordinator_wait_s it ends
+    with one line naming what it waited for, and exit code 69, which its supervisor restarts."""
+    argv = ["island", str(tiny_config), "--name", "island-0", "--no-supervise", "--run-dir", str(tmp_path / "run")]
+    group = ["--process-id", "1", "--num-processes", "2", "--island-coordinator", "127.0.0.1:1234"]
+    assert main([*argv, *group, "network.coordinator_wait_s=0.2"]) == 69
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == [
+        "diloco: error: island island-0 process 1: no place in the island after 0.2 s (network.coordinator_wait_s) "
+        "waiting for process 0 to lead the island (this process cannot: it has no --coordinator)"
+    ], err
