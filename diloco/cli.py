@@ -35,6 +35,8 @@ from floor.errors import UserError
 
 if TYPE_CHECKING:
     from diloco.config import RunConfig
+    from diloco.run.rundir import RunDirLock
+    from diloco.worker.island_group import Group
 
 
 log = logging.getLogger("diloco")
@@ -110,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--coordinator",
         default=None,
         help="HOST:PORT of the coordinator (needed by every island process but a multi-process island's "
-        "processes 1..N-1)",
+        "processes 1..N-1, which can take the island over when process 0 is lost for good only with it)",
     )
     isl.add_argument(
         "--secret", default=None, help="env:VAR or file:PATH (a literal works but shows in ps); default: from config"
@@ -136,13 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="I",
-        help="this process's index in a multi-process island (0, the leader, talks to the coordinator)",
+        help="this process's index in a multi-process island (0 leads the island, and talks to the coordinator, "
+        "whenever it is there)",
     )
     isl.add_argument(
         "--island-coordinator",
         default=None,
         metavar="HOST:PORT",
-        help="where process 0 serves jax.distributed to the island's processes (with N > 1)",
+        help="where this process serves jax.distributed to the island's processes when it leads the island "
+        "(with N > 1; on one host the same for all, across hosts this process's own host)",
     )
     isl.add_argument(
         "--metrics-port",
@@ -441,8 +445,9 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 def _island(args: argparse.Namespace) -> int:
     from diloco.deploy.tls import check_client_exposure, network_client_tls
-    from diloco.worker.island_worker import IslandError, run_island_process, say_gone
-    from diloco.worker.supervisor import REGROUP, Member, follow_supervisor, supervise
+    from diloco.worker.island_formation import FormationFiles
+    from diloco.worker.island_worker import IslandError, say_gone
+    from diloco.worker.supervisor import Member, follow_supervisor, supervise
     from transport.auth import is_secret_reference, resolve_secret
 
     cfg = _load(args)
@@ -462,44 +467,62 @@ def _island(args: argparse.Namespace) -> int:
 
     check_backend(cfg.islands.backend)  # likewise a missing pathways extra or proxy environment
     run_dir = args.run_dir or _default_run_dir(f"{cfg.run.name}-{args.name}")
-    from diloco.worker.island_group import check_group, lock_name, members, pid_name, run_follower
+    from diloco.worker.island_group import check_group, lock_name, members, pid_name, run_process
 
     group = check_group(cfg, args.process_id, args.num_processes, args.island_coordinator)
     if args.no_supervise:
         follow_supervisor()  # a worker under a supervisor does not outlive it (diloco/worker/supervisor.py)
     if group.multiple and args.no_supervise and args.process_id is None:
         raise IslandError("--no-supervise runs one process of the island: give it --process-id I")
-    if not group.leader:  # a follower talks to its island's leader only (diloco/worker/island_group.py)
-        if not args.no_supervise:
-            worker = [*(sys.argv[1:] if args.argv is None else args.argv), "--no-supervise", "--run-dir", str(run_dir)]
-            me = group.process_id  # its own pid file: the run directory is the one its leader writes worker.pid to
-            return supervise(
-                [Member(worker, pid_file=pid_name(me))], run_dir, args.max_restarts, lock_name=lock_name(me)
-            )
-        return run_follower(cfg, args.name, run_dir, group)
-    if args.coordinator is None:
+    if args.coordinator is None and (group.process_id == 0 or not group.multiple):
         raise IslandError("--coordinator HOST:PORT is needed (the island's process 0 talks to the coordinator)")
     # Settled before supervising: a secret that does not resolve, a bad TLS file or a secret about to travel in
-    # clear is one line from the command the user typed, not a worker that fails again at every restart.
-    ref = args.secret or (cfg.network.secrets[names.index(args.name)] if cfg.network.secrets else None)
-    if args.secret and not is_secret_reference(args.secret):
-        _warn_literal(["--secret"])
-    secret = resolve_secret(ref) if ref else None
-    tls = network_client_tls(cfg.network)
-    check_client_exposure(
-        args.coordinator, sends_secret=secret is not None, encrypted=tls is not None, insecure=args.insecure
-    )
+    # clear is one line from the command the user typed, not a worker that fails again at every restart. A process
+    # I > 0 given --coordinator can lead the island when process 0 is lost for good (diloco/worker/island_formation.py).
+    secret, tls = None, None
+    if args.coordinator is not None:
+        ref = args.secret or (cfg.network.secrets[names.index(args.name)] if cfg.network.secrets else None)
+        if args.secret and not is_secret_reference(args.secret):
+            _warn_literal(["--secret"])
+        secret = resolve_secret(ref) if ref else None
+        tls = network_client_tls(cfg.network)
+        check_client_exposure(
+            args.coordinator, sends_secret=secret is not None, encrypted=tls is not None, insecure=args.insecure
+        )
+    gone = partial(say_gone, cfg, args.name, args.coordinator, secret, tls) if args.coordinator is not None else None
     if not args.no_supervise:
         argv = [a for a in (sys.argv[1:] if args.argv is None else args.argv) if a != "--no-supervise"]
-        gone = partial(say_gone, cfg, args.name, args.coordinator, secret, tls)
         worker_argv = [*argv, "--no-supervise", "--run-dir", str(run_dir)]
         if group.multiple and args.process_id is None:  # every process of the island, here: one group
             return supervise(
                 members(worker_argv, group, cfg.islands.devices), run_dir, args.max_restarts, on_death=gone
             )
+        if group.multiple:  # one process of the island, on its host: it speaks for the island when it led it
+            me, files = group.process_id, FormationFiles(run_dir, group.num_processes)
+            led_gone = None if gone is None else (lambda why: gone(why) if files.led_by(me) else None)
+            member = Member(worker_argv, pid_file=pid_name(me))
+            return supervise([member], run_dir, args.max_restarts, on_death=led_gone, lock_name=lock_name(me))
         return supervise(worker_argv, run_dir, args.max_restarts, on_death=gone)
+    if group.multiple:
+        lead = None if args.coordinator is None else partial(_lead_island, args, cfg, run_dir, secret, group)
+        return run_process(cfg, args.name, run_dir, group, lead)
+    return _lead_island(args, cfg, run_dir, secret, group)
+
+
+def _lead_island(
+    args: argparse.Namespace,
+    cfg: RunConfig,
+    run_dir: Path,
+    secret: str | None,
+    group: Group,
+    lock: RunDirLock | None = None,
+) -> int:
+    """Run the island's worker (a multi-process island's leader holds run.lock: `lock`); print its result."""
+    from diloco.worker.island_worker import run_island_process
+    from diloco.worker.supervisor import REGROUP
+
     result = run_island_process(
-        cfg, args.name, args.coordinator, run_dir, secret, args.metrics_port, group, args.retire_on_stop
+        cfg, args.name, args.coordinator, run_dir, secret, args.metrics_port, group, args.retire_on_stop, lock
     )
     print(json.dumps(result), flush=True)
     return REGROUP if result.get("reform") else 0

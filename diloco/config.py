@@ -212,11 +212,12 @@ class IslandsConfig:
     default of --num-processes. Per island (per process, not in the config digest): islands of one run may span
     different numbers of hosts."""
     regroup_wait_s: float = field(default=60.0, metadata=LOCAL)
-    """How long process 0 of a multi-process island (processes > 1) waits at each start for its other processes
+    """How long the leader of a multi-process island (processes > 1) waits at each start for its other processes
     before it forms the island with those present; one that comes later joins at a round's end, when the island
-    re-forms (diloco/worker/island_formation.py). Keep it longer than a process takes to start (or a pod to be
-    rescheduled): a process that is merely slow is otherwise left out and costs the island a re-forming, at each
-    start. Shorter lets an island that lost a host for good go on sooner. Per process, read by process 0."""
+    re-forms (diloco/worker/island_formation.py). Also how long the island's other processes wait for a lost leader
+    (process 0) to come back before the lowest of them takes the island over. Keep it longer than a process takes to
+    start (or a pod to be rescheduled): a process that is merely slow is otherwise left out and costs the island a
+    re-forming, at each start. Shorter lets an island that lost a host for good go on sooner. Per process."""
     max: int = 64
     """The most islands the run's roster may hold at once: the configured ones plus those an operator admits while
     it runs (`diloco admit`, diloco/coordinator/enrollment.py), less the retired. Bounds what admissions can make

@@ -279,7 +279,7 @@ def test_multi_process_island_finds_its_coordinator(tmp_path: Path) -> None:
         assert spec["backoffLimit"] == k8s.ISLAND_POD_RESTARTS * 2
         pod = pod_spec(job)
         (container,) = pod["containers"]
-        # The Job names pod i `<job>-<i>` under the subdomain: process 0 is `<job>-0.<headless service>`.
+        # The Job names pod i `<job>-<i>` under the subdomain: pod i, when it leads, serves at `<job>-<i>.<service>`.
         headless = one(files, "Service", pod["subdomain"])
         assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
         assert headless["spec"]["selector"] == job["spec"]["template"]["metadata"]["labels"]
@@ -302,7 +302,7 @@ def test_multi_process_island_finds_its_coordinator(tmp_path: Path) -> None:
         for index in (0, 1):  # what the kubelet runs in pod `index`
             argv = [a.replace("$(JOB_COMPLETION_INDEX)", str(index)) for a in container["args"]]
             args = build_parser().parse_args(argv)
-            assert args.island_coordinator == f"{job['metadata']['name']}-0.{pod['subdomain']}:{jax_port}"
+            assert args.island_coordinator == f"{job['metadata']['name']}-{index}.{pod['subdomain']}:{jax_port}"
             assert int(args.process_id) == index and int(args.num_processes) == 2
 
 

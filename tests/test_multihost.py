@@ -5,8 +5,9 @@ trains as one process of 4 devices does (the same losses as `simulate`, within f
 all-reduce adds in another order), even though one of its followers is SIGKILLed mid-run: the island goes down as a
 whole, its supervisor restarts it, it resumes from its checkpoint and redoes the round it lost. A process lost for
 good is not waited for: the island goes on without it, on the same batches, and grows back when it returns
-(diloco/worker/island_formation.py). Every island's θ equals the coordinator's after every round. A user mistake is
-one line and exit code 2.
+(diloco/worker/island_formation.py); a process 0 lost for good is replaced as the island's leader by process 1, and
+takes the island back when it returns. Every island's θ equals the coordinator's after every round. A user mistake
+is one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ def test_an_island_goes_on_without_a_lost_process_and_grows_back(
     island = fed.island_dir("island-0")
     group = fed.group_args("island-0", 2)
     host_1 = fed.island_argv("island-0", [*group, "--process-id", "1"], supervised=True)
+    at = host_1.index("--coordinator")
+    del host_1[at : at + 2]  # a follower only: without the coordinator's address it never takes the island over
     ready = FormationFiles(island, 2).candidates  # process 1, alive and ready to join
 
     fed.spawn("island-0-host-1", host_1)
@@ -222,6 +225,83 @@ def test_an_island_goes_on_without_a_lost_process_and_grows_back(
     print(f"loss curves differ by at most {_same_curve(fed, reference, REFORM_ROUNDS):.3g}")
 
 
+TAKEOVER_ROUNDS = 4
+LEADER_LOST_AT = "island-0:before_push:1"
+"""Both processes trained round 1; process 0, the leader, stops before its push, and its host is lost there (its
+round-1 checkpoint complete)."""
+TAKEN_OVER_AT = "island-0:after_adopt:2"
+"""Process 1 took the island over, trained round 1 again and adopted its commit: the old process 0 comes back here."""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_an_island_goes_on_under_process_1_when_process_0_is_lost_and_takes_it_back(
+    tmp_path: Path, tiny_config: Path, feds: list, simulated: Callable[[Sequence[str]], subprocess.Popen[str]]
+) -> None:
+    """island-0 as processes 0 and 1, each under its own supervisor as on two hosts, both given the coordinator's
+    address. Process 0's host is lost for good (supervisor and worker SIGKILLed at a named point): process 1's
+    collective fails, its supervisor starts it again, it finds no leader and, after its islands.regroup_wait_s, takes
+    the island over (run.lock), resumes from the island's checkpoint and data cursor, and the island's rounds commit
+    as one process. The old process 0 comes back: run.lock is held, so it waits as a candidate and leads nothing; at
+    the round's end process 1 names it successor and the island re-forms whole under it. Every island's θ equals
+    the coordinator's after every round, and the loss curve is the one-process reference's: no batch was skipped or
+    read twice."""
+    run = [*RUN, f"train.rounds={TAKEOVER_ROUNDS}"]
+    reference = simulated(run)
+    fed = Federation(
+        tiny_config,
+        [*run, "islands.devices=2"],
+        tmp_path / "fed",
+        cwd=REPO,
+        env=ENV,
+        jax_cache=JAX_CACHE,
+        pause_at=[LEADER_LOST_AT, TAKEN_OVER_AT],
+    )
+    feds.append(fed)
+    fed.start_coordinator()
+    island = fed.island_dir("island-0")
+    files = FormationFiles(island, 2)
+    group = fed.group_args("island-0", 2)
+    # islands.regroup_wait_s is each process's own: process 0 waits for process 1 as long as it takes to start (it
+    # forms as soon as it is there), process 1 waits 2 s for a lost leader before it takes the island over.
+    host_0 = fed.island_argv("island-0", [*group, "--process-id", "0"], supervised=True)
+    host_1 = [*fed.island_argv("island-0", [*group, "--process-id", "1"], supervised=True), "islands.regroup_wait_s=2"]
+
+    fed.spawn("island-0", host_0)
+    fed.wait_for(files.leader, WAIT_S, "process 0 leading")  # the first formation is process 0's, not a race
+    fed.spawn("island-0-host-1", host_1)
+    fed.start_island("island-1", env=devices_env(2))
+    fed.paused(LEADER_LOST_AT, WAIT_S)
+    fed.wait_for(lambda: "1" in _finished_checkpoints(fed, "island-0"), WAIT_S, "island-0's checkpoint 1")
+    fed.kill("island-0", whole_group=True)  # process 0's host is gone; its follower's collective fails
+
+    fed.paused(TAKEN_OVER_AT, WAIT_S)
+    formed = fed.events("formed", island="island-0")
+    assert [(e["processes"], e["devices"]) for e in formed] == [([0, 1], 4), ([1], 2)], formed
+    assert "island-0" in fed.wait_rounds(2, WAIT_S)[1]["islands"]  # the round process 1 led committed
+    leader = files.leader()
+    assert leader is not None and leader["pid"] == int((island / "process-1.pid").read_text())
+    fed.spawn("island-0", host_0)  # the old leader's host is back
+    back = fed.wait_for(lambda: [c for c in files.candidates(exclude=1) if c.process == 0], WAIT_S, "process 0 back")
+    assert back[0].leads  # able to lead, and yet it waits: run.lock is process 1's
+    assert files.leader() == leader and len(fed.events("formed", island="island-0")) == 2
+    fed.release(TAKEN_OVER_AT)
+    fed.wait_done(WAIT_S)
+    fed.stop(linger_s=20.0)
+
+    check_run(fed, TAKEOVER_ROUNDS, list(fed.names))  # every island's θ is the coordinator's after every round
+    assert all(sorted(r["islands"]) == ["island-0", "island-1"] for r in fed.rounds())
+    formed = fed.events("formed", island="island-0")
+    assert [(e["processes"], e["devices"]) for e in formed] == [([0, 1], 4), ([1], 2), ([0, 1], 4)], formed
+    assert [e["epoch"] for e in formed] == [1, 2, 3]
+    # Process 1 resumed from round 1's checkpoint at its data cursor (step 4), the re-formed island from round 2's.
+    assert [(e["round"], e["step"]) for e in fed.events("resumed", island="island-0")] == [(1, 4), (2, 8)]
+    stopped = fed.events("stopped", island="island-0")
+    assert [e["reason"] for e in stopped] == ["re-forming: process 0 ready to join (process 0 to lead)"], stopped
+    assert "restart 1/5" in fed.log_path("island-0-host-1").read_text()  # its first worker died with the leader
+    print(f"loss curves differ by at most {_same_curve(fed, reference, TAKEOVER_ROUNDS):.3g}")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -262,3 +342,19 @@ def test_simulate_refuses_several_processes(tiny_config: Path, capsys: pytest.Ca
     err = capsys.readouterr().err.strip()
     assert "islands.processes = 2: simulate runs every island in this one process" in err
     assert len(err.splitlines()) == 1, err
+
+
+def test_a_follower_without_a_leader_gives_up_in_one_line(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Process 1 without --coordinator cannot lead, and no process 0 comes: after network.coordinator_wait_s it ends
+    with one line naming what it waited for, and exit code 69, which its supervisor restarts."""
+    argv = ["island", str(tiny_config), "--name", "island-0", "--no-supervise", "--run-dir", str(tmp_path / "run")]
+    group = ["--process-id", "1", "--num-processes", "2", "--island-coordinator", "127.0.0.1:1234"]
+    assert main([*argv, *group, "network.coordinator_wait_s=0.2"]) == 69
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == [
+        "diloco: error: island island-0 process 1: no place in the island after 0.2 s (network.coordinator_wait_s) "
+        "waiting for process 0 to lead the island (this process cannot: it has no --coordinator)"
+    ], err

@@ -29,8 +29,10 @@ What the pods need and where it comes from:
   restores, so a long restore is not mistaken for a hang).
 
 Islands as Indexed Jobs (completions = parallelism = islands.processes): pod i runs process i
-(`--process-id $(JOB_COMPLETION_INDEX)`); every pod finds process 0, which serves JAX's distributed coordinator,
-at `<job>-0.<headless service>` (the Job's pods get `hostname` <job>-<index> and `subdomain` the Service).
+(`--process-id $(JOB_COMPLETION_INDEX)`); the pod that leads the island (process 0, or the one that took the island
+over when process 0 was lost for good) serves JAX's distributed coordinator at its own `<job>-<index>.<headless
+service>` (the Job's pods get `hostname` <job>-<index> and `subdomain` the Service: `--island-coordinator`), and the
+others find that address in the island's formation (diloco/worker/island_formation.py).
 Restarts (ISLAND_RESTART_POLICY_NOTE, written at the top of each island's file, says the same to the operator):
 `restartPolicy: Never`, so a failed process fails its pod and the Job makes a new pod for that index (same
 hostname, so process 0 is found again), and `podFailurePolicy` can tell failures apart: exit code 2 is diloco's
@@ -554,8 +556,8 @@ def island_args(cfg: RunConfig, island: str, n: Names, options: K8sOptions, acce
             "$(JOB_COMPLETION_INDEX)",
             "--num-processes",
             str(processes),
-            "--island-coordinator",
-            f"{n.island(island)}-0.{n.island(island)}:{ISLAND_COORDINATOR_PORT}",
+            "--island-coordinator",  # its own name: whichever pod leads serves jax.distributed there
+            f"{n.island(island)}-$(JOB_COMPLETION_INDEX).{n.island(island)}:{ISLAND_COORDINATOR_PORT}",
         ]
     if accelerator == "pathways":
         args.append("islands.backend=pathways")  # a per-process key (not in the shared config.toml)

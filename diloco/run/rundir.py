@@ -255,11 +255,12 @@ def check_free(run_dir: Path, name: str = LOCK_FILE) -> None:
 
 
 class RunDir:
-    def __init__(self, path: Path, cfg: RunConfig, role: str | None = None) -> None:
+    def __init__(self, path: Path, cfg: RunConfig, role: str | None = None, lock: RunDirLock | None = None) -> None:
         """Open (create or resume) the run directory and lock it for this process until `close()`.
 
         `role` names the holder in another process's refusal ("coordinator", "island us-east"); by default it is
-        read from the `diloco` command line.
+        read from the `diloco` command line. `lock`: run.lock already taken by this process (a multi-process
+        island's new leader takes it when it is elected, diloco/worker/island_formation.py), held from now on.
         """
         self.path = path
         self.config_path = path / "config.toml"
@@ -275,7 +276,7 @@ class RunDir:
         except OSError as exc:
             raise RunDirError(f"run dir '{path}' cannot be created ({exc.strerror or exc})") from None
         # Before anything is read or written: a second writer is refused with the directory untouched.
-        self.lock = RunDirLock(path, role)
+        self.lock = lock if lock is not None else RunDirLock(path, role)
         try:
             self.resuming = self.config_path.exists()
             changes = self._check_same_run(cfg) if self.resuming else {}

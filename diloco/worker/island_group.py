@@ -1,7 +1,8 @@
 """A multi-host island: N processes joined by jax.distributed into one JAX program over all their devices.
 
-Process 0, the leader, runs the island's worker (diloco/worker/island_worker.py) as a one-process island does: it alone
-talks to the coordinator, owns the run directory and writes the metrics. The others, the followers, talk to no one:
+The leader (process 0, or the process that took the island over when process 0 was lost for good) runs the island's
+worker (diloco/worker/island_worker.py) as a one-process island does: it alone talks to the coordinator, owns the run
+directory and writes the metrics. The others, the followers, talk to no one:
 they replay, in the same order, every call of the leader on the island's engine that runs a JAX computation (start,
 restore a checkpoint, set_params, train, push, keep_residual, merge, save a checkpoint, stop). A computation over the
 island's global mesh runs only when every process launches it, and its collectives match only when every process
@@ -17,14 +18,16 @@ A follower receives data only: JSON, and arrays of the dtypes it accepts, never 
 Data: every process draws the same batch from the island's deterministic stream and puts only its own rows on its
 devices (`Island.next_batch`), so the global batch is the one a one-process island with as many devices trains on.
 
-Checkpoints: one orbax checkpoint of the island's global arrays in the leader's run directory, which on several hosts
-must be a filesystem all of them share (orbax saves from every process and commits from process 0). Saves run in the
-command order on the main thread, not on a background thread as a one-process island's do: orbax's save itself
-synchronises the processes with collectives, which must never interleave with the training's.
+Checkpoints: one orbax checkpoint of the island's global arrays in the island's run directory, which on several hosts
+must be a filesystem all of them share (orbax saves from every process and commits from the leader, rank 0). Saves
+run in the command order on the main thread, not on a background thread as a one-process island's do: orbax's save
+itself synchronises the processes with collectives, which must never interleave with the training's.
 
-Formation: which processes the island runs on is process 0's word, decided at each of its starts before anyone joins
-jax.distributed (diloco/worker/island_formation.py): it waits up to islands.regroup_wait_s for its followers to say
-they are ready, and the island is those present, ranked by process id. A follower joins as its rank there.
+Formation: which processes the island runs on, and which leads, is decided at each start before anyone joins
+jax.distributed (diloco/worker/island_formation.py). Every process takes its own lock, RUN_DIR/process-I.lock, says
+there that it is ready, and waits for a place (`run_process`): the process that takes RUN_DIR/run.lock leads (process
+0 when it is there; see `elected`), waits up to islands.regroup_wait_s for the others and forms the island of those
+present, itself first; the others join as their rank there, at the address the formation names.
 
 Failures: a process that dies takes its island down. A surviving peer's collective fails at once (the dead socket)
 or JAX's distributed runtime, missing its heartbeats for HEARTBEAT_S, aborts every process of the island; each
@@ -32,10 +35,17 @@ exits non-zero and its supervisor restarts it (diloco/worker/supervisor.py resta
 The island forms again, resumes from its checkpoint and rejoins the coordinator like any restarted island. A process
 lost for good (its host gone) is not waited for beyond regroup_wait_s: the island goes on with those left, on fewer
 devices and with the same batch (islands/mesh.py), from the same checkpoint and data cursor. When it comes back, it
-says it is ready and waits; at the next round's end (its checkpoint written) process 0 ends the island's processes
+says it is ready and waits; at the next round's end (its checkpoint written) the leader ends the island's processes
 with supervisor.REGROUP, their supervisors start them again at once, and the island forms as a whole again. A process
-of another release or config is refused in one line. Process 0 lost for good is not covered: its followers wait for
-it.
+of another release or config is refused in one line.
+
+Process 0 lost for good: its followers' collectives fail, their supervisors start them again, and they find no
+leader. After islands.regroup_wait_s the lowest of them started with the coordinator's address (--coordinator) takes
+run.lock and the island over: it forms the island on the processes left, serves jax.distributed at its own
+--island-coordinator, resumes from the island's checkpoint and data cursor and talks to the coordinator as the island
+(its name and secret). A process 0 that comes back finds run.lock held and waits as any returning process does; at
+the next round's end the island re-forms under it, whole. No follower waits for ever: after network.coordinator_wait_s
+without a place it exits with one line naming what it waited for (exit 69), and its supervisor starts it again.
 
 Streaming (stream.fragments > 1), asynchronous rounds, init.inner_state and data.sampling = "chunks" are refused
 with processes > 1 (`check_group`): plain and time-budgeted DiLoCo rounds are what this replays.
@@ -48,7 +58,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +74,15 @@ from diloco.harness.procs import devices_env
 from diloco.run.checkpoint import CheckpointStore, restore_state, save_state
 from diloco.run.rundir import RunDirLock
 from diloco.run.setup import build_setup, make_island
-from diloco.worker.island_formation import Formation, FormationFiles, announce, lock_name, take_place
+from diloco.worker.island_formation import (
+    Formation,
+    FormationFiles,
+    Leads,
+    Patience,
+    announce,
+    lock_name,
+    take_place,
+)
 from diloco.worker.supervisor import Member
 from floor.errors import UserError
 from islands.island import InnerRun, Island, IslandState, RoundPush
@@ -78,7 +96,7 @@ process of the island aborts, so that each supervisor restarts its own. JAX's de
 island hung that long; shorter risks a false alarm on a loaded host."""
 JOIN_S = 60
 """How long jax.distributed waits for every process of a formation to join (JAX's default: 300 s). They were all
-ready when process 0 formed the island, so one that does not come died meanwhile: the island fails, restarts, and
+ready when the leader formed the island, so one that does not come died meanwhile: the island fails, restarts, and
 forms again without it."""
 SHUTDOWN_S = 30
 """How long a process that exits waits at JAX's shutdown barrier for its peers (JAX's default: 300 s)."""
@@ -98,11 +116,8 @@ class Group:
     process_id: int = 0
     num_processes: int = 1
     coordinator: str = ""
-    """HOST:PORT of jax.distributed's coordination service, served by process 0 (--island-coordinator)."""
-
-    @property
-    def leader(self) -> bool:
-        return self.process_id == 0
+    """HOST:PORT where this process serves jax.distributed's coordination service when it leads the island
+    (--island-coordinator); followers join at the address their formation names."""
 
     @property
     def multiple(self) -> bool:
@@ -126,7 +141,7 @@ def check_group(cfg: RunConfig, process_id: int | None, num_processes: int | Non
         return ONE_PROCESS
     if not coordinator:
         raise ConfigError(
-            f"--num-processes {n}: --island-coordinator HOST:PORT is needed (where process 0 serves "
+            f"--num-processes {n}: --island-coordinator HOST:PORT is needed (where the leader serves "
             "jax.distributed to the island's processes)"
         )
     host, _, port = coordinator.rpartition(":")
@@ -167,19 +182,20 @@ def pid_name(process_id: int) -> str:
 
 def join(group: Group, formation: Formation, rank: int) -> None:
     """Join the island's JAX program as process `rank` of `formation`'s (diloco/worker/island_formation.py): before
-    anything asks JAX for a device. On CPU the processes' collectives run over gloo. Process 0 serves the coordination
-    service, on loopback only when its address is loopback (the service has no authentication: beyond one host its
-    port must be reachable from the island's hosts alone)."""
+    anything asks JAX for a device. On CPU the processes' collectives run over gloo. The leader (rank 0) serves the
+    coordination service at the formation's address, on loopback only when that address is loopback (the service has
+    no authentication: beyond one host its port must be reachable from the island's hosts alone)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    local = is_loopback(split_host(group.coordinator))
+    service = formation.service or group.coordinator
+    local = is_loopback(split_host(service))
     jax.distributed.initialize(
-        coordinator_address=group.coordinator,
+        coordinator_address=service,
         num_processes=len(formation.members),
         process_id=rank,
         initialization_timeout=JOIN_S,
         heartbeat_timeout_seconds=HEARTBEAT_S,
         shutdown_timeout_seconds=SHUTDOWN_S,
-        coordinator_bind_address=group.coordinator if local else None,
+        coordinator_bind_address=service if local else None,
     )
 
 
@@ -241,7 +257,7 @@ def save_checkpoint(store: CheckpointStore, island: Island, round_: int) -> None
     """IslandState with the round it belongs to, saved now (orbax finishes writing in its own background)."""
     assert island.state is not None
     # A copy of the device arrays: the next inner step donates them to XLA (islands/inner.py), deleting them. The
-    # residual stays on the host as it is (replaced, never changed in place): orbax saves host arrays from process 0,
+    # residual stays on the host as it is (replaced, never changed in place): orbax saves host arrays from rank 0,
     # where a copy on one process's device would be an array of that process alone, which it refuses.
     copy = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, island.state)
     save_state(store, round_, copy, {"round": round_})
@@ -372,23 +388,34 @@ def follow(island: Island, like: PyTree, store: CheckpointStore | None, channel:
             log.warning("%s (the leader stops the island)", exc)
 
 
-def run_follower(cfg: RunConfig, name: str, run_dir: Path, group: Group) -> int:
-    """`diloco island --process-id I` (I > 0): wait for a place in the island's formation, join the island, build the
-    same engine as the leader, follow it.
+def run_process(
+    cfg: RunConfig, name: str, run_dir: Path, group: Group, lead: Callable[[RunDirLock], int] | None
+) -> int:
+    """`diloco island --process-id I --no-supervise` of a multi-process island: take a place in the island's next
+    formation, then lead it (`lead`, given run.lock; None: this process cannot lead, it has no coordinator address)
+    or join the island, build the same engine as the leader and follow it; returns the exit code.
 
-    The follower takes a lock of its own in the island's run directory (RUN_DIR/process-I.lock: two processes with
-    the same id on one directory are refused), says there that it is ready to join (diloco/worker/island_formation.py)
-    and leaves the rest of the directory to the leader (run.lock, metrics, config, formation.json), except the
-    checkpoints, which every process saves and restores together."""
-    me = group.process_id
+    The process takes a lock of its own in the island's run directory (RUN_DIR/process-I.lock: two processes with
+    the same id on one directory are refused) and says there that it is ready (diloco/worker/island_formation.py).
+    As a follower it leaves the rest of the directory to the leader (run.lock, metrics, config, formation.json),
+    except the checkpoints, which every process saves and restores together."""
+    me, n = group.process_id, group.num_processes
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock(run_dir, role=f"island {name} process {me}", name=lock_name(me))
     store = None
     try:
-        nonce = announce(lock, me, group.num_processes, cfg)
-        formation, rank = take_place(FormationFiles(run_dir, group.num_processes), lock, nonce, name, me)
-        log.info("island %s process %d joins formation %d as rank %d", name, me, formation.epoch, rank)
-        join(group, formation, rank)
+        nonce = announce(lock, me, n, cfg, leads=lead is not None)
+        patience = Patience(cfg.islands.regroup_wait_s, cfg.network.coordinator_wait_s)
+        place = take_place(FormationFiles(run_dir, n), lock, nonce, name, me, patience, able=lead is not None)
+        if isinstance(place, Leads):
+            assert lead is not None
+            log.info("island %s process %d leads: %s", name, me, place.why)
+            try:
+                return lead(place.lock)
+            finally:
+                place.lock.release()
+        log.info("island %s process %d joins formation %d as rank %d", name, me, place.formation.epoch, place.rank)
+        join(group, place.formation, place.rank)
         setup = build_setup(cfg, islands=[name])
         island = make_island(cfg, name, setup.model_of(name), setup.streams[name], len(jax.devices()))
         store = CheckpointStore(run_dir / "checkpoints") if cfg.train.checkpoint_every else None

@@ -51,7 +51,7 @@ from diloco import RELEASE, faults
 from diloco.config import RunConfig, config_digest, require_federated, to_dict
 from diloco.ops.metrics import IslandMetrics, metrics_port, serve_metrics
 from diloco.run.checkpoint import CheckpointStore
-from diloco.run.rundir import RunDir
+from diloco.run.rundir import RunDir, RunDirLock
 from diloco.run.setup import build_setup, make_island
 from diloco.run.warm_start import initial_inner_state
 from diloco.simulator.async_sim import async_order, planned_steps
@@ -572,18 +572,20 @@ def run_island_process(
     metrics_port_flag: int | None = None,
     group: Group = ONE_PROCESS,
     retire_on_stop: bool = False,
+    lead_lock: RunDirLock | None = None,
 ) -> dict:
     """`diloco island --no-supervise`: one worker until the run is done, or SIGTERM / Ctrl+C stops it cleanly
     (`IslandWorker.request_stop`; exit code 0: a stopped island is not restarted by its supervisor). With a metrics
     port (diloco/ops/metrics.py: network.metrics_port + 1 + the island's index, or `metrics_port_flag`) the worker
-    serves /metrics on network.metrics_host. In a multi-process island (`group`) this is its leader, process 0: it forms
-    the island of the processes ready (diloco/worker/island_formation.py) and joins the island's JAX program first,
-    looks for a lost process back at each round's end (then it ends with "reform" in its result, to be started
-    again), and however it ends tells the other processes to stop with its exit code. With `retire_on_stop` a clean
+    serves /metrics on network.metrics_host. In a multi-process island (`group`) this is its leader, holding run.lock
+    (`lead_lock`, taken when it was elected: diloco/worker/island_formation.py): it forms the island of the processes
+    ready and joins the island's JAX program first, looks for a lost process back at each round's end (then it ends
+    with "reform" in its result, to be started again), and however it ends tells the other processes to stop with
+    its exit code. With `retire_on_stop` a clean
     stop (not a re-forming) ends with the island retiring itself (`retire_self`), after its Leave."""
     initialize_backend(cfg.islands.backend)  # before anything asks JAX for a device (islands/backend.py)
     port = metrics_port(cfg, name, metrics_port_flag) if name in cfg.islands.island_names else 0
-    rd = RunDir(run_dir, cfg)
+    rd = RunDir(run_dir, cfg, lock=lead_lock)
     client = make_client(cfg, name, target, secret)
     metrics_server = None
     worker: IslandWorker | None = None
@@ -591,7 +593,8 @@ def run_island_process(
     try:
         lead = None
         if group.multiple:
-            lead = Lead(FormationFiles(run_dir, group.num_processes), cfg, name, rd.log)
+            files = FormationFiles(run_dir, group.num_processes)
+            lead = Lead(files, cfg, name, rd.log, group.process_id, group.coordinator)
             formation = lead.form(cfg.islands.regroup_wait_s)
             join(group, formation, 0)
             processes = list(formation.processes)

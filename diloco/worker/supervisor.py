@@ -25,7 +25,9 @@ A multi-process island on one host (islands.processes = N, diloco/worker/island_
 N workers start together (process I's pid in RUN_DIR/process-I.pid; worker.pid is process 0's), and when any of them
 dies the others are SIGKILLed (they cannot go on without it: their collectives would hang or fail) and all N
 restart together, after the same backoff, so the island re-forms and resumes from its checkpoint. The group ends
-when process 0 ends (its followers follow it out: they are given FOLLOWERS_EXIT_S, then killed).
+when process 0 ends (its followers follow it out: they are given FOLLOWERS_EXIT_S, then killed). On several hosts
+each process of the island has a supervisor of its own, and the one whose worker led the island's newest formation
+speaks for the island when that worker dies (`diloco island` wires `on_death` so).
 
 A worker that exits with REGROUP ended on purpose so that its island re-forms on another set of processes (a lost
 one is back: diloco/worker/island_formation.py): it is started again at once, and that is no crash.
