@@ -93,6 +93,22 @@ def _same_curve(fed: Federation, reference: subprocess.Popen[str], rounds: int) 
     return worst
 
 
+def _check_formations(
+    fed: Federation, rounds: int, formations: list[tuple[list[int], int]], resumed: list[tuple[int, int]], stopped: str
+) -> None:
+    """After a run of island-0 (several processes) beside island-1: every island's θ is the coordinator's after every
+    round and both took part in each; island-0 formed as `formations` ((processes, devices), epochs 1, 2, ...),
+    resumed at `resumed` ((round, step)) and stopped once, for `stopped`."""
+    check_run(fed, rounds, list(fed.names))
+    assert all(sorted(r["islands"]) == ["island-0", "island-1"] for r in fed.rounds())
+    formed = fed.events("formed", island="island-0")
+    assert [(e["processes"], e["devices"]) for e in formed] == formations, formed
+    assert [e["epoch"] for e in formed] == list(range(1, len(formations) + 1))
+    assert [(e["round"], e["step"]) for e in fed.events("resumed", island="island-0")] == resumed
+    reasons = [e["reason"] for e in fed.events("stopped", island="island-0")]
+    assert reasons == [stopped], reasons
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_process_island_trains_as_one_process_island_through_a_killed_follower(
@@ -210,17 +226,16 @@ def test_an_island_goes_on_without_a_lost_process_and_grows_back(
     fed.wait_done(WAIT_S)
     fed.stop(linger_s=20.0)
 
-    check_run(fed, REFORM_ROUNDS, list(fed.names))  # every island's θ is the coordinator's after every round
-    assert all(sorted(r["islands"]) == ["island-0", "island-1"] for r in fed.rounds())
-    formed = fed.events("formed", island="island-0")
-    assert [(e["processes"], e["devices"]) for e in formed] == [([0, 1], 4), ([0], 2), ([0, 1], 4)], formed
-    assert [e["epoch"] for e in formed] == [1, 2, 3]
+    # The island re-formed at round 3's start, from its checkpoint of round 3, and joined the coordinator again.
+    _check_formations(
+        fed,
+        REFORM_ROUNDS,
+        [([0, 1], 4), ([0], 2), ([0, 1], 4)],
+        [(1, 4), (3, 12)],
+        "re-forming: process 1 ready to join",
+    )
     [refusal] = fed.events("process_refused", island="island-0")
     assert refusal["process"] == 1 and "inner.lr" in refusal["reason"]
-    # The island re-formed at round 3's start, from its checkpoint of round 3, and joined the coordinator again.
-    assert [(e["round"], e["step"]) for e in fed.events("resumed", island="island-0")] == [(1, 4), (3, 12)]
-    stopped = fed.events("stopped", island="island-0")
-    assert [e["reason"] for e in stopped] == ["re-forming: process 1 ready to join"], stopped
     assert fed.processes()["island-0-host-1"].returncode == 0
     print(f"loss curves differ by at most {_same_curve(fed, reference, REFORM_ROUNDS):.3g}")
 
@@ -289,15 +304,14 @@ def test_an_island_goes_on_under_process_1_when_process_0_is_lost_and_takes_it_b
     fed.wait_done(WAIT_S)
     fed.stop(linger_s=20.0)
 
-    check_run(fed, TAKEOVER_ROUNDS, list(fed.names))  # every island's θ is the coordinator's after every round
-    assert all(sorted(r["islands"]) == ["island-0", "island-1"] for r in fed.rounds())
-    formed = fed.events("formed", island="island-0")
-    assert [(e["processes"], e["devices"]) for e in formed] == [([0, 1], 4), ([1], 2), ([0, 1], 4)], formed
-    assert [e["epoch"] for e in formed] == [1, 2, 3]
     # Process 1 resumed from round 1's checkpoint at its data cursor (step 4), the re-formed island from round 2's.
-    assert [(e["round"], e["step"]) for e in fed.events("resumed", island="island-0")] == [(1, 4), (2, 8)]
-    stopped = fed.events("stopped", island="island-0")
-    assert [e["reason"] for e in stopped] == ["re-forming: process 0 ready to join (process 0 to lead)"], stopped
+    _check_formations(
+        fed,
+        TAKEOVER_ROUNDS,
+        [([0, 1], 4), ([1], 2), ([0, 1], 4)],
+        [(1, 4), (2, 8)],
+        "re-forming: process 0 ready to join (process 0 to lead)",
+    )
     assert "restart 1/5" in fed.log_path("island-0-host-1").read_text()  # its first worker died with the leader
     print(f"loss curves differ by at most {_same_curve(fed, reference, TAKEOVER_ROUNDS):.3g}")
 
