@@ -54,19 +54,16 @@ def own_source(digest: bytes) -> str:
 class ChunkSources:
     """Every source's ledger and each island's source (module docstring). The caller holds any lock."""
 
-    def __init__(
-        self,
-        layouts: Mapping[str, ChunkLayout],
-        homes: Mapping[str, Sequence[str]],
-        max_sequences: int,
-    ) -> None:
-        """`layouts`: the configured sources (the corpus, or each data.paths[i]); `homes`: each one's configured
-        islands, in order; `max_sequences`: the most one lease may ask for (a round's H x batch_size)."""
+    def __init__(self, layouts: Mapping[str, ChunkLayout], names: Sequence[str], max_sequences: int) -> None:
+        """`layouts`: the configured sources (the corpus, or data.paths[i] for each configured island); `names`: the
+        configured islands (islands.names), in order, the homes of the corpus's chunks or each of its own source's;
+        `max_sequences`: the most one lease may ask for (a round's H x batch_size)."""
         self.max_sequences = max_sequences
+        homes = {CORPUS: tuple(names)} if CORPUS in layouts else {paths_source(i): (n,) for i, n in enumerate(names)}
         self.ledgers: dict[str, ChunkLedger] = {
             key: ChunkLedger(layout, homes[key], max_sequences) for key, layout in layouts.items()
         }
-        self.configured: dict[str, str] = {island: key for key, names in homes.items() for island in names}
+        self.configured: dict[str, str] = {island: key for key, islands in homes.items() for island in islands}
         """Configured island -> the source it reads."""
         first = next(iter(layouts.values()))
         self._shape = (first.chunk_sequences, first.seed)

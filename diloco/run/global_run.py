@@ -110,9 +110,7 @@ class GlobalRun:
         """What this run's `chunks_consumed` records add up to (summary.json's `sequences_*`, `epochs`)."""
         if setup.layouts is not None:
             per_round = cfg.train.inner_steps * cfg.train.batch_size
-            names = cfg.islands.island_names
-            homes = {key: names if key == CORPUS else (names[i],) for i, key in enumerate(setup.layouts)}
-            self.chunks = ChunkSources(setup.layouts, homes, per_round)
+            self.chunks = ChunkSources(setup.layouts, cfg.islands.island_names, per_round)
             rd.observers.append(self.consumption.observe)  # it counts the records as they are written
         self._digest_all()
 
