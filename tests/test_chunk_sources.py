@@ -172,6 +172,7 @@ def test_two_islands_that_bring_the_same_tokens_share_its_ledger() -> None:
         ("x", OTHER, 30, INVALID, "now holds other tokens"),  # x reads DIGEST already: one island, one source
         ("y", DIGEST, 31, INVALID, "holds 30 sequences, not 31"),  # the same content cannot be another size
     ],
+    ids=["configured", "another-source", "another-size"],
 )
 def test_an_own_source_that_cannot_be_taken_on_is_refused_and_changes_nothing(
     island: str, digest: bytes, sequences: int, kind: str, words: str
@@ -303,6 +304,7 @@ def own_lease(coord: Coordinator, name: str, digest: bytes = DIGEST, sequences: 
     return [Span(s.chunk, s.start, s.end) for s in coord.lease(req).spans]
 
 
+@pytest.mark.slow  # three coordinator starts
 def test_the_coordinator_writes_an_own_source_before_it_takes_it_on_and_keeps_it_across_a_restart(
     tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -339,6 +341,7 @@ def test_the_coordinator_writes_an_own_source_before_it_takes_it_on_and_keeps_it
 # -- whole runs ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a small simulate of two islands
 def test_data_paths_under_chunks_reads_each_island_s_source_once_in_simulate(tiny_config: Path, tmp_path: Path) -> None:
     paths = [str(write_corpus(tmp_path / f"source-{i}.txt", 12_000 + 3_000 * i, seed=i)) for i in range(2)]
     cfg = load_config(tiny_config, [*CHUNKS, f"data.paths={json.dumps(paths)}", "data.path=", "train.rounds=3"])
@@ -365,3 +368,60 @@ def test_an_admitted_island_s_own_source_is_chunks_named_by_its_content(tiny_con
     copy.write_bytes(own.read_bytes())
     again = admitted_stream(load_config(tiny_config, [*CHUNKS, f"data.own_path={copy}"]), "sa-east")
     assert isinstance(again, ChunkStream) and again.source == stream.source  # the tokens name it, not the path
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_source_is_read_once_across_a_coordinator_restart(federation, tmp_path: Path) -> None:
+    """island-0 and island-1 read their data.paths sources; sa-east, admitted, reads its own (data.own_path). The
+    coordinator is SIGKILLed once every island holds θ_2 and round 2's checkpoint is saved, and restarted: it takes
+    sa-east's source back from sources.json and its position from the checkpoint, and the run ends with every
+    source's sequences consumed once, none lost, per source and in total."""
+    from tests.conftest import WAIT_S
+    from tests.test_elastic import ELASTIC, OPERATOR, operator_command
+
+    paths = [str(write_corpus(tmp_path / f"source-{i}.txt", 12_000 + 3_000 * i, seed=i)) for i in range(2)]
+    own = write_corpus(tmp_path / "own.txt", 9_000, seed=5)
+    holding = [f"{name}:after_adopt:2" for name in ("island-0", "island-1", "sa-east")]
+    fed = federation(
+        *CHUNKS,
+        f"data.paths={json.dumps(paths)}",
+        "data.path=",
+        "train.rounds=4",
+        *ELASTIC,
+        pause_at=["island-0:before_push:0", *holding],
+    )
+    fed.env.update(OPERATOR)
+    fed.start()
+    fed.paused("island-0:before_push:0", WAIT_S)  # round 0 stays open until sa-east reads its own source
+    kit = operator_command(fed, "admit", fed.config, "sa-east", "--out", str(tmp_path / "kit"))
+    fed.start_island("sa-east", args=["--secret", kit["secret"], f"data.own_path={own}"])
+    fed.wait_for(lambda: fed.events("leased", island="sa-east"), WAIT_S, "sa-east to lease its own source")
+    fed.release("island-0:before_push:0")
+    for entry in holding:
+        fed.paused(entry, WAIT_S)
+    checkpoints = fed.run_dir / "checkpoints" / "coordinator"
+    fed.wait_for(lambda: (checkpoints / "2").is_dir(), WAIT_S, "the coordinator's checkpoint 2")
+    fed.wait_for(lambda: fed.rounds() and fed.rounds()[-1]["round"] == 1, WAIT_S, "round 1's record")
+    fed.kill("coordinator")
+    fed.start_coordinator()
+    fed.wait_for(lambda: fed.events("resumed"), WAIT_S, "the coordinator to resume")
+    for entry in holding:
+        fed.release(entry)
+    fed.wait_exit(WAIT_S)
+
+    records = fed.events()
+    assert [r["round"] for r in fed.rounds()] == [0, 1, 2, 3]
+    mine = json.loads((fed.run_dir / SOURCES_FILE).read_text())["islands"]["sa-east"]
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    by_source = summary["sequences_by_source"]
+    assert sorted(by_source) == ["data.paths[0]", "data.paths[1]", mine]
+    for key, part in by_source.items():
+        assert (part["sequences_repeated"], part["sequences_lost"]) == (0, 0), (key, part)
+        assert part["sequences_consumed"] > 0, (key, part)
+    check = checked(records)
+    assert {k: v.summary() for k, v in check.by_source().items()} == by_source  # the records say the same
+    assert (summary["sequences_repeated"], summary["sequences_lost"]) == (0, 0)
+    read_by_sa_east = [e["round"] for e in records if e["event"] == "chunks_consumed" and mine in e.get("sources", {})]
+    assert min(read_by_sa_east) < 2 <= max(read_by_sa_east), read_by_sa_east  # before the restart and after it
