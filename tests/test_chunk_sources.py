@@ -393,10 +393,12 @@ def test_every_source_is_read_once_across_a_coordinator_restart(federation, tmp_
         pause_at=["island-0:before_push:0", *holding],
     )
     fed.env.update(OPERATOR)
-    fed.start()
-    fed.paused("island-0:before_push:0", WAIT_S)  # round 0 stays open until sa-east reads its own source
+    fed.start_coordinator()
     kit = operator_command(fed, "admit", fed.config, "sa-east", "--out", str(tmp_path / "kit"))
+    fed.start_island("island-0")
+    fed.start_island("island-1")
     fed.start_island("sa-east", args=["--secret", kit["secret"], f"data.own_path={own}"])
+    fed.paused("island-0:before_push:0", WAIT_S)  # round 0 stays open until sa-east reads its own source
     fed.wait_for(lambda: fed.events("leased", island="sa-east"), WAIT_S, "sa-east to lease its own source")
     fed.release("island-0:before_push:0")
     for entry in holding:
