@@ -231,6 +231,21 @@ def test_every_ledger_survives_a_restart() -> None:
         assert again.lease(island, 5) == sources.lease(island, 5), island
 
 
+def test_a_roster_renamed_on_resume_reads_each_island_s_source_on_where_it_stands() -> None:
+    """data.paths fixes the number of islands, not their names: island b, renamed c on resume, reads b's source on from
+    where the checkpoint has it, and the chunk b held when the coordinator stopped goes back to the pool first."""
+    sources = per_island(sizes=(40, 37))
+    events = [*layouts(sources), *records(sources, 1, ("a", "b"))]
+    held = sources.lease("b", ROUND)  # leased and not pushed when the coordinator stopped
+    again = per_island(sizes=(40, 37), names=("a", "c"))
+    again.restore(json.loads(json.dumps(sources.to_meta())))
+    again.release("b")  # what the coordinator does for an island not enrolled now
+    assert again.lease("c", ROUND)[0] == held[0]
+    events += records(again, 3, ("a", "c"), first=1)
+    parts = checked(events).by_source()
+    assert all((p.consumed, p.repeated, p.lost) == (100, 0, 0) for p in parts.values()), parts
+
+
 @pytest.mark.parametrize(("sequences", "chunk", "homes", "taken"), [(97, 10, 3, 4), (40, 10, 2, 3), (7, 10, 1, 0)])
 def test_fresh_sequences_are_counted_per_home_as_chunk_by_chunk(
     sequences: int, chunk: int, homes: int, taken: int
