@@ -33,6 +33,7 @@ from diloco.run.rundir import RunDir, read_events
 from diloco.run.setup import admitted_stream, build_setup
 from diloco.simulator.simulate import run_simulation
 from islands.chunks import ChunkLayout, ChunkStream, Span, source_digest
+from islands.data import DataError
 from tests.conftest import write_corpus
 from transport import diloco_pb2 as pb
 from transport.errors import Rejected
@@ -383,6 +384,10 @@ def test_an_admitted_island_s_own_source_is_chunks_named_by_its_content(tiny_con
     copy.write_bytes(own.read_bytes())
     again = admitted_stream(load_config(tiny_config, [*CHUNKS, f"data.own_path={copy}"]), "sa-east")
     assert isinstance(again, ChunkStream) and again.source == stream.source  # the tokens name it, not the path
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"x" * 12)
+    with pytest.raises(DataError, match=r"data.own_path '.*short.txt': data.sampling = 'chunks' reads whole sequences"):
+        admitted_stream(load_config(tiny_config, [*CHUNKS, f"data.own_path={short}"]), "sa-east")
 
 
 @pytest.mark.multiprocess

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from diloco.run.chunk_ledger import BEYOND_END, INVALID, ChunkRefused
-from diloco.run.chunk_sources import EXHAUSTED, ChunkSources, registry_problem, source_field
+from diloco.run.chunk_sources import EXHAUSTED, ChunkSources, layout_fields, registry_problem
 from floor.errors import UserError
 from floor.files import write_atomically
 from islands.chunks import Span
@@ -113,7 +113,7 @@ class ChunkLeases:
     def _log_layout(self, sources: ChunkSources, key: str) -> None:
         """A `chunks_layout` without a round: kept whatever round a restarted coordinator resumes at, as sources.json
         keeps the source."""
-        self.log("chunks_layout", **source_field(key), **sources.ledgers[key].layout.to_meta())
+        self.log("chunks_layout", **layout_fields(key, sources.ledgers[key].layout))
 
     def record(self, meta: pb.PushMeta, round_: int) -> None:
         """A push that passed every other check, placed in round `round_` (its own, or the update it becomes in the

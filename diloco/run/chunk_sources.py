@@ -236,6 +236,7 @@ def registry_problem(registry: Any) -> str | None:
     return None
 
 
-def source_field(key: str) -> dict[str, str]:
-    """How a record names its source: no field for the corpus (as a run of one source writes it), else `source`."""
-    return {} if key == CORPUS else {"source": key}
+def layout_fields(key: str, layout: ChunkLayout) -> dict[str, Any]:
+    """A `chunks_layout` record of source `key`: its layout, and its key in `source` but for the corpus's (as a run of
+    one source writes it)."""
+    return {**({} if key == CORPUS else {"source": key}), **layout.to_meta()}

@@ -33,7 +33,7 @@ import numpy as np
 from diloco.config import RunConfig
 from diloco.run.checkpoint import CheckpointStore, restore_state, save_state
 from diloco.run.chunk_ledger import CORPUS, ConsumptionCheck
-from diloco.run.chunk_sources import ChunkSources, source_field
+from diloco.run.chunk_sources import ChunkSources, layout_fields
 from diloco.run.rounds import Commit, Contribution, GlobalState, OuterLoop, fragment_digests
 from diloco.run.rundir import RunDir, read_events
 from diloco.run.setup import Evaluator, Setup
@@ -137,7 +137,7 @@ class GlobalRun:
             self.rd.log("eval", step=0, eval_loss=loss, **({"scores": scores} if scores else {}))
             if self.chunks is not None:
                 for key, layout in self.chunks.layouts().items():
-                    self.rd.log("chunks_layout", **source_field(key), **layout.to_meta())
+                    self.rd.log("chunks_layout", **layout_fields(key, layout))
             return
         self.loop.state, meta = restore_state(self.store, step, self.loop.state)
         self._digest_all()

@@ -21,7 +21,7 @@ from diloco.run.chunk_ledger import CORPUS
 from diloco.run.chunk_sources import paths_source
 from diloco.run.posttrain import PostTraining
 from islands.chunks import ChunkLayout, ChunkStream, corpus_sequences, source_digest
-from islands.data import BatchStream, eval_batches, load_sources, open_source
+from islands.data import BatchStream, DataError, eval_batches, load_sources, open_source
 from islands.inner import make_eval_fn, make_inner_optimizer
 from islands.island import Batches, Island
 from islands.memory import Footprint, OutOfMemoryError, device_room, eval_advice, verdict
@@ -137,7 +137,7 @@ def chunk_layouts(cfg: RunConfig) -> dict[str, ChunkLayout] | None:
 
     def layout(spec: str, where: str, key: str) -> ChunkLayout:
         source = open_source(data, spec, where, cfg.model.vocab_size, cfg.run.seed, key, True, tokenizer)
-        return ChunkLayout(corpus_sequences(source.n_train, cfg.model.seq_len), data.chunk_sequences, cfg.run.seed)
+        return source_layout(cfg, source.n_train, where)
 
     if data.paths:
         keys = [paths_source(i) for i in range(len(data.paths))]  # the config key is the source's key
@@ -146,6 +146,18 @@ def chunk_layouts(cfg: RunConfig) -> dict[str, ChunkLayout] | None:
         f"data.synthetic_tokens ({data.synthetic_tokens})" if data.kind == "synthetic" else f"data.path {data.path!r}"
     )
     return {CORPUS: layout(data.path, where, "data.path")}
+
+
+def source_layout(cfg: RunConfig, train_tokens: int, where: str) -> ChunkLayout:
+    """A source of `train_tokens` training tokens as chunks; a source too short for one sequence is one line naming
+    it (`where`)."""
+    sequences = corpus_sequences(train_tokens, cfg.model.seq_len)
+    if sequences < 1:
+        raise DataError(
+            f"{where}: data.sampling = 'chunks' reads whole sequences of model.seq_len + 1 = {cfg.model.seq_len + 1} "
+            f"tokens, and its training split holds {train_tokens}"
+        )
+    return ChunkLayout(sequences, cfg.data.chunk_sequences, cfg.run.seed)
 
 
 def admitted_stream(cfg: RunConfig, name: str) -> Batches:
@@ -161,7 +173,7 @@ def admitted_stream(cfg: RunConfig, name: str) -> Batches:
                           "data.own_path", tokenizer=tokenizer)  # fmt: skip
         train = own.train
         if data.sampling == "chunks":
-            layout = ChunkLayout(corpus_sequences(len(train), cfg.model.seq_len), data.chunk_sequences, cfg.run.seed)
+            layout = source_layout(cfg, len(train), f"data.own_path {data.own_path!r}")
             digest = source_digest(train, layout, cfg.model.seq_len)
             return ChunkStream(train, layout, cfg.train.batch_size, cfg.model.seq_len, source=digest)
     elif data.paths:
