@@ -30,7 +30,7 @@ from diloco.run.chunk_sources import (
     registry_problem,
 )
 from diloco.run.rundir import RunDir, read_events
-from diloco.run.setup import admitted_stream, build_setup
+from diloco.run.setup import admitted_stream, build_setup, chunk_layouts
 from diloco.simulator.simulate import run_simulation
 from islands.chunks import ChunkLayout, ChunkStream, Span, source_digest
 from islands.data import DataError
@@ -355,6 +355,21 @@ def test_the_coordinator_writes_an_own_source_before_it_takes_it_on_and_keeps_it
 
 
 # -- whole runs ----------------------------------------------------------------------------------------------------
+
+
+def test_data_paths_under_chunks_is_a_source_per_island(tiny_config: Path, tmp_path: Path) -> None:
+    paths = [str(write_corpus(tmp_path / f"source-{i}.txt", 1_000 * (i + 1), seed=i)) for i in range(2)]
+    cfg = load_config(tiny_config, [*CHUNKS, f"data.paths={json.dumps(paths)}", "data.path="])  # refused before
+    got = chunk_layouts(cfg)
+    assert got is not None and {k: v.sequences for k, v in got.items()} == {
+        "data.paths[0]": 900 // 17,
+        "data.paths[1]": 1_800 // 17,
+    }
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_bytes(b"x" * 12)
+    cfg = load_config(tiny_config, [*CHUNKS, f"data.paths={json.dumps([paths[0], str(tiny)])}", "data.path="])
+    with pytest.raises(DataError, match=r"data.paths\[1\] '.*tiny.txt': data.sampling = 'chunks' reads whole"):
+        chunk_layouts(cfg)
 
 
 @pytest.mark.slow  # a small simulate of two islands
