@@ -118,7 +118,8 @@ class DataConfig:
     own_path: str = field(default="", metadata=LOCAL)
     """An island admitted into a live run (`diloco admit`) that brings its own source trains on it: a path as
     data.path takes (the same kind). Per process, not part of the run's identity: only that island reads it, and
-    the run's validation split stays the shared one. "": it trains on windows of the shared corpus."""
+    the run's validation split stays the shared one. Under data.sampling = "chunks" it reads chunks of it from a ledger
+    of its own, which the coordinator keys by the source's content. "": it trains on the shared corpus."""
 
     sampling: str = "windows"
     """How an island draws its batches. "windows" (the default: existing runs reproduce bit for bit): random windows

@@ -1,8 +1,9 @@
 """The chunk ledger: who reads which chunk of the corpus, and which sequences are consumed (data.sampling = "chunks").
 
-docs/architecture.md, "Chunked sampling". The corpus is cut into chunks of sequences (islands/chunks.py); the
-ledger, owned by whoever owns θ (`GlobalRun`: the coordinator, or `simulate`), leases chunks to islands and keeps,
-per chunk it has touched:
+docs/architecture.md, "Chunked sampling". A source (the corpus, an island's data.paths entry, an admitted island's
+own: one ledger each, diloco/run/chunk_sources.py) is cut into chunks of sequences (islands/chunks.py); its ledger,
+owned by whoever owns θ (`GlobalRun`: the coordinator, or `simulate`), leases chunks to islands and keeps, per chunk
+it has touched:
 
     owner       the island that reads it now (None: nobody; it is free once nothing of it is pending)
     committed   sequences [0, committed) are consumed: a round that trained on them is committed and kept
