@@ -9,10 +9,15 @@ follow those of earlier ones. Position p of chunk c is the p-th sequence of its 
 Who reads which chunk is the coordinator's ledger's decision (diloco/run/chunk_ledger.py); an island only reads the
 spans it was leased, in order (`ChunkStream`). Both sides compute the same layout from the config alone, so a span
 (chunk, start, end) names the same sequences in every process. numpy only: no JAX, no transport.
+
+Each source has its own chunks (docs/architecture.md, "Chunked sampling": a ledger per source): the shared corpus,
+each island's own source under data.paths, and an admitted island's own source (data.own_path), which the
+coordinator knows only by what the island tells it: its content identity, `source_digest`, and its size.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -92,6 +97,22 @@ def corpus_sequences(train_tokens: int, seq_len: int) -> int:
     return train_tokens // (seq_len + 1)
 
 
+DIGEST_BLOCK_TOKENS = 1 << 22
+"""Tokens hashed per step of `source_digest` (16 MiB as uint32): a memory-mapped source is never read whole."""
+
+
+def source_digest(tokens: np.ndarray, layout: ChunkLayout, seq_len: int) -> bytes:
+    """The content identity of a source: the SHA-256 of the token ids its chunks can name (the first
+    layout.sequences x (seq_len + 1) tokens, as little-endian uint32, so the same tokens stored as uint16 or uint32
+    are the same source), with the sequence length. Two files with these tokens are one source wherever they lie,
+    and one path that holds other tokens is another."""
+    h = hashlib.sha256(f"diloco source: seq_len {seq_len}\n".encode())
+    end = layout.sequences * (seq_len + 1)
+    for lo in range(0, end, DIGEST_BLOCK_TOKENS):
+        h.update(np.asarray(tokens[lo : min(end, lo + DIGEST_BLOCK_TOKENS)], dtype="<u4").tobytes())
+    return h.digest()
+
+
 class ChunkStream:
     """An island's batches under data.sampling = "chunks": the spans the coordinator leased it (`begin`), read in
     order, batch_size sequences a batch (an `islands.island.Batches`).
@@ -99,11 +120,16 @@ class ChunkStream:
     The cursor counts the batches drawn since the plan began; `taken` is what they read, which the island's push
     reports and the coordinator's ledger checks against its leases. Nothing here decides what to read next."""
 
-    def __init__(self, tokens: np.ndarray, layout: ChunkLayout, batch_size: int, seq_len: int) -> None:
+    def __init__(
+        self, tokens: np.ndarray, layout: ChunkLayout, batch_size: int, seq_len: int, source: bytes = b""
+    ) -> None:
+        """`source`: an admitted island's own source, its `source_digest`, which its leases name; b"" for a source
+        of the run's config (the shared corpus, or the island's data.paths entry), which the coordinator knows."""
         if np.ndim(tokens) != 1 or len(tokens) < layout.sequences * (seq_len + 1):
             raise DataError(f"the training split ({len(tokens)} tokens) is shorter than the chunk layout's sequences")
         self.tokens = tokens
         self.layout = layout
+        self.source = source
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.cursor = 0

@@ -118,7 +118,8 @@ class DataConfig:
     own_path: str = field(default="", metadata=LOCAL)
     """An island admitted into a live run (`diloco admit`) that brings its own source trains on it: a path as
     data.path takes (the same kind). Per process, not part of the run's identity: only that island reads it, and
-    the run's validation split stays the shared one. "": it trains on windows of the shared corpus."""
+    the run's validation split stays the shared one. Under data.sampling = "chunks" it reads chunks of it from a ledger
+    of its own, which the coordinator keys by the source's content. "": it trains on the shared corpus."""
 
     sampling: str = "windows"
     """How an island draws its batches. "windows" (the default: existing runs reproduce bit for bit): random windows
@@ -126,9 +127,9 @@ class DataConfig:
     tokens are never seen. "chunks": the training split as fixed-length sequences of model.seq_len + 1 tokens in a
     seeded global order, cut into chunks of data.chunk_sequences that the coordinator leases to islands; every
     sequence is trained on once per epoch, whatever islands join and leave (docs/architecture.md, "Chunked
-    sampling"). Plain DiLoCo rounds only (train.mode = "diloco", no streaming); not with data.paths (there is no
-    shared corpus to cut). An admitted island that brings its own source (data.own_path) keeps drawing windows of
-    it: the ledger covers the shared corpus."""
+    sampling"). Each source has its own chunks and ledger: the shared corpus, each island's data.paths entry, and
+    the source an admitted island brings (data.own_path, known to the coordinator by its content). DiLoCo rounds
+    only (train.mode = "diloco" or "async", no streaming)."""
 
     chunk_sequences: int = 64
     """data.sampling = "chunks" only: sequences per chunk, the unit the coordinator leases. Many more chunks than
@@ -154,11 +155,6 @@ class DataConfig:
         if self.sampling not in SAMPLINGS:
             raise DataError(f"data.sampling must be one of {', '.join(SAMPLINGS)} (got {self.sampling!r})")
         _check_count("data.chunk_sequences", self.chunk_sequences, 1)
-        if self.sampling == "chunks" and self.paths:
-            raise DataError(
-                "data.sampling = 'chunks' cuts one shared corpus (data.path) into chunks; data.paths gives each "
-                "island its own source: use data.sampling = 'windows' with it"
-            )
         if self.kind not in KINDS:
             raise DataError(f"data.kind must be one of {', '.join(KINDS)} (got {self.kind!r})")
         if not isinstance(self.path, str):

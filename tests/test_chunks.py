@@ -505,7 +505,7 @@ def test_a_restarted_coordinator_returns_the_chunks_of_an_island_retired_since_i
     held = roster_changed_in_an_open_round(tiny_config, tmp_path / "run")
     coord = started(tiny_config, tmp_path / "run", "quorum.min_islands=1")
     try:
-        assert coord.world.chunks is not None and coord.world.chunks.owner(held[0].chunk) is None
+        assert coord.world.chunks is not None and coord.world.chunks.corpus.owner(held[0].chunk) is None
         joined(coord, "island-0")
         mine = lease(coord, "island-0")
         assert held[0] in mine, (held, mine)  # the retired island's chunk, read on from where it stands
@@ -525,7 +525,11 @@ def test_a_restarted_coordinator_returns_the_chunks_of_an_island_that_does_not_c
     try:
         joined(coord, "island-0", "island-1")
         a_round(coord, "island-0", "island-1")
-        (left,) = [c for c in range(8) if coord.world.chunks.owner(c) == "island-1" and coord.world.chunks.position(c)]
+        (left,) = [
+            c
+            for c in range(8)
+            if coord.world.chunks.corpus.owner(c) == "island-1" and coord.world.chunks.corpus.position(c)
+        ]
     finally:
         stopped(coord)
     now = [0.0]
@@ -534,13 +538,13 @@ def test_a_restarted_coordinator_returns_the_chunks_of_an_island_that_does_not_c
         coord.tick()
         now[0] = 14.9
         coord.tick()
-        assert coord.world.chunks.owner(left) == "island-1"  # it may still come back to its chunks
+        assert coord.world.chunks.corpus.owner(left) == "island-1"  # it may still come back to its chunks
         now[0] = 15.0
         coord.tick()
-        assert coord.world.chunks.owner(left) is None
+        assert coord.world.chunks.corpus.owner(left) is None
         joined(coord, "island-0")
         mine = lease(coord, "island-0")
-        assert Span(left, coord.world.chunks.position(left), 20) in mine, mine
+        assert Span(left, coord.world.chunks.corpus.position(left), 20) in mine, mine
     finally:
         stopped(coord)
 

@@ -171,16 +171,20 @@ class ChunkSpan(_message.Message):
     def __init__(self, chunk: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("run_id", "island", "round", "sequences")
+    __slots__ = ("run_id", "island", "round", "sequences", "source", "source_sequences")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island: str
     round: int
     sequences: int
-    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., round: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
+    source: bytes
+    source_sequences: int
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., round: _Optional[int] = ..., sequences: _Optional[int] = ..., source: _Optional[bytes] = ..., source_sequences: _Optional[int] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
     __slots__ = ("spans", "round")

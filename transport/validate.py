@@ -156,10 +156,32 @@ def check_join(req: pb.JoinRequest) -> None:
         )
 
 
+SOURCE_DIGEST_BYTES = 32
+"""A source's content identity on a lease: a SHA-256 (islands/chunks.py `source_digest`)."""
+MAX_SOURCE_SEQUENCES = 1 << 40
+"""The most sequences a source named on a lease may hold (about a trillion: far beyond any corpus one island reads),
+so the coordinator's arithmetic over its chunks stays bounded whatever the wire says."""
+
+
 def check_lease(req: pb.LeaseRequest) -> None:
-    """A lease asks for at least one sequence (the coordinator bounds the most: one round's worth)."""
+    """A lease asks for at least one sequence (the coordinator bounds the most: one round's worth); a source it names
+    is a SHA-256 with a count of sequences from 1 to `MAX_SOURCE_SEQUENCES`, or absent with no count."""
     if req.sequences == 0:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "a lease asks for at least one sequence (got 0)")
+    if not req.source:
+        if req.source_sequences:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "a lease names source_sequences without a source")
+        return
+    if len(req.source) != SOURCE_DIGEST_BYTES:
+        raise Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"a lease's source is {len(req.source)} bytes; a source is named by its {SOURCE_DIGEST_BYTES}-byte SHA-256",
+        )
+    if not 1 <= req.source_sequences <= MAX_SOURCE_SEQUENCES:
+        raise Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"a lease's source holds 1 to {MAX_SOURCE_SEQUENCES} sequences, not {req.source_sequences}",
+        )
 
 
 def check_leave(req: pb.LeaveRequest | pb.RetireRequest) -> None:

@@ -18,8 +18,9 @@ have one job and their own state:
   `CommitWindow` (commit_window.py)   the last commits, the streams their pulls share, who received them
   `PullAnswers` (pull_answers.py)     what a pull gets, and the waits that spare an island a needless push
   `ChunkLeases` (chunk_leases.py)     data.sampling = "chunks": leases to members, a push's spans recorded in the
-                                      run's ledger (GlobalRun.chunks) and consumed when its round is kept, a
-                                      departed island's chunks returned to the pool
+                                      run's ledger of its source (GlobalRun.chunks) and consumed when its round is
+                                      kept, a departed island's chunks returned to the pool, an admitted island's
+                                      own source taken on (sources.json)
   `ThrottledEvents` (rejections.py)   refusal and membership events, bounded whatever a caller sends
 
   push   -> admitted (the transport checked bytes, names, shapes, finiteness, digest; nothing unchecked reaches θ)
@@ -124,7 +125,8 @@ class Coordinator:
         )
         kept = cfg.outer.max_staleness + 1 if self.asynchronous else fragments.count
         self.window = CommitWindow(kept, self.loop.sync, self.world.params_digest)
-        self.leases = ChunkLeases(lambda: self.world.chunks, cfg.islands.island_names, cfg.model.seq_len)
+        self.leases = ChunkLeases(lambda: self.world.chunks, cfg.model.seq_len, rd.path, rd.log)
+        self.leases.resume(self.world.consumption.layouts)  # the own sources admitted islands brought
         self.leases.release_all_but(self.enrollment)  # a resumed ledger's readers that are gone for good
         self.committer = Committer(
             cfg, rd, self.world, self.cond, lambda: self.clock(), self.roster, self.admission, self.window, self.leases
@@ -348,7 +350,7 @@ class Coordinator:
     def lease(self, req: pb.LeaseRequest) -> pb.LeaseReply:
         with self.cond:
             refuse_if_diverged(self.world)
-            return self.leases.lease(req.island, int(req.sequences), req.island in self.roster, self.loop.round)
+            return self.leases.lease(req, req.island in self.roster, self.loop.round, self.enrollment)
 
     # -- the ticker and reporting ------------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The chunk ledger: who reads which chunk of the corpus, and which sequences are consumed (data.sampling = "chunks").
 
-docs/architecture.md, "Chunked sampling". The corpus is cut into chunks of sequences (islands/chunks.py); the
-ledger, owned by whoever owns θ (`GlobalRun`: the coordinator, or `simulate`), leases chunks to islands and keeps,
-per chunk it has touched:
+docs/architecture.md, "Chunked sampling". A source (the corpus, an island's data.paths entry, an admitted island's
+own: one ledger each, diloco/run/chunk_sources.py) is cut into chunks of sequences (islands/chunks.py); its ledger,
+owned by whoever owns θ (`GlobalRun`: the coordinator, or `simulate`), leases chunks to islands and keeps, per chunk
+it has touched:
 
     owner       the island that reads it now (None: nobody; it is free once nothing of it is pending)
     committed   sequences [0, committed) are consumed: a round that trained on them is committed and kept
@@ -43,6 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from islands.chunks import ChunkLayout, Span
+
+CORPUS = "corpus"
+"""The shared corpus's source key (diloco/run/chunk_sources.py): the source of records that name none."""
 
 PendingSpan = tuple[int, str, int, int]
 """(round, island, start, end): sequences of a chunk in a push accepted into `round` and not yet kept."""
@@ -134,9 +138,16 @@ class ChunkLedger:
         return {ch.owner for ch in self._chunks.values() if ch.owner is not None}
 
     def fresh_sequences(self) -> int:
-        """Sequences in the chunks of the open epoch that nobody has leased yet."""
-        n, first = len(self._epoch_homes), self.epoch * self.layout.chunks
-        return sum(self.size(first + h + n * j) for h, (lo, hi) in enumerate(self._slots) for j in range(lo, hi))
+        """Sequences in the chunks of the open epoch that nobody has leased yet: whole chunks, less what the epoch's
+        last chunk lacks when it is among them (counted per home, not per chunk: a source's size comes from the
+        wire for an admitted island's own source)."""
+        n, last, full = len(self._epoch_homes), self.layout.chunks - 1, self.layout.chunk_sequences
+        total = 0
+        for h, (lo, hi) in enumerate(self._slots):
+            total += (hi - lo) * full
+            if (last - h) % n == 0 and lo <= (last - h) // n < hi:
+                total -= full - self.size(last)
+        return total
 
     def unfinished(self) -> list[Span]:
         """What is left of every chunk begun and not consumed to its end (leased, partly read, or returned), lowest id
@@ -367,57 +378,90 @@ class Consumption:
 
 class ConsumptionCheck:
     """Reads `chunks_layout` and `chunks_consumed` events one at a time (`add`) and keeps every chunk's consumed
-    intervals; `result` says what they add up to. Knows nothing of the ledger: it checks the records."""
+    intervals, source by source (a record without `source`, or the `spans` of a `chunks_consumed`, is the corpus's;
+    its `sources` holds the others'); `result` says what they add up to, `by_source` per source. Knows nothing of the
+    ledger: it checks the records."""
 
     def __init__(self) -> None:
-        self.layout: dict[str, int] | None = None
-        self._spans: dict[int, list[tuple[int, int]]] = {}
-        self.repeated = 0
+        self.layouts: dict[str, dict[str, int]] = {}
+        self._spans: dict[str, dict[int, list[tuple[int, int]]]] = {}
+        self._repeated: dict[str, int] = {}
+
+    @property
+    def layout(self) -> dict[str, int] | None:
+        """The corpus's layout (None: the run recorded none)."""
+        return self.layouts.get(CORPUS)
 
     def add(self, event: Mapping[str, Any]) -> None:
         kind = event.get("event")
         if kind == "chunks_layout":
-            self.layout = {k: int(event[k]) for k in ("sequences", "chunk_sequences", "chunks")}
+            source = str(event.get("source", CORPUS))
+            self.layouts[source] = {k: int(event[k]) for k in ("sequences", "chunk_sequences", "chunks")}
+            self._spans.setdefault(source, {})
         elif kind == "chunks_consumed":
-            for spans in event["spans"].values():
-                for chunk, start, end in spans:
-                    self._add(int(chunk), int(start), int(end))
+            by_source = {CORPUS: event.get("spans", {}), **event.get("sources", {})}
+            for source, by_island in by_source.items():
+                for spans in by_island.values():
+                    for chunk, start, end in spans:
+                        self._add(source, int(chunk), int(start), int(end))
 
     def observe(self, event: str, fields: Mapping[str, Any]) -> None:
         """`add`, as a `RunDir` observer: each record counted as it is written."""
         self.add({"event": event, **fields})
 
-    def _add(self, chunk: int, start: int, end: int) -> None:
-        have = self._spans.setdefault(chunk, [])
-        self.repeated += sum(max(0, min(end, e) - max(start, s)) for s, e in have)
+    def _add(self, source: str, chunk: int, start: int, end: int) -> None:
+        have = self._spans.setdefault(source, {}).setdefault(chunk, [])
+        self._repeated[source] = self._repeated.get(source, 0) + sum(
+            max(0, min(end, e) - max(start, s)) for s, e in have
+        )
         have.append((start, end))
 
-    def complete_epochs(self) -> int:
-        """Epochs, from the first, whose every sequence the records consumed: a whole pass over the corpus."""
-        if self.layout is None:
+    def complete_epochs(self, source: str = CORPUS) -> int:
+        """Epochs of `source`, from the first, whose every sequence the records consumed: whole passes over it."""
+        meta, spans = self.layouts.get(source), self._spans.get(source, {})
+        if meta is None:
             return 0
-        layout = ChunkLayout(self.layout["sequences"], self.layout["chunk_sequences"], seed=0)
+        layout = ChunkLayout(meta["sequences"], meta["chunk_sequences"], seed=0)
         epochs = 0
         while all(
-            _covered(self._spans.get(chunk, [])) == layout.size(chunk)
+            _covered(spans.get(chunk, [])) == layout.size(chunk)
             for chunk in range(epochs * layout.chunks, (epochs + 1) * layout.chunks)
         ):
             epochs += 1
         return epochs
 
+    def by_source(self) -> dict[str, Consumption]:
+        """What each source's records add up to (every source with a layout or a consumed span)."""
+        return {source: self._result(source) for source in sorted(self._spans)}
+
     def result(self) -> Consumption:
+        """What the run's records add up to over every source (`epochs`: passes over all of them)."""
+        parts = self.by_source()
+        consumed = sum(p.consumed for p in parts.values())
+        sequences = sum(meta["sequences"] for meta in self.layouts.values())
+        return Consumption(
+            consumed,
+            sum(p.repeated for p in parts.values()),
+            sum(p.lost for p in parts.values()),
+            sum(p.unread for p in parts.values()),
+            round(consumed / sequences, 4) if sequences else 0.0,
+        )
+
+    def _result(self, source: str) -> Consumption:
         covered = lost = 0
-        for intervals in self._spans.values():
+        spans = self._spans.get(source, {})
+        for intervals in spans.values():
             merged = _merged(intervals)
             inside = sum(e - s for s, e in merged)
             covered += inside
             lost += merged[-1][1] - inside  # holes below the highest sequence consumed
-        if self.layout is None:
-            return Consumption(covered, self.repeated, lost, 0, 0.0)
-        sequences = self.layout["sequences"]
-        begun = max(self._spans, default=0) // self.layout["chunks"] + 1
+        repeated, meta = self._repeated.get(source, 0), self.layouts.get(source)
+        if meta is None:
+            return Consumption(covered, repeated, lost, 0, 0.0)
+        sequences = meta["sequences"]
+        begun = max(spans, default=0) // meta["chunks"] + 1
         unread = begun * sequences - covered - lost
-        return Consumption(covered, self.repeated, lost, unread, round(covered / sequences, 4))
+        return Consumption(covered, repeated, lost, unread, round(covered / sequences, 4))
 
 
 def _merged(intervals: Iterable[tuple[int, int]]) -> list[list[int]]:

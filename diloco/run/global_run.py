@@ -32,7 +32,8 @@ import numpy as np
 
 from diloco.config import RunConfig
 from diloco.run.checkpoint import CheckpointStore, restore_state, save_state
-from diloco.run.chunk_ledger import ChunkLedger, ConsumptionCheck
+from diloco.run.chunk_ledger import CORPUS, ConsumptionCheck
+from diloco.run.chunk_sources import ChunkSources, layout_fields
 from diloco.run.rounds import Commit, Contribution, GlobalState, OuterLoop, fragment_digests
 from diloco.run.rundir import RunDir, read_events
 from diloco.run.setup import Evaluator, Setup
@@ -102,13 +103,14 @@ class GlobalRun:
         self.divergence_factor = DIVERGENCE_FACTOR if factor is None else factor
         self.diverged: DivergedError | None = None
         """Set when a commit diverged (and was undone): the run must stop; `close_round` raises it from then on."""
-        self.chunks: ChunkLedger | None = None
-        """data.sampling = "chunks": who reads which chunk, and what is consumed (diloco/run/chunk_ledger.py)."""
+        self.chunks: ChunkSources | None = None
+        """data.sampling = "chunks": per source, who reads which chunk and what is consumed
+        (diloco/run/chunk_sources.py, diloco/run/chunk_ledger.py)."""
         self.consumption = ConsumptionCheck()
         """What this run's `chunks_consumed` records add up to (summary.json's `sequences_*`, `epochs`)."""
-        if setup.layout is not None:
+        if setup.layouts is not None:
             per_round = cfg.train.inner_steps * cfg.train.batch_size
-            self.chunks = ChunkLedger(setup.layout, cfg.islands.island_names, per_round)
+            self.chunks = ChunkSources(setup.layouts, cfg.islands.island_names, per_round)
             rd.observers.append(self.consumption.observe)  # it counts the records as they are written
         self._digest_all()
 
@@ -134,7 +136,8 @@ class GlobalRun:
             self.totals.initial_scores = self.totals.final_scores = scores or None
             self.rd.log("eval", step=0, eval_loss=loss, **({"scores": scores} if scores else {}))
             if self.chunks is not None:
-                self.rd.log("chunks_layout", **self.chunks.layout.to_meta())
+                for key, layout in self.chunks.layouts().items():
+                    self.rd.log("chunks_layout", **layout_fields(key, layout))
             return
         self.loop.state, meta = restore_state(self.store, step, self.loop.state)
         self._digest_all()
@@ -144,7 +147,7 @@ class GlobalRun:
         kept = read_events(self.rd.metrics_path)
         self.totals = roster_counted(self.totals, kept)
         if self.chunks is not None:
-            self.chunks.restore(meta["chunks"])
+            self.chunks.restore(meta)
             for event in kept:  # the records kept: what the restored ledger holds
                 self.consumption.add(event)
         self.rd.log("resumed", round=self.loop.round, digest=self.params_digest)
@@ -256,12 +259,18 @@ class GlobalRun:
         )
         close_s = {"commit": round(pending.commit_s, 4), "eval": round(pending.eval_s, 4)}
         if self.chunks is not None and pending.round_closed:
-            spans = self.chunks.commit(commit.round, commit.islands)
+            consumed = self.chunks.commit(commit.round, commit.islands)
+            listed = {
+                key: {island: [s.as_list() for s in got] for island, got in by_island.items()}
+                for key, by_island in consumed.items()
+            }
+            others = {key: spans for key, spans in listed.items() if key != CORPUS}
             self.rd.log(
                 "chunks_consumed",
                 round=commit.round,
-                sequences=sum(s.length for got in spans.values() for s in got),
-                spans={island: [s.as_list() for s in got] for island, got in spans.items()},
+                sequences=sum(s.length for by_island in consumed.values() for got in by_island.values() for s in got),
+                spans=listed.get(CORPUS, {}),
+                **({"sources": others} if others else {}),
             )
             if t.rounds >= self.cfg.train.rounds:
                 self._log_unread(commit.round)
@@ -292,18 +301,23 @@ class GlobalRun:
         """The run's last round is kept: what it leaves unread of the passes it began, by its records (summary.json's
         `sequences_unread`) and where, by the ledger."""
         assert self.chunks is not None
+        where = {
+            key: {"spans": [s.as_list() for s in ledger.unfinished()], "fresh_sequences": ledger.fresh_sequences()}
+            for key, ledger in self.chunks.ledgers.items()
+        }
+        corpus = where.pop(CORPUS, {"spans": [], "fresh_sequences": 0})
         self.rd.log(
             "chunks_unread",
             round=round_,
             sequences=self.consumption.result().unread,
-            spans=[s.as_list() for s in self.chunks.unfinished()],
-            fresh_sequences=self.chunks.fresh_sequences(),
+            **corpus,
+            **({"sources": where} if where else {}),
         )
 
     def checkpoint_meta(self) -> dict:
         """What a checkpoint stores beside the state: the totals, the deadline's history and (chunks) the ledger, as
         they are now."""
-        chunks = {"chunks": self.chunks.to_meta()} if self.chunks is not None else {}
+        chunks = self.chunks.to_meta() if self.chunks is not None else {}
         return {"totals": self.totals.to_meta(), "durations": list(self.durations), **chunks}
 
     def save(self, pending: Settling, meta: dict) -> None:
@@ -354,6 +368,7 @@ class GlobalRun:
             param_count=self.param_count,
             params_digest=self.params_digest,
             consumption=self.consumption.result() if self.chunks is not None else None,
+            by_source=self.consumption.by_source() if self.chunks is not None else None,
         )
 
     def close(self) -> None:

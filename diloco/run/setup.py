@@ -17,9 +17,11 @@ import jax
 import numpy as np
 
 from diloco.config import ConfigError, RunConfig
+from diloco.run.chunk_ledger import CORPUS
+from diloco.run.chunk_sources import paths_source
 from diloco.run.posttrain import PostTraining
-from islands.chunks import ChunkLayout, ChunkStream, corpus_sequences
-from islands.data import BatchStream, eval_batches, load_sources, open_source
+from islands.chunks import ChunkLayout, ChunkStream, corpus_sequences, source_digest
+from islands.data import BatchStream, DataError, eval_batches, load_sources, open_source
 from islands.inner import make_eval_fn, make_inner_optimizer
 from islands.island import Batches, Island
 from islands.memory import Footprint, OutOfMemoryError, device_room, eval_advice, verdict
@@ -47,8 +49,9 @@ class Setup:
     """θ_0, the same in every process for one seed."""
     fragments: Fragments
     """Which leaves sync together (stream.fragments; one fragment of every leaf without streaming)."""
-    layout: ChunkLayout | None = None
-    """data.sampling = "chunks": the corpus's sequences and chunks (islands/chunks.py); None for windows."""
+    layouts: dict[str, ChunkLayout] | None = None
+    """data.sampling = "chunks": the sequences and chunks of each configured source, by its key (the corpus, or
+    data.paths[i] each: diloco/run/chunk_sources.py; islands/chunks.py); None for windows."""
     models: dict[str, Model] | None = None
     """Island name -> the model it trains where that is not `model`: a post-training island's (the workload's loss)."""
     heldout: WorkloadEval | None = None
@@ -70,8 +73,8 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
     workload = cfg.workload
     corpus = [n for n in wanted if workload.of(n).kind == "lm"]  # the islands that read the corpus
     streams: dict[str, Batches] = {}
-    layout = chunk_layout(cfg)
-    if layout is not None:
+    layouts = chunk_layouts(cfg)
+    if layouts is not None and not cfg.data.paths:  # every island reads the shared split whole: no shard is cut
         only: set[int] | None = set()
     elif islands is None and len(corpus) == len(names):
         only = None
@@ -83,13 +86,16 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
     )
     whole = None
     for name in corpus:
-        if layout is not None and not (name not in names and cfg.data.own_path):
+        if layouts is not None and name in names and cfg.data.paths:  # chunks of its own source
+            i = names.index(name)
+            streams[name] = ChunkStream(shards[i], layouts[paths_source(i)], cfg.train.batch_size, cfg.model.seq_len)
+        elif layouts is not None and not (name not in names and cfg.data.own_path):
             # Chunks of the shared training split, which every island reads whole (a memmap view of one file).
             if whole is None:
                 (whole,), _ = load_sources(
                     cfg.data, 1, cfg.model.vocab_size, cfg.run.seed, cfg.model.seq_len, tokenizer=tokenizer
                 )
-            streams[name] = ChunkStream(whole, layout, cfg.train.batch_size, cfg.model.seq_len)
+            streams[name] = ChunkStream(whole, layouts[CORPUS], cfg.train.batch_size, cfg.model.seq_len)
         elif name in names:
             i = names.index(name)
             streams[name] = BatchStream(shards[i], cfg.train.batch_size, cfg.model.seq_len, cfg.run.seed, stream_id=i)
@@ -107,7 +113,7 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
     except FragmentError as exc:
         raise ConfigError(str(exc)) from None
     if not workload.post_training(names):
-        return Setup(model, streams, stack, params, fragments, layout)
+        return Setup(model, streams, stack, params, fragments, layouts)
     post = PostTraining(cfg, params)
     models = {}
     for name in wanted:
@@ -117,29 +123,48 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
             streams[name] = post.stream(name, names, stream_id)
             models[name] = post.model(kind, model)
     streams = {name: streams[name] for name in wanted}  # in the order asked for
-    return Setup(model, streams, stack, params, fragments, layout, models, post.evaluation(names))
+    return Setup(model, streams, stack, params, fragments, layouts, models, post.evaluation(names))
 
 
-def chunk_layout(cfg: RunConfig) -> ChunkLayout | None:
-    """The corpus as chunks under data.sampling = "chunks" (None for windows): counted from the training split's
-    size alone, so the coordinator reads no training token."""
+def chunk_layouts(cfg: RunConfig) -> dict[str, ChunkLayout] | None:
+    """Each configured source as chunks under data.sampling = "chunks" (None for windows), by its key: the corpus, or
+    under data.paths each island's source. Counted from the training splits' sizes alone, so the coordinator reads
+    no training token."""
     data = cfg.data
     if data.sampling != "chunks":
         return None
+    tokenizer = corpus_tokenizer(data, cfg.model.vocab_size)
+
+    def layout(spec: str, where: str, key: str) -> ChunkLayout:
+        source = open_source(data, spec, where, cfg.model.vocab_size, cfg.run.seed, key, True, tokenizer)
+        return source_layout(cfg, source.n_train, where)
+
+    if data.paths:
+        keys = [paths_source(i) for i in range(len(data.paths))]  # the config key is the source's key
+        return {key: layout(p, f"{key} {p!r}", key) for key, p in zip(keys, data.paths, strict=True)}
     where = (
         f"data.synthetic_tokens ({data.synthetic_tokens})" if data.kind == "synthetic" else f"data.path {data.path!r}"
     )
-    tokenizer = corpus_tokenizer(data, cfg.model.vocab_size)
-    source = open_source(
-        data, data.path, where, cfg.model.vocab_size, cfg.run.seed, tail_only=True, tokenizer=tokenizer
-    )
-    return ChunkLayout(corpus_sequences(source.n_train, cfg.model.seq_len), data.chunk_sequences, cfg.run.seed)
+    return {CORPUS: layout(data.path, where, "data.path")}
 
 
-def admitted_stream(cfg: RunConfig, name: str) -> BatchStream:
+def source_layout(cfg: RunConfig, train_tokens: int, where: str) -> ChunkLayout:
+    """A source of `train_tokens` training tokens as chunks; a source too short for one sequence is one line naming
+    it (`where`)."""
+    sequences = corpus_sequences(train_tokens, cfg.model.seq_len)
+    if sequences < 1:
+        raise DataError(
+            f"{where}: data.sampling = 'chunks' reads whole sequences of model.seq_len + 1 = {cfg.model.seq_len + 1} "
+            f"tokens, and its training split holds {train_tokens}"
+        )
+    return ChunkLayout(sequences, cfg.data.chunk_sequences, cfg.run.seed)
+
+
+def admitted_stream(cfg: RunConfig, name: str) -> Batches:
     """The batches of an island admitted into a live run (not in islands.names, so it has no shard of its own):
     windows drawn over its own source (data.own_path) or else over the whole shared training split, with a stream
-    of its own named by its name. With data.paths (one source per configured island) and no source of its own, an
+    of its own named by its name; under data.sampling = "chunks", the chunks of its own source, which its leases name
+    by content (`source_digest`). With data.paths (one source per configured island) and no source of its own, an
     admitted island has nothing to train on: refused in one line."""
     data = cfg.data
     tokenizer = corpus_tokenizer(data, cfg.model.vocab_size)
@@ -147,6 +172,10 @@ def admitted_stream(cfg: RunConfig, name: str) -> BatchStream:
         own = open_source(data, data.own_path, f"data.own_path {data.own_path!r}", cfg.model.vocab_size, cfg.run.seed,
                           "data.own_path", tokenizer=tokenizer)  # fmt: skip
         train = own.train
+        if data.sampling == "chunks":
+            layout = source_layout(cfg, len(train), f"data.own_path {data.own_path!r}")
+            digest = source_digest(train, layout, cfg.model.seq_len)
+            return ChunkStream(train, layout, cfg.train.batch_size, cfg.model.seq_len, source=digest)
     elif data.paths:
         raise ConfigError(
             f"island {name!r} is not in islands.names and data.paths gives one source per configured island: "

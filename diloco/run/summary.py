@@ -8,6 +8,7 @@ exactly `SUMMARY_KEYS` in either mode (README's run-directory contract lists the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "param_count",
     "params_digest",
     *CONSUMPTION_KEYS,
+    "sequences_by_source",
 )
 
 
@@ -101,11 +103,14 @@ def summary(
     param_count: int,
     params_digest: str,
     consumption: Consumption | None = None,
+    by_source: Mapping[str, Consumption] | None = None,
 ) -> dict[str, Any]:
     """summary.json's contents: exactly SUMMARY_KEYS.
 
     `consumption` (data.sampling = "chunks"): what the run's `chunks_consumed` records add up to (the sequences
-    consumed, repeated, lost and unread, and the epochs); None (windows) leaves those keys null: nothing is tracked.
+    consumed, repeated, lost and unread, and the epochs) over every source, and `by_source` the same per source
+    (`sequences_by_source`: the corpus, data.paths[i], own:<sha256>); None (windows) leaves those keys null: nothing
+    is tracked.
 
     inner_steps_per_island: rounds × H; in the asynchronous mode, where a round is one island's H steps, their mean
     over the islands (a fast island trains more of them than a slow one)."""
@@ -134,6 +139,9 @@ def summary(
         "param_count": param_count,
         "params_digest": params_digest,
         **(consumption.summary() if consumption is not None else dict.fromkeys(CONSUMPTION_KEYS)),
+        "sequences_by_source": (
+            {key: part.summary() for key, part in by_source.items()} if by_source is not None else None
+        ),
     }
     assert tuple(out) == SUMMARY_KEYS
     return out

@@ -472,11 +472,13 @@ class IslandWorker:
     def _lease_chunks(self, round_: int) -> None:
         """data.sampling = "chunks": ask the coordinator which sequences round `round_` reads (its ledger is the
         authority: after a refused push, a resync or a restart the island is told where each of its chunks stands)
-        and read them. An island the coordinator no longer counts a member joins again first."""
+        and read them; an island that brings its own source names it (by content) in every lease. An island the
+        coordinator no longer counts a member joins again first."""
         stream = self.island.stream
         if not isinstance(stream, ChunkStream):
             return
-        req = pb.LeaseRequest(**self.who, round=round_, sequences=self.H * stream.batch_size)
+        own = {"source": stream.source, "source_sequences": stream.layout.sequences} if stream.source else {}
+        req = pb.LeaseRequest(**self.who, round=round_, sequences=self.H * stream.batch_size, **own)
         for attempt in range(3):
             try:
                 reply = retry_forever(lambda: self.client.lease(req), "lease", self.give_up_s, self.metrics.retried)
