@@ -83,6 +83,20 @@ def test_a_chunk_stream_reads_its_plan_in_order_and_says_what_it_took() -> None:
         stream.next()
 
 
+def test_each_push_claims_what_was_read_since_the_previous_one() -> None:
+    layout = ChunkLayout(sequences=30, chunk_sequences=10, seed=0)
+    stream = ChunkStream(np.zeros(30 * 5, np.int32), layout, batch_size=3, seq_len=4)
+    stream.begin(spans((0, 7, 10), (2, 0, 10)))
+    stream.next()
+    assert stream.claim() == spans((0, 7, 10))
+    stream.next(), stream.next()
+    assert stream.claim() == spans((2, 0, 6)) and stream.claim() == []  # claimed once
+    assert stream.taken() == spans((0, 7, 10), (2, 0, 6))  # what the whole plan read, for the checkpoint
+    stream.begin(spans((2, 6, 10)))
+    stream.next()
+    assert stream.claim() == spans((2, 6, 9))
+
+
 # -- the ledger's rules ----------------------------------------------------------------------------------------
 
 
@@ -209,6 +223,84 @@ def read_rounds(book: ChunkLedger, islands: tuple[str, ...], rounds: int, first:
     return records
 
 
+STREAM_FAULTS = ["none", "refused", "dropped", "killed", "overlap", "overlap_dropped"]
+
+
+def streaming_run(fault: str, rounds: int = 5) -> tuple[ChunkLedger, list[dict]]:
+    """Two islands a and b in Streaming DiLoCo's schedule over one ledger (H = 4, P = 2, batch 2: each fragment's
+    push claims S = 2 batches, 4 sequences), as IslandWorker and the coordinator do it: a lease at each round's start
+    (with overlap, before the round's last sync is kept) and after a restart for the steps left of the round, one
+    claim per push, a sync kept with the pushes it holds. `fault` strikes island a in round 1: its push of sync 2 is
+    refused on arrival or dropped at commit, a is killed there (and back in round 3), or (overlap_dropped) its push
+    of round 1's last sync is dropped after it leased round 2. Returns the ledger and the `chunks_consumed` records."""
+    H, P, B = 4, 2, 2
+    S = H // P
+    book = ledger(sequences=100, chunk=10, most=H * B)
+    streams = {name: ChunkStream(np.zeros(100 * 5, np.int32), book.layout, B, 4) for name in "ab"}
+    due, alive = {"a": True, "b": True}, {"a", "b"}
+    overlap = fault.startswith("overlap")
+    records: list[dict] = []
+    for r in range(rounds):
+        if fault == "killed" and r == 3:  # back: a new process leases before it trains
+            alive.add("a")
+            due["a"] = True
+        for p in range(P):
+            sync, pushed = r * P + p, []
+            for name in sorted(alive):
+                stream = streams[name]
+                if due[name]:  # a round's start, or a restart from the global copy mid-round
+                    stream.begin(book.lease(name, (P - p) * S * B))
+                    due[name] = False
+                for _ in range(S):
+                    stream.next()
+                claim = stream.claim()
+                if name == "a" and (fault, sync) == ("killed", 2):
+                    alive.discard("a")
+                    book.release("a")
+                    continue
+                if name == "a" and (fault, sync) == ("refused", 2):
+                    due["a"] = True  # refused: it restarts at the coordinator's position
+                    continue
+                try:
+                    book.record(name, sync, claim)
+                    pushed.append(name)
+                except ChunkRefused:
+                    due[name] = True  # a push its island's stale plan read: refused, it restarts
+            if overlap and p == P - 1:  # τ > 0: the next round's lease comes before this sync is kept
+                for name in sorted(alive):
+                    if not due[name]:
+                        streams[name].begin(book.lease(name, H * B))
+            dropped = {"dropped": ("a", 2), "overlap_dropped": ("a", 3)}.get(fault)
+            kept = [n for n in pushed if (n, sync) != dropped]
+            if fault == "dropped" and "a" not in kept:
+                due["a"] = True  # told its push was dropped: it restarts
+            got = book.commit(sync, kept)
+            records.append({"event": "chunks_consumed", "spans": {k: [s.as_list() for s in v] for k, v in got.items()}})
+            if p == P - 1 and not overlap:
+                due.update({name: True for name in alive})
+    return book, records
+
+
+@pytest.mark.parametrize("fault", STREAM_FAULTS)
+def test_streaming_pushes_claim_every_sequence_once(fault: str) -> None:
+    """Whatever befalls a fragment's push, every sequence is consumed once or still to read: none twice, none
+    skipped, and the ledger's own count agrees with the records."""
+    book, records = streaming_run(fault)
+    check = ConsumptionCheck()
+    check.add({"event": "chunks_layout", **book.layout.to_meta()})
+    for event in records:
+        check.add(event)
+    got = check.result()
+    assert (got.repeated, got.lost) == (0, 0), got
+    assert got.consumed == book.consumed
+    left = sum(s.length for s in book.unfinished()) + book.fresh_sequences()
+    assert got.unread == left == 100 - got.consumed  # nothing stranded
+    if fault in ("none", "overlap"):
+        assert got.consumed == 5 * 2 * 2 * 4  # rounds x fragments x islands x sequences a push
+    else:
+        assert got.consumed < 5 * 2 * 2 * 4  # the fault cost a's work, not a sequence
+
+
 @pytest.mark.parametrize(
     ("before", "after", "rounds"),
     [
@@ -313,10 +405,10 @@ def test_a_whole_pass_is_every_chunk_read_to_its_end(records: list[list[int]], c
     assert check.complete_epochs() == complete
 
 
-def test_the_config_refuses_what_chunks_cannot_do(tiny_config: Path) -> None:
+def test_the_config_takes_streaming_and_refuses_what_chunks_cannot_do(tiny_config: Path) -> None:
+    assert load_config(tiny_config, [*CHUNKS, "stream.fragments=2", "stream.overlap_steps=1"]).stream.streaming
     for extra, words in [
         (["train.mode=sync"], "train.mode = 'sync'"),
-        (["stream.fragments=2"], "stream.fragments"),
         (["data.chunk_sequences=0"], "data.chunk_sequences"),
         (["data.sampling=tiles"], "data.sampling must be one of"),
     ]:
@@ -590,8 +682,20 @@ def test_asynchronous_updates_consume_what_their_island_read(
 # -- whole runs ------------------------------------------------------------------------------------------------
 
 
-def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: Path, tmp_path: Path) -> None:
-    cfg = load_config(tiny_config, [*CHUNKS, "train.rounds=4"])
+STREAMING = ["stream.fragments=2", "stream.overlap_steps=1", "stream.merge_alpha=0.5"]
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param([], id="rounds"),
+        pytest.param(STREAMING, id="streaming", marks=pytest.mark.slow),  # each fragment's sync consumes its claims
+    ],
+)
+def test_simulate_consumes_every_sequence_once_and_resumes_exactly(
+    tiny_config: Path, tmp_path: Path, schedule: list[str]
+) -> None:
+    cfg = load_config(tiny_config, [*CHUNKS, "train.rounds=4", *schedule])
     whole = run_simulation(cfg, tmp_path / "whole", show_progress=False)
     records = read_events(tmp_path / "whole" / "metrics.jsonl")
     got = consumption(records)
@@ -611,10 +715,12 @@ def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: 
     resumed = run_simulation(cfg, tmp_path / "cut", show_progress=False)
     assert resumed["params_digest"] == whole["params_digest"]
 
-    def spans_by_round(run: str) -> list[tuple[int, dict]]:
-        return [(e["round"], e["spans"]) for e in read_events(tmp_path / run / "metrics.jsonl", "chunks_consumed")]
+    def spans_by_sync(run: str) -> list[tuple[int, int, dict]]:
+        events = read_events(tmp_path / run / "metrics.jsonl", "chunks_consumed")
+        return [(e["round"], e.get("fragment", 0), e["spans"]) for e in events]
 
-    assert spans_by_round("cut") == spans_by_round("whole")
+    assert spans_by_sync("cut") == spans_by_sync("whole")
+    assert len(spans_by_sync("whole")) == 4 * cfg.stream.fragments
     assert resumed["sequences_consumed"] == 256 and resumed["sequences_repeated"] == 0
 
 

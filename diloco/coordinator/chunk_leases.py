@@ -46,11 +46,11 @@ class ChunkLeases:
             raise Rejected(chunk_status(exc), exc.reason) from None
         return pb.LeaseReply(spans=[pb.ChunkSpan(chunk=s.chunk, start=s.start, end=s.end) for s in spans], round=round_)
 
-    def record(self, meta: pb.PushMeta, round_: int) -> None:
-        """A push that passed every other check, placed in round `round_` (its own, or the update it becomes in the
-        asynchronous mode): the chunk spans it trained on are recorded (pending until that round is kept), or the
-        push is refused with why. An island that brings its own source (data.own_path) and a run of windows name
-        none."""
+    def record(self, meta: pb.PushMeta, sync: int) -> None:
+        """A push that passed every other check, placed in sync `sync` (round·P + fragment; the round itself without
+        streaming, or the update it becomes in the asynchronous mode): the chunk spans it trained on, those read since
+        its island's previous push, are recorded (pending until that sync is kept), or the push is refused with why.
+        An island that brings its own source (data.own_path) and a run of windows name none."""
         ledger = self.ledger()
         if ledger is None:
             if meta.chunks:
@@ -69,15 +69,15 @@ class ChunkLeases:
                 f"{meta.tokens / self.seq_len:g} sequences of model.seq_len tokens",
             )
         try:
-            ledger.record(meta.island, round_, spans)
+            ledger.record(meta.island, sync, spans)
         except ChunkRefused as exc:
             raise Rejected(chunk_status(exc), exc.reason) from None
 
-    def drop(self, island: str, round_: int) -> None:
-        """A recorded push did not join its round after all: its spans are rewound."""
+    def drop(self, island: str, sync: int) -> None:
+        """A recorded push did not join its sync after all: its spans are rewound."""
         ledger = self.ledger()
         if ledger is not None:
-            ledger.drop(island, round_)
+            ledger.drop(island, sync)
 
     def release_all_but(self, enrolled: Collection[str]) -> None:
         """A restarted coordinator's ledger, as its checkpoint saved it, may give chunks to islands that are not
