@@ -16,6 +16,9 @@ A follower receives data only: JSON, and arrays of the dtypes it accepts, never 
 
 Data: every process draws the same batch from the island's deterministic stream and puts only its own rows on its
 devices (`Island.next_batch`), so the global batch is the one a one-process island with as many devices trains on.
+Under data.sampling = "chunks" process 0 alone leases, for the island, and tells the others the spans it was leased
+(`read_chunks`, a command like the rest): every process reads the same leased sequences, each keeps its rows, and
+the island's push claims them once, whatever the formation (the batch does not change with it).
 
 Checkpoints: one orbax checkpoint of the island's global arrays in the leader's run directory, which on several hosts
 must be a filesystem all of them share (orbax saves from every process and commits from process 0). Saves run in the
@@ -37,8 +40,8 @@ with supervisor.REGROUP, their supervisors start them again at once, and the isl
 of another release or config is refused in one line. Process 0 lost for good is not covered: its followers wait for
 it.
 
-Streaming (stream.fragments > 1), asynchronous rounds, init.inner_state and data.sampling = "chunks" are refused
-with processes > 1 (`check_group`): plain and time-budgeted DiLoCo rounds are what this replays.
+Streaming (stream.fragments > 1), asynchronous rounds, init.inner_state and post-training workloads are refused
+with processes > 1 (`check_supported`): plain and time-budgeted DiLoCo rounds are what this replays.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +70,7 @@ from diloco.run.setup import build_setup, make_island
 from diloco.worker.island_formation import Formation, FormationFiles, announce, lock_name, take_place
 from diloco.worker.supervisor import Member
 from floor.errors import UserError
+from islands.chunks import Span
 from islands.island import InnerRun, Island, IslandState, RoundPush
 from pytrees.naming import PyTree, flatten_named, unflatten_named
 
@@ -137,12 +141,12 @@ def check_group(cfg: RunConfig, process_id: int | None, num_processes: int | Non
 
 
 def check_supported(cfg: RunConfig, processes: int) -> None:
-    """Refuse in one line what a multi-process island does not replay (plain and time-budgeted rounds only)."""
+    """Refuse in one line what a multi-process island does not replay (plain and time-budgeted rounds only, windows or
+    chunks)."""
     refused = [
         ("stream.fragments > 1 (streaming)", cfg.stream.fragments > 1 or cfg.stream.overlap_steps > 0),
         ("train.mode = 'async'", cfg.train.mode == "async"),
         ("init.inner_state = true", cfg.init.inner_state),
-        ("data.sampling = 'chunks'", cfg.data.sampling == "chunks"),
         ("a post-training workload (sft, dpo, rl)", cfg.workload.post_training(cfg.islands.island_names)),
     ]
     for what, bad in refused:
@@ -277,6 +281,11 @@ class LeaderIsland:
         self.channel.send("start")
         self.island.start(params)
 
+    def read_chunks(self, plan: Sequence[Span]) -> None:
+        """The spans process 0 leased for the island: every process reads them, each keeping its rows of a batch."""
+        self.channel.send("read_chunks", {"spans": np.array([s.as_list() for s in plan], np.int32).reshape(-1, 3)})
+        self.island.read_chunks(plan)
+
     def set_params(self, params: PyTree) -> None:
         self.channel.send("set_params", flatten_named(params))
         self.island.set_params(params)
@@ -348,6 +357,8 @@ def follow(island: Island, like: PyTree, store: CheckpointStore | None, channel:
                 return int(cmd.args.get("code", 0))
             if cmd.op == "start":
                 island.start(like)
+            elif cmd.op == "read_chunks":
+                island.read_chunks([Span(*(int(x) for x in row)) for row in cmd.arrays["spans"]])
             elif cmd.op == "set_params":
                 island.set_params(unflatten_named(cmd.arrays, like))
             elif cmd.op == "train":
