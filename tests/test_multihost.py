@@ -11,6 +11,7 @@ one line and exit code 2.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,7 +25,8 @@ from diloco.cli import main
 from diloco.harness.procs import Federation, devices_env
 from diloco.run.rundir import read_events
 from diloco.worker.island_formation import FormationFiles
-from tests.conftest import ENV, FAST, JAX_CACHE, REPO, child_env
+from tests.conftest import ENV, FAST, JAX_CACHE, REPO, H, child_env
+from tests.test_chunks import CHUNKS
 from tests.test_federation import _finished_checkpoints, check_run
 
 ROUNDS = 3
@@ -94,14 +96,21 @@ def _same_curve(fed: Federation, reference: subprocess.Popen[str], rounds: int) 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.parametrize("sampling", [pytest.param([], id="windows"), pytest.param(CHUNKS, id="chunks")])
 def test_two_process_island_trains_as_one_process_island_through_a_killed_follower(
-    tmp_path: Path, tiny_config: Path, feds: list, simulated: Callable[[Sequence[str]], subprocess.Popen[str]]
+    tmp_path: Path,
+    tiny_config: Path,
+    feds: list,
+    simulated: Callable[[Sequence[str]], subprocess.Popen[str]],
+    sampling: list[str],
 ) -> None:
-    """island-0 as 2 processes x 2 devices against the one-process run of the same config (`simulated`)."""
-    reference = simulated(RUN)
+    """island-0 as 2 processes x 2 devices against the one-process run of the same config (`simulated`). With
+    chunks, process 0 leases for the island and its follower reads the same spans: the restarted island leases its
+    round again, reads the batches it lost, and the run consumes each sequence once."""
+    reference = simulated([*RUN, *sampling])
     fed = Federation(
         tiny_config,
-        [*RUN, "islands.devices=2"],
+        [*RUN, *sampling, "islands.devices=2"],
         tmp_path / "multi",
         cwd=REPO,
         env=ENV,
@@ -129,6 +138,18 @@ def test_two_process_island_trains_as_one_process_island_through_a_killed_follow
     assert (island / "process-1.lock").exists() and (island / "process-1.pid").exists()
     worst = _same_curve(fed, reference, ROUNDS)
     print(f"killed in round {killed_in}; loss curves differ by at most {worst:.3g}")
+    if sampling:
+        leased = [e["spans"] for e in fed.events("leased", island="island-0") if e["round"] == killed_in]
+        assert len(leased) == 2 and leased[0] == leased[1]  # what the lost round read is read again, by the same
+        summary = json.loads((fed.run_dir / "summary.json").read_text())
+        consumed = ROUNDS * 2 * H * 8  # rounds x islands x inner steps x batch_size
+        assert (summary["sequences_consumed"], summary["sequences_repeated"], summary["sequences_lost"]) == (
+            consumed,
+            0,
+            0,
+        )
+        (layout,) = fed.events("chunks_layout")
+        assert summary["sequences_unread"] == layout["sequences"] - consumed > 0
 
 
 REFORM_ROUNDS = 4
