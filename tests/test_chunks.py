@@ -755,10 +755,13 @@ def test_windows_stay_the_default_and_their_digest(tiny_config: Path, tmp_path: 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_federation_reads_the_chunks_simulate_reads(federation, tiny_config: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", [pytest.param([], id="rounds"), pytest.param(STREAMING, id="streaming")])
+def test_a_federation_reads_the_chunks_simulate_reads(
+    federation, tiny_config: Path, tmp_path: Path, schedule: list[str]
+) -> None:
     from tests.conftest import FAST, WAIT_S
 
-    overrides = [*CHUNKS, "train.rounds=3", "quorum.min_islands=2"]  # every round holds both islands
+    overrides = [*CHUNKS, "train.rounds=3", "quorum.min_islands=2", *schedule]  # every sync holds both islands
     fed = federation(*overrides)
     fed.start()
     fed.wait_exit(WAIT_S)
@@ -766,8 +769,8 @@ def test_a_federation_reads_the_chunks_simulate_reads(federation, tiny_config: P
     launched = json.loads((fed.run_dir / "summary.json").read_text())
     assert launched["params_digest"] == simulated["params_digest"]
 
-    def spans(events: list[dict]) -> list[tuple[int, dict]]:
-        return [(e["round"], e["spans"]) for e in events if e["event"] == "chunks_consumed"]
+    def spans(events: list[dict]) -> list[tuple[int, int, dict]]:
+        return [(e["round"], e.get("fragment", 0), e["spans"]) for e in events if e["event"] == "chunks_consumed"]
 
     assert spans(fed.events()) == spans(read_events(tmp_path / "sim" / "metrics.jsonl"))
     got = consumption(fed.events())
@@ -840,3 +843,55 @@ def test_under_churn_every_sequence_is_consumed_once(federation, tmp_path: Path)
     # The retired island's chunks were leased again: every one of its chunks is consumed up to where it was read.
     held = {c for e in fed.events("leased", island="sa-east") for c, _, _ in e["spans"]}
     assert held and all(any(c == chunk for chunk, _ in consumed) for c in held), held
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_streaming_islands_consume_every_sequence_once_through_a_kill(federation) -> None:
+    """Streaming DiLoCo (P = 2, τ = 1) under chunks: island-1 is SIGKILLed before its first push of round 1 (it read
+    that round's first fragment of steps and claimed nothing), is lost, and comes back while island-0 waits before
+    its push of round 3. Each fragment's push claimed its own steps; the records show no sequence consumed twice and
+    none skipped, what the killed island read is read again by someone, and the end says what is left unread."""
+    from tests.conftest import TOKENS, WAIT_S
+    from tests.test_federation import check_run
+
+    rounds, names = 5, ["island-0", "island-1"]
+    fed = federation(
+        *CHUNKS, f"train.rounds={rounds}", *STREAMING, pause_at=["island-1:before_push:1", "island-0:before_push:3"]
+    )
+    fed.start()
+    fed.paused("island-1:before_push:1", WAIT_S)
+    fed.kill("island-1")
+    fed.wait_for(lambda: fed.events("island_lost"), WAIT_S, "island-1 lost")
+    fed.paused("island-0:before_push:3", WAIT_S)  # island-0 trained on alone, and reads what island-1 returned
+    fed.start_island("island-1")
+    fed.wait_for(lambda: len(fed.events("joined", island="island-1")) >= 2, WAIT_S, "island-1 back")
+    fed.release("island-0:before_push:3")
+    fed.wait_exit(WAIT_S)
+
+    check_run(fed, rounds, names, tokens=TOKENS // 2, fragments=2)  # every θ the coordinator's, syncs complete
+    records = fed.events()
+    got = consumption(records)
+    assert (got.repeated, got.lost) == (0, 0), got
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    assert (summary["sequences_consumed"], summary["sequences_repeated"], summary["sequences_lost"]) == (
+        got.consumed,
+        0,
+        0,
+    )
+    (unread,) = [e for e in records if e["event"] == "chunks_unread"]
+    assert summary["sequences_unread"] == got.unread == unread["sequences"] > 0
+    consumed = {
+        (chunk, seq)
+        for e in records
+        if e["event"] == "chunks_consumed"
+        for got_spans in e["spans"].values()
+        for chunk, start, end in got_spans
+        for seq in range(start, end)
+    }
+    assert got.consumed == len(consumed) == sum(e["sequences"] for e in records if e["event"] == "chunks_consumed")
+    # Each sync consumed what its pushes claimed: a fragment's push claims its own S steps of one island.
+    assert all(len(e["spans"]) <= 2 and "fragment" in e for e in records if e["event"] == "chunks_consumed")
+    killed = next(e for e in fed.events("leased", island="island-1") if e["round"] == 1)["spans"]
+    assert all((c, s) in consumed for c, start, end in killed for s in range(start, end)), killed

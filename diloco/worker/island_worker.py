@@ -484,6 +484,9 @@ class IslandWorker:
         stream = self.island.stream
         if not isinstance(stream, ChunkStream):
             return
+        # With overlap (τ > 0) the round's last push may still be on the wire: the lease reads on after its claim
+        # once the ledger holds it, so it waits for the reply (the price of chunks: that push's round trip a round).
+        self.sync.await_replies()
         req = pb.LeaseRequest(**self.who, round=round_, sequences=steps * stream.batch_size)
         for attempt in range(3):
             try:
