@@ -449,12 +449,11 @@ class RunConfig:
                 f"train.mode = 'async' pushes whole runs of train.inner_steps steps (its virtual clock "
                 f"counts steps): {key} cannot be set with it"
             )
-        if self.data.sampling == "chunks" and (self.train.mode == "sync" or self.stream.streaming):
-            key = "train.mode = 'sync'" if self.train.mode == "sync" else "stream.fragments / overlap_steps"
+        if self.data.sampling == "chunks" and self.train.mode == "sync":
             raise ValueError(
-                f"data.sampling = 'chunks' leases chunks round by round to islands that push whole rounds: DiLoCo "
-                f"rounds or asynchronous updates (train.mode = 'diloco' or 'async', no streaming); {key} cannot be "
-                "set with it"
+                "data.sampling = 'chunks' leases chunks round by round to islands that push what they read: DiLoCo "
+                "rounds (streaming too) or asynchronous updates (train.mode = 'diloco' or 'async'); train.mode = "
+                "'sync' cannot be set with it"
             )
         if self.data.kind == "text" and self.data.tokenizer and "lm" in self.workload.kinds(self.islands.island_names):
             raise ValueError(

@@ -117,8 +117,10 @@ class ChunkStream:
     """An island's batches under data.sampling = "chunks": the spans the coordinator leased it (`begin`), read in
     order, batch_size sequences a batch (an `islands.island.Batches`).
 
-    The cursor counts the batches drawn since the plan began; `taken` is what they read, which the island's push
-    reports and the coordinator's ledger checks against its leases. Nothing here decides what to read next."""
+    The cursor counts the batches drawn since the plan began; `taken` is what they read. A push reports what the
+    batches drawn since the previous push read (`claim`), which the coordinator's ledger checks against its leases:
+    with one push a round that is `taken`; with Streaming DiLoCo each fragment's push claims its own steps. Nothing
+    here decides what to read next."""
 
     def __init__(
         self, tokens: np.ndarray, layout: ChunkLayout, batch_size: int, seq_len: int, source: bytes = b""
@@ -134,12 +136,14 @@ class ChunkStream:
         self.seq_len = seq_len
         self.cursor = 0
         self.plan: tuple[Span, ...] = ()
+        self.claimed = 0
+        """The batches of the plan that a push has claimed already (`claim`)."""
         self._window = np.arange(seq_len + 1)
 
     def begin(self, plan: Sequence[Span]) -> None:
         """Read `plan` from its start (the spans the coordinator leased for the next round)."""
         self.plan = tuple(plan)
-        self.cursor = 0
+        self.cursor = self.claimed = 0
 
     @property
     def planned(self) -> int:
@@ -147,13 +151,27 @@ class ChunkStream:
 
     def taken(self) -> list[Span]:
         """The prefix of the plan that the batches drawn so far read, span by span."""
-        left, out = self.cursor * self.batch_size, []
+        return self._read(0, self.cursor)
+
+    def claim(self) -> list[Span]:
+        """What the batches drawn since the last claim (or since the plan began) read, span by span; they are claimed
+        from here on."""
+        spans = self._read(self.claimed, self.cursor)
+        self.claimed = self.cursor
+        return spans
+
+    def _read(self, first: int, end: int) -> list[Span]:
+        """The spans of the plan that batches [first, end) read, in order."""
+        skip, left, out = first * self.batch_size, (end - first) * self.batch_size, []
         for span in self.plan:
             if left <= 0:
                 break
-            n = min(left, span.length)
-            out.append(Span(span.chunk, span.start, span.start + n))
-            left -= n
+            if skip >= span.length:
+                skip -= span.length
+                continue
+            n = min(left, span.length - skip)
+            out.append(Span(span.chunk, span.start + skip, span.start + skip + n))
+            skip, left = 0, left - n
         return out
 
     def next(self) -> np.ndarray:
@@ -164,16 +182,7 @@ class ChunkStream:
                 f"the chunks leased for this round hold {self.planned} sequences; batch {self.cursor} needs "
                 f"{first + self.batch_size}"
             )
-        ids, skip, need = [], first, self.batch_size
-        for span in self.plan:
-            if skip >= span.length:
-                skip -= span.length
-                continue
-            n = min(need, span.length - skip)
-            ids.append(self.layout.sequence_ids(Span(span.chunk, span.start + skip, span.start + skip + n)))
-            skip, need = 0, need - n
-            if need == 0:
-                break
+        ids = [self.layout.sequence_ids(span) for span in self._read(self.cursor, self.cursor + 1)]
         starts = np.concatenate(ids) * (self.seq_len + 1)
         self.cursor += 1
         return np.asarray(self.tokens[starts[:, None] + self._window], dtype=np.int32)

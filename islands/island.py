@@ -27,7 +27,7 @@ runs the executable so compiled (jit's cache keeps it: the step is compiled once
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,6 +38,7 @@ import optax
 
 from floor.codec import CodecSpec
 from floor.errors import UserError
+from islands.chunks import ChunkStream, Span
 from islands.config import InnerConfig
 from islands.inner import make_train_step, place_tree
 from islands.memory import Footprint, OutOfMemoryError, device_room, step_advice, verdict
@@ -240,6 +241,12 @@ class Island:
         self.start(state.params, state.inner_opt_state, step=state.step, cursor=state.data_cursor)
         assert self.state is not None
         self.state = replace(self.state, residual=state.residual)
+
+    def read_chunks(self, plan: Sequence[Span]) -> None:
+        """data.sampling = "chunks": the next batches read `plan`, the spans the coordinator leased, from its start
+        (islands/chunks.py)."""
+        assert isinstance(self.stream, ChunkStream), "only a chunk stream reads leased spans"
+        self.stream.begin(plan)
 
     def set_params(self, params: PyTree) -> None:
         """Adopt new global parameters; the inner optimizer state is kept (DiLoCo)."""

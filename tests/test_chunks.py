@@ -83,6 +83,20 @@ def test_a_chunk_stream_reads_its_plan_in_order_and_says_what_it_took() -> None:
         stream.next()
 
 
+def test_each_push_claims_what_was_read_since_the_previous_one() -> None:
+    layout = ChunkLayout(sequences=30, chunk_sequences=10, seed=0)
+    stream = ChunkStream(np.zeros(30 * 5, np.int32), layout, batch_size=3, seq_len=4)
+    stream.begin(spans((0, 7, 10), (2, 0, 10)))
+    stream.next()
+    assert stream.claim() == spans((0, 7, 10))
+    stream.next(), stream.next()
+    assert stream.claim() == spans((2, 0, 6)) and stream.claim() == []  # claimed once
+    assert stream.taken() == spans((0, 7, 10), (2, 0, 6))  # what the whole plan read, for the checkpoint
+    stream.begin(spans((2, 6, 10)))
+    stream.next()
+    assert stream.claim() == spans((2, 6, 9))
+
+
 # -- the ledger's rules ----------------------------------------------------------------------------------------
 
 
@@ -209,6 +223,84 @@ def read_rounds(book: ChunkLedger, islands: tuple[str, ...], rounds: int, first:
     return records
 
 
+STREAM_FAULTS = ["none", "refused", "dropped", "killed", "overlap", "overlap_dropped"]
+
+
+def streaming_run(fault: str, rounds: int = 5) -> tuple[ChunkLedger, list[dict]]:
+    """Two islands a and b in Streaming DiLoCo's schedule over one ledger (H = 4, P = 2, batch 2: each fragment's
+    push claims S = 2 batches, 4 sequences), as IslandWorker and the coordinator do it: a lease at each round's start
+    (with overlap, before the round's last sync is kept) and after a restart for the steps left of the round, one
+    claim per push, a sync kept with the pushes it holds. `fault` strikes island a in round 1: its push of sync 2 is
+    refused on arrival or dropped at commit, a is killed there (and back in round 3), or (overlap_dropped) its push
+    of round 1's last sync is dropped after it leased round 2. Returns the ledger and the `chunks_consumed` records."""
+    H, P, B = 4, 2, 2
+    S = H // P
+    book = ledger(sequences=100, chunk=10, most=H * B)
+    streams = {name: ChunkStream(np.zeros(100 * 5, np.int32), book.layout, B, 4) for name in "ab"}
+    due, alive = {"a": True, "b": True}, {"a", "b"}
+    overlap = fault.startswith("overlap")
+    records: list[dict] = []
+    for r in range(rounds):
+        if fault == "killed" and r == 3:  # back: a new process leases before it trains
+            alive.add("a")
+            due["a"] = True
+        for p in range(P):
+            sync, pushed = r * P + p, []
+            for name in sorted(alive):
+                stream = streams[name]
+                if due[name]:  # a round's start, or a restart from the global copy mid-round
+                    stream.begin(book.lease(name, (P - p) * S * B))
+                    due[name] = False
+                for _ in range(S):
+                    stream.next()
+                claim = stream.claim()
+                if name == "a" and (fault, sync) == ("killed", 2):
+                    alive.discard("a")
+                    book.release("a")
+                    continue
+                if name == "a" and (fault, sync) == ("refused", 2):
+                    due["a"] = True  # refused: it restarts at the coordinator's position
+                    continue
+                try:
+                    book.record(name, sync, claim)
+                    pushed.append(name)
+                except ChunkRefused:
+                    due[name] = True  # a push its island's stale plan read: refused, it restarts
+            if overlap and p == P - 1:  # τ > 0: the next round's lease comes before this sync is kept
+                for name in sorted(alive):
+                    if not due[name]:
+                        streams[name].begin(book.lease(name, H * B))
+            dropped = {"dropped": ("a", 2), "overlap_dropped": ("a", 3)}.get(fault)
+            kept = [n for n in pushed if (n, sync) != dropped]
+            if fault == "dropped" and "a" not in kept:
+                due["a"] = True  # told its push was dropped: it restarts
+            got = book.commit(sync, kept)
+            records.append({"event": "chunks_consumed", "spans": {k: [s.as_list() for s in v] for k, v in got.items()}})
+            if p == P - 1 and not overlap:
+                due.update({name: True for name in alive})
+    return book, records
+
+
+@pytest.mark.parametrize("fault", STREAM_FAULTS)
+def test_streaming_pushes_claim_every_sequence_once(fault: str) -> None:
+    """Whatever befalls a fragment's push, every sequence is consumed once or still to read: none twice, none
+    skipped, and the ledger's own count agrees with the records."""
+    book, records = streaming_run(fault)
+    check = ConsumptionCheck()
+    check.add({"event": "chunks_layout", **book.layout.to_meta()})
+    for event in records:
+        check.add(event)
+    got = check.result()
+    assert (got.repeated, got.lost) == (0, 0), got
+    assert got.consumed == book.consumed
+    left = sum(s.length for s in book.unfinished()) + book.fresh_sequences()
+    assert got.unread == left == 100 - got.consumed  # nothing stranded
+    if fault in ("none", "overlap"):
+        assert got.consumed == 5 * 2 * 2 * 4  # rounds x fragments x islands x sequences a push
+    else:
+        assert got.consumed < 5 * 2 * 2 * 4  # the fault cost a's work, not a sequence
+
+
 @pytest.mark.parametrize(
     ("before", "after", "rounds"),
     [
@@ -313,10 +405,10 @@ def test_a_whole_pass_is_every_chunk_read_to_its_end(records: list[list[int]], c
     assert check.complete_epochs() == complete
 
 
-def test_the_config_refuses_what_chunks_cannot_do(tiny_config: Path) -> None:
+def test_the_config_takes_streaming_and_refuses_what_chunks_cannot_do(tiny_config: Path) -> None:
+    assert load_config(tiny_config, [*CHUNKS, "stream.fragments=2", "stream.overlap_steps=1"]).stream.streaming
     for extra, words in [
         (["train.mode=sync"], "train.mode = 'sync'"),
-        (["stream.fragments=2"], "stream.fragments"),
         (["data.chunk_sequences=0"], "data.chunk_sequences"),
         (["data.sampling=tiles"], "data.sampling must be one of"),
     ]:
@@ -597,9 +689,20 @@ def test_asynchronous_updates_consume_what_their_island_read(
 # -- whole runs ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: Path, tmp_path: Path) -> None:
-    cfg = load_config(tiny_config, [*CHUNKS, "train.rounds=4"])
+STREAMING = ["stream.fragments=2", "stream.overlap_steps=1", "stream.merge_alpha=0.5"]
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param([], id="rounds", marks=pytest.mark.slow),
+        pytest.param(STREAMING, id="streaming", marks=pytest.mark.slow),  # each fragment's sync consumes its claims
+    ],
+)
+def test_simulate_consumes_every_sequence_once_and_resumes_exactly(
+    tiny_config: Path, tmp_path: Path, schedule: list[str]
+) -> None:
+    cfg = load_config(tiny_config, [*CHUNKS, "train.rounds=4", *schedule])
     whole = run_simulation(cfg, tmp_path / "whole", show_progress=False)
     records = read_events(tmp_path / "whole" / "metrics.jsonl")
     got = consumption(records)
@@ -619,10 +722,12 @@ def test_simulate_consumes_every_sequence_once_and_resumes_exactly(tiny_config: 
     resumed = run_simulation(cfg, tmp_path / "cut", show_progress=False)
     assert resumed["params_digest"] == whole["params_digest"]
 
-    def spans_by_round(run: str) -> list[tuple[int, dict]]:
-        return [(e["round"], e["spans"]) for e in read_events(tmp_path / run / "metrics.jsonl", "chunks_consumed")]
+    def spans_by_sync(run: str) -> list[tuple[int, int, dict]]:
+        events = read_events(tmp_path / run / "metrics.jsonl", "chunks_consumed")
+        return [(e["round"], e.get("fragment", 0), e["spans"]) for e in events]
 
-    assert spans_by_round("cut") == spans_by_round("whole")
+    assert spans_by_sync("cut") == spans_by_sync("whole")
+    assert len(spans_by_sync("whole")) == 4 * cfg.stream.fragments
     assert resumed["sequences_consumed"] == 256 and resumed["sequences_repeated"] == 0
 
 
@@ -658,10 +763,13 @@ def test_windows_stay_the_default_and_their_digest(tiny_config: Path, tmp_path: 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_federation_reads_the_chunks_simulate_reads(federation, tiny_config: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", [pytest.param([], id="rounds"), pytest.param(STREAMING, id="streaming")])
+def test_a_federation_reads_the_chunks_simulate_reads(
+    federation, tiny_config: Path, tmp_path: Path, schedule: list[str]
+) -> None:
     from tests.conftest import FAST, WAIT_S
 
-    overrides = [*CHUNKS, "train.rounds=3", "quorum.min_islands=2"]  # every round holds both islands
+    overrides = [*CHUNKS, "train.rounds=3", "quorum.min_islands=2", *schedule]  # every sync holds both islands
     fed = federation(*overrides)
     fed.start()
     fed.wait_exit(WAIT_S)
@@ -669,8 +777,8 @@ def test_a_federation_reads_the_chunks_simulate_reads(federation, tiny_config: P
     launched = json.loads((fed.run_dir / "summary.json").read_text())
     assert launched["params_digest"] == simulated["params_digest"]
 
-    def spans(events: list[dict]) -> list[tuple[int, dict]]:
-        return [(e["round"], e["spans"]) for e in events if e["event"] == "chunks_consumed"]
+    def spans(events: list[dict]) -> list[tuple[int, int, dict]]:
+        return [(e["round"], e.get("fragment", 0), e["spans"]) for e in events if e["event"] == "chunks_consumed"]
 
     assert spans(fed.events()) == spans(read_events(tmp_path / "sim" / "metrics.jsonl"))
     got = consumption(fed.events())
@@ -743,3 +851,55 @@ def test_under_churn_every_sequence_is_consumed_once(federation, tmp_path: Path)
     # The retired island's chunks were leased again: every one of its chunks is consumed up to where it was read.
     held = {c for e in fed.events("leased", island="sa-east") for c, _, _ in e["spans"]}
     assert held and all(any(c == chunk for chunk, _ in consumed) for c in held), held
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_streaming_islands_consume_every_sequence_once_through_a_kill(federation) -> None:
+    """Streaming DiLoCo (P = 2, τ = 1) under chunks: island-1 is SIGKILLed before its first push of round 1 (it read
+    that round's first fragment of steps and claimed nothing), is lost, and comes back while island-0 waits before
+    its push of round 3. Each fragment's push claimed its own steps; the records show no sequence consumed twice and
+    none skipped, what the killed island read is read again by someone, and the end says what is left unread."""
+    from tests.conftest import TOKENS, WAIT_S
+    from tests.test_federation import check_run
+
+    rounds, names = 5, ["island-0", "island-1"]
+    fed = federation(
+        *CHUNKS, f"train.rounds={rounds}", *STREAMING, pause_at=["island-1:before_push:1", "island-0:before_push:3"]
+    )
+    fed.start()
+    fed.paused("island-1:before_push:1", WAIT_S)
+    fed.kill("island-1")
+    fed.wait_for(lambda: fed.events("island_lost"), WAIT_S, "island-1 lost")
+    fed.paused("island-0:before_push:3", WAIT_S)  # island-0 trained on alone, and reads what island-1 returned
+    fed.start_island("island-1")
+    fed.wait_for(lambda: len(fed.events("joined", island="island-1")) >= 2, WAIT_S, "island-1 back")
+    fed.release("island-0:before_push:3")
+    fed.wait_exit(WAIT_S)
+
+    check_run(fed, rounds, names, tokens=TOKENS // 2, fragments=2)  # every θ the coordinator's, syncs complete
+    records = fed.events()
+    got = consumption(records)
+    assert (got.repeated, got.lost) == (0, 0), got
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    assert (summary["sequences_consumed"], summary["sequences_repeated"], summary["sequences_lost"]) == (
+        got.consumed,
+        0,
+        0,
+    )
+    (unread,) = [e for e in records if e["event"] == "chunks_unread"]
+    assert summary["sequences_unread"] == got.unread == unread["sequences"] > 0
+    consumed = {
+        (chunk, seq)
+        for e in records
+        if e["event"] == "chunks_consumed"
+        for got_spans in e["spans"].values()
+        for chunk, start, end in got_spans
+        for seq in range(start, end)
+    }
+    assert got.consumed == len(consumed) == sum(e["sequences"] for e in records if e["event"] == "chunks_consumed")
+    # Each sync consumed what its pushes claimed: a fragment's push claims its own S steps of one island.
+    assert all(len(e["spans"]) <= 2 and "fragment" in e for e in records if e["event"] == "chunks_consumed")
+    killed = next(e for e in fed.events("leased", island="island-1") if e["round"] == 1)["spans"]
+    assert all((c, s) in consumed for c, start, end in killed for s in range(start, end)), killed

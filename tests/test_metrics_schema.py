@@ -22,7 +22,7 @@ RUNS = {
     "stream": ["train.rounds=2", "stream.fragments=2", "init.from={diloco}", "init.inner_state=true"],
     "async": ["train.mode=async", "train.rounds=3"],
     "sync": ["train.mode=sync", "train.rounds=2"],
-    "chunks": ["data.sampling=chunks", "train.rounds=2"],
+    "chunks": ["data.sampling=chunks", "train.rounds=2", "stream.fragments=2"],  # a record per fragment
     "workloads": [
         "train.rounds=1",
         "islands.count=3",
@@ -36,8 +36,8 @@ RUNS = {
     ],
 }
 """Tiny simulate runs between them writing every event `simulate` has: plain rounds, streaming `sync` commits, a
-warm start (θ_0 and inner states), async annotations, the data-parallel baseline, chunked sampling's records, and
-every post-training kind's held-out figures."""
+warm start (θ_0 and inner states), async annotations, the data-parallel baseline, chunked sampling's records (of
+streaming syncs), and every post-training kind's held-out figures."""
 
 
 @dataclass

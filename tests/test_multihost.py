@@ -12,6 +12,7 @@ is one line and exit code 2.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,7 +26,8 @@ from diloco.cli import main
 from diloco.harness.procs import Federation, devices_env
 from diloco.run.rundir import read_events
 from diloco.worker.island_formation import FormationFiles
-from tests.conftest import ENV, FAST, JAX_CACHE, REPO, child_env
+from tests.conftest import ENV, FAST, JAX_CACHE, REPO, H, child_env
+from tests.test_chunks import CHUNKS
 from tests.test_federation import _finished_checkpoints, check_run
 
 ROUNDS = 3
@@ -111,14 +113,21 @@ def _check_formations(
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.parametrize("sampling", [pytest.param([], id="windows"), pytest.param(CHUNKS, id="chunks")])
 def test_two_process_island_trains_as_one_process_island_through_a_killed_follower(
-    tmp_path: Path, tiny_config: Path, feds: list, simulated: Callable[[Sequence[str]], subprocess.Popen[str]]
+    tmp_path: Path,
+    tiny_config: Path,
+    feds: list,
+    simulated: Callable[[Sequence[str]], subprocess.Popen[str]],
+    sampling: list[str],
 ) -> None:
-    """island-0 as 2 processes x 2 devices against the one-process run of the same config (`simulated`)."""
-    reference = simulated(RUN)
+    """island-0 as 2 processes x 2 devices against the one-process run of the same config (`simulated`). With
+    chunks, process 0 leases for the island and its follower reads the same spans: the restarted island leases its
+    round again, reads the batches it lost, and the run consumes each sequence once."""
+    reference = simulated([*RUN, *sampling])
     fed = Federation(
         tiny_config,
-        [*RUN, "islands.devices=2"],
+        [*RUN, *sampling, "islands.devices=2"],
         tmp_path / "multi",
         cwd=REPO,
         env=ENV,
@@ -146,6 +155,24 @@ def test_two_process_island_trains_as_one_process_island_through_a_killed_follow
     assert (island / "process-1.lock").exists() and (island / "process-1.pid").exists()
     worst = _same_curve(fed, reference, ROUNDS)
     print(f"killed in round {killed_in}; loss curves differ by at most {worst:.3g}")
+    if sampling:
+        leased = [e["spans"] for e in fed.events("leased", island="island-0") if e["round"] == killed_in]
+        assert len(leased) == 2 and leased[0] == leased[1]  # what the lost round read is read again, by the same
+        _each_sequence_once(fed, ROUNDS)
+
+
+def _each_sequence_once(fed: Federation, rounds: int) -> None:
+    """Under chunks: summary.json counts what every round of both islands read, once, none lost, and the rest of the
+    pass unread."""
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    consumed = rounds * 2 * H * 8  # rounds x islands x inner steps x batch_size
+    assert (summary["sequences_consumed"], summary["sequences_repeated"], summary["sequences_lost"]) == (
+        consumed,
+        0,
+        0,
+    )
+    (layout,) = fed.events("chunks_layout")
+    assert summary["sequences_unread"] == layout["sequences"] - consumed > 0
 
 
 REFORM_ROUNDS = 4
@@ -161,16 +188,22 @@ BACK_AT = "island-0:after_adopt:3"
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.bench  # a minute: the suite's 15 minutes keep its sibling below (a killed follower) in CI
+@pytest.mark.parametrize("sampling", [pytest.param([], id="windows"), pytest.param(CHUNKS, id="chunks")])
 def test_an_island_goes_on_without_a_lost_process_and_grows_back(
-    tmp_path: Path, tiny_config: Path, feds: list, simulated: Callable[[Sequence[str]], subprocess.Popen[str]]
+    tmp_path: Path,
+    tiny_config: Path,
+    feds: list,
+    simulated: Callable[[Sequence[str]], subprocess.Popen[str]],
+    sampling: list[str],
 ) -> None:
     """island-0 as processes 0 and 1, each under its own supervisor as on two hosts. Process 1's host is lost for
     good (supervisor and worker SIGKILLed): process 0 restarts, waits islands.regroup_wait_s for it in vain, and the
     island goes on as one process on half the devices; its rounds commit. A process 1 of another config is refused
     in one line. The real process 1 comes back: at the round's end the island re-forms as two and trains the last
     round so. Every island's θ equals the coordinator's after every round, and the loss curve is the one-process
-    reference's: the island of one process trained on the batches the whole island would have."""
-    run = [*RUN, f"train.rounds={REFORM_ROUNDS}", "islands.regroup_wait_s=2"]  # the later value of a key wins
+    reference's: the island of one process trained on the batches the whole island would have (with chunks, the
+    spans process 0 leased, each sequence consumed once)."""
+    run = [*RUN, *sampling, f"train.rounds={REFORM_ROUNDS}", "islands.regroup_wait_s=2"]  # a key's later value wins
     reference = simulated(run)
     fed = Federation(
         tiny_config,
@@ -238,6 +271,8 @@ def test_an_island_goes_on_without_a_lost_process_and_grows_back(
     assert refusal["process"] == 1 and "inner.lr" in refusal["reason"]
     assert fed.processes()["island-0-host-1"].returncode == 0
     print(f"loss curves differ by at most {_same_curve(fed, reference, REFORM_ROUNDS):.3g}")
+    if sampling:
+        _each_sequence_once(fed, REFORM_ROUNDS)
 
 
 TAKEOVER_ROUNDS = 4

@@ -115,10 +115,11 @@ class ChunkLeases:
         keeps the source."""
         self.log("chunks_layout", **layout_fields(key, sources.ledgers[key].layout))
 
-    def record(self, meta: pb.PushMeta, round_: int) -> None:
-        """A push that passed every other check, placed in round `round_` (its own, or the update it becomes in the
-        asynchronous mode): the chunk spans it trained on, of its source, are recorded (pending until that round is
-        kept), or the push is refused with why. A run of windows names none."""
+    def record(self, meta: pb.PushMeta, sync: int) -> None:
+        """A push that passed every other check, placed in sync `sync` (round·P + fragment; the round itself without
+        streaming, or the update it becomes in the asynchronous mode): the chunk spans it trained on, of its source,
+        those read since its island's previous push, are recorded (pending until that sync is kept), or the push is
+        refused with why. A run of windows names none."""
         sources = self.sources()
         if sources is None:
             if meta.chunks:
@@ -135,15 +136,15 @@ class ChunkLeases:
                 f"{meta.tokens / self.seq_len:g} sequences of model.seq_len tokens",
             )
         try:
-            sources.record(meta.island, round_, spans)
+            sources.record(meta.island, sync, spans)
         except ChunkRefused as exc:
             raise Rejected(chunk_status(exc), exc.reason) from None
 
-    def drop(self, island: str, round_: int) -> None:
-        """A recorded push did not join its round after all: its spans are rewound."""
+    def drop(self, island: str, sync: int) -> None:
+        """A recorded push did not join its sync after all: its spans are rewound."""
         sources = self.sources()
         if sources is not None:
-            sources.drop(island, round_)
+            sources.drop(island, sync)
 
     def release_all_but(self, enrolled: Collection[str]) -> None:
         """A restarted coordinator's ledger, as its checkpoint saved it, may give chunks to islands that are not

@@ -138,7 +138,7 @@ class Committer:
         self.loop.withdraw(culprit)
         self.admission.drop(culprit, why)
         if self.world.chunks is not None:  # what it trained on was not consumed: its reader reads it again
-            self.world.chunks.drop(culprit, self.loop.round)
+            self.world.chunks.drop(culprit, self.loop.sync)
         self.rd.log("contribution_dropped", round=self.loop.round, island=culprit, reason=clip(why))
 
     def islands_done(self, pending: Settling) -> bool:

@@ -296,12 +296,12 @@ class Coordinator:
             if self.world.done or meta.round >= self.cfg.train.rounds:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "the run is complete")
             admitted = self.admission.place(meta, tensors, arrays, payload_digest, self.loop, self.base_digest)
-            round_ = admitted.placement.position // self.loop.fragments.count  # async: the update it becomes
-            self.leases.record(meta, round_)
+            sync = admitted.placement.position  # its sync; asynchronous: the update it becomes
+            self.leases.record(meta, sync)
             try:
                 self.admission.enter(admitted, self.loop)
             except Rejected:
-                self.leases.drop(meta.island, round_)
+                self.leases.drop(meta.island, sync)
                 raise
             self._count_push(
                 meta,

@@ -6,8 +6,12 @@ owned by whoever owns θ (`GlobalRun`: the coordinator, or `simulate`), leases c
 it has touched:
 
     owner       the island that reads it now (None: nobody; it is free once nothing of it is pending)
-    committed   sequences [0, committed) are consumed: a round that trained on them is committed and kept
-    pending     spans of pushes accepted into rounds not yet kept, in reading order (round, island, start, end)
+    committed   sequences [0, committed) are consumed: a sync that trained on them is committed and kept
+    pending     spans of pushes accepted into syncs not yet kept, in reading order (sync, island, start, end)
+
+A *sync* is what one commit closes, round·P + fragment (`OuterLoop.sync`): the round itself without streaming, an
+update in the asynchronous mode. A push claims the spans its island read since its previous push, so with Streaming
+DiLoCo each fragment's push claims its own S = H / P steps and each fragment's commit consumes them.
 
 A chunk is read in order, so its *position*, where its reader goes on, is committed plus what is pending. The rules:
 
@@ -19,13 +23,13 @@ A chunk is read in order, so its *position*, where its reader goes on, is commit
   epoch are the configured islands when it opened: a run resumed with another roster (islands.names / count) reads
   the open epoch's remaining fresh chunks by its old homes, so none is handed out twice; an island without a home
   there reads as a joiner does, and the next epoch opens with the new roster's homes.
-* `record(island, round, spans)` when a push is accepted: each span must be of a chunk leased to that island and
+* `record(island, sync, spans)` when a push is accepted: each span must be of a chunk leased to that island and
   start exactly at its position (before it: those sequences are consumed or pending already; after it: the ones
   between would be lost) and end within the chunk. All or nothing; `ChunkRefused` says why.
-* `commit(round, islands)` when a round is kept: those islands' spans of that round are consumed (returned, for
-  the round's record); any other span of that round is dropped.
-* `drop(island, round)`: a contribution that was not committed (dropped at commit, or its push undone): its spans
-  of that round and later rewind; `undo_after(round)`: every span of a later round rewinds (commits undone).
+* `commit(sync, islands)` when a sync is kept: those islands' spans of that sync are consumed (returned, for
+  the sync's record); any other span of that sync is dropped.
+* `drop(island, sync)`: a contribution that was not committed (dropped at commit, or its push undone): its spans
+  of that sync and later rewind; `undo_after(sync)`: every span of a later sync rewinds (commits undone).
 * `release(island)`: a retired, lost or departed island's chunks go back to the pool; a chunk with spans still
   pending waits for them to be committed or dropped, so a chunk never has two readers.
 
@@ -49,7 +53,7 @@ CORPUS = "corpus"
 """The shared corpus's source key (diloco/run/chunk_sources.py): the source of records that name none."""
 
 PendingSpan = tuple[int, str, int, int]
-"""(round, island, start, end): sequences of a chunk in a push accepted into `round` and not yet kept."""
+"""(sync, island, start, end): sequences of a chunk in a push accepted into `sync` and not yet kept."""
 
 
 class ChunkRefused(ValueError):
@@ -248,22 +252,22 @@ class ChunkLedger:
                 raise ChunkRefused(OUT_OF_ORDER, f"chunk {c}: the span starts at {span.start}, skipping "
                                    f"sequences {at} to {span.start - 1}")  # fmt: skip
 
-    def record(self, island: str, round_: int, spans: Sequence[Span]) -> None:
-        """A push of `island` into `round_` trained on `spans`: pending until that round is kept (all or nothing)."""
+    def record(self, island: str, sync: int, spans: Sequence[Span]) -> None:
+        """A push of `island` into `sync` trained on `spans`: pending until that sync is kept (all or nothing)."""
         self.check(island, spans)
         for span in spans:
-            self._chunks[span.chunk].pending.append((round_, island, span.start, span.end))
+            self._chunks[span.chunk].pending.append((sync, island, span.start, span.end))
 
-    def commit(self, round_: int, islands: Iterable[str]) -> dict[str, list[Span]]:
-        """Round `round_` is kept with the contributions of `islands`: their spans of it are consumed; any other span
-        of that round (and what follows it in its chunk) is dropped. Returns the consumed spans by island."""
+    def commit(self, sync: int, islands: Iterable[str]) -> dict[str, list[Span]]:
+        """Sync `sync` is kept with the contributions of `islands`: their spans of it are consumed; any other span of
+        that sync (and what follows it in its chunk) is dropped. Returns the consumed spans by island."""
         members = set(islands)
         out: dict[str, list[Span]] = {}
         for c in sorted(self._chunks):
             ch = self._chunks[c]
             left: list[PendingSpan] = []
             for r, who, start, end in ch.pending:
-                if r != round_:
+                if r != sync:
                     left.append((r, who, start, end))
                 elif who in members and start == ch.committed:
                     ch.committed = end
@@ -275,13 +279,13 @@ class ChunkLedger:
             self._settle(c)
         return {who: out[who] for who in sorted(out)}
 
-    def drop(self, island: str, round_: int) -> None:
-        """`island`'s contribution to `round_` was not committed: its spans of that round and later ones rewind."""
-        self._rewind_where(lambda r, who: who == island and r >= round_)
+    def drop(self, island: str, sync: int) -> None:
+        """`island`'s contribution to `sync` was not committed: its spans of that sync and later ones rewind."""
+        self._rewind_where(lambda r, who: who == island and r >= sync)
 
-    def undo_after(self, round_: int) -> None:
-        """The commits after `round_` were undone: every span of a later round rewinds."""
-        self._rewind_where(lambda r, who: r > round_)
+    def undo_after(self, sync: int) -> None:
+        """The commits after `sync` were undone: every span of a later sync rewinds."""
+        self._rewind_where(lambda r, who: r > sync)
 
     def release(self, island: str) -> None:
         """`island` reads no more (retired, lost, gone): its chunks go back to the pool (`_settle`)."""

@@ -106,12 +106,12 @@ class ChunkSources:
     def lease(self, island: str, sequences: int) -> list[Span]:
         return self.ledger_of(island).lease(island, sequences)
 
-    def record(self, island: str, round_: int, spans: Sequence[Span]) -> None:
-        self.ledger_of(island).record(island, round_, spans)
+    def record(self, island: str, sync: int, spans: Sequence[Span]) -> None:
+        self.ledger_of(island).record(island, sync, spans)
 
-    def drop(self, island: str, round_: int) -> None:
+    def drop(self, island: str, sync: int) -> None:
         for ledger in self.ledgers.values():
-            ledger.drop(island, round_)
+            ledger.drop(island, sync)
 
     def release(self, island: str) -> None:
         for ledger in self.ledgers.values():
@@ -120,17 +120,17 @@ class ChunkSources:
     def readers(self) -> set[str]:
         return {island for ledger in self.ledgers.values() for island in ledger.readers()}
 
-    # -- a round's -----------------------------------------------------------------------------------------------
+    # -- a sync's ------------------------------------------------------------------------------------------------
 
-    def commit(self, round_: int, islands: Iterable[str]) -> dict[str, dict[str, list[Span]]]:
+    def commit(self, sync: int, islands: Iterable[str]) -> dict[str, dict[str, list[Span]]]:
         """`ChunkLedger.commit` on every ledger: the consumed spans by source (those with any) and island."""
         members = tuple(islands)
-        out = {key: ledger.commit(round_, members) for key, ledger in self.ledgers.items()}
+        out = {key: ledger.commit(sync, members) for key, ledger in self.ledgers.items()}
         return {key: got for key, got in out.items() if got}
 
-    def undo_after(self, round_: int) -> None:
+    def undo_after(self, sync: int) -> None:
         for ledger in self.ledgers.values():
-            ledger.undo_after(round_)
+            ledger.undo_after(sync)
 
     # -- own sources ---------------------------------------------------------------------------------------------
 

@@ -244,8 +244,8 @@ class GlobalRun:
             # checkpoint), its sync is open again with its contributions.
             self.loop.rollback(pending.before)
             self._digest_all()
-            if self.chunks is not None:  # the later commits are undone; this round's spans stay, as its pushes do
-                self.chunks.undo_after(commit.round)
+            if self.chunks is not None:  # the later commits are undone; this sync's spans stay, as its pushes do
+                self.chunks.undo_after(self._position(commit))
             self._diverge(commit, why, eval_loss, pending.losses)
         t = self.totals
         t.rounds = commit.round + (1 if pending.round_closed else 0)
@@ -258,8 +258,8 @@ class GlobalRun:
             else {}
         )
         close_s = {"commit": round(pending.commit_s, 4), "eval": round(pending.eval_s, 4)}
-        if self.chunks is not None and pending.round_closed:
-            consumed = self.chunks.commit(commit.round, commit.islands)
+        if self.chunks is not None:  # every sync consumes what its pushes claimed (docs/architecture.md)
+            consumed = self.chunks.commit(self._position(commit), commit.islands)
             listed = {
                 key: {island: [s.as_list() for s in got] for island, got in by_island.items()}
                 for key, by_island in consumed.items()
@@ -268,11 +268,12 @@ class GlobalRun:
             self.rd.log(
                 "chunks_consumed",
                 round=commit.round,
+                **({"fragment": commit.fragment} if self.loop.fragments.count > 1 else {}),
                 sequences=sum(s.length for by_island in consumed.values() for got in by_island.values() for s in got),
                 spans=listed.get(CORPUS, {}),
                 **({"sources": others} if others else {}),
             )
-            if t.rounds >= self.cfg.train.rounds:
+            if pending.round_closed and t.rounds >= self.cfg.train.rounds:
                 self._log_unread(commit.round)
         losses, reason = pending.losses, pending.reason
         self.rd.log(
@@ -296,6 +297,10 @@ class GlobalRun:
         if self.store is None or not pending.round_closed or not checkpoint_due(self.cfg, t.rounds):
             return None
         return self.checkpoint_meta()
+
+    def _position(self, commit: Commit) -> int:
+        """The sync `commit` closed, round·P + fragment: what the chunk ledger counts pushes by."""
+        return commit.round * self.loop.fragments.count + commit.fragment
 
     def _log_unread(self, round_: int) -> None:
         """The run's last round is kept: what it leaves unread of the passes it began, by its records (summary.json's

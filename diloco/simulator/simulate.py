@@ -144,7 +144,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
         if world.chunks is not None:  # what each island read, as its push would say (a refusal here is a bug)
             for island in islands:
                 if isinstance(island.stream, ChunkStream):
-                    world.chunks.record(island.name, world.loop.round, island.stream.taken())
+                    world.chunks.record(island.name, world.loop.sync, island.stream.claim())
         commit = world.close_round(losses=losses, seconds=seconds, deliveries=len(pushes))
         if world.loop.fragment == 0:
             progress.update(world.loop.round, float(np.mean(losses)), totals.final_eval_loss, commit.tokens / seconds)

@@ -17,6 +17,9 @@ A follower receives data only: JSON, and arrays of the dtypes it accepts, never 
 
 Data: every process draws the same batch from the island's deterministic stream and puts only its own rows on its
 devices (`Island.next_batch`), so the global batch is the one a one-process island with as many devices trains on.
+Under data.sampling = "chunks" the leader alone leases, for the island, and tells the others the spans it was leased
+(`read_chunks`, a command like the rest): every process reads the same leased sequences, each keeps its rows, and
+the island's push claims them once, whatever the formation (the batch does not change with it).
 
 Checkpoints: one orbax checkpoint of the island's global arrays in the island's run directory, which on several hosts
 must be a filesystem all of them share (orbax saves from every process and commits from the leader, rank 0). Saves
@@ -47,8 +50,8 @@ run.lock and the island over: it forms the island on the processes left, serves 
 the next round's end the island re-forms under it, whole. No follower waits for ever: after network.coordinator_wait_s
 without a place it exits with one line naming what it waited for (exit 69), and its supervisor starts it again.
 
-Streaming (stream.fragments > 1), asynchronous rounds, init.inner_state and data.sampling = "chunks" are refused
-with processes > 1 (`check_group`): plain and time-budgeted DiLoCo rounds are what this replays.
+Streaming (stream.fragments > 1), asynchronous rounds, init.inner_state and post-training workloads are refused
+with processes > 1 (`check_supported`): plain and time-budgeted DiLoCo rounds are what this replays.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +88,7 @@ from diloco.worker.island_formation import (
 )
 from diloco.worker.supervisor import Member
 from floor.errors import UserError
+from islands.chunks import Span
 from islands.island import InnerRun, Island, IslandState, RoundPush
 from pytrees.naming import PyTree, flatten_named, unflatten_named
 
@@ -152,12 +156,12 @@ def check_group(cfg: RunConfig, process_id: int | None, num_processes: int | Non
 
 
 def check_supported(cfg: RunConfig, processes: int) -> None:
-    """Refuse in one line what a multi-process island does not replay (plain and time-budgeted rounds only)."""
+    """Refuse in one line what a multi-process island does not replay (plain and time-budgeted rounds only, windows or
+    chunks)."""
     refused = [
         ("stream.fragments > 1 (streaming)", cfg.stream.fragments > 1 or cfg.stream.overlap_steps > 0),
         ("train.mode = 'async'", cfg.train.mode == "async"),
         ("init.inner_state = true", cfg.init.inner_state),
-        ("data.sampling = 'chunks'", cfg.data.sampling == "chunks"),
         ("a post-training workload (sft, dpo, rl)", cfg.workload.post_training(cfg.islands.island_names)),
     ]
     for what, bad in refused:
@@ -293,6 +297,11 @@ class LeaderIsland:
         self.channel.send("start")
         self.island.start(params)
 
+    def read_chunks(self, plan: Sequence[Span]) -> None:
+        """The spans the leader leased for the island: every process reads them, each keeping its rows of a batch."""
+        self.channel.send("read_chunks", {"spans": np.array([s.as_list() for s in plan], np.int32).reshape(-1, 3)})
+        self.island.read_chunks(plan)
+
     def set_params(self, params: PyTree) -> None:
         self.channel.send("set_params", flatten_named(params))
         self.island.set_params(params)
@@ -364,6 +373,8 @@ def follow(island: Island, like: PyTree, store: CheckpointStore | None, channel:
                 return int(cmd.args.get("code", 0))
             if cmd.op == "start":
                 island.start(like)
+            elif cmd.op == "read_chunks":
+                island.read_chunks([Span(*(int(x) for x in row)) for row in cmd.arrays["spans"]])
             elif cmd.op == "set_params":
                 island.set_params(unflatten_named(cmd.arrays, like))
             elif cmd.op == "train":

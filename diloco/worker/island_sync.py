@@ -196,6 +196,13 @@ class IslandSync:
             with contextlib.suppress(TimeoutError):
                 push.exception(timeout=max(0.0, deadline - time.monotonic()))
 
+    def await_replies(self) -> None:
+        """Wait until every push sent so far is answered (accepted, refused, or dropped unsent): the claims the
+        coordinator's ledger holds of this island are then all it will hold (data.sampling = "chunks" leases after
+        them). A push that failed says so where its sync is collected, not here."""
+        for push in list(self._last_push.values()):
+            push.exception()
+
     def fragment_field(self, p: int) -> dict[str, int]:
         """An event's `fragment` field, with streaming."""
         return {"fragment": p} if self.P > 1 else {}

@@ -145,6 +145,9 @@ class IslandWorker:
         """This island's copy of the global θ: what Δ is taken from, moved by every commit it adopts."""
         self.step = 0
         """Inner steps of the schedule (outer_optimizer/fragments.py); may run τ steps ahead of the global copy."""
+        self.lease_due = True
+        """data.sampling = "chunks": the stream's plan is not the one for where the schedule is (the island starts, or
+        restarts from the global copy, maybe mid-round with streaming): it leases before it trains on."""
         self.sync = IslandSync(client, rd, self.who, self.P, self.give_up_s, self._prepare, self.metrics.retried)
         self.presence = IslandPresence(
             client, rd, self.who, lambda: (self.round, self.island.state.step), lambda: self._join_request(self.round)
@@ -289,9 +292,11 @@ class IslandWorker:
                     break
                 if self._finish_sync(in_flight.popleft()[1]):
                     in_flight.clear()
+                    runs = []
                 continue
+            if self.step % self.H == 0 or self.lease_due:
+                self._lease_chunks(self.step // self.H, self.H - self.step % self.H)
             if self.step % self.H == 0:
-                self._lease_chunks(self.step // self.H)
                 self._log_train_start(self.step // self.H, steps_ended)
             target = next_event(self.step, self.H, self.P, stream.overlap_steps)
             run = self.island.train_for(self.cfg.train.round_seconds, target - self.step)
@@ -310,6 +315,7 @@ class IslandWorker:
             q = merging_fragment(self.step, self.H, self.P, stream.overlap_steps)
             if q is not None and in_flight and in_flight[0][0] == q and self._finish_sync(in_flight.popleft()[1]):
                 in_flight.clear()
+                runs = []  # the steps since the last sync were on the θ the restart replaced: no push has them
 
     def _start_sync(self, p: int, run: InnerRun, cycle_from: float) -> Future[Synced | None]:
         """Fragment p syncs at this step: Δ_p of `run` (the steps since p last synced) is taken now, from the global
@@ -390,7 +396,7 @@ class IslandWorker:
         θ. The run ends for this island once its copy reaches θ_rounds."""
         cycle_from, steps_ended = time.perf_counter(), None
         while self.round < self.cfg.train.rounds and self.stop_reason is None:
-            self._lease_chunks(self.round)
+            self._lease_chunks(self.round, self.H)
             self._log_train_start(self.round, steps_ended)
             run = self.island.train(self.H)
             self.metrics.trained(run)
@@ -468,17 +474,21 @@ class IslandWorker:
         self.island.set_params(self.copy.params)
         self.step = self.round * self.H + (self.copy.position % self.P) * (self.H // self.P)
         self.sync.drop_queued()
+        self.lease_due = True
 
-    def _lease_chunks(self, round_: int) -> None:
-        """data.sampling = "chunks": ask the coordinator which sequences round `round_` reads (its ledger is the
-        authority: after a refused push, a resync or a restart the island is told where each of its chunks stands)
-        and read them; an island that brings its own source names it (by content) in every lease. An island the
-        coordinator no longer counts a member joins again first."""
+    def _lease_chunks(self, round_: int, steps: int) -> None:
+        """data.sampling = "chunks": ask the coordinator which sequences the `steps` inner steps left of round
+        `round_` read (its ledger is the authority: after a refused push, a resync or a restart the island is told
+        where each of its chunks stands) and read them; an island that brings its own source names it (by content)
+        in every lease. An island the coordinator no longer counts a member joins again first."""
         stream = self.island.stream
         if not isinstance(stream, ChunkStream):
             return
+        # With overlap (τ > 0) the round's last push may still be on the wire: the lease reads on after its claim
+        # once the ledger holds it, so it waits for the reply (the price of chunks: that push's round trip a round).
+        self.sync.await_replies()
         own = {"source": stream.source, "source_sequences": stream.layout.sequences} if stream.source else {}
-        req = pb.LeaseRequest(**self.who, round=round_, sequences=self.H * stream.batch_size, **own)
+        req = pb.LeaseRequest(**self.who, round=round_, sequences=steps * stream.batch_size, **own)
         for attempt in range(3):
             try:
                 reply = retry_forever(lambda: self.client.lease(req), "lease", self.give_up_s, self.metrics.retried)
@@ -488,7 +498,8 @@ class IslandWorker:
                     raise
                 self.rd.log("lease_refused", round=round_, island=self.name, reason=exc.reason)
                 self.join(self.round)
-        stream.begin([Span(int(s.chunk), int(s.start), int(s.end)) for s in reply.spans])
+        self.island.read_chunks([Span(int(s.chunk), int(s.start), int(s.end)) for s in reply.spans])
+        self.lease_due = False
         self.rd.log("leased", round=round_, island=self.name, spans=[s.as_list() for s in stream.plan])
 
     def _chunk_meta(self) -> dict[str, Any]:
@@ -509,13 +520,19 @@ class IslandWorker:
             compute_s=run.seconds,
             wall_s=time.perf_counter() - cycle_from,
             base_digest=bytes.fromhex(self.copy.digests[fragment]),
-            chunks=[pb.ChunkSpan(chunk=s.chunk, start=s.start, end=s.end) for s in self._taken()],
+            chunks=[pb.ChunkSpan(chunk=s.chunk, start=s.start, end=s.end) for s in self._claim()],
         )
 
     def _taken(self) -> list[Span]:
         """The chunk spans the steps since the last lease read (data.sampling = "chunks"; none otherwise)."""
         stream = self.island.stream
         return stream.taken() if isinstance(stream, ChunkStream) else []
+
+    def _claim(self) -> list[Span]:
+        """The chunk spans the steps since the previous push read, which this push claims (data.sampling =
+        "chunks"; none otherwise): with streaming, each fragment's push claims its own S steps."""
+        stream = self.island.stream
+        return stream.claim() if isinstance(stream, ChunkStream) else []
 
     def _log_train_start(self, round_: int, steps_ended: float | None) -> None:
         """sync_s: from the end of the last inner step to now (at a round boundary without overlap: encode, push,
