@@ -36,7 +36,7 @@ from islands.models.hf.families import merged_model
 from islands.workloads.config import WorkloadConfig, workload_conflict
 from outer_optimizer.config import OuterConfig
 from outer_optimizer.fragments import LAYOUTS, check_schedule
-from transport.auth import REDACTED_SECRET, is_island_name, is_secret_reference, redact_secret
+from transport.auth import REDACTED_SECRET, is_island_name, is_secret_reference, redact_secret, reserved_name_refusal
 from transport.config import TransportConfig
 
 
@@ -238,6 +238,9 @@ class IslandsConfig:
             raise ValueError(
                 f"islands.names must be [A-Za-z0-9_-] names of 1 to 64 characters (got {list(self.names)})"
             )
+        for name in self.names:
+            if reserved := reserved_name_refusal(name):
+                raise ValueError(f"islands.names: {reserved}")
         if self.devices < 1:
             raise ValueError(f"islands.devices must be >= 1 (got {self.devices})")
         if self.processes < 1:
