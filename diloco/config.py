@@ -36,7 +36,7 @@ from islands.models.hf.families import merged_model
 from islands.workloads.config import WorkloadConfig, workload_conflict
 from outer_optimizer.config import OuterConfig
 from outer_optimizer.fragments import LAYOUTS, check_schedule
-from transport.auth import REDACTED_SECRET, is_island_name, is_secret_reference, redact_secret
+from transport.auth import REDACTED_SECRET, is_island_name, is_secret_reference, redact_secret, reserved_name_refusal
 from transport.config import TransportConfig
 
 
@@ -239,6 +239,9 @@ class IslandsConfig:
             raise ValueError(
                 f"islands.names must be [A-Za-z0-9_-] names of 1 to 64 characters (got {list(self.names)})"
             )
+        for name in self.names:
+            if reserved := reserved_name_refusal(name):
+                raise ValueError(f"islands.names: {reserved}")
         if self.devices < 1:
             raise ValueError(f"islands.devices must be >= 1 (got {self.devices})")
         if self.processes < 1:
@@ -304,10 +307,12 @@ class CodecConfig:
     """sparse: bits per kept value, 2..8: a sign and sparse_bits - 1 bits of magnitude between the chunk's smallest
     and largest kept magnitudes."""
     downlink_density: float = 0.0
-    """A sparse downlink's density; 0 = `density`. SparseLoCo's downlink is the union of the islands' sparse updates:
-    with `outer.kind = "sparseloco"` (no momentum) the update has at most islands x `density` nonzeros a chunk, so
-    `downlink_density = islands.count * density` sends every one of them and the coordinator's residual keeps only
-    their rounding (with `downlink_bits = 8`, little), where the default sparsifies the union again."""
+    """A sparse downlink's density; 0 = follow the run. SparseLoCo's downlink is the union of the islands' sparse
+    updates: with `outer.kind = "sparseloco"` (no momentum) and a sparse uplink, an update of n islands has at most
+    n x `density` nonzeros a chunk, and with 0 here each commit is sent at that density (at most 1), n the islands
+    whose pseudo-gradients it holds, so it follows the live roster as islands are admitted, retired or missing; the
+    coordinator's residual keeps only the kept values' rounding (with `downlink_bits = 8`, little). With any other
+    outer rule 0 means `density`. A value set here is used for every commit."""
     downlink_bits: int = 0
     """A sparse downlink's bits per kept value, 2..8; 0 = `sparse_bits`."""
 
@@ -503,6 +508,23 @@ class RunConfig:
     @property
     def total_inner_steps(self) -> int:
         return self.train.rounds * self.train.inner_steps
+
+    @property
+    def union_downlink(self) -> bool:
+        """The downlink is SparseLoCo's union of the islands' sparse updates, sized by the islands of each commit
+        (`OuterLoop.downlink_for`): outer.kind = "sparseloco" (no outer momentum, so an update of n islands holds at
+        most n x k values a chunk), sparse both ways, and codec.downlink_density left unset."""
+        c = self.codec
+        return self.outer.kind == "sparseloco" and c.uplink == c.downlink == "sparse" and not c.downlink_density
+
+    def downlink_specs(self) -> tuple[CodecSpec, ...]:
+        """Every spec a commit of this run may be sent with, the densest last: the downlink's, or with the union
+        downlink one per count of islands a commit can hold (1 to islands.max; fewer once the union covers whole
+        chunks). What an island accepts a commit's sparse headers from (a wire field, checked as any other)."""
+        base = self.codec.spec("downlink")
+        if not self.union_downlink:
+            return (base,)
+        return tuple(dict.fromkeys(base.union(n, self.codec.density) for n in range(1, self.islands.max + 1)))
 
 
 def cannot_vectorize(cfg: RunConfig) -> str | None:

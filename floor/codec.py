@@ -93,7 +93,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -177,6 +177,11 @@ class CodecSpec:
     def kept(self, length: int) -> int:
         """sparse: values a chunk of ``length`` keeps, ``min(L, max(1, floor(density * L + 1/2)))`` (0 for L = 0)."""
         return min(length, max(1, math.floor(self.density * length + 0.5)))
+
+    def union(self, senders: int, density: float) -> CodecSpec:
+        """sparse: this spec at the density of the union of ``senders`` messages of ``density`` each (SparseLoCo's
+        all-gather: disjoint top-k sets), ``min(1, senders * density)``: never more than a whole chunk."""
+        return dataclasses.replace(self, density=min(1.0, senders * density))
 
     def bits_per_value(self) -> float:
         """Bits per value before zstd, scale and index overhead included, for full blocks (the cost model)."""
@@ -461,17 +466,18 @@ def _unpack_bits(data: bytes | bytearray | memoryview, offset: int, count: int, 
 
 
 def _decode_sparse(
-    name: str, data: bytes | bytearray | memoryview, n: int, chunk: int, sent_with: CodecSpec | None = None
+    name: str, data: bytes | bytearray | memoryview, n: int, chunk: int, sent_with: Sequence[CodecSpec] = ()
 ) -> np.ndarray:
     """The sparse layout into a dense float32 vector of ``n``; refuses what does not match its header or chunks,
-    or (``sent_with``) the run's value bits and density."""
+    or (``sent_with``) every spec the run may have sent it with: value bits and density."""
     hdr = _SparseHeader.parse(name, data, n, chunk)
-    if sent_with is not None and hdr.chunks:
-        want = (sent_with.sparse_bits, sent_with.kept(chunk) if hdr.chunks > 1 else hdr.kept, sent_with.kept(hdr.last))
-        if (hdr.bits, hdr.kept, hdr.kept_last) != want:
+    if sent_with and hdr.chunks:
+        wants = [(s.sparse_bits, s.kept(chunk) if hdr.chunks > 1 else hdr.kept, s.kept(hdr.last)) for s in sent_with]
+        if (hdr.bits, hdr.kept, hdr.kept_last) not in wants:
+            shown = ", ".join(f"{k} and {last}" for _, k, last in wants[:4]) + (", ..." if len(wants) > 4 else "")
             raise CodecError(
                 f"tensor {name!r}: sparse header says {hdr.bits}-bit values, {hdr.kept} kept per chunk and "
-                f"{hdr.kept_last} in the last; this run sends {want[0]}-bit values, {want[1]} and {want[2]} "
+                f"{hdr.kept_last} in the last; this run sends {wants[0][0]}-bit values, {shown} "
                 "(codec.sparse_bits, codec.density)"
             )
     if len(data) != hdr.nbytes:
@@ -507,15 +513,15 @@ def _decode_sparse(
 
 
 def decode(
-    enc: EncodedTensor, *, max_dense_nbytes: int = DEFAULT_MAX_DENSE_NBYTES, sent_with: CodecSpec | None = None
+    enc: EncodedTensor, *, max_dense_nbytes: int = DEFAULT_MAX_DENSE_NBYTES, sent_with: Sequence[CodecSpec] = ()
 ) -> np.ndarray:
     """Decode bytes into a new numpy array of ``enc.shape`` and ``enc.dtype``; deterministic bit for bit.
 
     Raises :class:`CodecError` (naming the tensor) on any malformed input: bad metadata, a payload of the
     wrong length, a zstd frame that claims or yields a size other than expected, non-finite or negative
-    scales, or non-finite decoded values. ``sent_with``: the spec the sender must have used; a sparse payload
-    whose header names other value bits or another count per chunk is refused (a self-consistent payload of
-    another density would otherwise be applied as if it were the run's).
+    scales, or non-finite decoded values. ``sent_with``: the specs the sender may have used (empty: any); a sparse
+    payload whose header names value bits and counts per chunk of none of them is refused (a self-consistent payload
+    of another density would otherwise be applied as if it were the run's).
     """
     _check_meta(enc, max_dense_nbytes)
     name, n = enc.name, enc.numel

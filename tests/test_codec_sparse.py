@@ -368,7 +368,8 @@ def test_simulate_with_sparse_codec_and_sparseloco_learns_on_few_bytes(tiny_conf
     cfg = load_config(tiny_config, [*sparse, "outer.kind=sparseloco", "outer.lr=1.0", "train.rounds=4"])
     summary = run_simulation(cfg, tmp_path / "run", show_progress=False)
     dense = 4 * summary["param_count"] * 2 * 4  # fp32 bytes: 2 islands, 4 rounds
-    assert summary["bytes_up"] * 15 < dense and summary["bytes_down"] * 15 < dense
+    # the downlink is the union of both islands' updates (codec.downlink_density unset): twice the density at most
+    assert summary["bytes_up"] * 15 < dense and summary["bytes_down"] <= 2 * summary["bytes_up"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
     rounds = [e for e in read_events(tmp_path / "run" / "metrics.jsonl") if e["event"] == "round"]
     assert len(rounds) == 4 and all(np.isfinite(e["eval_loss"]) for e in rounds)
@@ -396,9 +397,92 @@ def test_a_payload_of_another_density_or_width_is_refused_where_the_run_says_wha
     codec says decodes by itself, but not where the receiver knows the run's spec (the coordinator's pushes)."""
     run = CodecSpec("sparse", 4096, density=1 / 64, sparse_bits=2)
     x = np.random.default_rng(3).standard_normal(10_000).astype(np.float32)
-    assert np.array_equal(decode(encode("w", x, run), sent_with=run), decode(encode("w", x, run)))
+    assert np.array_equal(decode(encode("w", x, run), sent_with=(run,)), decode(encode("w", x, run)))
     for other in (CodecSpec("sparse", 4096, density=1 / 8, sparse_bits=2), CodecSpec("sparse", 4096, sparse_bits=8)):
         enc = encode("w", x, other)
         decode(enc)  # well formed in itself
         with pytest.raises(CodecError, match=r"tensor 'w': sparse header says .*codec.sparse_bits, codec.density"):
-            decode(enc, sent_with=run)
+            decode(enc, sent_with=(run,))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The union downlink, sized by each commit's islands
+
+
+def _kept_per_chunk(enc: EncodedTensor) -> int:
+    """The count of values a sparse tensor keeps in each chunk but the last, from its header."""
+    return int.from_bytes(bytes(enc.payload)[4:8], "little")
+
+
+def _union_config(tiny_config, *more: str):
+    union = ["codec.uplink=sparse", "codec.downlink=sparse", "codec.chunk=256", "outer.kind=sparseloco"]
+    union += ["outer.aggregate=mean", "islands.count=3", "islands.names=[a,b,c]", "islands.max=3"]
+    return load_config(tiny_config, [*union, "quorum.min_islands=1", "train.checkpoint_every=0", *more])
+
+
+def test_islands_accept_every_density_of_the_union_downlink_and_no_other(tiny_config):
+    """The union downlink's commits come at n x density for n = 1 to islands.max: an island accepts those (a wire
+    field, checked against the run) and refuses any other; a density set by hand is the one the run sends."""
+    cfg = _union_config(tiny_config)
+    up = cfg.codec.spec("uplink")
+    assert cfg.union_downlink and [s.density for s in cfg.downlink_specs()] == [up.density * n for n in (1, 2, 3)]
+    by_hand = _union_config(tiny_config, "codec.downlink_density=0.5")
+    assert not by_hand.union_downlink and by_hand.downlink_specs() == (by_hand.codec.spec("downlink"),)
+    x = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+    for n in (1, 2, 3):
+        decode(encode("w", x, cfg.codec.spec("downlink").union(n, up.density)), sent_with=cfg.downlink_specs())
+    for other in (cfg.codec.spec("downlink").union(4, up.density), by_hand.codec.spec("downlink")):
+        with pytest.raises(CodecError, match="tensor 'w': sparse header says"):
+            decode(encode("w", x, other), sent_with=cfg.downlink_specs())
+    assert cfg.codec.spec("downlink").union(10**6, up.density).density == 1.0  # never more than whole chunks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_union_downlink_follows_the_islands_of_each_commit(tiny_config, tmp_path, monkeypatch):
+    """outer.kind = "sparseloco", sparse both ways, codec.downlink_density unset: a real coordinator sends a commit
+    of n islands' Δ at n x density (their union), so retiring islands shrinks it round by round, and islands decode
+    each commit at the density it came with."""
+    import diloco.coordinator.settler as settler_module
+    from diloco import RELEASE
+    from diloco.coordinator.coordinator import Coordinator
+    from diloco.run.rundir import RunDir
+    from diloco.run.setup import build_setup
+    from pytrees.encode import encode_named
+    from pytrees.naming import flatten_named
+    from transport import diloco_pb2 as pb
+    from transport.chunking import payload_digest
+
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)  # no island pulls: each commit is evaluated at once
+    cfg = _union_config(tiny_config)
+    up = cfg.codec.spec("uplink")
+    rd = RunDir(tmp_path / "run", cfg)
+    coord = Coordinator(cfg, rd, build_setup(cfg, islands=()))
+    rng = np.random.default_rng(0)
+    kept, commits = [], []
+    try:
+        for island in coord.enrollment.names:  # members: each round waits for every live one
+            coord.join(pb.JoinRequest(run_id=coord.run_id, island=island, last_round=-1, config_digest=coord.digest,
+                                      release=RELEASE))  # fmt: skip
+        for retire in ("c", "b", None):
+            for island in coord.enrollment.names:
+                shapes = {k: np.shape(v) for k, v in flatten_named(coord.loop.params).items()}
+                named = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in shapes.items()}
+                tensors = encode_named(named, up)
+                fields = {"run_id": coord.run_id, "island": island, "round": coord.loop.round, "tokens": 128}
+                fields |= {"loss": 1.0, "base_digest": bytes.fromhex(coord.world.params_digest)}
+                assert coord.push(pb.PushMeta(**fields), tensors, named, payload_digest(tensors)).accepted
+            commit = coord.window.last
+            assert commit is not None and commit.round == len(commits), "the round did not close"
+            commits.append(commit)
+            kept.append(_kept_per_chunk(max(commit.encoded, key=lambda t: t.numel)))
+            if retire:
+                coord.retire(pb.RetireRequest(run_id=coord.run_id, island=retire, reason="test"), by="operator")
+    finally:
+        coord.close()
+        rd.close()
+    assert [c.islands for c in commits] == [("a", "b", "c"), ("a", "b"), ("a",)]
+    assert kept == [up.kept(256) * n for n in (3, 2, 1)], kept
+    for commit in commits:  # what an island decodes: every density the run sends
+        for t in commit.encoded:
+            decode(t, sent_with=cfg.downlink_specs())

@@ -19,6 +19,8 @@ import diloco.coordinator.settler as settler_module
 from diloco import RELEASE
 from diloco.config import load_config
 from diloco.coordinator.coordinator import Coordinator
+from diloco.coordinator.membership import PullAnswer, PullKind, PullView
+from diloco.harness.procs import wait_until
 from diloco.run.rundir import RunDir, read_events
 from diloco.run.setup import build_setup
 from floor.codec import CodecSpec
@@ -256,24 +258,37 @@ def test_a_pull_sent_right_behind_its_push_waits_for_that_push_to_land(
     got: dict[str, object] = {}
 
     def pull_in_background(island: str) -> threading.Thread:
-        thread = threading.Thread(target=lambda: got.setdefault(island, pull(island, True)))
+        thread = threading.Thread(target=lambda: got.setdefault(island, pull(island, True)), name=island)
         thread.start()
         return thread
 
     monkeypatch.setattr(pull_answers_module, "PUSH_LANDING_S", 30.0)
-    asked = threading.Event()
+    answers: list[tuple[str, PullKind]] = []  # (the pulling island, what the coordinator decided), in order
     answer = pull_answers_module.answer_pull
-    monkeypatch.setattr(pull_answers_module, "answer_pull", lambda view: (asked.set(), answer(view))[1])
+
+    def recorded(view: PullView) -> PullAnswer:
+        decided = answer(view)
+        answers.append((threading.current_thread().name, decided.kind))
+        return decided
+
+    def held(thread: threading.Thread, since: int) -> None:
+        """Once the coordinator decided, after the first `since` answers, that the pull of `thread` waits for the
+        commit, that pull is still held (a decision seen, not a time waited)."""
+        island = thread.name
+        wait_until(lambda: (island, PullKind.WAIT) in answers[since:], f"{island}'s pull told to wait", 30)
+        assert thread.is_alive(), f"{island}'s pull ended ({got.get(island)}) before the round closed"
+
+    monkeypatch.setattr(pull_answers_module, "answer_pull", recorded)
     first = pull_in_background("island-0")  # asks before its push lands
-    assert asked.wait(30), "the pull never asked"  # under the lock: the push below lands once the pull waits
+    wait_until(lambda: answers, "the pull's first answer", 30)  # under the lock: the push below lands once it waits
+    since = len(answers)
     push(coordinator, "island-0", 1e-3)
-    first.join(timeout=0.2)
-    assert first.is_alive(), "the push landed, the round is still open: the pull waits for the commit"
+    held(first, since)  # the push landed, the round is still open: the pull waits for the commit
     monkeypatch.setattr(pull_answers_module, "PUSH_LANDING_S", 0.0)
     with coordinator.receiving(pb.PushMeta(run_id=coordinator.run_id, island="island-1", round=0)):
+        since = len(answers)
         second = pull_in_background("island-1")  # no landing time: held because island-1's push is streaming in
-        second.join(timeout=0.2)
-        assert second.is_alive()
+        held(second, since)
         push(coordinator, "island-1", 1e-3)  # the second push closes the round
     for thread in (first, second):
         thread.join(timeout=30)

@@ -595,3 +595,51 @@ def test_the_rendered_coordinator_serves_and_its_probe_passes(tmp_path: Path) ->
     finally:
         coordinator.terminate()
         coordinator.wait(timeout=60)
+
+
+def test_an_admitted_island_gets_its_manifests_and_its_secret_by_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`deploy k8s --admit NAME`: the island's volume claim and Job, as a configured island's, reading its secret and
+    client certificate from its own Secret, which secrets.sh makes from the very files `diloco admit --ca-dir`
+    writes (with ca.crt copied in); no secret in any manifest; the steps to run, admission first."""
+    from diloco.ops.roster_ops import write_island_kit
+
+    kit = tmp_path / "kit"
+    host = "two-region-coordinator.default.svc"
+    assert main(["certs", str(TWO_REGION), "--out", str(kit), "--host", host, "--keep-ca-key"]) == 0
+    capsys.readouterr()
+    files = render(tmp_path, "--admit", "sa-east", "--image", "sa-east=diloco:cuda", *METRICS)
+    steps = json.loads(capsys.readouterr().out)["next"]
+    assert steps[0].startswith(f"diloco admit {TWO_REGION} sa-east --coordinator {host}:50051 --out kit-sa-east")
+    assert steps[-1] == f"kubectl apply -f {tmp_path / 'k8s'}"
+    assert list(files) == ["10-config.yaml", "30-island-sa-east.yaml"] and not objects(files, "Secret")
+    assert files["10-config.yaml"] == render(tmp_path, *METRICS, out="whole")["10-config.yaml"]  # the run's own
+    assert {o["kind"] for o in files["30-island-sa-east.yaml"]} == {"PersistentVolumeClaim", "Job"}
+    job = one(files, "Job", "two-region-island-sa-east")
+    spec = pod_spec(job)
+    (container,) = spec["containers"]
+    args = parse(container["args"])
+    assert (args.command, args.name, args.config, container["image"]) == ("island", "sa-east", k8s.CONFIG_PATH, "diloco:cuda")  # fmt: skip
+    assert args.coordinator == f"{host}:50051" and args.metrics_port is None  # an admitted island serves no metrics
+    secret = "two-region-island-sa-east"
+    assert args.secret == f"file:{k8s.TLS_DIR}/secret"
+    for path, key in ((args.secret[5:], "secret"), (args.tls_ca, "ca.crt"), (args.tls_cert, "tls.crt"), (args.tls_key, "tls.key")):  # fmt: skip
+        assert secret_key_at(spec, container, path) == (secret, key)
+    assert all("value" in e for e in container["env"])  # nothing comes from another Secret
+    # secrets.sh names the files of a real admission kit, and nothing of it is in the manifests
+    own = tmp_path / "kit-sa-east"
+    write_island_kit(own, "sa-east", kit)
+    (own / "ca.crt").write_bytes((kit / "ca.crt").read_bytes())
+    made = script_files(tmp_path / "k8s")
+    assert list(made) == [secret] and set(made[secret]) == {"ca.crt", "tls.crt", "tls.key", "secret"}
+    assert all((own / path).is_file() for path in made[secret].values()), made
+    rendered = (tmp_path / "k8s" / "30-island-sa-east.yaml").read_text()
+    assert (own / "sa-east.secret").read_text().strip() not in rendered and "PRIVATE KEY" not in rendered
+    assert rendered.count("diloco admit") == 1  # the header says to admit it first
+    for name, expected in (
+        ("us-east", "island 'us-east' is configured (islands.names)"),
+        ("diloco-operator", "'diloco-operator' is the name of operator certificates"),
+        ("no spaces", "an island name is 1 to 64 characters"),
+    ):
+        fails(capsys, tmp_path, "--admit", name, expected=expected)

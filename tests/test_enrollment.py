@@ -18,7 +18,7 @@ import pytest
 
 import diloco.coordinator.settler as settler_module
 from diloco import RELEASE
-from diloco.config import config_digest, load_config, to_dict
+from diloco.config import ConfigError, config_digest, load_config, to_dict
 from diloco.coordinator.coordinator import Coordinator
 from diloco.coordinator.enrollment import (
     RETIRED_SHOWN,
@@ -31,7 +31,7 @@ from diloco.coordinator.enrollment import (
 )
 from diloco.coordinator.serve import _start
 from diloco.deploy.tls import OPERATOR_CLIENT
-from diloco.ops.roster_ops import admit_island, retire_island
+from diloco.ops.roster_ops import RosterOpError, admit_island, retire_island, write_island_kit
 from diloco.run.rundir import RunDir, read_events
 from diloco.run.setup import build_setup
 from transport import diloco_pb2 as pb
@@ -361,8 +361,17 @@ def test_without_island_secrets_only_the_operator_retires_an_island(
         rd.close()
 
 
-def test_the_operator_certificate_name_is_no_island_name() -> None:
+def test_the_operator_certificate_names_are_no_island_names(tiny_config: Path, tmp_path: Path) -> None:
+    """Today's operator certificate name is no island name; the one of earlier releases is refused wherever an island
+    is named: in the config (one line naming the key), by `diloco admit` before it writes a kit, at admission."""
     assert not is_island_name(OPERATOR_CLIENT)
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny_config, ["islands.names=[diloco-operator, b]"])
+    assert str(err.value).startswith("islands.names: 'diloco-operator' is the name of operator certificates")
+    assert "\n" not in str(err.value)
+    with pytest.raises(RosterOpError, match="'diloco-operator' is the name of operator certificates"):
+        write_island_kit(tmp_path / "kit", "diloco-operator", None)
+    assert not (tmp_path / "kit").exists()
 
 
 @contextlib.contextmanager

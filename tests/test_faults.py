@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TypeVar
 
 import pytest
@@ -101,15 +103,20 @@ def _reach(who: str, point: str, round_: int) -> threading.Thread:
     return thread
 
 
-def test_a_thread_stops_at_its_point_until_released_and_only_once(armed: Pauses) -> None:
+def test_a_thread_stops_at_its_point_until_released_and_only_once(
+    armed: Pauses, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    looked: list[float] = []  # each time the stopped thread looked for its release and went back to waiting
+    monkeypatch.setattr(faults, "time", SimpleNamespace(sleep=lambda s: (looked.append(s), time.sleep(s))))
     faults.at("island-1", "before_push", 2)  # not its round: returns at once
     faults.at("island-0", "before_push", 3)  # not its process
-    assert armed.reached("island-1:before_push:3") is None
+    assert armed.reached("island-1:before_push:3") is None and not looked
     stopped = _reach("island-1", "before_push", 3)
     marker = wait_until(lambda: armed.reached("island-1:before_push:3"), "island-1:before_push:3", WAIT_S)
     assert marker == {"round": 3, "pid": os.getpid()}
-    stopped.join(0.2)
-    assert stopped.is_alive()  # it waits for the test, however long the test takes
+    seen = len(looked)
+    wait_until(lambda: len(looked) >= seen + 3, "the stopped thread to look for its release again", WAIT_S)
+    assert stopped.is_alive()  # it found none, and waits for the test, however long the test takes
     armed.release("island-1:before_push:3")
     stopped.join(WAIT_S)
     assert not stopped.is_alive()

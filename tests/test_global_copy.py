@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
+from diloco.run.rounds import fragment_digest
 from diloco.worker.global_copy import GlobalCopy, rolled_back
+from floor.codec import CodecSpec, decode
 from outer_optimizer.fragments import Fragments
+from outer_optimizer.optimizers import apply_update
 from pytrees.digest import tree_digest
+from pytrees.encode import encode
 from tests.reference_handler import fp32_tensor
 from transport.handler import PullPayload
 
@@ -129,3 +135,18 @@ def test_rolled_back_says_when_a_full_theta_undoes_held_commits(
     held: GlobalCopy, taken: GlobalCopy, back: bool
 ) -> None:
     assert rolled_back(held, taken) is back
+
+
+def test_an_update_sent_at_a_density_the_run_does_not_send_does_not_prove_out() -> None:
+    """A sparse commit's density is a wire field (its header): the copy takes an update sent with a spec the run
+    sends (`RunConfig.downlink_specs`) and refuses, as an update that does not prove out, one sent with another even
+    when its digest is right (the island then pulls the full θ)."""
+    run = CodecSpec("sparse", 2, density=0.5, sparse_bits=8)
+    copy = replace(at(WHOLE, 0), downlink=(run,))
+    for spec, taken in ((run, True), (run.union(2, 0.5), False)):
+        tensors = [encode(n, U[n], spec) for n in sorted(U)]
+        new = {**THETA, **apply_update(THETA, {t.name: decode(t) for t in tensors})}
+        pulled = PullPayload(1, 0, "update", bytes.fromhex(fragment_digest(WHOLE, new, 0)), tensors)
+        moved = copy.apply(pulled)
+        assert (moved is not None) == taken, spec
+        assert replace(copy, downlink=()).apply(pulled) is not None  # well formed: only the run's specs refuse it

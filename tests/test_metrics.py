@@ -168,6 +168,71 @@ def scrape_registry(m: IslandMetrics) -> Samples:
         server.stop()
 
 
+# -- run totals across a coordinator restart -------------------------------------------------------------------------
+
+
+RUN_TOTALS = (
+    ("diloco_islands_joined_total", {}),
+    ("diloco_islands_retired_total", {}),
+    ("diloco_bytes_up_total", {"island": "island-0"}),
+    ("diloco_bytes_up_total", {"island": "island-1"}),
+    ("diloco_eval_loss", {}),
+    ("diloco_round", {}),
+)
+"""The metrics that claim a run total (or the newest kept θ's figure): a resumed coordinator restores them."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_resumed_coordinator_restores_the_run_totals_it_exports(
+    tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rounds committed, bytes received by island, islands joined and retired, the kept θ's eval loss: after a restart
+    from the checkpoint they read as before it (from the checkpoint's totals and the records kept), not 0."""
+    import diloco.coordinator.settler as settler_module
+    from diloco import RELEASE
+    from diloco.coordinator.coordinator import Coordinator
+    from diloco.run.setup import build_setup
+    from transport.chunking import payload_digest
+
+    monkeypatch.setattr(settler_module, "EVAL_YIELD_S", 0.0)  # no island pulls: each commit is evaluated at once
+    cfg = load_config(tiny_config, ["islands.count=3", "islands.names=[island-0,island-1,island-2]"]
+                      + ["quorum.min_islands=1", "train.checkpoint_every=1", "outer.aggregate=mean"])  # fmt: skip
+
+    def started() -> Coordinator:
+        return Coordinator(cfg, RunDir(tmp_path / "run", cfg), build_setup(cfg, islands=()))
+
+    def totals(coord: Coordinator) -> list[float | None]:
+        return [coord.metrics.registry.get_sample_value(name, labels) for name, labels in RUN_TOTALS]
+
+    coord = started()
+    try:
+        for island in ("island-0", "island-1"):
+            coord.join(pb.JoinRequest(run_id=coord.run_id, island=island, last_round=-1, config_digest=coord.digest,
+                                      release=RELEASE))  # fmt: skip
+        coord.retire(pb.RetireRequest(run_id=coord.run_id, island="island-2", reason="test"), by="operator")
+        for round_ in range(2):
+            for island, fill in (("island-0", 1e-3), ("island-1", 2e-3)):
+                named = {k: np.full(np.shape(v), fill, np.float32) for k, v in flatten_named(coord.loop.params).items()}  # fmt: skip
+                tensors = encode_named(named, CodecSpec(kind="fp32"))
+                fields = {"run_id": coord.run_id, "island": island, "round": round_, "tokens": 128, "loss": 1.0}
+                fields["base_digest"] = bytes.fromhex(coord.world.params_digest)
+                assert coord.push(pb.PushMeta(**fields), tensors, named, payload_digest(tensors)).accepted
+            assert coord.settled(60) and coord.world.totals.rounds == round_ + 1
+        before = totals(coord)
+    finally:
+        coord.close()
+        coord.rd.close()
+    assert before[:2] == [2.0, 1.0] and before[2] and before[3] and math.isfinite(before[4]) and before[5] == 2.0
+    coord = started()
+    try:
+        assert coord.loop.round == 2, "the restart resumed from round 2's checkpoint"
+        assert totals(coord) == before
+    finally:
+        coord.close()
+        coord.rd.close()
+
+
 # -- a hostile client cannot grow the label sets ---------------------------------------------------------------------
 
 

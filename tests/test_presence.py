@@ -3,19 +3,21 @@ coordinator hears of it at once, not a lease later.
 
 The rules of `Presences` as a table; then a real server and real island processes: one SIGKILLed (its kernel closes
 the connection), one SIGSTOPped (it answers nothing, as a host that froze or a link that went silent: only the
-server's keepalive pings notice). Waits are bounded by generous limits, never measured.
+server's keepalive pings notice). Waits are bounded by generous limits, never measured: that a live island's presence
+holds is seen once it has answered several of the server's keepalive pings (counted by a relay on the connection),
+not after a fixed time.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -115,6 +117,66 @@ def _open(client: IslandClient, service: DilocoService, island: str = "i0") -> t
     return presence, waiter, ended
 
 
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HTTP2_PING, HTTP2_ACK = 0x6, 0x1
+
+
+class PingCountingRelay:
+    """A TCP relay between one client and `upstream` (plaintext HTTP/2) that counts the PING acknowledgements the
+    client sends: the server's keepalive pings the client answered. It closes each side when the other closes, so a
+    client killed or a server that gives up on a frozen client is seen through it as without it."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.acks = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._threads = [threading.Thread(target=self._serve, daemon=True)]
+        self._threads[0].start()
+
+    def _serve(self) -> None:
+        client, _ = self._listener.accept()
+        host, port = self.upstream.rsplit(":", 1)
+        server = socket.create_connection((host, int(port)))
+        down = threading.Thread(target=self._pump, args=(server, client, None), daemon=True)
+        down.start()
+        self._threads.append(down)
+        self._pump(client, server, self._count_acks)
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, observe: Callable[[bytes], bytes] | None) -> None:
+        buffered = b""
+        while data := _recv(source):
+            sink.sendall(data)
+            if observe is not None:
+                buffered = observe(buffered + data)
+        for sock in (sink, source):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _count_acks(self, data: bytes) -> bytes:
+        """Count the whole frames of ``data`` (after the connection preface); return the partial frame left over."""
+        if data.startswith(HTTP2_PREFACE):
+            data = data[len(HTTP2_PREFACE) :]
+        while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+            length, kind, flags = int.from_bytes(data[:3], "big"), data[3], data[4]
+            self.acks += kind == HTTP2_PING and bool(flags & HTTP2_ACK)
+            data = data[9 + length :]
+        return data
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(1 << 16)
+    except OSError:
+        return b""
+
+
 ISLAND_PROCESS = textwrap.dedent(
     """
     import sys
@@ -133,12 +195,14 @@ ISLAND_PROCESS = textwrap.dedent(
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_an_island_process_gone_or_frozen_breaks_its_presence(server, how: signal.Signals) -> None:
     running, handler, service = server
+    relay = PingCountingRelay(running.address)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    island = subprocess.Popen([sys.executable, "-c", ISLAND_PROCESS, running.address, "i1", RUN], env=env)
+    island = subprocess.Popen([sys.executable, "-c", ISLAND_PROCESS, relay.address, "i1", RUN], env=env)
     try:
         wait_until(lambda: "i1" in service.presences.attending(), "presence call from i1", WAIT_S)
-        assert handler.absences == []  # held: no break while the island lives (pings are answered)
-        time.sleep(3 * (CONFIG.keepalive_s + CONFIG.keepalive_timeout_s))
+        # held while the island lives: it answers the server's pings, more of them than span keepalive_timeout_s
+        answered = 2 + int(CONFIG.keepalive_timeout_s / CONFIG.keepalive_s)
+        wait_until(lambda: relay.acks >= answered, f"{answered} keepalive pings answered by i1", WAIT_S)
         assert handler.absences == [], "a live island's presence broke"
         island.send_signal(how)
         wait_until(lambda: handler.absences == ["i1"], "break of i1's presence", WAIT_S)
@@ -146,6 +210,7 @@ def test_an_island_process_gone_or_frozen_breaks_its_presence(server, how: signa
     finally:
         island.kill()
         island.wait(timeout=WAIT_S)
+        relay.close()
 
 
 def test_a_replaced_call_is_no_break_and_a_closed_one_is(server) -> None:

@@ -31,11 +31,22 @@ OPERATOR_KEY = "x-diloco-operator"
 """The operator's secret, on `diloco admit` and `diloco retire` calls (`check_operator`)."""
 
 MAX_NAME_LENGTH = 64
+RESERVED_NAMES = frozenset({"diloco-operator"})
+"""Never an island's name, configured or admitted: the common name of the operator's client certificate in kits made
+by earlier releases (now `diloco.operator`, no island name), which an island of that name would be bound to
+(`check_certified`)."""
 
 
 def is_island_name(name: str) -> bool:
     """An island name: 1 to 64 characters of [A-Za-z0-9_-] (configured or admitted alike)."""
     return 0 < len(name) <= MAX_NAME_LENGTH and name.isascii() and name.replace("-", "").replace("_", "").isalnum()
+
+
+def reserved_name_refusal(name: str) -> str | None:
+    """Why `name` cannot be an island's although it is well formed (`RESERVED_NAMES`), or None."""
+    if name in RESERVED_NAMES:
+        return f"{name!r} is the name of operator certificates made by earlier releases: choose another island name"
+    return None
 
 
 def secret_digest(secret: str | bytes) -> bytes:

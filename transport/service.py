@@ -140,7 +140,7 @@ class DilocoService:
         self.budget = ByteBudget(self.config.max_buffered_bytes)
         self.presences = Presences(self._absent)
         self._codecs = known_codecs()
-        self._decode = decoder(uplink)
+        self._decode = decoder(() if uplink is None else (uplink,))
         self._logged_places: set[tuple[str, str, int]] = set()
         self._log_lock = threading.Lock()
 

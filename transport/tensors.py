@@ -9,7 +9,7 @@ only asks for Status (`diloco status`, `launch`'s display) starts without it (do
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -69,9 +69,9 @@ def _is_plain_fp32(tensor: EncodedTensor) -> bool:
     return tensor.codec == "fp32" and not tensor.zstd_level and tensor.dtype == "float32"
 
 
-def decoder(sent_with: CodecSpec | None = None) -> Callable[[EncodedTensor], np.ndarray]:
-    """The decode function used on received tensors; its arrays are read-only. ``sent_with``: the codec the senders
-    must have used (a sparse header's bits and density are checked against it: `floor.codec.decode`).
+def decoder(sent_with: Sequence[CodecSpec] = ()) -> Callable[[EncodedTensor], np.ndarray]:
+    """The decode function used on received tensors; its arrays are read-only. ``sent_with``: the codecs the senders
+    may have used (a sparse header's bits and density are checked against them: `floor.codec.decode`).
 
     ``floor.codec.decode`` for every codec, except plain fp32 (no zstd, float32), whose layout is the
     array itself: that one is a zero-copy view of the receive buffer, so a lossless payload costs its size

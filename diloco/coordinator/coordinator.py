@@ -59,7 +59,7 @@ from diloco.coordinator.roster import Roster
 from diloco.ops.metrics import CoordinatorMetrics
 from diloco.run.global_run import GlobalRun
 from diloco.run.rounds import OuterLoop
-from diloco.run.rundir import RunDir
+from diloco.run.rundir import RunDir, read_events
 from diloco.run.setup import Setup
 from floor.codec import EncodedTensor
 from pytrees.naming import flatten_named
@@ -97,6 +97,8 @@ class Coordinator:
         self.config_dict = to_dict(cfg)
         self.world = GlobalRun(cfg, rd, setup, durable=True)
         self.world.start(self.world.latest_step())
+        if self.loop.round > 0:
+            self.metrics.resume(self.world.totals, read_events(rd.metrics_path, "push"))
         # Compile the commit's functions while islands start and train, off the lock (OuterLoop.warm_up).
         threading.Thread(
             target=self.world.loop.warm_up, args=(len(self.enrollment),), name="warm-up", daemon=True

@@ -35,7 +35,7 @@ import grpc
 
 from floor.errors import UserError
 from floor.files import write_atomically
-from transport.auth import is_island_name
+from transport.auth import is_island_name, reserved_name_refusal
 from transport.errors import Rejected
 
 ROSTER_FILE = "roster.json"
@@ -45,9 +45,6 @@ RETIRED_SHOWN = 32
 CREDENTIAL_FILTER_BYTES = 1 << 15
 """The size of the filter of retired credentials (`RetiredCredentials`): 2^18 bits."""
 CREDENTIAL_PROBES = 8
-RESERVED_NAMES = frozenset({"diloco-operator"})
-"""Never admitted: the common name of the operator's client certificate in kits made by earlier releases (now
-`diloco.operator`, no island name), which an island admitted under it would be bound to."""
 WINDOW_S = 60.0
 """`islands.admissions_per_minute` counts admissions in this window."""
 MAX_WINDOW = 1 << 16
@@ -89,11 +86,8 @@ def admission_refusal(
     """Why an operator's admission of `name` with a secret of SHA-256 `digest` is refused, or None to admit it."""
     if not is_island_name(name):
         return grpc.StatusCode.INVALID_ARGUMENT, "an island name is 1 to 64 characters of [A-Za-z0-9_-]"
-    if name in RESERVED_NAMES:
-        return (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"{name!r} is the name of operator certificates made by earlier releases: choose another island name",
-        )
+    if reserved := reserved_name_refusal(name):
+        return grpc.StatusCode.INVALID_ARGUMENT, reserved
     if len(digest) != SECRET_DIGEST_BYTES:
         return (
             grpc.StatusCode.INVALID_ARGUMENT,

@@ -11,6 +11,11 @@ one file per part, in an order `kubectl apply -f DIR` can follow:
                                a Pathways slice, a PathwaysJob whose main container is the island
     secrets.sh                 `kubectl create secret` for the files `diloco certs` wrote (not applied by -f DIR)
 
+With `--admit NAME` (an island admitted into the live run, `diloco admit`): 10-config.yaml, 30-island-NAME.yaml, and
+a secrets.sh that makes its one Secret from the kit `diloco admit --ca-dir` wrote; the output lists the steps in
+order (admit, copy ca.crt into the kit, secrets.sh, apply), the admission first: the coordinator refuses an island
+it has not admitted, and that refusal (exit 2) fails the Job.
+
 What the pods need and where it comes from:
 
 * The command line of each container is a `diloco` command line (the image's entrypoint is `diloco`), the one the
@@ -224,13 +229,14 @@ class Names:
         return f"{owner}-run"
 
 
-def names(cfg: RunConfig, options: K8sOptions) -> Names:
-    """The deployment's names, refused in one line when one cannot be a DNS label (or two islands would share one)."""
+def names(cfg: RunConfig, options: K8sOptions, admitted: str = "") -> Names:
+    """The deployment's names, refused in one line when one cannot be a DNS label (or two islands would share one);
+    `admitted`: an island admitted into the live run, named beside the configured ones."""
     prefix = dns_label(
         options.prefix or cfg.run.name, "--prefix" if options.prefix else "run.name (or --prefix)", DNS_1035_LABEL
     )
     labels: dict[str, str] = {}
-    for island in cfg.islands.island_names:
+    for island in (*cfg.islands.island_names, *([admitted] if admitted else [])):
         label = dns_label(island, "island name")
         twin = next((other for other, taken in labels.items() if taken == label), None)
         if twin is not None:
@@ -546,9 +552,11 @@ def island_args(cfg: RunConfig, island: str, n: Names, options: K8sOptions, acce
         "--log-format",
         "json",
     ]
-    metrics = metrics_ports(cfg)[island]
+    metrics = metrics_ports(cfg).get(island, 0)  # an admitted island serves none (diloco island's rule)
     if metrics:
         args += ["--metrics-port", str(metrics)]
+    if island not in cfg.islands.island_names:  # admitted: its secret is no config reference, but its Secret's key
+        args += ["--secret", f"file:{TLS_DIR}/secret"]
     processes = cfg.islands.processes
     if processes > 1:
         args += [
@@ -603,7 +611,7 @@ def _check_tpu(cfg: RunConfig, island: str, accelerator: str, options: K8sOption
 def island_pod(cfg: RunConfig, island: str, n: Names, options: K8sOptions, placement: Placement) -> Obj:
     """The pod template of one island process (for a Job, or for a PathwaysJob's controller)."""
     labels = _labels(n, "island", island)
-    ref = secret_refs(cfg)[island]
+    ref = secret_refs(cfg).get(island, SecretRef())  # an admitted island reads its secret where its Secret is mounted
     secret = n.island_secret(island)
     volumes = [
         *_common_volumes(n, n.island(island)),
@@ -623,7 +631,7 @@ def island_pod(cfg: RunConfig, island: str, n: Names, options: K8sOptions, place
 
         env += [{"name": k, "value": v} for k, v in devices_env(cfg.islands.devices, xla_flags="").items()]
     ports = []
-    metrics = metrics_ports(cfg)[island]
+    metrics = metrics_ports(cfg).get(island, 0)
     if metrics:
         ports.append({"name": "metrics", "containerPort": metrics})
     if cfg.islands.processes > 1:
@@ -722,7 +730,7 @@ def island_network_policy(cfg: RunConfig, island: str, n: Names, options: K8sOpt
     anyone on the metrics port. Enforced where the cluster's network plugin enforces NetworkPolicies."""
     labels = _labels(n, "island", island)
     ingress: list[Obj] = [{"from": [{"podSelector": {"matchLabels": labels}}]}]
-    if metrics_ports(cfg)[island]:
+    if metrics_ports(cfg).get(island, 0):
         ingress.append({"ports": [{"protocol": "TCP", "port": "metrics"}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -771,39 +779,59 @@ def render(cfg: RunConfig, options: K8sOptions) -> dict[str, list[Obj]]:
     return files
 
 
+def render_admitted(cfg: RunConfig, options: K8sOptions, island: str) -> dict[str, list[Obj]]:
+    """File name -> objects of one island admitted into the live run (`diloco admit`): the run's ConfigMap and the
+    island's volume claim and Job, the same as a configured island's, reading its secret from its own Secret (made
+    from the admission's kit); the coordinator and the other islands are left as they run."""
+    from diloco.config import require_federated
+    from transport.auth import is_island_name, reserved_name_refusal
+
+    require_federated(cfg, "deploy k8s")
+    if not is_island_name(island):
+        raise DeployError(f"--admit {island[:64]!r}: an island name is 1 to 64 characters of [A-Za-z0-9_-]")
+    if reserved := reserved_name_refusal(island):
+        raise DeployError(f"--admit: {reserved}")
+    if island in cfg.islands.island_names:
+        raise DeployError(
+            f"--admit {island}: island {island!r} is configured (islands.names): its manifest is part of the "
+            "federation's (render without --admit)"
+        )
+    n = names(cfg, options, admitted=island)
+    # the config its pods read, the federation's own (applying it again changes nothing): one directory suffices
+    # in another cluster too
+    return {
+        "10-config.yaml": [config_map(cfg, n, options)],
+        f"30-island-{n.islands[island]}.yaml": island_objects(cfg, island, n, options),
+    }
+
+
 # -- secrets.sh ----------------------------------------------------------------------------------------------------
 
 
-def secrets_script(cfg: RunConfig, options: K8sOptions) -> str:
-    """A shell script that makes the deployment's Secrets from `diloco certs` output (its --out, the script's first
-    argument; the parts to make may follow: `coordinator`, island names). It names files; the secrets travel from
-    them to the API server through a pipe, never through a manifest. `apply --server-side` makes it idempotent
-    without copying the secret into a last-applied annotation."""
-    n = names(cfg, options)
+@dataclass(frozen=True)
+class ScriptParts:
+    """The parts a Secrets script makes, as its user names them: `names` (what may follow KIT_DIR), `usage` and
+    `what` (how its usage line and its refusal of another part show them), `kit` (what KIT_DIR is)."""
+
+    names: Sequence[str]
+    usage: str
+    what: str
+    kit: str
+
+
+def _script_head(comments: Sequence[str], parts: ScriptParts, options: K8sOptions) -> list[str]:
+    """The start of a Secrets script: `comments`, KIT from its first argument, the parts asked for (each one of
+    `parts`), `want` and `secret`, and the namespace."""
     ns = shlex.quote(options.namespace)
-    host = coordinator_address(n, options).rpartition(":")[0]
-    islands = cfg.islands.island_names
-    example = islands[0]
-
-    def create(parts: Sequence[str], name: str, files: dict[str, str]) -> str:
-        sources = " ".join(f'--from-file={key}="$KIT"/{shlex.quote(path)}' for key, path in files.items())
-        return f"if want {' '.join(map(shlex.quote, parts))}; then secret {name} {sources}; fi"
-
     lines = [
         "#!/bin/sh",
-        "# Kubernetes Secrets for the manifests beside this script, from the files `diloco certs` wrote:",
-        f"#   diloco certs CONFIG --out kit --host {host}",
-        "#   sh secrets.sh kit                     every Secret (one cluster runs everything)",
-        "#   sh secrets.sh kit coordinator         the coordinator's cluster: its TLS and every island's Secret",
-        f"#   sh secrets.sh kit-{example} {example}     island {example}'s cluster: its own Secret only",
-        f"#       (kit-{example} holds what README's walkthrough copies to that island: ca.crt, "
-        f"client-{example}.crt/.key, secrets/{example})",
+        *(f"# {line}" for line in comments),
         "set -eu",
-        'KIT="${1:?usage: sh secrets.sh KIT_DIR [coordinator|ISLAND]... (KIT_DIR: the --out of diloco certs)}"',
+        f'KIT="${{1:?usage: sh secrets.sh KIT_DIR [{parts.usage}]... (KIT_DIR: {parts.kit})}}"',
         "shift",
         'for part in "$@"; do',
-        f'    case "$part" in coordinator|{"|".join(map(shlex.quote, islands))}) ;;',
-        '        *) echo "secrets.sh: unknown part $part (coordinator or an island name)" >&2; exit 2 ;;',
+        f'    case "$part" in {"|".join(map(shlex.quote, parts.names))}) ;;',
+        f'        *) echo "secrets.sh: unknown part $part ({parts.what})" >&2; exit 2 ;;',
         "    esac",
         "done",
         'PARTS=" $* "',
@@ -827,25 +855,81 @@ def secrets_script(cfg: RunConfig, options: K8sOptions) -> str:
     ]
     if options.namespace != "default":
         lines.append(f"kubectl create namespace {ns} --dry-run=client -o yaml | kubectl apply --server-side -f -")
-    lines.append(
-        create(
-            ["coordinator"], n.coordinator_tls, {"ca.crt": "ca.crt", "tls.crt": "server.crt", "tls.key": "server.key"}
-        )
+    return lines
+
+
+def _create(parts: Sequence[str], name: str, files: dict[str, str]) -> str:
+    """The script's line that makes Secret `name` from kit files (key -> path in KIT) when one of `parts` is asked."""
+    sources = " ".join(f'--from-file={key}="$KIT"/{shlex.quote(path)}' for key, path in files.items())
+    return f"if want {' '.join(map(shlex.quote, parts))}; then secret {name} {sources}; fi"
+
+
+def secrets_script(cfg: RunConfig, options: K8sOptions) -> str:
+    """A shell script that makes the deployment's Secrets from `diloco certs` output (its --out, the script's first
+    argument; the parts to make may follow: `coordinator`, island names). It names files; the secrets travel from
+    them to the API server through a pipe, never through a manifest. `apply --server-side` makes it idempotent
+    without copying the secret into a last-applied annotation."""
+    n = names(cfg, options)
+    host = coordinator_address(n, options).rpartition(":")[0]
+    islands = cfg.islands.island_names
+    example = islands[0]
+    usage = [
+        "Kubernetes Secrets for the manifests beside this script, from the files `diloco certs` wrote:",
+        f"  diloco certs CONFIG --out kit --host {host}",
+        "  sh secrets.sh kit                     every Secret (one cluster runs everything)",
+        "  sh secrets.sh kit coordinator         the coordinator's cluster: its TLS and every island's Secret",
+        f"  sh secrets.sh kit-{example} {example}     island {example}'s cluster: its own Secret only",
+        f"      (kit-{example} holds what README's walkthrough copies to that island: ca.crt, "
+        f"client-{example}.crt/.key, secrets/{example})",
+    ]
+    parts = ScriptParts(
+        ["coordinator", *islands], "coordinator|ISLAND", "coordinator or an island name", "the --out of diloco certs"
     )
+    lines = _script_head(usage, parts, options)
+    tls = {"ca.crt": "ca.crt", "tls.crt": "server.crt", "tls.key": "server.key"}
+    lines.append(_create(["coordinator"], n.coordinator_tls, tls))
     for island in islands:
-        lines.append(
-            create(
-                ["coordinator", island],
-                n.island_secret(island),
-                {
-                    "ca.crt": "ca.crt",
-                    "tls.crt": f"client-{island}.crt",
-                    "tls.key": f"client-{island}.key",
-                    "secret": f"secrets/{island}",
-                },
-            )
-        )
+        files = {
+            "ca.crt": "ca.crt",
+            "tls.crt": f"client-{island}.crt",
+            "tls.key": f"client-{island}.key",
+            "secret": f"secrets/{island}",
+        }
+        lines.append(_create(["coordinator", island], n.island_secret(island), files))
     return "\n".join(lines) + "\n"
+
+
+def admitted_secrets_script(n: Names, options: K8sOptions, island: str, config_name: str) -> str:
+    """secrets.sh of an admitted island's manifests: its one Secret, from the kit `diloco admit --ca-dir` wrote (its
+    secret, its client certificate) with the federation's ca.crt copied in. Files are named, never inlined."""
+    usage = [
+        f"The Secret of island {island}, admitted into the live run, from the files `diloco admit` wrote:",
+        *(f"  {command}" for command in admit_commands(n, options, island, config_name, "secrets.sh")[:3]),
+    ]
+    parts = ScriptParts([island], island, island, "the --out of diloco admit, with ca.crt copied in")
+    lines = _script_head(usage, parts, options)
+    files = {
+        "ca.crt": "ca.crt",
+        "tls.crt": f"client-{island}.crt",
+        "tls.key": f"client-{island}.key",
+        "secret": f"{island}.secret",
+    }
+    lines.append(_create([island], n.island_secret(island), files))
+    return "\n".join(lines) + "\n"
+
+
+def admit_commands(n: Names, options: K8sOptions, island: str, config_name: str, script: str) -> list[str]:
+    """What an operator runs to bring an admitted island up in the cluster, in order: admit it (the coordinator must
+    know it before its pod dials), make its Secret from the kit, apply its manifests. `diloco admit` needs the
+    operator's credential and the CA key kept by `diloco certs --keep-ca-key` (here in kit/)."""
+    address = coordinator_address(n, options)
+    kit = shlex.quote(f"kit-{island}")
+    return [
+        f"diloco admit {shlex.quote(config_name)} {island} --coordinator {address} --out {kit} --ca-dir kit",
+        f"cp kit/ca.crt {kit}/",
+        f"sh {script} {kit}",
+        f"kubectl apply -f {shlex.quote(str(Path(script).parent))}",
+    ]
 
 
 # -- the command -------------------------------------------------------------------------------------------------
@@ -868,7 +952,7 @@ def per_island(values: Sequence[str], islands: Sequence[str], flag: str, default
 
 
 def options_from(args: argparse.Namespace, cfg: RunConfig) -> K8sOptions:
-    islands = cfg.islands.island_names
+    islands = (args.admit,) if args.admit else cfg.islands.island_names
     default_accelerator = "pathways" if cfg.islands.backend == "pathways" else "cpu"
     accelerators = per_island(args.accelerator, islands, "--accelerator", default_accelerator)
     for island, accelerator in accelerators.items():
@@ -913,6 +997,13 @@ def add_deploy_parser(sub: Any) -> tuple[argparse.ArgumentParser, argparse.Argum
     d = K8sOptions()
     k8s.add_argument("config", help="TOML run config (the one `diloco certs` made the secrets of)")
     k8s.add_argument("--out", type=Path, required=True, help="directory to write the manifests to (new or empty)")
+    k8s.add_argument(
+        "--admit",
+        default="",
+        metavar="NAME",
+        help="only the manifests of island NAME, admitted into the live run (`diloco admit`), and the secrets.sh "
+        "of its Secret; the output says what to run, in order",
+    )
     k8s.add_argument("--namespace", default=d.namespace, help="Kubernetes namespace of every object")
     k8s.add_argument("--prefix", default=d.prefix, help="start of every object's name (default: run.name)")
     k8s.add_argument(
@@ -993,25 +1084,38 @@ def to_yaml(objects: Sequence[Obj]) -> str:
     return yaml.dump_all(objects, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=120)
 
 
-def deploy_k8s(cfg: RunConfig, options: K8sOptions, out: Path, config_name: str) -> dict[str, Any]:
+def deploy_k8s(cfg: RunConfig, options: K8sOptions, out: Path, config_name: str, admit: str = "") -> dict[str, Any]:
     """Write the manifests and secrets.sh into `out` (refused when it holds anything: stale manifests of another
-    render would be applied too); return what the user runs next."""
+    render would be applied too); return what the user runs next. `admit`: only the manifests of that island,
+    admitted into the live run, and the secrets.sh of its Secret."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DeployError(
             f"--out {out} is not an empty directory: render into a new one (kubectl apply -f DIR "
             "would apply stale manifests too)"
         )
-    files = render(cfg, options)
-    script = secrets_script(cfg, options)
+    if admit:
+        files = render_admitted(cfg, options, admit)
+        n = names(cfg, options, admitted=admit)
+        script = admitted_secrets_script(n, options, admit, config_name)
+    else:
+        files = render(cfg, options)
+        script = secrets_script(cfg, options)
     out.mkdir(parents=True, exist_ok=True)
     header = HEADER.format(config=config_name, out=out)
     for name, objects in files.items():
         note = ""
         if name.startswith("30-island-"):
             note = "".join(f"# {line}\n" if line else "#\n" for line in ISLAND_RESTART_POLICY_NOTE.splitlines())
+        if admit:  # its pod's first call is refused (exit 2, failing the Job) unless the coordinator admitted it
+            note = (
+                f"# Island {admit} joins the live run once admitted: run `diloco admit` before applying this.\n" + note
+            )
         (out / name).write_text(header + note + to_yaml(objects))
     (out / "secrets.sh").write_text(script)
     (out / "secrets.sh").chmod(0o700)
+    if admit:
+        steps = admit_commands(n, options, admit, config_name, str(out / "secrets.sh"))
+        return {"out": str(out), "files": [*files, "secrets.sh"], "next": steps}
     host = coordinator_address(names(cfg, options), options).rpartition(":")[0]
     return {
         "out": str(out),
@@ -1029,6 +1133,6 @@ def run_deploy(args: argparse.Namespace) -> int:
     from diloco.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    result = deploy_k8s(cfg, options_from(args, cfg), args.out, args.config)
+    result = deploy_k8s(cfg, options_from(args, cfg), args.out, args.config, args.admit)
     print(json.dumps(result, indent=2))
     return 0

@@ -5,7 +5,8 @@ process logs to its metrics.jsonl (`RunDir.observers`: a `round` event is the ro
 seconds and the eval loss; `checkpoint` its seconds; `synced` a digest check that passed), so a metric and its event
 can never disagree; the rest by one call where the number is known and no event is written (a pull's bytes, a
 refusal's code, an RPC's latency, an inner-step run). Gauges about the present (the open round, its age, the islands
-alive) are read from the coordinator at scrape time.
+alive) are read from the coordinator at scrape time. A resumed coordinator starts the metrics that claim a run total
+from the run's durable records (`CoordinatorMetrics.resume`; docs/architecture.md, "Metrics across a restart").
 
 Every metric lives in a registry of its own per process (`CollectorRegistry`), never prometheus_client's global
 one, so several coordinators or islands in one process (tests) do not collide. Label values are bounded: `island`
@@ -21,7 +22,7 @@ Ports (one rule in every process, so `launch` and diloco.harness.procs.Federatio
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping, Sized
+from collections.abc import Callable, Collection, Iterable, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from diloco.config import RunConfig
+from diloco.run.summary import Totals
 from floor.errors import UserError
 
 UNKNOWN = "unknown"
@@ -228,6 +230,22 @@ class CoordinatorMetrics:
         self.tally.pop(name, None)
         for family in (self.pushes, self.pulls, self.bytes_up, self.bytes_down):
             family.remove_by_labels({"island": name})
+
+    def resume(self, totals: Totals, pushes: Iterable[dict[str, Any]]) -> None:
+        """A resumed run: the metrics that claim a run total start where its durable records stand, not at 0 (what
+        a counter restarted at 0 would claim is the history since this process started): the roster counters and
+        the eval loss from the checkpoint's totals (summary.json's), each island's bytes up from the `push` records
+        kept. The per-call counters and histograms count this process's calls (docs/architecture.md, "Metrics")."""
+        for counter, total in (
+            (self.joined, totals.islands_joined),
+            (self.lost, totals.islands_lost),
+            (self.admitted, totals.islands_admitted),
+            (self.retired, totals.islands_retired),
+        ):
+            counter.inc(total)
+        self._set_loss(totals.final_eval_loss)
+        for push in pushes:
+            self._on_push(push)
 
     def island(self, name: str) -> str:
         """The `island` label of `name`: itself when it is one of the run's islands, else "unknown"."""

@@ -23,6 +23,7 @@ from transport.auth import (
     SECRET_KEY,
     TlsConfig,
     is_island_name,
+    reserved_name_refusal,
     resolve_secret,
     secret_digest,
 )
@@ -53,6 +54,8 @@ def write_island_kit(out: Path, name: str, ca_dir: Path | None, days: int = 365)
     --keep-ca-key`), a client certificate naming it."""
     if not is_island_name(name):
         raise RosterOpError(f"island name {name[:64]!r} must be 1 to 64 characters of [A-Za-z0-9_-]")
+    if reserved := reserved_name_refusal(name):
+        raise RosterOpError(reserved)
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = out / f"{name}.secret"
     try:

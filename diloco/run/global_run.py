@@ -90,7 +90,12 @@ class GlobalRun:
         self.rd = rd
         outer = cfg.outer
         self.loop = OuterLoop.fresh(
-            setup.init_params, build_optimizer(outer), cfg.codec.spec("downlink"), aggregator(outer), setup.fragments
+            setup.init_params,
+            build_optimizer(outer),
+            cfg.codec.spec("downlink"),
+            aggregator(outer),
+            setup.fragments,
+            union_of=cfg.codec.density if cfg.union_downlink else 0.0,
         )
         self.evaluate = Evaluator.of(cfg, setup)
         self.param_count = setup.n_params

@@ -48,7 +48,7 @@ def plan(cfg: RunConfig, setup: Setup, islands: Sequence[Island], evaluate: Eval
     sizes = [int(np.size(leaf)) * 4 for leaf in jax.tree.leaves(params)]
     first = islands[0]
     cpu = all(d.platform == "cpu" for d in first.mesh.devices.flat)
-    uplink, downlink = cfg.codec.spec("uplink"), cfg.codec.spec("downlink")
+    uplink, downlink = cfg.codec.spec("uplink"), cfg.downlink_specs()[-1]  # the densest a commit is sent at
     return ProcessPlan(
         islands=len(islands),
         params=sum(sizes),

@@ -122,9 +122,14 @@ class OuterLoop:
         downlink: CodecSpec,
         aggregate: Rule = mean,
         fragments: Fragments | None = None,
+        union_of: float = 0.0,
     ) -> None:
         self.state = state
         self.downlink = downlink
+        self.union_of = union_of
+        """With a sparse `downlink`, the uplink's density when each commit is the union of its islands' sparse
+        updates (`RunConfig.union_downlink`): a commit of n contributions is sent at n times it (`downlink_for`).
+        0: every commit at `downlink`."""
         self.aggregate = aggregate
         """How the round's pseudo-gradients become one (`optimizers.aggregator`; default DiLoCo's weighted mean)."""
         self.fragments = fragments or Fragments.whole(list(flatten_named(state.params)))
@@ -139,12 +144,13 @@ class OuterLoop:
         downlink: CodecSpec,
         aggregate: Rule = mean,
         fragments: Fragments | None = None,
+        union_of: float = 0.0,
     ) -> OuterLoop:
         fragments = fragments or Fragments.whole(list(flatten_named(params)))
         named = flatten_named(params, to_numpy=False)
         opt_states = tuple(tx.init(fragments.select(p, named)) for p in range(fragments.count))
         state = GlobalState(params, opt_states, zero_residual(params, downlink), round=0)
-        return cls(state, tx, downlink, aggregate, fragments)
+        return cls(state, tx, downlink, aggregate, fragments, union_of)
 
     @property
     def round(self) -> int:
@@ -215,6 +221,11 @@ class OuterLoop:
 
         return max(sorted(self._pending), key=lambda name: norm(self._pending[name]))
 
+    def downlink_for(self, contributions: int) -> CodecSpec:
+        """The spec a commit of `contributions` islands' pseudo-gradients is sent with: the union's density
+        (`CodecSpec.union`, at most whole chunks) or `downlink` as it is."""
+        return self.downlink.union(contributions, self.union_of) if self.union_of else self.downlink
+
     def warm_up(self, contributions: int) -> None:
         """Compile what a commit runs (the rule for this many contributions, every fragment's outer step, the
         downlink codec, the add) on zeros, changing nothing. The coordinator commits under its lock, where a first
@@ -226,7 +237,8 @@ class OuterLoop:
             combined = self.aggregate([zeros] * max(contributions, 1), [1] * max(contributions, 1))
             update, _ = self._outer_update(mine, self.state.outer_opt_state[p], combined.delta)
             residual = None if self.state.down_residual is None else self.fragments.select(p, self.state.down_residual)
-            apply_update(mine, compress_tree(jax.device_get(update), residual, self.downlink).decoded)
+            spec = self.downlink_for(max(contributions, 1))
+            apply_update(mine, compress_tree(jax.device_get(update), residual, spec).decoded)
 
     def commit(self) -> Commit:
         """Close the open sync with every contribution received; the outer step of its fragment runs once."""
@@ -241,7 +253,7 @@ class OuterLoop:
         update, opt_state = self._outer_update(mine, s.outer_opt_state[p], combined.delta)
         # Commit exactly what is sent: û = decode(encode(u + e)); what the codec dropped is carried over.
         residual = None if s.down_residual is None else self.fragments.select(p, s.down_residual)
-        sent = compress_tree(jax.device_get(update), residual, self.downlink)
+        sent = compress_tree(jax.device_get(update), residual, self.downlink_for(len(contributions)))
         new_params = unflatten_named({**theta, **apply_update(mine, sent.decoded)}, s.params)
         last = p + 1 == self.fragments.count
         self.state = GlobalState(

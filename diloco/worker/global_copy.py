@@ -18,6 +18,7 @@ full θ), and redoes it otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +26,7 @@ import jax
 import numpy as np
 
 from diloco.run.rounds import fragment_digest, fragment_digests
+from floor.codec import CodecError, CodecSpec
 from outer_optimizer.fragments import Fragments
 from outer_optimizer.optimizers import apply_update
 from pytrees.digest import tree_digest
@@ -32,12 +34,16 @@ from pytrees.naming import PyTree, flatten_named, unflatten_named
 from transport.handler import PullPayload
 from transport.tensors import decoder
 
-_decode = decoder()
 
-
-def arrays_of(payload: PullPayload) -> dict[str, np.ndarray]:
-    """The payload's tensors decoded, by name (float32)."""
-    return {t.name: np.array(_decode(t), np.float32) for t in payload.tensors}
+def arrays_of(payload: PullPayload, sent_with: Sequence[CodecSpec] = ()) -> dict[str, np.ndarray] | None:
+    """The payload's tensors decoded, by name (float32); None when one does not decode, or (``sent_with``: the
+    specs the run sends commits with, `RunConfig.downlink_specs`) was sent at a density or width the run does not
+    send (`floor.codec.decode`)."""
+    decode = decoder(sent_with)
+    try:
+        return {t.name: np.array(decode(t), np.float32) for t in payload.tensors}
+    except CodecError:
+        return None
 
 
 def same_leaves(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -79,12 +85,18 @@ class GlobalCopy:
     params: PyTree = None
     position: int = -1
     digests: tuple[str, ...] = ()
+    downlink: tuple[CodecSpec, ...] = ()
+    """The specs the run sends commits with (`RunConfig.downlink_specs`): an update sent with another is refused as
+    one that does not prove out. Empty: any."""
 
     @classmethod
-    def whole(cls, fragments: Fragments, like: PyTree, params: PyTree, position: int) -> GlobalCopy:
+    def whole(
+        cls, fragments: Fragments, like: PyTree, params: PyTree, position: int, downlink: tuple[CodecSpec, ...] = ()
+    ) -> GlobalCopy:
         """θ taken as a whole at `position` (a checkpoint of the island's own), its digests computed here."""
         params = jax.tree.map(np.asarray, params)
-        return cls(fragments, like, params, position, tuple(fragment_digests(fragments, params, tree_digest(params))))
+        digests = tuple(fragment_digests(fragments, params, tree_digest(params)))
+        return cls(fragments, like, params, position, digests, downlink)
 
     @property
     def count(self) -> int:
@@ -123,8 +135,8 @@ class GlobalCopy:
         position = self.position_of(payload)
         if base is None:
             base = self.fragment((position - 1) % self.count)
-        update = arrays_of(payload)
-        if set(update) != set(base):
+        update = arrays_of(payload, self.downlink)
+        if update is None or set(update) != set(base):
             return None
         # Host arrays, so that the copy's leaves stay these objects (flatten_named of a device array makes a new one).
         leaves = {name: np.asarray(v) for name, v in apply_update(base, update).items()}
@@ -146,8 +158,8 @@ class GlobalCopy:
                 return None
             new = unflatten_named({**theta, **ready.leaves}, self.like)
         else:  # plain rounds prove all of θ: its digest needs the whole new tree
-            update = arrays_of(payload)
-            if set(update) != set(base):
+            update = arrays_of(payload, self.downlink)
+            if update is None or set(update) != set(base):
                 return None
             new = unflatten_named({**theta, **apply_update(base, update)}, self.like)
             if fragment_digest(self.fragments, new, p) != payload.param_digest.hex():
@@ -157,7 +169,10 @@ class GlobalCopy:
 
     def _replaced(self, payload: PullPayload) -> GlobalCopy | None:
         """The full θ of the payload's position, when it matches its digest."""
-        new = jax.tree.map(np.asarray, unflatten_named(arrays_of(payload), self.like))
+        arrays = arrays_of(payload)  # θ itself, in fp32
+        if arrays is None:
+            return None
+        new = jax.tree.map(np.asarray, unflatten_named(arrays, self.like))
         digest = tree_digest(new)
         if digest != payload.param_digest.hex():
             return None

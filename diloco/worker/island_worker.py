@@ -141,7 +141,7 @@ class IslandWorker:
         self.checkpoints = IslandCheckpoints(store, self.island)
         self.fragments = setup.fragments
         self.P, self.H = self.fragments.count, cfg.train.inner_steps
-        self.copy = GlobalCopy(self.fragments, self.like)
+        self.copy = GlobalCopy(self.fragments, self.like, downlink=cfg.downlink_specs())
         """This island's copy of the global θ: what Δ is taken from, moved by every commit it adopts."""
         self.step = 0
         """Inner steps of the schedule (outer_optimizer/fragments.py); may run τ steps ahead of the global copy."""
@@ -226,7 +226,9 @@ class IslandWorker:
         if saved is None:
             return -1
         state, meta = self.checkpoints.restore(saved)
-        self.copy = GlobalCopy.whole(self.fragments, self.like, state.params, meta["round"] * self.P)
+        self.copy = GlobalCopy.whole(
+            self.fragments, self.like, state.params, meta["round"] * self.P, self.copy.downlink
+        )
         self.step = meta["round"] * self.H
         self.rd.log("resumed", round=self.round, island=self.name, step=state.step)
         return self.round
