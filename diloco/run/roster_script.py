@@ -137,3 +137,18 @@ def script_refusal(
             return f"roster.events: no island pushes in round {r} (every island is retired or killed there)"
         killed_before = killed
     return None
+
+
+def enrolled_at(events: Sequence[RosterEvent], configured: Sequence[str], round_: int) -> list[str]:
+    """The islands on the roster while round `round_` is open, its joiners included and its retirees not (a valid
+    script), in order of enrolment."""
+    enrolled = list(configured)
+    for r in range(round_ + 1):
+        changes = changes_at(events, r)
+        enrolled = [n for n in enrolled if n not in changes.retires] + list(changes.joins)
+    return enrolled
+
+
+def rounds_changed(events: Sequence[RosterEvent]) -> list[int]:
+    """The rounds that open with a change: an event's round, and the round after a kill (its island comes back)."""
+    return sorted({e.round for e in events} | {e.round + 1 for e in events if e.kill})
