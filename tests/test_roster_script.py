@@ -102,14 +102,14 @@ def test_the_cli_refuses_a_bad_script_and_a_scripted_resume(
     fails(capsys, ["launch", str(tiny_config), "--run-dir", str(tmp_path / "l"), script('{round=1, kill="island-0"}')],
           "set network.operator_secret")  # fmt: skip
     fails(capsys, ["launch", str(tiny_config), "--run-dir", str(tmp_path / "l"), "network.operator_secret=env:OP",
-                   "quorum.min_islands=1", script('{round=1, kill="island-0"}')],
-          "needs quorum.min_islands = 1.0")  # fmt: skip
+                   "islands.processes=2", script('{round=1, kill="island-0"}')],
+          "with islands.processes = 1")  # fmt: skip
 
 
 CHURN = ['{round=1, join="ap-1"}', '{round=2, kill="island-0"}', '{round=3, retire="island-1"}']
 """A join, a kill and a retirement: rounds 1 to 4 hold three islands, two (island-0 killed), two (island-0 back,
 island-1 retired) and two."""
-RUN = [*FAST, "train.rounds=5", "islands.max=3", "quorum.min_islands=1.0", "quorum.lease_s=60",
+RUN = [*FAST, "train.rounds=5", "islands.max=3", "quorum.lease_s=60",
        "network.operator_secret=env:DILOCO_TEST_OPERATOR"]  # fmt: skip
 
 

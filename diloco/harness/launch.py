@@ -89,8 +89,16 @@ def _hidden_variables(cfg: RunConfig) -> set[str]:
     return mine | {var for var in os.environ if var.startswith(SECRET_VAR.format(""))}
 
 
+SCRIPTED = ["quorum.min_islands=1.0", "quorum.min_deadline_s=inf", "quorum.max_deadline_s=inf"]
+"""What a launch of roster.events runs with: each round closes when every live island pushed, as in `simulate`,
+never at a deadline (the script holds a round while a joiner starts; a lost island is still noticed by presence)."""
+
+
 def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = True) -> dict[str, Any]:
     cfg = load_config(config, overrides)
+    if cfg.roster.events:
+        overrides = [*overrides, *SCRIPTED]
+        cfg = load_config(config, overrides)
     require_federated(cfg, "launch")
     check_supported(cfg, cfg.islands.processes)  # a multi-process island's limits: one line before anything starts
     check_scriptable(cfg)
@@ -118,7 +126,7 @@ def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = Tr
         pause_at=held_entries(cfg),
     )
     driver = (
-        RosterDriver(fed, cfg, pki, cfg.network.operator_secret, pki.client_tls(OPERATOR_CLIENT))
+        RosterDriver(fed, cfg, pki, cfg.network.operator_secret, dict(zip(names, values, strict=True)))
         if cfg.roster.events
         else None
     )
@@ -152,20 +160,14 @@ def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = Tr
 
 
 def check_scriptable(cfg: RunConfig) -> None:
-    """What `launch` needs to carry out roster.events so that each round holds the script's islands: the operator's
-    credential (it admits and retires as the operator does), every live island waited for, one process per island
-    (a kill lands on that process). One line before anything starts."""
+    """What `launch` needs to carry out roster.events: the operator's credential (it admits and retires as the
+    operator does) and one process per island (a kill lands on that process). One line before anything starts."""
     if not cfg.roster.events:
         return
     if not cfg.network.operator_secret:
         raise LaunchError(
             "roster.events: launch admits and retires islands with the operator's credential: set "
             "network.operator_secret (env:VAR or file:PATH)"
-        )
-    if cfg.quorum.min_islands != 1.0 or not isinstance(cfg.quorum.min_islands, float):
-        raise LaunchError(
-            f"roster.events: launch holds each round for the script's islands, which needs quorum.min_islands = 1.0 "
-            f"(every live island; got {cfg.quorum.min_islands!r})"
         )
     if cfg.islands.processes != 1:
         raise LaunchError("roster.events: launch carries out the script with islands.processes = 1")

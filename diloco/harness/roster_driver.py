@@ -1,9 +1,9 @@
 """`launch` carrying out a roster script (roster.events) against its live federation, at the points that make each
 event's outcome the one `simulate` computes (docs/architecture.md, "Churn by script").
 
-For each round r that opens with a change, the islands that push in r without joining or coming back in it (the
-*steady* ones), and those the script retires or kills at r, stop at `before_push` of r (diloco/faults.py). Once
-every one of them stands there, round r is open and nothing of it has been pushed by them:
+For round 0 and each round r that opens with a change, the islands that push in r without joining or coming back
+in it (the *steady* ones), and those the script retires or kills at r, stop at `before_push` of r (diloco/faults.py).
+Once every one of them stands there, round r is open and nothing of it has been pushed by them:
 
 1. each retiree is retired by the operator (`diloco retire`'s call) and let go: its push is refused, it exits;
 2. each joiner is admitted by the operator (`diloco admit`'s call: a secret made here, its digest sent) and started
@@ -25,13 +25,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from diloco.config import RunConfig
-from diloco.deploy.tls import LocalPki
+from diloco.deploy.tls import OPERATOR_CLIENT, LocalPki
 from diloco.harness.procs import Federation
 from diloco.ops.roster_ops import admit_island, retire_island
 from diloco.run.roster_script import changes_at, enrolled_at, rounds_changed
 from floor.errors import UserError
 from transport import diloco_pb2 as pb
-from transport.auth import OPERATOR_KEY, TlsConfig, resolve_secret
+from transport.auth import call_metadata, resolve_secret
 from transport.errors import TransportError
 from transport.grpc_client import OperatorClient
 
@@ -42,7 +42,13 @@ class RosterScriptError(UserError, RuntimeError):
 
 def held_entries(cfg: RunConfig) -> list[str]:
     """The `before_push` stops (WHO:POINT:ROUND) the script needs, for `Federation(pause_at=...)`."""
-    return [_stop(name, r) for r in rounds_changed(cfg.roster.events) for name in _held(cfg, r)]
+    return [_stop(name, r) for r in _held_rounds(cfg) for name in _held(cfg, r)]
+
+
+def _held_rounds(cfg: RunConfig) -> list[int]:
+    """The rounds the driver holds: those that open with a change, and round 0, which every configured island must
+    have joined before any pushes (the islands start one by one; simulate's first round holds them all)."""
+    return sorted({0, *rounds_changed(cfg.roster.events)})
 
 
 def _stop(island: str, round_: int) -> str:
@@ -61,10 +67,18 @@ class RosterDriver:
     exit (with the code of a user error) is the script's doing."""
 
     def __init__(
-        self, fed: Federation, cfg: RunConfig, pki: LocalPki, operator_ref: str, operator_tls: TlsConfig
+        self,
+        fed: Federation,
+        cfg: RunConfig,
+        pki: LocalPki,
+        operator_ref: str,
+        secrets: dict[str, str],
     ) -> None:
+        """`secrets`: each configured island's secret (launch holds them all); a joiner's is added at its admission.
+        Status is asked as an island enrolled in the round at hand, with its own certificate."""
         self.fed, self.cfg, self.pki = fed, cfg, pki
-        self.operator_ref, self.operator_tls = operator_ref, operator_tls
+        self.operator_ref, self.operator_tls = operator_ref, pki.client_tls(OPERATOR_CLIENT)
+        self.secrets = dict(secrets)
         self.retired: set[str] = set()
         self._steps = self._script()
 
@@ -73,7 +87,7 @@ class RosterDriver:
         next(self._steps, None)
 
     def _script(self) -> Iterator[None]:
-        for r in rounds_changed(self.cfg.roster.events):
+        for r in _held_rounds(self.cfg):
             yield from self._round(r)
 
     def _round(self, r: int) -> Iterator[None]:
@@ -82,7 +96,7 @@ class RosterDriver:
         held = _held(self.cfg, r)
         yield from self._until(lambda: all(self.fed.pauses.reached(_stop(n, r)) for n in held))
         for name in changes.retires:
-            retire_island(self.fed.address, self._run_id(), name, "roster.events", self.operator_tls,
+            retire_island(self.fed.address, self.cfg.run.name, name, "roster.events", self.operator_tls,
                           operator_ref=self.operator_ref)  # fmt: skip
             self.retired.add(name)
             self.fed.release(_stop(name, r))
@@ -108,25 +122,31 @@ class RosterDriver:
 
     def _admit(self, name: str) -> None:
         kit = admit_island(
-            self.fed.address, self._run_id(), name, self.operator_ref, self.fed.run_dir / "kits", self.operator_tls
+            self.fed.address,
+            self.cfg.run.name,
+            name,
+            self.operator_ref,
+            self.fed.run_dir / "kits",
+            self.operator_tls,
         )
+        self.secrets[name] = resolve_secret(kit["secret"])
         args = [*self.pki.client_args(name), "--tls-server-name", "localhost", "--secret", kit["secret"]]
         self.fed.start_island(name, args=args)
 
-    def _status(self) -> pb.StatusReply:
-        metadata = [(OPERATOR_KEY, resolve_secret(self.operator_ref))]
-        with OperatorClient(self.fed.address, metadata, self.operator_tls) as client:
+    def _status(self, round_: int) -> pb.StatusReply:
+        """The coordinator's Status, asked as the first island enrolled in `round_` that is not retired."""
+        asking = next(n for n in enrolled_at(self.cfg.roster.events, self.cfg.islands.island_names, round_)
+                      if n in self.secrets and n not in self.retired)  # fmt: skip
+        tls = self.pki.client_tls(asking)
+        with OperatorClient(self.fed.address, call_metadata(asking, self.secrets[asking]), tls) as client:
             return client.status()
-
-    def _run_id(self) -> str:
-        return self._status().run_id
 
     def _pushed(self, round_: int, names: list[str]) -> bool:
         """Whether every island of `names` has pushed into the open round `round_` (refused when it closed)."""
         if not names:
             return True
         try:
-            status = self._status()
+            status = self._status(round_)
         except TransportError:
             return False
         if status.round > round_:
