@@ -7,7 +7,7 @@ script"), so both end with one parameter digest:
   does (`build_setup(cfg, islands=[name])`: an admitted island's stream, windows of the whole split or the ledger's
   chunks; a fresh inner state, or init.inner_state's), takes θ_r and pushes into round r. It leases last.
 - **retire** at round r: the island leased and trained round r and is retired before its push; its chunks return
-  to the pool (`ChunkLedger.release`) and it never trains again.
+  to the pool (`ChunkLedger.release`) after round r's other leases, and it never trains again.
 - **kill** at round r: SIGKILLed before its push of round r, so its round's work is lost; its supervisor's Leave
   returns its chunks. It comes back in round r + 1 from its own checkpoint of round r (what it held when round r
   began, which is what it holds now: it trained nothing that counted), or afresh without train.checkpoint_every,
@@ -40,10 +40,16 @@ class ScriptedRoster:
         self.stores = {island.name: store for island, store in zip(islands, stores, strict=True)}
         self._down: dict[str, Island] = {}
         """Islands killed in the last round, back in this one."""
+        self._leaving: list[str] = []
+        """Islands retired or killed in the last round: they leased its chunks, which go back to the pool now."""
 
     def open_round(self, round_: int) -> bool:
         """Apply round `round_`'s changes before it trains; True when the islands that train changed."""
         changes = changes_at(self.cfg.roster.events, round_)
+        if self.world.chunks is not None:
+            for name in self._leaving:
+                self.world.chunks.release(name)
+        self._leaving = []
         for name in changes.restarts:
             self._restart(self._down.pop(name), round_)
         for name in changes.joins:
@@ -51,7 +57,7 @@ class ScriptedRoster:
         for name in (*changes.retires, *changes.kills):
             island = next(island for island in self.training if island.name == name)
             self.training.remove(island)
-            self._give_back_chunks(island)
+            self._lease_unread(island)
             if name in changes.kills:
                 self._down[name] = island
                 self.rd.log("island_left", round=round_, island=name, reason="killed (roster.events)")
@@ -88,9 +94,10 @@ class ScriptedRoster:
         self.world.totals.islands_joined += 1
         self.rd.log("island_joined", round=round_, island=island.name)
 
-    def _give_back_chunks(self, island: Island) -> None:
-        """The island leased round r's chunks as every island does, then went: they return to the pool."""
+    def _lease_unread(self, island: Island) -> None:
+        """A leaver leased round r's chunks as every island does, and goes before its push: they return to the pool
+        once round r's leases are made (a retirement or a kill comes after them), so at the next round's start."""
         ledger = self.world.chunks
         if ledger is not None and isinstance(island.stream, ChunkStream):
             ledger.lease(island.name, self.cfg.train.inner_steps * island.stream.batch_size)
-            ledger.release(island.name)
+            self._leaving.append(island.name)
