@@ -106,6 +106,20 @@ def test_the_cli_refuses_a_bad_script_and_a_scripted_resume(
           "with islands.processes = 1")  # fmt: skip
 
 
+def test_the_sweeps_scripts_are_valid_for_the_config_they_are_placed_by(tiny_config: Path) -> None:
+    from dataclasses import replace
+
+    from diloco.bench.roster_sweep import scripts
+    from diloco.run.roster_script import RosterConfig
+
+    cfg = load_config(tiny_config, ["train.rounds=6", "islands.max=3"])
+    made = scripts(cfg)
+    assert list(made) == ["none", "join", "retire", "kill", "churn"]
+    for events in made.values():
+        assert replace(cfg, roster=RosterConfig(events=events)).roster.events == events  # validated on construction
+    assert list(scripts(load_config(tiny_config, ["train.rounds=3"]))) == ["none"]
+
+
 CHURN = ['{round=1, join="ap-1"}', '{round=2, kill="island-0"}', '{round=3, retire="island-1"}']
 """A join, a kill and a retirement: rounds 1 to 4 hold three islands, two (island-0 killed), two (island-0 back,
 island-1 retired) and two."""
