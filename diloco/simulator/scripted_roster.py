@@ -37,7 +37,8 @@ class ScriptedRoster:
     ) -> None:
         self.cfg, self.rd, self.world = cfg, rd, world
         self.training = list(islands)
-        self.stores = {island.name: store for island, store in zip(islands, stores, strict=True)}
+        self.stores = {island.name: store for island, store in zip(islands, stores, strict=True)} if stores else {}
+        """Each island's checkpoint store (none without train.checkpoint_every)."""
         self._down: dict[str, Island] = {}
         """Islands killed in the last round, back in this one."""
         self._leaving: list[str] = []
