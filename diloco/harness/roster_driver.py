@@ -101,7 +101,7 @@ class RosterDriver:
             self.retired.add(name)
             self.fed.release(_stop(name, r))
         for name in changes.joins:
-            self._admit(name)
+            self._admit(name, r)
         arriving = [*changes.joins, *changes.restarts]
         yield from self._until(lambda: self._pushed(r, arriving))
         steady = [n for n in held if n not in changes.retires and n not in changes.kills]
@@ -120,15 +120,10 @@ class RosterDriver:
         while not condition():
             yield
 
-    def _admit(self, name: str) -> None:
-        kit = admit_island(
-            self.fed.address,
-            self.cfg.run.name,
-            name,
-            self.operator_ref,
-            self.fed.run_dir / "kits",
-            self.operator_tls,
-        )
+    def _admit(self, name: str, round_: int) -> None:
+        """Admit `name` with a kit of its own in RUN_DIR/kits/ROUND (a retired name joins again with a new one)."""
+        kits = self.fed.run_dir / "kits" / str(round_)
+        kit = admit_island(self.fed.address, self.cfg.run.name, name, self.operator_ref, kits, self.operator_tls)
         self.secrets[name] = resolve_secret(kit["secret"])
         args = [*self.pki.client_args(name), "--tls-server-name", "localhost", "--secret", kit["secret"]]
         self.fed.start_island(name, args=args)
