@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.coordinator.membership import QuorumConfig
+from diloco.run.roster_script import RosterConfig, script_refusal
 from floor.codec import CodecError, CodecSpec
 from floor.errors import UserError
 from floor.fields import LOCAL
@@ -437,6 +438,9 @@ class RunConfig:
     """Chunking, message limits, deadlines and retries of the gRPC transport."""
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     """What the islands minimize: next-token loss (lm, the default), or post-training (sft, dpo, rl)."""
+    roster: RosterConfig = field(default_factory=RosterConfig, metadata=LOCAL)
+    """Joins, retirements and kills by round that `simulate` and `launch` carry out (diloco/run/roster_script.py): what
+    the drivers do to the run, not part of its identity (the coordinator and the islands never read it)."""
 
     def __post_init__(self) -> None:
         if self.network.secrets and len(self.network.secrets) != self.islands.count:
@@ -500,6 +504,15 @@ class RunConfig:
         )
         if why is not None:
             raise ValueError(why)
+        if self.roster.events:
+            if self.train.mode != "diloco" or self.stream.streaming or self.train.vectorize:
+                raise ValueError(
+                    "roster.events changes the roster between DiLoCo rounds: train.mode = 'diloco', without streaming "
+                    "(stream.fragments / overlap_steps) or train.vectorize"
+                )
+            why = script_refusal(self.roster.events, self.islands.island_names, self.train.rounds, self.islands.max)
+            if why is not None:
+                raise ValueError(why)
         if isinstance(self.quorum.min_islands, int) and self.quorum.min_islands > self.islands.count:
             raise ValueError(
                 f"quorum.min_islands ({self.quorum.min_islands}) exceeds islands.count ({self.islands.count})"
@@ -585,6 +598,10 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be a list (got {type(value).__name__} {value!r})")
         (item_tp, _) = typing.get_args(tp)
         return tuple(_check_type(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):  # an entry of a list of tables ([[roster.events]])
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table (got {value!r})")
+        return from_dict(tp, value, f"{key}.")
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false (got {value!r})")

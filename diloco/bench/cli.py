@@ -37,6 +37,7 @@ HELP = {
     "heterogeneous": "one island 2x slower: plain vs time-budgeted vs async DiLoCo on one virtual time axis",
     "elastic": "islands admitted, killed and back, retired, lost, then the run lengthened: digests, exactly-once, loss",
     "churn": "islands admitted, joined and retired against one coordinator: RSS, roster.json and Status, bounded",
+    "roster-sweep": "simulate under roster scripts (a join, a retirement, a kill, all three): final eval loss each",
     "simulator": "simulate's islands stepped in turn vs as one program (train.vectorize): wall time, speedup, max |Δ|",
     "generate": "KV-cache generation vs the training step of one model: tokens/s, first-token time, per-token decode",
     "posttrain": "SFT, DPO and RL: DiLoCo vs one island vs data-parallel on the same samples, whole held-out split",
@@ -187,6 +188,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     churn.add_argument("--warm-up", type=int, default=100, help="cycles before the figures compared (default 100)")
     _add_soak(parsers["soak"])
     _add_heterogeneous(parsers["heterogeneous"])
+    _with_config(parsers["roster-sweep"])
     sim = parsers["simulator"]
     _with_config(sim)
     sim.add_argument("--islands", type=int, default=4, help="M, the islands of both runs")
@@ -448,6 +450,13 @@ def _simulator(args: argparse.Namespace) -> Result:
     return run_simulator_bench(cfg, _run_dir(args), args.islands, args.rounds)
 
 
+def _roster_sweep(args: argparse.Namespace) -> Result:
+    from diloco.bench.roster_sweep import run_roster_sweep
+    from diloco.config import load_config
+
+    return run_roster_sweep(load_config(args.config, args.overrides), _run_dir(args))
+
+
 def _generate(args: argparse.Namespace) -> Result:
     from diloco.bench.generate import run_generate_bench
     from diloco.config import load_config
@@ -506,6 +515,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "utilization": _utilization,
     "heterogeneous": _heterogeneous,
     "elastic": _elastic,
+    "roster-sweep": _roster_sweep,
     "simulator": _simulator,
     "generate": _generate,
     "posttrain": _posttrain,

@@ -37,8 +37,9 @@ from rich.live import Live
 from rich.table import Table
 
 from diloco.config import RunConfig, load_config, parse_override, require_federated
-from diloco.deploy.tls import make_local_pki
+from diloco.deploy.tls import OPERATOR_CLIENT, make_local_pki
 from diloco.harness.procs import Federation, FederationError
+from diloco.harness.roster_driver import RosterDriver, held_entries
 from diloco.ops.progress import format_eta
 from diloco.run.rundir import LAUNCH_LOCK_FILE, RunDirLock, check_free
 from diloco.worker.island_group import check_supported
@@ -88,10 +89,19 @@ def _hidden_variables(cfg: RunConfig) -> set[str]:
     return mine | {var for var in os.environ if var.startswith(SECRET_VAR.format(""))}
 
 
+SCRIPTED = ["quorum.min_islands=1.0", "quorum.min_deadline_s=inf", "quorum.max_deadline_s=inf"]
+"""What a launch of roster.events runs with: each round closes when every live island pushed, as in `simulate`,
+never at a deadline (the script holds a round while a joiner starts; a lost island is still noticed by presence)."""
+
+
 def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = True) -> dict[str, Any]:
     cfg = load_config(config, overrides)
+    if cfg.roster.events:
+        overrides = [*overrides, *SCRIPTED]
+        cfg = load_config(config, overrides)
     require_federated(cfg, "launch")
     check_supported(cfg, cfg.islands.processes)  # a multi-process island's limits: one line before anything starts
+    check_scriptable(cfg)
     names = cfg.islands.island_names
     values = [resolve_secret(ref) for ref in cfg.network.secrets] or [secrets.token_hex(16) for _ in names]
     env = {SECRET_VAR.format(i): value for i, value in enumerate(values)}
@@ -100,7 +110,8 @@ def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = Tr
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunDirLock(run_dir, role="launch", name=LAUNCH_LOCK_FILE)
     check_free(run_dir)
-    pki = make_local_pki(run_dir / "tls", names)
+    joiners = sorted({event.join for event in cfg.roster.events if event.join})
+    pki = make_local_pki(run_dir / "tls", [*names, *joiners, *([OPERATOR_CLIENT] if cfg.roster.events else [])])
     # Children stay in launch's process group: a Ctrl+C in the terminal reaches every one of them at once. Ctrl+C
     # and SIGTERM interrupt launch itself even when it was started with SIGINT ignored (a background job).
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -112,6 +123,12 @@ def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = Tr
         quiet=False,
         new_session=False,
         hide_env=_hidden_variables(cfg),
+        pause_at=held_entries(cfg),
+    )
+    driver = (
+        RosterDriver(fed, cfg, pki, cfg.network.operator_secret, dict(zip(names, values, strict=True)))
+        if cfg.roster.events
+        else None
     )
     finished = False
     try:
@@ -125,7 +142,7 @@ def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = Tr
             # --tls-server-name: the certificate names localhost, whatever network.tls_server_name the config has.
             fed.start_island(name, args=[*pki.client_args(name), "--tls-server-name", "localhost"], env={var: env[var]})
         # The live display asks Status as island 0 (launch holds every secret anyway), over mutual TLS.
-        _follow(fed, progress, (names[0], values[0]), pki.client_tls(names[0]))
+        _follow(fed, progress, (names[0], values[0]), pki.client_tls(names[0]), driver)
         finished = True
     except KeyboardInterrupt:
         fed.stop(grace_s=15.0)  # SIGTERM at once: every child flushes its checkpoint
@@ -140,6 +157,20 @@ def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = Tr
     if not summary_path.exists():
         raise LaunchError(f"the run did not finish: {_reason(fed.last_line())}")
     return json.loads(summary_path.read_text())
+
+
+def check_scriptable(cfg: RunConfig) -> None:
+    """What `launch` needs to carry out roster.events: the operator's credential (it admits and retires as the
+    operator does) and one process per island (a kill lands on that process). One line before anything starts."""
+    if not cfg.roster.events:
+        return
+    if not cfg.network.operator_secret:
+        raise LaunchError(
+            "roster.events: launch admits and retires islands with the operator's credential: set "
+            "network.operator_secret (env:VAR or file:PATH)"
+        )
+    if cfg.islands.processes != 1:
+        raise LaunchError("roster.events: launch carries out the script with islands.processes = 1")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -168,8 +199,11 @@ def _island_failed(fed: Federation, name: str, grace_s: float = 10.0) -> None:
     raise LaunchError(f"island {name} failed: {_reason(fed.last_line(name))}")
 
 
-def _follow(fed: Federation, progress: bool, credentials: tuple[str, str], tls: TlsConfig) -> None:
-    """Show the live display until the coordinator exits; report an island that fails with a user error."""
+def _follow(
+    fed: Federation, progress: bool, credentials: tuple[str, str], tls: TlsConfig, driver: RosterDriver | None
+) -> None:
+    """Show the live display until the coordinator exits, carrying out the roster script (`driver`) meanwhile;
+    report an island that fails with a user error (one the script retired exits so by design)."""
     from transport.config import TransportConfig
     from transport.errors import TransportError
     from transport.grpc_client import GrpcTransport
@@ -186,9 +220,12 @@ def _follow(fed: Federation, progress: bool, credentials: tuple[str, str], tls: 
     last_print = 0.0
     try:
         while fed.coordinator.poll() is None:
-            for name, proc in fed.islands.items():
-                if proc.poll() == 2:  # a user error; any other death is a fault the federation rides out
+            retired = driver.retired if driver is not None else set()
+            for name, proc in list(fed.islands.items()):
+                if proc.poll() == 2 and name not in retired:  # a user error; other deaths are faults ridden out
                     _island_failed(fed, name)
+            if driver is not None:
+                driver.poll()
             try:
                 status = json.loads(client.status().detail_json)
             except (TransportError, json.JSONDecodeError):

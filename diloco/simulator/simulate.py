@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from diloco.config import RunConfig, StreamConfig
+from diloco.config import ConfigError, RunConfig, StreamConfig
 from diloco.ops.progress import Progress
 from diloco.run.checkpoint import latest_common_step, restore_state, save_state
 from diloco.run.global_run import GlobalRun, checkpoint_due
@@ -40,6 +40,7 @@ from diloco.run.summary import Totals, summary
 from diloco.run.warm_start import check_fresh, initial_inner_state, initial_params
 from diloco.simulator.async_sim import run_async
 from diloco.simulator.local_islands import finish, island_stores, save_islands, start_islands
+from diloco.simulator.scripted_roster import ScriptedRoster
 from islands.chunks import ChunkStream, Span
 from islands.island import Batches, InnerRun, Island, PolicyBatches, RoundPush, empty_batch
 from islands.mesh import accumulation_steps, build_mesh
@@ -92,6 +93,11 @@ def _concatenated(batches: list[PyTree]) -> PyTree:
 
 def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) -> dict[str, Any]:
     """Train per `cfg` in one process; write the run directory; return summary.json's contents."""
+    if cfg.roster.events and (run_dir / "config.toml").exists():
+        raise ConfigError(
+            f"roster.events: simulate replays the script from round 0, and '{run_dir}' holds a run already: give a "
+            "new --run-dir"
+        )
     setup = build_setup(cfg)
     # Device and batch problems are the user's: report them before any run directory is created.
     accumulation_steps(cfg.train.batch_size, cfg.train.microbatch, build_mesh(cfg.islands.devices).size)
@@ -112,7 +118,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
     islands = [make_island(cfg, n, setup.model_of(n), setup.streams[n], check_memory=not vectorize) for n in names]
     world = GlobalRun(cfg, rd, setup, durable=True)  # one save at a time: islands/memory.py
     check_process(cfg, setup, islands, world.evaluate)  # all of it, before any island's state exists
-    stores = start_islands(cfg, rd, world, islands)
+    roster = ScriptedRoster(cfg, rd, world, islands, start_islands(cfg, rd, world, islands))
     totals = world.totals
     H = cfg.train.inner_steps
     lockstep = Lockstep(
@@ -142,7 +148,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
         totals.island_wall_s += seconds
         losses = [float(push.run.losses[-1]) for push in pushes.values()]
         if world.chunks is not None:  # what each island read, as its push would say (a refusal here is a bug)
-            for island in islands:
+            for island in lockstep.islands:
                 if isinstance(island.stream, ChunkStream):
                     world.chunks.record(island.name, world.loop.sync, island.stream.claim())
         commit = world.close_round(losses=losses, seconds=seconds, deliveries=len(pushes))
@@ -152,10 +158,12 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
 
     try:
         while not world.done:
-            if lockstep.advance(close) and stores and checkpoint_due(cfg, world.loop.round):
-                save_islands(stores, islands, world.loop.round)
+            if lockstep.step % H == 0 and roster.open_round(world.loop.round):
+                lockstep.seat(roster.training)
+            if lockstep.advance(close) and roster.stores and checkpoint_due(cfg, world.loop.round):
+                save_islands(roster.saved(), roster.training, world.loop.round)
     finally:
-        finish(world, stores, progress)
+        finish(world, list(roster.stores.values()), progress)
     return world.summary()
 
 
@@ -196,6 +204,11 @@ class Lockstep:
             raise ValueError("a time budget needs each island's own step time: it cannot be vectorized")
         self._stack = IslandStack(islands) if vectorize else None
         self._since_push: dict[str, list[InnerRun]] = {island.name: [] for island in islands}
+
+    def seat(self, islands: list[Island]) -> None:
+        """The islands that train from this round on, in lease order (a roster script's change, between rounds)."""
+        self.islands = list(islands)
+        self._since_push = {island.name: self._since_push.get(island.name, []) for island in self.islands}
 
     def advance(self, close: Callable[[dict[str, RoundPush]], Commit]) -> bool:
         """Train to the next event and handle it; True when a round ended here (its last fragment committed)."""
