@@ -20,7 +20,7 @@ island's first step comes long before the first commit. `ProcessPlan` is the cos
 once before any island's state exists (diloco/run/memory_plan.py), in bytes, with P the bytes of θ in float32:
 
     an island       θ (P), its inner optimizer state (AdamW: 2P, its moments), the uplink residual (P; none when the
-                    codec is lossless)
+                    codec is lossless), and in a federation's island process its copy of the global θ (P)
     the coordinator θ (P), the outer optimizer state (Nesterov: P, its momentum), the downlink residual (P, lossy)
     the reference   rl islands' frozen θ_ref (P; workload.reference), one copy that a process's islands share; a dpo
                     island's reference is read only to score its examples before any state exists, and dropped
@@ -142,13 +142,17 @@ class ProcessPlan:
     """train.vectorize: every island's step runs at once."""
     reference: int = 0
     """The bytes of rl's frozen reference θ held beside the islands (one per process), 0 without rl."""
+    global_copy: bool = False
+    """Each island keeps its own host copy of the global θ (P), what its Δ is taken from: an island process of a
+    federation (diloco/worker/global_copy.py); in `simulate` the islands share the coordinator's."""
     pushers: int | None = None
     """The islands whose pushes the coordinator holds at a sync: its own (`islands`) unless given (a federation's
     coordinator holds its islands' pushes and none of their states)."""
 
     @property
     def island_state(self) -> int:
-        return self.params + self.inner_state + (self.params if self.uplink_lossy else 0)
+        copies = int(self.uplink_lossy) + int(self.global_copy)  # the residual, the copy of the global θ
+        return self.params + self.inner_state + copies * self.params
 
     @property
     def coordinator_state(self) -> int:

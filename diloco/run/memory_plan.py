@@ -13,6 +13,7 @@ against its devices as before (the islands' states are in the devices' memory, t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -85,20 +86,32 @@ def launch_plans(cfg: RunConfig, setup: Setup) -> dict[str, ProcessPlan]:
     coordinator's (the global model, and at a sync every island's push). Islands are built to be measured, not
     placed: nothing is allocated."""
     islands = [make_island(cfg, n, setup.model, setup.streams[n], check_memory=False) for n in cfg.islands.island_names]
-    plans = {island.name: plan(cfg, setup, [island], None) for island in islands}
+    plans = {island.name: replace(plan(cfg, setup, [island], None), global_copy=True) for island in islands}
     plans[COORDINATOR] = plan(cfg, setup, [], Evaluator.of(cfg, setup), pushers=len(islands))
     return plans
 
 
+def launch_need(plans: dict[str, ProcessPlan]) -> int:
+    """The bytes the processes of a launch (`launch_plans`) hold together at their worst moment. The islands' first
+    steps run together, while the coordinator holds its state; the coordinator's sync runs once the islands have
+    trained, while they hold theirs: the larger of the two."""
+    coordinator = plans[COORDINATOR]
+    islands = [p for name, p in plans.items() if name != COORDINATOR]
+    return max(
+        sum(p.peak for p in islands) + coordinator.held,
+        sum(p.held for p in islands) + coordinator.peak,
+    )
+
+
 def launch_refusal(plans: dict[str, ProcessPlan], room: Room | None) -> str | None:
-    """The one-line refusal when the processes of a launch (`launch_plans`), each at its peak at once, do not fit
-    `room` on one host, else None (also when the room is unknown)."""
-    need = sum(p.peak for p in plans.values())
+    """The one-line refusal when the processes of a launch (`launch_plans`) do not fit `room` on one host together
+    (`launch_need`), else None (also when the room is unknown)."""
+    need = launch_need(plans)
     if room is None or need <= room.free:
         return None
     each = ", ".join(f"{name} {format_bytes(p.peak)}" for name, p in plans.items())
     return (
-        f"the {len(plans)} processes of this launch need about {format_bytes(need)} at their peaks ({each}), "
+        f"the {len(plans)} processes of this launch need about {format_bytes(need)} together (peaks: {each}), "
         f"{room.text}; shrink the model (model.n_layers, model.d_model, model.vocab_size) or run the islands on "
         "hosts of their own"
     )
