@@ -183,7 +183,7 @@ class ProcessPlan:
             if self.evaluation is not None:
                 new_state = P + self.outer_state + (P if self.downlink_lossy else 0)
                 phases["an evaluation"] = pushes + new_state + self.evaluation.total
-            phases["a checkpoint"] = max(self.island_state, self.coordinator_state)
+            phases["a checkpoint"] = max(self.island_state if self.islands else 0, self.coordinator_state)
         else:
             phases["a checkpoint"] = self.island_state
         return phases
