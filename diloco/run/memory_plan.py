@@ -85,7 +85,8 @@ def launch_plans(cfg: RunConfig, setup: Setup) -> dict[str, ProcessPlan]:
     """The cost model of each process `diloco launch` starts, by name: each island's (its island alone) and the
     coordinator's (the global model, and at a sync every island's push). Islands are built to be measured, not
     placed: nothing is allocated."""
-    islands = [make_island(cfg, n, setup.model, setup.streams[n], check_memory=False) for n in cfg.islands.island_names]
+    names = cfg.islands.island_names
+    islands = [make_island(cfg, n, setup.model_of(n), setup.streams[n], check_memory=False) for n in names]
     plans = {island.name: replace(plan(cfg, setup, [island], None), global_copy=True) for island in islands}
     plans[COORDINATOR] = plan(cfg, setup, [], Evaluator.of(cfg, setup), pushers=len(islands))
     return plans
