@@ -20,7 +20,7 @@ island's first step comes long before the first commit. `ProcessPlan` is the cos
 once before any island's state exists (diloco/run/memory_plan.py), in bytes, with P the bytes of θ in float32:
 
     an island       θ (P), its inner optimizer state (AdamW: 2P, its moments), the uplink residual (P; none when the
-                    codec is lossless)
+                    codec is lossless), and in a federation's island process its copy of the global θ (P)
     the coordinator θ (P), the outer optimizer state (Nesterov: P, its momentum), the downlink residual (P, lossy)
     the reference   rl islands' frozen θ_ref (P; workload.reference), one copy that a process's islands share; a dpo
                     island's reference is read only to score its examples before any state exists, and dropped
@@ -112,7 +112,10 @@ class Room:
 @dataclass(frozen=True)
 class ProcessPlan:
     """The cost model of one process that holds `islands` islands and (`coordinator`) the global model, in bytes
-    (module docstring). Pure: the caller measures the parts (`jax.eval_shape`, XLA's `memory_analysis`)."""
+    (module docstring). Pure: the caller measures the parts (`jax.eval_shape`, XLA's `memory_analysis`).
+
+    `simulate` is one process of N islands and the coordinator. `diloco launch` starts one process per island (1
+    island, no coordinator) and the coordinator's (0 islands, the pushes of N `pushers`)."""
 
     islands: int
     params: int
@@ -139,10 +142,17 @@ class ProcessPlan:
     """train.vectorize: every island's step runs at once."""
     reference: int = 0
     """The bytes of rl's frozen reference θ held beside the islands (one per process), 0 without rl."""
+    global_copy: bool = False
+    """Each island keeps its own host copy of the global θ (P), what its Δ is taken from: an island process of a
+    federation (diloco/worker/global_copy.py); in `simulate` the islands share the coordinator's."""
+    pushers: int | None = None
+    """The islands whose pushes the coordinator holds at a sync: its own (`islands`) unless given (a federation's
+    coordinator holds its islands' pushes and none of their states)."""
 
     @property
     def island_state(self) -> int:
-        return self.params + self.inner_state + (self.params if self.uplink_lossy else 0)
+        copies = int(self.uplink_lossy) + int(self.global_copy)  # the residual, the copy of the global θ
+        return self.params + self.inner_state + copies * self.params
 
     @property
     def coordinator_state(self) -> int:
@@ -162,17 +172,18 @@ class ProcessPlan:
         if self.step is not None:
             extra = self.step.total - self.step.arguments  # the arguments are the state, counted as held
             step = extra * self.step_sharers * (self.islands if self.stepped_together else 1)
-        phases = {"a first step": P + self.inner_state + step}
+        phases = {"a first step": P + self.inner_state + step} if self.islands else {}
         if self.coordinator:
-            pushes = self.islands * int(P * (1 + self.uplink_ratio))
+            pushers = self.islands if self.pushers is None else self.pushers
+            pushes = pushers * int(P * (1 + self.uplink_ratio))
             down = 3 * P + int(P * self.downlink_ratio) if self.downlink_lossy else 0
-            stack = 2 * self.islands * self.largest_leaf if self.order_statistic else 0
+            stack = 2 * pushers * self.largest_leaf if self.order_statistic else 0
             commit = 4 * P + self.outer_state + down + stack
             phases["a sync"] = pushes + commit
             if self.evaluation is not None:
                 new_state = P + self.outer_state + (P if self.downlink_lossy else 0)
                 phases["an evaluation"] = pushes + new_state + self.evaluation.total
-            phases["a checkpoint"] = max(self.island_state, self.coordinator_state)
+            phases["a checkpoint"] = max(self.island_state if self.islands else 0, self.coordinator_state)
         else:
             phases["a checkpoint"] = self.island_state
         return phases
@@ -185,13 +196,13 @@ class ProcessPlan:
         """The parts, for the one-line refusal: "2 islands of 1.99 GB each, the coordinator 1.49 GB, a sync 4.98 GB"."""
         phase, extra = max(self.phases().items(), key=lambda kv: kv[1])
         each = "" if self.islands == 1 else " each"
-        coordinator = f", the coordinator {format_bytes(self.coordinator_state)}" if self.coordinator else ""
-        reference = f", the reference {format_bytes(self.reference)}" if self.reference else ""
         plural = "s" if self.islands > 1 else ""
-        return (
-            f"{self.islands} island{plural} of {format_bytes(self.island_state)}{each}{coordinator}{reference} "
-            f"and at the peak {phase} {format_bytes(extra)}"
-        )
+        parts = [f"{self.islands} island{plural} of {format_bytes(self.island_state)}{each}"] if self.islands else []
+        if self.coordinator:
+            parts.append(f"the coordinator {format_bytes(self.coordinator_state)}")
+        if self.reference:
+            parts.append(f"the reference {format_bytes(self.reference)}")
+        return f"{', '.join(parts)} and at the peak {phase} {format_bytes(extra)}"
 
 
 def process_advice(islands: int, step_advice: str) -> str:
@@ -207,6 +218,18 @@ def format_bytes(n: float) -> str:
             value = n / size
             return f"{value:.{0 if value >= 100 else 1 if value >= 10 else 2}f} {unit}"
     return f"{int(n)} bytes"
+
+
+def peak_resident(pid: int | str = "self") -> int | None:
+    """A process's peak resident memory in bytes (VmHWM of /proc/PID/status: the high-water mark of its own pages,
+    which ru_maxrss is not across a fork and exec), or None where the kernel does not say."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int | None:

@@ -14,7 +14,7 @@ import pytest
 
 from diloco.cli import main
 from diloco.config import load_config
-from diloco.run.memory_plan import check_process, codec_ratio, plan
+from diloco.run.memory_plan import COORDINATOR, check_process, codec_ratio, launch_need, launch_refusal, plan
 from diloco.run.setup import Evaluator, build_setup, make_island
 from floor.codec import CodecSpec
 from islands.memory import GB, Footprint, OutOfMemoryError, ProcessPlan, Room, host_room
@@ -51,6 +51,10 @@ def _plan(**kw: object) -> ProcessPlan:
         ({"coordinator": False, "islands": 1}, 3 * P, {"a first step": 5.5 * P, "a checkpoint": 3 * P}),
         # rl: the islands' frozen reference, one copy beside them
         ({"reference": P}, 9 * P, {"a first step": 5.5 * P, "a checkpoint": 3 * P}),
+        # an island process of a federation: its own copy of the global θ beside its state
+        ({"coordinator": False, "islands": 1, "global_copy": True}, 4 * P, {"a first step": 5.5 * P}),
+        # a federation's coordinator: no island's state, and at a sync its 2 islands' pushes
+        ({"islands": 0, "pushers": 2}, 2 * P, {"a sync": 4 * P + 5 * P, "a checkpoint": 2 * P}),
     ],
 )
 def test_the_cost_model(kw: dict, held: float, phases: dict[str, float]) -> None:
@@ -60,6 +64,26 @@ def test_the_cost_model(kw: dict, held: float, phases: dict[str, float]) -> None
     for name, expected in phases.items():
         assert got[name] == expected, name
     assert process.peak == held + max(got.values())
+
+
+def test_a_coordinator_alone_has_no_first_step() -> None:
+    coordinator = _plan(islands=0, pushers=2)
+    assert "a first step" not in coordinator.phases()
+    assert coordinator.describe() == "the coordinator 200 MB and at the peak a sync 900 MB"
+
+
+def test_a_launch_is_refused_in_one_line_when_its_processes_do_not_fit() -> None:
+    island = _plan(islands=1, coordinator=False, global_copy=True)  # held 4P, peak 9.5P (its first step)
+    coordinator = _plan(islands=0, pushers=2)  # held 2P, peak 11P (a sync)
+    plans = {"a": island, "b": island, COORDINATOR: coordinator}
+    # the islands' first steps with the coordinator's state (21P), or their states with its sync (19P)
+    assert launch_need(plans) == max(2 * 9.5 * P + 2 * P, 2 * 4 * P + 11 * P) == 21 * P
+    assert launch_refusal(plans, Room(21 * P, "the host has enough")) is None
+    assert launch_refusal(plans, None) is None  # the room unknown: no refusal on a guess
+    line = launch_refusal(plans, Room(21 * P - 1, "the host has 2.10 GB available"))
+    assert line is not None and "\n" not in line
+    assert line.startswith("the 3 processes of this launch need about 2.10 GB together (peaks: a 950 MB, b 950 MB, ")
+    assert "coordinator 1.10 GB), the host has 2.10 GB available; shrink the model" in line
 
 
 def test_an_unknown_step_counts_its_copies_only() -> None:

@@ -42,6 +42,7 @@ HELP = {
     "generate": "KV-cache generation vs the training step of one model: tokens/s, first-token time, per-token decode",
     "posttrain": "SFT, DPO and RL: DiLoCo vs one island vs data-parallel on the same samples, whole held-out split",
     "models": "the Llama family's block vs the GPT-2 block at equal parameters: step time and their ratio",
+    "big": "a big model under launch (SmolLM2-135M-shaped): each process's peak memory vs its plan, tokens/s, bytes",
 }
 
 
@@ -201,6 +202,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     gen.add_argument("--repeats", type=int, default=5, help="timed runs of each (median)")
     _add_posttrain(parsers["posttrain"])
     _add_models(parsers["models"])
+    big = parsers["big"]
+    _with_config(big)
+    big.add_argument("--rounds", type=int, default=None, help="rounds of the run (default: the config's)")
+    big.add_argument("--smoke", action="store_true", help="the config's family at a few hundred thousand parameters")
 
 
 def _add_models(p: argparse.ArgumentParser) -> None:
@@ -481,6 +486,12 @@ def _models(args: argparse.Namespace) -> Result:
     )
 
 
+def _big(args: argparse.Namespace) -> Result:
+    from diloco.bench.big import run_big_bench
+
+    return run_big_bench(args.config, args.overrides, _run_dir(args), args.rounds, args.smoke)
+
+
 def _posttrain(args: argparse.Namespace) -> Result:
     from diloco.bench.errors import parse_names
     from diloco.bench.posttrain import COLUMNS, DPO_DEFAULT, RL_DEFAULT, run_posttrain_bench
@@ -520,6 +531,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "generate": _generate,
     "posttrain": _posttrain,
     "models": _models,
+    "big": _big,
 }
 
 

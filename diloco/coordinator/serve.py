@@ -119,6 +119,7 @@ def serve(
         if coordinator.done:
             rd.write_summary(summary)
         coordinator.close()
+        rd.log_memory_peak()
         rd.close()
         if metrics_server is not None:
             metrics_server.stop()

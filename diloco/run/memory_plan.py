@@ -13,18 +13,22 @@ against its devices as before (the islands' states are in the devices' memory, t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import jax
 import numpy as np
 
 from diloco.config import RunConfig
-from diloco.run.setup import Evaluator, Setup
+from diloco.run.setup import Evaluator, Setup, make_island
 from floor.codec import CodecSpec
 from islands.island import Island
 from islands.memory import OutOfMemoryError, ProcessPlan, Room, format_bytes, host_room, process_advice, step_advice
 from outer_optimizer.optimizers import build_optimizer
 from pytrees.encode import encode
 from pytrees.feedback import is_lossless
+
+COORDINATOR = "coordinator"
+"""The coordinator's process in `launch_plans` (the name its log and its pause points have)."""
 
 RATIO_SAMPLE = 1 << 16
 """Values encoded to measure a codec's bytes per float32 byte (its scales and headers included)."""
@@ -41,21 +45,28 @@ def shape_nbytes(tree: object) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def plan(cfg: RunConfig, setup: Setup, islands: Sequence[Island], evaluate: Evaluator | None) -> ProcessPlan:
+def plan(
+    cfg: RunConfig,
+    setup: Setup,
+    islands: Sequence[Island],
+    evaluate: Evaluator | None,
+    pushers: int | None = None,
+) -> ProcessPlan:
     """The cost model of a process that holds `islands` and (with `evaluate`) the global model, measured from shapes:
-    nothing is placed or allocated."""
+    nothing is placed or allocated. `pushers`: the islands whose pushes the global model's commit takes, where they
+    are not the process's own (a federation's coordinator holds no island: `islands` is empty)."""
     params = setup.init_params
     sizes = [int(np.size(leaf)) * 4 for leaf in jax.tree.leaves(params)]
-    first = islands[0]
-    cpu = all(d.platform == "cpu" for d in first.mesh.devices.flat)
+    first = islands[0] if islands else None
+    cpu = first is not None and all(d.platform == "cpu" for d in first.mesh.devices.flat)
     uplink, downlink = cfg.codec.spec("uplink"), cfg.downlink_specs()[-1]  # the densest a commit is sent at
     return ProcessPlan(
         islands=len(islands),
         params=sum(sizes),
         largest_leaf=max(sizes, default=0),
-        inner_state=shape_nbytes(jax.eval_shape(first.tx.init, params)),
-        step=first.step_footprint(),
-        step_sharers=first.mesh.size if cpu else 1,
+        inner_state=0 if first is None else shape_nbytes(jax.eval_shape(first.tx.init, params)),
+        step=None if first is None else first.step_footprint(),
+        step_sharers=first.mesh.size if first is not None and cpu else 1,
         evaluation=None if evaluate is None else evaluate.footprint(params),
         coordinator=evaluate is not None,
         outer_state=shape_nbytes(jax.eval_shape(build_optimizer(cfg.outer).init, params)),
@@ -66,6 +77,44 @@ def plan(cfg: RunConfig, setup: Setup, islands: Sequence[Island], evaluate: Eval
         order_statistic=cfg.outer.aggregate in ("trimmed_mean", "median"),
         stepped_together=cfg.train.vectorize,
         reference=sum(sizes) if any(cfg.workload.of(island.name).kind == "rl" for island in islands) else 0,
+        pushers=pushers,
+    )
+
+
+def launch_plans(cfg: RunConfig, setup: Setup) -> dict[str, ProcessPlan]:
+    """The cost model of each process `diloco launch` starts, by name: each island's (its island alone) and the
+    coordinator's (the global model, and at a sync every island's push). Islands are built to be measured, not
+    placed: nothing is allocated."""
+    names = cfg.islands.island_names
+    islands = [make_island(cfg, n, setup.model_of(n), setup.streams[n], check_memory=False) for n in names]
+    plans = {island.name: replace(plan(cfg, setup, [island], None), global_copy=True) for island in islands}
+    plans[COORDINATOR] = plan(cfg, setup, [], Evaluator.of(cfg, setup), pushers=len(islands))
+    return plans
+
+
+def launch_need(plans: dict[str, ProcessPlan]) -> int:
+    """The bytes the processes of a launch (`launch_plans`) hold together at their worst moment. The islands' first
+    steps run together, while the coordinator holds its state; the coordinator's sync runs once the islands have
+    trained, while they hold theirs: the larger of the two."""
+    coordinator = plans[COORDINATOR]
+    islands = [p for name, p in plans.items() if name != COORDINATOR]
+    return max(
+        sum(p.peak for p in islands) + coordinator.held,
+        sum(p.held for p in islands) + coordinator.peak,
+    )
+
+
+def launch_refusal(plans: dict[str, ProcessPlan], room: Room | None) -> str | None:
+    """The one-line refusal when the processes of a launch (`launch_plans`) do not fit `room` on one host together
+    (`launch_need`), else None (also when the room is unknown)."""
+    need = launch_need(plans)
+    if room is None or need <= room.free:
+        return None
+    each = ", ".join(f"{name} {format_bytes(p.peak)}" for name, p in plans.items())
+    return (
+        f"the {len(plans)} processes of this launch need about {format_bytes(need)} together (peaks: {each}), "
+        f"{room.text}; shrink the model (model.n_layers, model.d_model, model.vocab_size) or run the islands on "
+        "hosts of their own"
     )
 
 

@@ -30,6 +30,7 @@ from diloco.ops.tensorboard import open_tensorboard
 from diloco.run.resume_rules import ResumeRefused, resume_changes
 from floor.errors import UserError
 from floor.files import write_atomically
+from islands.memory import peak_resident
 
 log = logging.getLogger("diloco.run.rundir")
 
@@ -375,6 +376,14 @@ class RunDir:
                 ) from None
         for observe in self.observers:
             observe(event, fields)
+
+    def log_memory_peak(self, **fields: Any) -> None:
+        """A `memory_peak` event: this process's peak resident memory so far (VmHWM), logged as it ends, so that a
+        run's processes can be held against their memory plan (islands/memory.py). Nothing where the kernel does not
+        say."""
+        peak = peak_resident()
+        if peak is not None:
+            self.log("memory_peak", rss_peak_bytes=peak, **fields)
 
     def log_inner(
         self,

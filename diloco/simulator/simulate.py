@@ -106,6 +106,7 @@ def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) ->
     try:
         run = {"sync": _run_sync, "async": run_async}.get(cfg.train.mode, _run_diloco)
         result = run(cfg, setup, rd, show_progress)
+        rd.log_memory_peak()
         rd.write_summary(result)
         return result
     finally:

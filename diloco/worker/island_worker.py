@@ -631,6 +631,7 @@ def run_island_process(
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, stop)
         contributed = worker.run()
+        rd.log_memory_peak(island=name)
         stopped = {"stopped": worker.stop_reason} if worker.stop_reason else {}
         if worker.stop_reason and retire_on_stop and not worker.reforming:
             stopped["retired"] = retire_self(cfg, name, target, secret, f"retired on stop: {worker.stop_reason}")
