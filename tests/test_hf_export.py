@@ -104,9 +104,14 @@ def test_a_run_trained_here_exports_the_special_tokens_and_chat_template_it_read
     theirs = json.loads((FIXTURES / "llama" / "tokenizer_config.json").read_text())
     assert json.loads((out / "tokenizer_config.json").read_text()) == theirs  # chat_template and special tokens
     assert special_token_ids(data, 320) == {"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0}
+    (prepared / "chat_template.jinja").write_text(theirs["chat_template"])  # as transformers 4.50 on writes it
+    assert tokenizer_files(trained, out) == ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+    assert (out / "chat_template.jinja").read_text() == theirs["chat_template"]
+    (prepared / "chat_template.jinja").unlink()
     (prepared / "tokenizer_config.json").unlink()  # a tokenizer without one: no special tokens, the class named
     assert tokenizer_files(trained, out) == ["tokenizer.json", "tokenizer_config.json"]
     assert json.loads((out / "tokenizer_config.json").read_text()) == {"tokenizer_class": "PreTrainedTokenizerFast"}
+    assert not (out / "chat_template.jinja").exists()  # an export --force replaces, it does not keep another's
     assert special_token_ids(data, 320) == {}
 
 

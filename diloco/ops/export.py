@@ -40,7 +40,7 @@ from islands.models.config import ModelConfig
 from islands.models.hf import checkpoint, tensors
 from islands.models.hf.families import checkpoint_model, family_of
 from islands.prepared import TOKENIZER_FILE
-from islands.text import TOKENIZER_CONFIG, TokenizerText, read_tokenizer_config, tokenizer_file
+from islands.text import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, TokenizerText, read_tokenizer_config, tokenizer_file
 from pytrees.naming import flatten_named
 
 FORMAT = "diloco-export/1"
@@ -235,12 +235,15 @@ def tokenizer_files(trained: Trained, out: Path) -> list[str]:
     if kept.is_dir():
         return checkpoint.copy_files(kept, out)
     tokenizer = tokenizer_file(trained.data)
+    (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)  # a --force export's old one is not this run's
+    template: list[str] = []
     if tokenizer is not None:
         shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
         config = read_tokenizer_config(tokenizer)
+        template = checkpoint.copy_files(tokenizer.parent, out, (CHAT_TEMPLATE_FILE,))
     else:
         (out / TOKENIZER_FILE).write_text(json.dumps(byte_tokenizer()) + "\n")
         config = {}
     config = {**config, "tokenizer_class": config.get("tokenizer_class", "PreTrainedTokenizerFast")}
     (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return [TOKENIZER_FILE, TOKENIZER_CONFIG]
+    return [TOKENIZER_FILE, TOKENIZER_CONFIG, *template]
