@@ -305,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_argument(
         "--digits", type=int, default=DEFAULT_DIGITS, help=f"digits of each operand: the difficulty ({DEFAULT_DIGITS})"
     )
+    task.add_argument(
+        "--chat", action="store_true", help="conversations (messages), for a run tokenizer with a chat template"
+    )
 
     from diloco.bench.cli import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
     from diloco.deploy.k8s import add_deploy_parser  # argparse only: nothing rendered, no YAML imported
@@ -341,7 +344,7 @@ def _data(args: argparse.Namespace) -> int:
     if args.data_command == "task":
         from diloco.ops.task_data import write_task
 
-        meta = write_task(args.name, args.out, args.n, args.heldout, args.pretrain, args.seed, args.digits)
+        meta = write_task(args.name, args.out, args.n, args.heldout, args.pretrain, args.seed, args.digits, args.chat)
         print(json.dumps({"out": str(args.out), **meta}, indent=2))
         return 0
     from diloco.ops.data_prepare import prepare, summary

@@ -32,7 +32,7 @@ from islands.backend import BACKENDS
 from islands.config import InnerConfig
 from islands.data import DataConfig
 from islands.models.config import ModelConfig
-from islands.models.hf.checkpoint import is_checkpoint
+from islands.models.hf.checkpoint import kept_checkpoint
 from islands.models.hf.families import merged_model
 from islands.workloads.config import WorkloadConfig, workload_conflict
 from outer_optimizer.config import OuterConfig
@@ -712,15 +712,15 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
 
 def with_checkpoint_model(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with its [model] section completed from init.from's config.json where init.from is a Hugging Face
-    directory (islands/models/hf/families.py: `merged_model`), and the checkpoint's tokenizer.json the run's tokenizer
-    (data.tokenizer, islands/text.py `tokenizer_file`) unless the run names one or its data.kind = "tokens" carries
-    its own; as it is otherwise."""
+    directory, or a run that started from one (its RUN/hf/: `kept_checkpoint`; islands/models/hf/families.py:
+    `merged_model`), and the checkpoint's tokenizer.json the run's tokenizer (data.tokenizer, islands/text.py
+    `tokenizer_file`) unless the run names one or its data.kind = "tokens" carries its own; as it is otherwise."""
     init, model = data.get("init"), data.get("model", {})
     source = init.get("from") if isinstance(init, dict) else None
     if not isinstance(source, str) or not source or not isinstance(model, dict):
         return data
-    directory = Path(source).expanduser()
-    if not is_checkpoint(directory):
+    directory = kept_checkpoint(Path(source).expanduser())
+    if directory is None:
         return data
     completed = {**data, "model": merged_model(model, directory)}
     corpus = data.get("data")

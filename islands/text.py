@@ -6,7 +6,8 @@ byte-level run. Pre-training documents (data.kind = "jsonl" / "parquet", islands
 
 A tokenizer.json may have a tokenizer_config.json beside it, as a Hugging Face checkpoint directory has: its special
 tokens (bos_token, eos_token, pad_token: a string or an AddedToken object {"content": ...}) name ids of the tokenizer,
-and its chat_template renders conversations (islands/chat.py). Without one the tokenizer has no special tokens.
+and its chat_template renders conversations (islands/chat.py), unless a chat_template.jinja beside it holds the
+template (as transformers writes it since 4.50). Without them the tokenizer has no special tokens and no template.
 
 `diloco sample` encodes prompts and decodes continuations through `text_codec`, `diloco export` ships the file
 `tokenizer_file` names, and `diloco data prepare` loads tokenizers through `tokenizers_package` and `load_tokenizer`.
@@ -29,6 +30,11 @@ if TYPE_CHECKING:
 
 TOKENIZE_EXTRA = "pip install 'diloco[tokenize]'"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""Where transformers' save_pretrained keeps the chat template since 4.50 (tokenizer_config.json no longer holds it);
+it wins over tokenizer_config.json's `chat_template`, as in transformers."""
+TOKENIZER_COMPANIONS: tuple[str, ...] = (TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE)
+"""The files beside a tokenizer.json that are part of it here: special tokens and the chat template."""
 SPECIAL_TOKENS: tuple[str, ...] = ("bos_token", "eos_token", "pad_token", "unk_token")
 """tokenizer_config.json's special tokens, passed to a chat template under these names (as transformers does)."""
 BYTES = 256
@@ -136,6 +142,14 @@ class TokenizerText:
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
+        jinja = path.parent / CHAT_TEMPLATE_FILE
+        self.template_file = jinja if jinja.is_file() else path.parent / TOKENIZER_CONFIG
+        """Where the chat template is read from (the messages about it name the file)."""
+        if jinja.is_file():
+            try:
+                template = jinja.read_text(encoding="utf-8")
+            except (OSError, ValueError) as err:
+                raise DataError(f"{jinja}: not a UTF-8 file we can read ({str(err)[:80]})") from None
         self.chat_template: str | None = template if isinstance(template, str) and template else None
         """The Jinja template that renders a conversation (islands/chat.py); None when the tokenizer has none."""
 

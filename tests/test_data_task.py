@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from diloco.cli import main
+from islands.chat import ChatTemplate
 from islands.posttrain.data import PreferencePair, RlPrompt, SftExample, read_examples, utf8_length
 from islands.posttrain.rewards import load_reward, score
 from islands.posttrain.task import Addition, in_heldout
+from islands.text import TokenizerText
 from tests.conftest import fails, run_cli
+from tests.test_hf_import import FIXTURES
 
 ARGS = ["--n", "40", "--heldout", "10", "--pretrain", "30", "--digits", "2", "--seed", "7"]
 
@@ -43,6 +47,25 @@ def test_the_files_read_back_as_the_task_made_them(tmp_path: Path) -> None:
     sft = read_examples(out / "sft.jsonl", "sft", utf8_length, 16)
     dpo = read_examples(out / "dpo.jsonl", "dpo", utf8_length, 16)
     assert isinstance(sft[0], SftExample) and isinstance(dpo[0], PreferencePair)
+
+
+def test_chat_writes_the_same_examples_as_conversations(tmp_path: Path) -> None:
+    """--chat: each file's examples as conversations that a chat template (the llama fixture's ChatML) renders back
+    into the task's prompts and answers."""
+    out = tmp_path / "chat"
+    assert main(["data", "task", "addition", "--out", str(out), *ARGS, "--chat"]) == 0
+    assert json.loads((out / "task.json").read_text())["layout"] == "chat"
+    codec = TokenizerText(FIXTURES / "llama" / "tokenizer.json", 320, "test")
+    assert codec.chat_template is not None
+    chat = ChatTemplate(codec.chat_template, codec.special, "the fixture")
+    task = Addition(seed=7, digits=2)
+    for kind, made in (("sft", task.sft), ("dpo", task.pairs), ("rl", task.prompts)):
+        read = read_examples(out / f"{kind}.jsonl", kind, len, 256, chat)
+        for theirs, ours in zip(read, made(40, "train"), strict=True):
+            assert theirs.prompt == f"<|im_start|>user\n{ours.prompt}<|im_end|>\n<|im_start|>assistant\n"
+            assert dataclasses.replace(ours, prompt=theirs.prompt) == type(ours)(
+                **{f.name: getattr(theirs, f.name) for f in dataclasses.fields(ours)}
+            )
 
 
 def test_existing_files_are_never_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

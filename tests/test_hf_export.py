@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +17,17 @@ import numpy as np
 import pytest
 
 from diloco.cli import main
-from diloco.config import load_config
-from diloco.ops.export import write_hf
-from diloco.ops.trained import load_trained
+from diloco.config import IslandsConfig, load_config
+from diloco.ops.export import special_token_ids, tokenizer_files, write_hf
+from diloco.ops.trained import Trained, load_trained
 from diloco.run.warm_start import checkpoint_params
+from islands.data import DataConfig
+from islands.models.config import ModelConfig
 from islands.models.hf.checkpoint import RUN_FILES, copy_files, parse_size
 from islands.models.hf.families import open_import
 from islands.models.registry import ARCHITECTURES, build_model
 from islands.models.transformer import forward
+from islands.workloads.config import WorkloadConfig
 from pytrees.digest import tree_digest
 from pytrees.naming import flatten_named
 from tests.conftest import TINY_TOML, fails, write_corpus
@@ -82,6 +86,33 @@ def test_export_refuses_what_it_cannot_write(exported, tmp_path: Path, capsys: p
         "--max-shard-size",
     )
     assert not out.exists()
+
+
+def test_a_run_trained_here_exports_the_special_tokens_and_chat_template_it_read(tmp_path: Path) -> None:
+    """A run trained from scratch on a corpus prepared with a checkpoint's tokenizer (its tokenizer_config.json
+    beside it, as `diloco data prepare --tokenizer` keeps it) reads conversations through that chat template and
+    stops at its EOS: the export carries both, and config.json names the ids that transformers' generate uses."""
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(FIXTURES / "llama" / name, prepared / name)
+    data = DataConfig(kind="jsonl", path=str(tmp_path / "docs.jsonl"), tokenizer=str(prepared / "tokenizer.json"))
+    trained = Trained(tmp_path, tmp_path, 1, ModelConfig(), data, IslandsConfig(), WorkloadConfig(), {})
+    out = tmp_path / "export"
+    out.mkdir()
+    assert tokenizer_files(trained, out) == ["tokenizer.json", "tokenizer_config.json"]
+    theirs = json.loads((FIXTURES / "llama" / "tokenizer_config.json").read_text())
+    assert json.loads((out / "tokenizer_config.json").read_text()) == theirs  # chat_template and special tokens
+    assert special_token_ids(data, 320) == {"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0}
+    (prepared / "chat_template.jinja").write_text(theirs["chat_template"])  # as transformers 4.50 on writes it
+    assert tokenizer_files(trained, out) == ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+    assert (out / "chat_template.jinja").read_text() == theirs["chat_template"]
+    (prepared / "chat_template.jinja").unlink()
+    (prepared / "tokenizer_config.json").unlink()  # a tokenizer without one: no special tokens, the class named
+    assert tokenizer_files(trained, out) == ["tokenizer.json", "tokenizer_config.json"]
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"tokenizer_class": "PreTrainedTokenizerFast"}
+    assert not (out / "chat_template.jinja").exists()  # an export --force replaces, it does not keep another's
+    assert special_token_ids(data, 320) == {}
 
 
 # -- transformers itself (opt in) ----------------------------------------------------------------------------------

@@ -55,6 +55,26 @@ def test_post_training_conversations_are_the_checkpoints_tokens_ending_at_its_eo
     assert theirs.decode(targets.tolist(), skip_special_tokens=False) == f"{example.response}<|im_end|>"
 
 
+def test_a_chat_template_in_its_own_file_is_the_tokenizers(tmp_path: Path) -> None:
+    """transformers' save_pretrained (4.50 on) writes the template to chat_template.jinja, not tokenizer_config.json:
+    it is the run's template, and it wins over one in tokenizer_config.json, as in transformers."""
+    config = json.loads((LLAMA / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template")
+    shutil.copyfile(LLAMA / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert TokenizerText(tmp_path / "tokenizer.json", 320, "test").chat_template is None
+    (tmp_path / "chat_template.jinja").write_text(template)
+    text = TokenizerText(tmp_path / "tokenizer.json", 320, "test")
+    assert text.chat_template == template and text.template_file == tmp_path / "chat_template.jinja"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 'older' }}"}))
+    assert TokenizerText(tmp_path / "tokenizer.json", 320, "test").chat_template == template
+    prepared = tmp_path / "prepared"
+    (tmp_path / "text.txt").write_text("the island round delta\n")
+    assert main(["data", "prepare", str(tmp_path / "text.txt"), "--out", str(prepared), "--tokenizer",
+                 str(tmp_path / "tokenizer.json"), "--no-progress"]) == 0  # fmt: skip
+    assert (prepared / "chat_template.jinja").read_text() == template  # it goes along with the tokenizer
+
+
 @pytest.mark.slow
 def test_an_sft_run_from_a_checkpoint_samples_through_its_tokenizer_once_the_checkpoint_is_gone(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -153,13 +153,15 @@ def test_wrong_sums() -> None:
         ("37+485=", "five hundred", 0.0),
         ("37+485=", "٥٢٢", 0.0),  # digits, but not ASCII ones
         (" 0+0= ", "0", 1.0),
+        ("<|im_start|>user\n37+485=<|im_end|>\n<|im_start|>assistant\n", "522", 1.0),  # a chat template's
+        ("<|im_start|>user\n1+1=2, and 37+485=<|im_end|>\n<|im_start|>assistant\n", "522", 1.0),  # the last one
     ],
 )
 def test_reward(prompt: str, answer: str, reward: float) -> None:
     assert addition_reward(prompt, answer) == pytest.approx(reward)
 
 
-@pytest.mark.parametrize("prompt", ["37+485", "37 + 485 =", "a+b=", "1" * 31 + "+1=", ""])
+@pytest.mark.parametrize("prompt", ["37+485", "37 + 485 =", "a+b=", "1" * 31 + "+1=", "", "<|im_start|>user\nhi"])
 def test_the_reward_of_what_is_not_an_addition_prompt_raises(prompt: str) -> None:
     with pytest.raises(ValueError, match="not an addition prompt"):
         addition_reward(prompt, "1")

@@ -37,7 +37,7 @@ from floor.files import file_sha256
 from islands.data import DataError, resolve_files
 from islands.documents import document_format, documents, encode_texts
 from islands.prepared import META_FILE, META_FORMAT, TOKENIZER_FILE, TOKENS_FILE, token_dtype_for
-from islands.text import TOKENIZER_CONFIG, read_tokenizer_config, special_content, tokenizers_package
+from islands.text import TOKENIZER_COMPANIONS, read_tokenizer_config, special_content, tokenizers_package
 from islands.text import load_tokenizer as load_tokenizer_file
 
 if TYPE_CHECKING:
@@ -315,8 +315,9 @@ def _write(
         tokenizer.save(str(out / TOKENIZER_FILE))
     elif tokenizer_file is not None and tokenizer_file.resolve() != (out / TOKENIZER_FILE).resolve():
         shutil.copyfile(tokenizer_file, out / TOKENIZER_FILE)  # byte for byte: its sha256 is the original's
-        if (tokenizer_file.parent / TOKENIZER_CONFIG).is_file():  # its special tokens and chat template go along
-            shutil.copyfile(tokenizer_file.parent / TOKENIZER_CONFIG, out / TOKENIZER_CONFIG)
+        for name in TOKENIZER_COMPANIONS:  # its special tokens and chat template go along
+            if (tokenizer_file.parent / name).is_file():
+                shutil.copyfile(tokenizer_file.parent / name, out / name)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype_for(vocab_size)
     t0 = time.perf_counter()

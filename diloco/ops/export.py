@@ -13,9 +13,11 @@ unless `force`, which replaces these three files (and removes a tokenizer.json t
 AutoTokenizer load without this project (islands/models/hf/):
 
     DIR/config.json                 the config.json the run started from (RUN/hf/), or one made from [model]
+                                    (with the run tokenizer's BOS / EOS / pad ids)
     DIR/model.safetensors           Hugging Face's tensor names and layouts, in float32 or bfloat16; or shards of
     DIR/model-0000i-of-0000N...     at most --max-shard-size each and model.safetensors.index.json
-    DIR/tokenizer.json, ...         the tokenizer files the run started from (RUN/hf/), else the run's own
+    DIR/tokenizer.json, ...         the tokenizer files the run started from (RUN/hf/), else the run's own with
+                                    the tokenizer_config.json beside it (special tokens, chat template)
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from diloco.config import to_dict
 from diloco.ops.trained import Trained, load_trained
 from floor import safetensors
 from floor.errors import UserError
+from islands.data import DataConfig
 from islands.models.base import param_count
 from islands.models.config import ModelConfig
 from islands.models.hf import checkpoint, tensors
 from islands.models.hf.families import checkpoint_model, family_of
 from islands.prepared import TOKENIZER_FILE
-from islands.text import tokenizer_file
+from islands.text import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, TokenizerText, read_tokenizer_config, tokenizer_file
 from pytrees.naming import flatten_named
 
 FORMAT = "diloco-export/1"
@@ -50,6 +53,8 @@ DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "bfloat16": np.d
 """--dtype of a Hugging Face export: the weights as trained, or halved."""
 MAX_SHARD_SIZE = "5GB"
 """--max-shard-size's default (the Hub's usual shard)."""
+SPECIAL_IDS = ("bos_token", "eos_token", "pad_token")
+"""The special tokens whose ids a config.json made from [model] carries (`special_token_ids`)."""
 
 
 class ExportError(UserError, ValueError):
@@ -100,16 +105,19 @@ def export(run_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
     return config
 
 
-def hf_config(model: ModelConfig, kept: Path | None, dtype: str) -> tuple[dict[str, Any], str]:
+def hf_config(
+    model: ModelConfig, kept: Path | None, dtype: str, token_ids: dict[str, int] | None = None
+) -> tuple[dict[str, Any], str]:
     """config.json of a Hugging Face export of `model` and its architecture: `kept` (the config.json of the checkpoint
-    the run started from, RUN/hf/config.json) with the dtype written, else one made from [model]."""
+    the run started from, RUN/hf/config.json) with the dtype written, else one made from [model] with the run
+    tokenizer's special ids (`special_token_ids`), which transformers' generate stops and pads with."""
     family = family_of(model)
     if kept is None:
         try:
             architecture = family.architecture_of(model)
         except ValueError as exc:
             raise ExportError(f"--format hf: {exc}") from None
-        return family.config_json(model, architecture) | {"torch_dtype": dtype}, architecture
+        return family.config_json(model, architecture) | (token_ids or {}) | {"torch_dtype": dtype}, architecture
     config = checkpoint.read_json(kept, "--format hf")
     fixed = checkpoint_model(config, f"'{kept}'")
     ours = {**to_dict(model), "n_kv_heads": model.kv_heads, "head_dim": model.head_size}
@@ -122,14 +130,20 @@ def hf_config(model: ModelConfig, kept: Path | None, dtype: str) -> tuple[dict[s
 
 
 def write_hf(
-    out: Path, model: ModelConfig, params: dict[str, np.ndarray], kept: Path | None, dtype: str, max_bytes: int
+    out: Path,
+    model: ModelConfig,
+    params: dict[str, np.ndarray],
+    kept: Path | None,
+    dtype: str,
+    max_bytes: int,
+    token_ids: dict[str, int] | None = None,
 ) -> tuple[list[str], str]:
     """Write `params` (named as pytrees/naming.py names them) of `model` into the existing directory `out` as a
     Hugging Face checkpoint (`hf_config`'s config.json, the weights in `dtype`, shards of at most `max_bytes`);
     returns the files written and the architecture."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
-    config, architecture = hf_config(model, kept, dtype)
+    config, architecture = hf_config(model, kept, dtype, token_ids)
     family = family_of(model)
     named = family.complete(params, model)
     rules = family.rules(model, architecture)
@@ -162,8 +176,9 @@ def export_hf(
     kept = trained.run_dir / checkpoint.RUN_FILES / checkpoint.CONFIG
     base = kept if kept.is_file() else None
     hf_config(trained.model, base, dtype)  # a model no architecture computes is refused before anything is written
+    token_ids = special_token_ids(trained.data, trained.model.vocab_size) if base is None else None
     out.mkdir(parents=True, exist_ok=True)
-    files, architecture = write_hf(out, trained.model, flatten_named(trained.params), base, dtype, max_bytes)
+    files, architecture = write_hf(out, trained.model, flatten_named(trained.params), base, dtype, max_bytes, token_ids)
     files += tokenizer_files(trained, out)
     return {
         "format": "hf",
@@ -200,17 +215,35 @@ def byte_tokenizer() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def special_token_ids(data: DataConfig, vocab_size: int) -> dict[str, int]:
+    """config.json's bos_token_id, eos_token_id and pad_token_id: the ids of the special tokens that the
+    tokenizer_config.json beside the run's tokenizer names (none for a byte-level run, or a tokenizer without one)."""
+    tokenizer = tokenizer_file(data)
+    if tokenizer is None:
+        return {}
+    text = TokenizerText(tokenizer, vocab_size, "diloco export --format hf")
+    ids = {f"{name.removesuffix('_token')}_token_id": text.special_id(name) for name in SPECIAL_IDS}
+    return {key: value for key, value in ids.items() if value is not None}
+
+
 def tokenizer_files(trained: Trained, out: Path) -> list[str]:
     """The tokenizer beside a Hugging Face export: the files of the checkpoint the run started from (RUN/hf/), else
-    the run's own (its data's tokenizer.json, or a byte-level run's `byte_tokenizer`) with a tokenizer_config.json
-    naming the class that loads it."""
+    the run's own (its data's tokenizer.json, or a byte-level run's `byte_tokenizer`) with a tokenizer_config.json:
+    the one beside the run's tokenizer (its special tokens and chat template, which the run read too), naming the
+    class that loads it."""
     kept = trained.run_dir / checkpoint.RUN_FILES
     if kept.is_dir():
         return checkpoint.copy_files(kept, out)
     tokenizer = tokenizer_file(trained.data)
+    (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)  # a --force export's old one is not this run's
+    template: list[str] = []
     if tokenizer is not None:
         shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+        config = read_tokenizer_config(tokenizer)
+        template = checkpoint.copy_files(tokenizer.parent, out, (CHAT_TEMPLATE_FILE,))
     else:
         (out / TOKENIZER_FILE).write_text(json.dumps(byte_tokenizer()) + "\n")
-    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
-    return [TOKENIZER_FILE, "tokenizer_config.json"]
+        config = {}
+    config = {**config, "tokenizer_class": config.get("tokenizer_class", "PreTrainedTokenizerFast")}
+    (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return [TOKENIZER_FILE, TOKENIZER_CONFIG, *template]

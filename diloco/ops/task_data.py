@@ -2,6 +2,7 @@
 
     diloco data task addition --out data/addition                  # 2-digit addition, seed 0
     diloco data task addition --out data/add3 --digits 3 --n 5000 --heldout 500 --seed 1
+    diloco data task addition --out data/chat --chat               # conversations, for a checkpoint's chat template
 
 DIR gets, in the formats of islands/posttrain/data.py (the task: islands/posttrain/task.py):
 
@@ -9,6 +10,9 @@ DIR gets, in the formats of islands/posttrain/data.py (the task: islands/posttra
     sft-heldout.jsonl  dpo-heldout.jsonl  rl-heldout.jsonl  --heldout examples each, of the held-out split
     pretrain.txt                                            --pretrain lines "A+B=SUM" of the train split (text)
     task.json                                               what made them: task, seed, digits, counts, reward, stop
+
+With --chat the JSONL files hold the same examples as conversations (TRL's conversational layouts: the prompt a user
+message, each answer an assistant message), which a run renders through its tokenizer's chat template.
 
 Files are written whole or not at all, task.json last. An --out that holds any of them is refused, so that data a
 user edited is never overwritten.
@@ -21,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from floor.files import write_atomically
-from islands.posttrain.data import MAX_EXAMPLES, write_examples
+from islands.posttrain.data import MAX_EXAMPLES, Example, PreferencePair, SftExample, write_examples
 from islands.posttrain.rewards import BUILTIN
 from islands.posttrain.task import Task, TaskError, builtin_task
 
@@ -40,7 +44,24 @@ def _examples(task: Task, kind: str, n: int, split: str) -> list[Any]:
     return make(n, split)
 
 
-def write_task(name: str, out: Path, n: int, heldout: int, pretrain: int, seed: int, digits: int) -> dict[str, Any]:
+def conversation(example: Example) -> dict[str, Any]:
+    """An example as the conversational record of its kind (islands/posttrain/data.py): the prompt a user message,
+    each answer an assistant message; an rl example's reference answer stays a string."""
+    user = [{"role": "user", "content": example.prompt}]
+
+    def reply(text: str) -> list[dict[str, str]]:
+        return [{"role": "assistant", "content": text}]
+
+    if isinstance(example, SftExample):
+        return {"messages": user + reply(example.response)}
+    if isinstance(example, PreferencePair):
+        return {"prompt": user, "chosen": reply(example.chosen), "rejected": reply(example.rejected)}
+    return {"prompt": user} | ({"answer": example.answer} if example.answer is not None else {})
+
+
+def write_task(
+    name: str, out: Path, n: int, heldout: int, pretrain: int, seed: int, digits: int, chat: bool = False
+) -> dict[str, Any]:
     """Write task `name`'s data into `out` (module docstring); returns what task.json records.
 
     Everything is made before the first file is written: a request the task cannot meet (more problems than a split
@@ -59,7 +80,10 @@ def write_task(name: str, out: Path, n: int, heldout: int, pretrain: int, seed: 
     text = task.pretraining_text(pretrain)
     out.mkdir(parents=True, exist_ok=True)
     for file, examples in data.items():
-        write_examples(out / file, examples)
+        if chat:
+            write_atomically(out / file, "".join(json.dumps(conversation(e)) + "\n" for e in examples))
+        else:
+            write_examples(out / file, examples)
     write_atomically(out / PRETRAIN_FILE, text)
     meta = {
         "task": task.name,
@@ -67,6 +91,7 @@ def write_task(name: str, out: Path, n: int, heldout: int, pretrain: int, seed: 
         "digits": digits,
         "reward": BUILTIN + task.name,
         "stop": task.stop,
+        "layout": "chat" if chat else "plain",
         "files": {
             **{file_name(kind, split): {"split": split, "examples": count} for kind, split, count in wanted},
             PRETRAIN_FILE: {"split": "train", "lines": pretrain},

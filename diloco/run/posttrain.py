@@ -31,7 +31,7 @@ from islands.posttrain.accuracy import exact_matches
 from islands.posttrain.data import ChatSft, PreferencePair, RlPrompt, SftExample, read_examples
 from islands.posttrain.rewards import load_reward, score
 from islands.posttrain.task import Task, builtin_task
-from islands.text import TOKENIZER_CONFIG, TokenizerText
+from islands.text import TokenizerText
 from islands.workloads.batches import (
     ExampleStream,
     Table,
@@ -103,7 +103,7 @@ class PostTraining:
         codec = self.codec.codec
         if not isinstance(codec, TokenizerText) or codec.chat_template is None:
             return None
-        return ChatTemplate(codec.chat_template, codec.special, str(codec.path.parent / TOKENIZER_CONFIG))
+        return ChatTemplate(codec.chat_template, codec.special, str(codec.template_file))
 
     # -- examples ------------------------------------------------------------------------------------------------
 

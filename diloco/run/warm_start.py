@@ -11,7 +11,9 @@ Or `init.from` names a Hugging Face model directory (config.json, model.safetens
 Then the run's `[model]` is what config.json describes (the config loader fills it in: `with_checkpoint_model`), the
 checkpoint is checked whole before the run directory is made (every shard's header, tensor names, shapes and dtypes:
 `check_fresh`), θ_0 is its tensors as float32 master weights, and its config.json and tokenizer files are kept in
-RUN/hf/ (`RUN_FILES`) for the run's text and for `diloco export --format hf`. It has no inner optimizer state.
+RUN/hf/ (`RUN_FILES`) for the run's text and for `diloco export --format hf`. It has no inner optimizer state. A run
+from a run that started from a checkpoint keeps that run's RUN/hf/ in turn (`kept_checkpoint`), with its [model] and
+tokenizer: each stage of a chain (SFT, then RL) exports as the checkpoint it started from.
 
 Only a run that starts afresh reads it: a run directory that resumes restores its own checkpoints (`GlobalRun.start`,
 `local_islands.start_islands`, `IslandWorker.restore`), so the source may change or vanish once the run has begun.
@@ -45,7 +47,15 @@ from diloco.config import ConfigError, RunConfig, diff_keys, from_dict, to_dict
 from diloco.run.rundir import RunDir
 from islands.island import Island
 from islands.models.config import ModelConfig
-from islands.models.hf.checkpoint import CONFIG, RUN_FILES, TOKENIZER_FILES, copy_files, is_checkpoint
+from islands.models.hf.checkpoint import (
+    CONFIG,
+    RUN_FILES,
+    TOKENIZER_FILES,
+    copy_files,
+    is_checkpoint,
+    kept_checkpoint,
+    run_directory,
+)
 from islands.models.hf.families import Import, open_import
 from islands.models.registry import build_model
 from pytrees.digest import tree_digest
@@ -122,8 +132,7 @@ def find_source(path: Path, where: str = "init.from") -> Source:
             f"{where}: '{path}' holds no checkpoint (expected a run directory with checkpoints/coordinator/, or a "
             "checkpoint directory; a run with train.checkpoint_every = 0 saves none)"
         )
-    run_dir = next((d for d in list(step_dir.parents)[:3] if (d / "config.toml").is_file()), None)
-    return Source(step_dir, run_dir)
+    return Source(step_dir, run_directory(step_dir))
 
 
 def model_difference(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
@@ -306,12 +315,15 @@ def initial_params(cfg: RunConfig, init_params: PyTree, rd: RunDir) -> PyTree:
     directory = checkpoint_dir(cfg)
     if directory is not None:
         params = checkpoint_params(cfg, directory, init_params)
-        kept = copy_files(directory, rd.path / RUN_FILES, (CONFIG, *TOKENIZER_FILES))
-        rd.log("warm_start", source=str(directory), format="hf", files=kept, digest=tree_digest(params))
-        return params
-    source = locate(cfg)
-    params = read_item(source.step_dir, "params", init_params, "parameters")
-    rd.log("warm_start", source=str(source.step_dir), source_round=source.round, digest=tree_digest(params))
+        event: dict[str, Any] = {"source": str(directory), "format": "hf"}
+    else:
+        source = locate(cfg)
+        params = read_item(source.step_dir, "params", init_params, "parameters")
+        event = {"source": str(source.step_dir), "source_round": source.round}
+    kept = kept_checkpoint(Path(cfg.init.from_).expanduser())  # the checkpoint's, or the source run's RUN/hf/
+    if kept is not None:
+        event["files"] = copy_files(kept, rd.path / RUN_FILES, (CONFIG, *TOKENIZER_FILES))
+    rd.log("warm_start", **event, digest=tree_digest(params))
     return params
 
 

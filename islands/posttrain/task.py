@@ -14,7 +14,8 @@ them (benchmarks/log/ptdata.md).
 - `reward(prompt, answer)`: the answer is read up to the stop text and stripped; 1.0 when it is the sum exactly;
   a number of the wrong value gets PARTIAL_CREDIT times the share of its digits right in place, aligned at the units
   over the longer of the two (512 for 522: 0.5 * 2/3; 0522: 0.5 * 3/4), so RL has a gradient before its first exact
-  answer; anything else (empty, text, a sign) is 0.0. A prompt that is not "A+B=" raises ValueError.
+  answer; anything else (empty, text, a sign) is 0.0. The problem is the prompt's last "A+B=" (the prompt itself, or
+  a conversation's user turn that a chat template rendered around it); a prompt without one raises ValueError.
 - `pretraining_text(n)`: n lines "A+B=SUM" of the train split: the task itself as plain text, for a model that is
   to know the format (and the train split's sums) before post-training; a model pre-trained on another corpus (the
   default `stdlib:`) starts SFT from about chance.
@@ -59,7 +60,9 @@ _BATCH = 4096
 
 _STREAMS: dict[str, int] = {"sft": 1, "dpo": 2, "rl": 3, "pretrain": 4, "wrong": 5}
 _SPLIT_KEY = np.uint64(0x2545F4914F6CDD1D)
-_PROMPT = re.compile(r"\s*([0-9]{1,30})\+([0-9]{1,30})=\s*")
+_PROMPT = re.compile(r"(?<![0-9])([0-9]{1,30})\+([0-9]{1,30})=")
+"""A problem "A+B=" inside a prompt: the whole prompt, or the user's turn of a prompt rendered through a chat
+template ("<|im_start|>user\n37+485=<|im_end|>\n<|im_start|>assistant\n")."""
 _NUMBER = re.compile(r"[0-9]+")
 
 
@@ -153,8 +156,9 @@ def digit_credit(given: str, truth: str) -> float:
 
 
 def addition_reward(prompt: str, answer: str) -> float:
-    """The reward of `answer` (up to its stop text) to an addition prompt "A+B=" (module docstring)."""
-    match = _PROMPT.fullmatch(prompt)
+    """The reward of `answer` (up to its stop text) to an addition prompt: the last "A+B=" the prompt holds, itself or
+    rendered in a chat template's turn (module docstring)."""
+    match = next(reversed(list(_PROMPT.finditer(prompt))), None)
     if match is None:
         raise ValueError("not an addition prompt (A+B= with A and B of at most 30 digits)")
     return digit_credit(answer_text(answer, Addition.stop), str(int(match[1]) + int(match[2])))

@@ -65,6 +65,24 @@ def is_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / CONFIG).is_file() and not (path / "config.toml").exists()
 
 
+def run_directory(path: Path) -> Path | None:
+    """The run directory of this project that `path` names: the run directory itself, or a checkpoint directory or
+    step inside it (the nearest of `path` and its three parents with a config.toml); None for any other path."""
+    return next((d for d in (path, *list(path.parents)[:3]) if (d / "config.toml").is_file()), None)
+
+
+def kept_checkpoint(path: Path) -> Path | None:
+    """The Hugging Face directory behind init.from `path`: `path` itself when it is one, else the RUN/hf/ of the run
+    directory `path` names when that run started from a checkpoint (None otherwise). A run from such a run is a run
+    from the same checkpoint as trained so far, so its [model], its tokenizer and the files `diloco export --format
+    hf` writes back go down a chain of stages (pre-trained -> SFT -> RL) unchanged."""
+    if is_checkpoint(path):
+        return path
+    run = run_directory(path) if path.exists() else None
+    kept = None if run is None else run / RUN_FILES
+    return kept if kept is not None and (kept / CONFIG).is_file() else None
+
+
 def read_json(path: Path, where: str) -> dict[str, Any]:
     """A JSON object from a file; one line naming it when it is missing, not JSON or not an object."""
     try:
