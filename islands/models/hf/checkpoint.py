@@ -59,6 +59,18 @@ class CheckpointError(UserError, ValueError):
     """A Hugging Face directory that cannot be read or written as asked: one line naming the file, key or tensor."""
 
 
+def kept_tokenizer_file(run_dir: Path, tokenizer: str, init_from: str) -> Path | None:
+    """RUN/hf/tokenizer.json where `tokenizer` (a run's data.tokenizer) is the tokenizer.json of its init.from
+    checkpoint, which the run copied there when it started (diloco/config.py `with_checkpoint_model` names the
+    checkpoint's own): the bytes the run read, wherever the checkpoint has gone since. None otherwise."""
+    kept = run_dir / RUN_FILES / "tokenizer.json"
+    if not (tokenizer and init_from and kept.is_file()):
+        return None
+    if Path(tokenizer).expanduser() != Path(init_from).expanduser() / "tokenizer.json":
+        return None
+    return kept
+
+
 def is_checkpoint(path: Path) -> bool:
     """Whether `path` is a Hugging Face model directory (a config.json, and no config.toml: a run directory of this
     project is not one)."""
