@@ -142,8 +142,9 @@ class DataConfig:
     data.kind = "jsonl" or "parquet" (its tokenizer_config.json beside it, when there is one, gives the end-of-sequence
     token that ends each document), post-training data and `diloco sample`'s prompts. A run from a Hugging Face
     checkpoint (init.from) that names none takes the checkpoint's. Not with data.kind = "tokens", whose prepared
-    directory carries its own (one of another tokenizer than the checkpoint's is refused: diloco/config.py); with data.kind = "text" only for a run that trains on no corpus (a byte corpus is not
-    text for a tokenizer's model: diloco/config.py refuses it)."""
+    directory carries its own (one of another tokenizer than the checkpoint's is refused: diloco/config.py); with
+    data.kind = "text" only for a run that trains on no corpus (a byte corpus is not text for a tokenizer's model:
+    diloco/config.py refuses it)."""
 
     cache_dir: str = field(default="", metadata=LOCAL)
     """data.kind = "jsonl" or "parquet" only: where the tokenized documents are kept, one token file per (shards,
