@@ -28,6 +28,7 @@ from diloco.run.roster_script import RosterConfig, script_refusal
 from floor.codec import CodecError, CodecSpec
 from floor.errors import UserError
 from floor.fields import LOCAL
+from islands import prepared
 from islands.backend import BACKENDS
 from islands.config import InnerConfig
 from islands.data import DataConfig
@@ -725,10 +726,29 @@ def with_checkpoint_model(data: dict[str, Any]) -> dict[str, Any]:
     completed = {**data, "model": merged_model(model, directory)}
     corpus = data.get("data")
     tokenizer = directory / "tokenizer.json"
-    if isinstance(corpus, dict) and corpus.get("kind") != "tokens" and not corpus.get("tokenizer"):
-        if tokenizer.is_file():
+    if isinstance(corpus, dict) and tokenizer.is_file():
+        if corpus.get("kind") == "tokens":
+            check_prepared_tokenizer(corpus, tokenizer)
+        elif not corpus.get("tokenizer"):
             completed["data"] = {**corpus, "tokenizer": str(tokenizer)}
     return completed
+
+
+def check_prepared_tokenizer(corpus: dict[str, Any], tokenizer: Path) -> None:
+    """ConfigError naming the source when a prepared token directory of a data.kind = "tokens" corpus (data.path or
+    a data.paths entry) was made by another tokenizer than `tokenizer`, the checkpoint's (islands/prepared.py
+    `other_tokenizer`): the model would read another vocabulary's ids. A token file without meta.json records no
+    tokenizer: its ids are checked against model.vocab_size when it is read."""
+    paths = corpus.get("paths")
+    specs = [("data.path", corpus.get("path")), *((f"data.paths[{i}]", p) for i, p in enumerate(paths or []))]
+    for key, spec in specs:
+        if not isinstance(spec, str) or not spec:
+            continue
+        _, meta_path = prepared.locate(spec)
+        meta = prepared.read_meta(meta_path) if meta_path is not None else None
+        why = prepared.other_tokenizer(meta, tokenizer) if isinstance(meta, dict) else None
+        if why is not None:
+            raise ConfigError(f"{key} '{spec}' was prepared by `diloco data prepare` ({meta_path}): {why}")
 
 
 def _refuse_literal_secrets(data: dict[str, Any], path: Path) -> None:

@@ -143,8 +143,9 @@ class DataConfig:
     data.kind = "jsonl" or "parquet" (its tokenizer_config.json beside it, when there is one, gives the end-of-sequence
     token that ends each document), post-training data and `diloco sample`'s prompts. A run from a Hugging Face
     checkpoint (init.from) that names none takes the checkpoint's. Not with data.kind = "tokens", whose prepared
-    directory carries its own; with data.kind = "text" only for a run that trains on no corpus (a byte corpus is not
-    text for a tokenizer's model: diloco/config.py refuses it)."""
+    directory carries its own (one of another tokenizer than the checkpoint's is refused: diloco/config.py); with
+    data.kind = "text" only for a run that trains on no corpus (a byte corpus is not text for a tokenizer's model:
+    diloco/config.py refuses it)."""
 
     cache_dir: str = field(default="", metadata=LOCAL)
     """data.kind = "jsonl" or "parquet" only: where the tokenized documents are kept, one token file per (shards,
@@ -384,24 +385,34 @@ def _read_tokens(
 
 
 def check_vocab(tokens: np.ndarray, vocab_size: int, where: str, base: int = 0) -> None:
-    """Raise DataError if a token id is >= vocab_size: every id of files up to FULL_CHECK_TOKENS tokens,
-    else 16 evenly spaced chunks and the tail (a full pass would read the whole corpus at every start).
-    base: the index of tokens[0] in its file, so the error points into the file."""
+    """Raise DataError if a token id is >= vocab_size, naming the first such id and the largest id read (the
+    vocabulary the data needs): every id of files up to FULL_CHECK_TOKENS tokens, else 16 evenly spaced chunks and
+    the tail (a full pass would read the whole corpus at every start). base: the index of tokens[0] in its file, so
+    the error points into the file."""
     if np.iinfo(tokens.dtype).max < vocab_size:
         return
     n = len(tokens)
-    if n <= FULL_CHECK_TOKENS:
+    whole = n <= FULL_CHECK_TOKENS
+    if whole:
         starts = range(0, n, _CHUNK)
     else:
         starts = sorted({*np.linspace(0, n - _CHUNK, 16).astype(np.int64).tolist(), n - _CHUNK})
+    first: tuple[int, int] | None = None  # (index, id) of the first id beyond the vocabulary
+    largest = 0
     for start in starts:
         chunk = np.asarray(tokens[start : start + _CHUNK])
-        if chunk.max() >= vocab_size:
+        if not chunk.size:
+            continue
+        largest = max(largest, int(chunk.max()))
+        if first is None and largest >= vocab_size:
             i = int(np.argmax(chunk >= vocab_size))
-            raise DataError(
-                f"{where}: token id {int(chunk[i])} at index {base + start + i} is >= model.vocab_size "
-                f"({vocab_size}) (wrong data.token_dtype or model.vocab_size?)"
-            )
+            first = (base + start + i, int(chunk[i]))
+    if first is not None:
+        read = "" if whole else f" of the {len(starts)} parts read"
+        raise DataError(
+            f"{where}: token id {first[1]} at index {first[0]} is >= model.vocab_size ({vocab_size}); the largest "
+            f"id{read} is {largest} (wrong data.token_dtype, or tokens of a larger vocabulary than the model's?)"
+        )
 
 
 def synthetic_tokens(n: int, vocab_size: int, seed: int, alphabet: int = 32, branching: int = 4) -> np.ndarray:

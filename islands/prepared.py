@@ -9,6 +9,11 @@ such a directory, or its tokens.bin, reads tokens.bin and refuses to start when 
 disagrees with meta.json: a wrong vocabulary trains on the wrong ids (or indexes past the embedding) without any error
 of its own, and a wrong dtype reads the bytes as other numbers.
 
+meta.json records the sha256 of the tokenizer that made the tokens, so a run whose model reads another tokenizer's
+ids (a run from a Hugging Face checkpoint, diloco/config.py `with_checkpoint_model`) is refused too
+(`other_tokenizer`); a token file without meta.json records no tokenizer, and only its ids are checked
+(islands/data.py `check_vocab`).
+
 This module only reads and compares (pure, no tokenizer needed); `diloco/ops/data_prepare.py` writes the directory.
 """
 
@@ -18,6 +23,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from floor.files import file_sha256
 
 TOKENS_FILE = "tokens.bin"
 TOKENIZER_FILE = "tokenizer.json"
@@ -84,3 +91,17 @@ def mismatches(meta: dict[str, Any], vocab_size: int, token_dtype: str) -> list[
             f"(set data.token_dtype={meta['token_dtype']})"
         )
     return problems
+
+
+def other_tokenizer(meta: dict[str, Any], tokenizer: Path) -> str | None:
+    """Why the tokens of a prepared directory are not `tokenizer`'s ids (one phrase), or None: meta.json's tokenizer
+    sha256 differs from the file's. None too where meta.json records no sha256 (nothing to compare)."""
+    recorded = meta.get("tokenizer")
+    sha = recorded.get("sha256") if isinstance(recorded, dict) else None
+    if not isinstance(sha, str) or sha == file_sha256(tokenizer):
+        return None
+    return (
+        f"its tokens were made by another tokenizer ({meta['vocab_size']} ids, sha256 {sha[:12]}...) than "
+        f"'{tokenizer}' (sha256 {file_sha256(tokenizer)[:12]}...): prepare them with `diloco data prepare "
+        f"--tokenizer {tokenizer}`"
+    )

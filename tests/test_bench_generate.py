@@ -35,3 +35,24 @@ def test_the_bench_times_training_and_generation(tiny_config: Path, capsys: pyte
     assert out["generate_over_train"] == pytest.approx(out["generate_tokens_per_s"] / out["train_tokens_per_s"], 1e-3)
     assert out["generate_tokens_per_s"] > 0 and out["time_to_first_token_s"] > 0
     assert out["cost_model"]["decode_flops_per_token"] == 2 * out["param_count"] + 4 * 1 * 15 * 32
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        ["model.kind=transformer"],  # GPT-2: every head cached, d_model wide
+        # A grouped-query Llama-family model: 1 key/value head for 4 query heads, head_dim 16 (not d_model / n_heads),
+        # so its cache is 16 wide where d_model is 32; cached in bfloat16.
+        ["model.kind=llama", "model.n_kv_heads=1", "model.head_dim=16", "model.compute_dtype=bfloat16"],
+    ],
+)
+def test_the_cost_models_cache_is_the_real_caches_size(model: list[str]) -> None:
+    from diloco.bench.generate import cost_model
+    from diloco.config import load_config
+    from islands.models.transformer import init_cache
+
+    cfg = load_config(None, ["data.kind=synthetic", "model.d_model=32", "model.n_heads=4", "model.seq_len=16", *model])
+    batch, prompt_len, new_tokens = 3, 6, 5
+    cache = init_cache(cfg.model, batch, prompt_len + new_tokens - 1)
+    predicted = cost_model(cfg, 1000, batch, prompt_len, new_tokens)["decode_step_cache_bytes"]
+    assert predicted == cache.k.nbytes + cache.v.nbytes

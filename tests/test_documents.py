@@ -144,6 +144,9 @@ def test_without_a_tokenizer_or_with_a_small_vocabulary_is_one_line(tmp_path: Pa
         open_source(cfg, cfg.path, "data.path", 300, 0)
     with pytest.raises(DataError, match=r"has a vocabulary of 300 but model.vocab_size is 256 \(set model.vocab_size"):
         open_source(cfg, cfg.path, "data.path", 256, 0, tokenizer=tokenizer)
+    table = config(tmp_path, "parquet", write_parquet(tmp_path / "a.parquet", ["x"]))
+    with pytest.raises(DataError, match=r"a.parquet'.*has a vocabulary of 300 but model.vocab_size is 256"):
+        open_source(table, table.path, f"data.path {table.path!r}", 256, 0, tokenizer=tokenizer)
     with pytest.raises(DataError, match="data.kind = 'tokens' has it already"):
         DataConfig(kind="tokens", path="x", tokenizer="t.json")
 

@@ -19,6 +19,7 @@ import pytest
 from diloco.config import ConfigError, load_config
 from diloco.ops.export import write_hf
 from diloco.run.warm_start import checkpoint_dir, checkpoint_params
+from floor.files import file_sha256
 from floor.safetensors import SafetensorsFile
 from islands.models.hf.checkpoint import INDEX, Checkpoint, CheckpointError, parse_size, plan_shards
 from islands.models.hf.families import checkpoint_model
@@ -359,10 +360,24 @@ def test_the_shape_check_reports_what_the_model_needs(tmp_path: Path, capsys: py
           "is [8, 32], but the LlamaForCausalLM that config.json describes needs [16, 32]")  # fmt: skip
 
 
-def test_a_corpus_whose_ids_pass_the_checkpoints_vocabulary_is_one_line(
+def tokens_config(tmp_path: Path, tokens: Path) -> Path:
+    """run_config from the llama fixture with data.kind = "tokens" at `tokens`."""
+    config = run_config(tmp_path, FIXTURES / "llama")
+    text = (
+        config.read_text()
+        .replace('kind = "jsonl"', 'kind = "tokens"')
+        .replace(str(tmp_path / "corpus.jsonl"), str(tokens))
+        .replace(f'cache_dir = "{tmp_path / "token-cache"}"', "")
+    )
+    config.write_text(text)
+    return config
+
+
+def test_a_corpus_of_another_tokenizer_than_the_checkpoints_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Tokens prepared with a tokenizer of 401 ids, for a checkpoint of 320: refused before the run directory."""
+    """Tokens prepared with a tokenizer of 401 ids, for a checkpoint of 320 with its own tokenizer: refused before
+    the run directory, naming the tokenizer to prepare them with; prepared with the checkpoint's, they load."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = {f"w{i}": i for i in range(400)} | {"[UNK]": 400}
@@ -372,17 +387,31 @@ def test_a_corpus_whose_ids_pass_the_checkpoints_vocabulary_is_one_line(
     (tmp_path / "text.txt").write_text(" ".join(f"w{i % 400}" for i in range(2000)))
     assert main_ok(["data", "prepare", str(tmp_path / "text.txt"), "--out", str(tmp_path / "tokens"),
                     "--tokenizer", str(tmp_path / "tokenizer.json")])  # fmt: skip
-    config = run_config(tmp_path, FIXTURES / "llama")
-    text = (
-        config.read_text()
-        .replace('kind = "jsonl"', 'kind = "tokens"')
-        .replace(str(tmp_path / "corpus.jsonl"), str(tmp_path / "tokens"))
-        .replace(f'cache_dir = "{tmp_path / "token-cache"}"', "")
-    )
-    config.write_text(text)
+    config = tokens_config(tmp_path, tmp_path / "tokens")
     run_dir = tmp_path / "run"
+    ours = FIXTURES / "llama" / "tokenizer.json"
     fails(capsys, ["simulate", str(config), "--run-dir", str(run_dir), "--no-progress"],
-          "its tokenizer has a vocabulary of 401 but model.vocab_size is 320")  # fmt: skip
+          f"its tokens were made by another tokenizer (401 ids, sha256 {file_sha256(tmp_path / 'tokenizer.json')[:12]}"
+          f"...) than '{ours}' (sha256 {file_sha256(ours)[:12]}...): prepare them with `diloco data prepare "
+          f"--tokenizer {ours}`")  # fmt: skip
+    assert not run_dir.exists()
+    assert main_ok(["data", "prepare", str(tmp_path / "text.txt"), "--out", str(tmp_path / "ours"),
+                    "--tokenizer", str(ours)])  # fmt: skip
+    assert load_config(tokens_config(tmp_path, tmp_path / "ours")).model.vocab_size == 320
+
+
+def test_a_token_file_with_ids_beyond_the_checkpoints_vocabulary_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A token file without meta.json records no tokenizer: its ids are read, and the first beyond the checkpoint's
+    320 and the largest are named with the file."""
+    ids = np.arange(2000, dtype=np.uint16) % 300
+    ids[100], ids[1500] = 330, 400
+    ids.tofile(tmp_path / "corpus.bin")
+    run_dir = tmp_path / "run"
+    fails(capsys, ["simulate", str(tokens_config(tmp_path, tmp_path / "corpus.bin")), "--run-dir", str(run_dir),
+                   "--no-progress"], f"data.path '{tmp_path / 'corpus.bin'}': token id 330 at index 100 is >= "
+                   "model.vocab_size (320); the largest id is 400")  # fmt: skip
     assert not run_dir.exists()
 
 

@@ -1,6 +1,7 @@
 """A run from a Hugging Face checkpoint reads all its text through the checkpoint's tokenizer (islands/text.py
 `tokenizer_file`): its post-training conversations through the checkpoint's chat template, ending at its EOS, and
-`diloco sample`'s prompts of the finished run, from the copy in RUN/hf/ once the checkpoint is gone."""
+`diloco sample`'s prompts of the finished run, from the copy in RUN/hf/ once the checkpoint is gone; a run resumed
+after its checkpoint moved is the same run while the tokenizer's bytes are."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from tokenizers import Tokenizer
 from diloco.cli import main
 from diloco.config import load_config
 from diloco.run.posttrain import PostTraining
+from diloco.run.rundir import read_events
 from islands.text import TokenizerText
 from islands.workloads.batches import chat_row
 from islands.workloads.config import IslandWorkload
-from tests.conftest import run_cli
+from tests.conftest import fails, run_cli
 from tests.test_hf_import import FIXTURES, run_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -116,3 +118,33 @@ def test_launch_from_a_checkpoint_ends_with_simulates_parameters(tmp_path: Path)
         assert summary["rounds"] == 2
         digests.append(summary["params_digest"])
     assert digests[0] == digests[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_resumes_from_its_moved_checkpoint_while_the_tokenizers_bytes_are_the_same(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """data.tokenizer holds the checkpoint's path; resumed with init.from at the checkpoint's new place, the run goes
+    on (the tokenizer compared by content: the run's copy in RUN/hf/ against the new file), and another tokenizer
+    there is refused in one line naming data.tokenizer."""
+    first = tmp_path / "llama"
+    shutil.copytree(LLAMA, first)
+    config = run_config(tmp_path, first)
+    run_dir = tmp_path / "run"
+    assert main(["simulate", str(config), "--run-dir", str(run_dir), "--no-progress"]) == 0
+    moved = tmp_path / "moved"
+    first.rename(moved)
+    resume = ["simulate", str(config), "--run-dir", str(run_dir), "--no-progress", f"init.from={moved}"]
+    assert main([*resume, "train.rounds=2"]) == 0
+    [changed] = read_events(run_dir / "metrics.jsonl", "config_changed")
+    assert changed["changes"]["data.tokenizer"] == [str(first / "tokenizer.json"), str(moved / "tokenizer.json")]
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
+    capsys.readouterr()
+    elsewhere = tmp_path / "elsewhere"  # the same config.json beside another tokenizer
+    shutil.copytree(moved, elsewhere)
+    tokenizer = json.loads((elsewhere / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] = tokenizer["added_tokens"][:-1]
+    (elsewhere / "tokenizer.json").write_text(json.dumps(tokenizer))
+    args = ["simulate", str(config), "--run-dir", str(run_dir), "--no-progress", f"init.from={elsewhere}"]
+    fails(capsys, [*args, "train.rounds=3"], "config differs in: data.tokenizer")

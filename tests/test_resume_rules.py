@@ -55,6 +55,21 @@ def test_changes_carry_old_and_new_values_and_refusals_name_every_key() -> None:
     assert refused.value.keys == ["model.d_model", "run.seed"]
 
 
+def test_a_file_key_changes_with_its_path_only_when_its_bytes_are_the_same() -> None:
+    stored = {"data": {"tokenizer": "/old/ckpt/tokenizer.json"}, "init": {"from": "/old/ckpt"}}
+    resumed = {"data": {"tokenizer": "/new/ckpt/tokenizer.json"}, "init": {"from": "/new/ckpt"}}
+    differing = ["data.tokenizer", "init.from"]
+    assert resume_changes(stored, resumed, differing, same_content={"data.tokenizer"}) == {
+        "data.tokenizer": ["/old/ckpt/tokenizer.json", "/new/ckpt/tokenizer.json"],
+        "init.from": ["/old/ckpt", "/new/ckpt"],
+    }
+    with pytest.raises(ResumeRefused) as refused:  # other bytes (or a file that cannot be read): another run
+        resume_changes(stored, resumed, differing)
+    assert refused.value.keys == ["data.tokenizer"]
+    with pytest.raises(ResumeRefused):  # only the keys that name files are compared by content
+        resume_changes({"data": {"path": "a"}}, {"data": {"path": "b"}}, ["data.path"], same_content={"data.path"})
+
+
 def test_readme_shows_the_table_the_code_holds() -> None:
     text = README.read_text()
     section = text.split("### What a resumed run may change", 1)[1].split("**May not**", 1)[0]

@@ -50,7 +50,7 @@ def test_mixed_workloads_name_each_island_s_kind_and_file() -> None:
         (['workload.islands=["a=sft", "a=dpo"]', "workload.task=addition"], "workload.islands names island a twice"),
         (['workload.islands=["a=sft"]'], "workload.islands entry for a runs 'sft' without examples"),
         (["workload.kind=sft", "workload.task=addition", "model.kind=custom", "model.entry=m:f"],
-         'model.kind must be "transformer" or "moe"'),
+         'model.kind must be "transformer", "moe", "llama" or "llama_moe"'),
         (["workload.kind=sft", "workload.task=addition", "train.vectorize=true"],
          'train.vectorize = true steps every island in one program: every island must run workload.kind = "lm"'),
         (["workload.kind=sft", "workload.task=addition", "data.sampling=chunks"], 'data.sampling = "chunks"'),

@@ -9,12 +9,16 @@ One config's model (θ_0: the speed of a step does not depend on the weights) on
 Runs alternate (train, generate, first token) `repeats` times after a compiling call of each, and the medians are
 reported, with the 1-minute load average before and after (the machine may be shared: compare the ratios).
 
-The cost model beside them (`cost_model`), per token, with N_p parameters, L layers, width D, context S:
-  decode     2 N_p flops (every weight once per token, the tied output projection included) + 4 L S_avg D for the
+The cost model beside them (`cost_model`), per token, with N_p parameters, L layers, context S, Hq query heads and
+Hkv key/value heads of width Dh (model.kv_heads and model.head_size: Hq = Hkv and Hq Dh = d_model for GPT-2; a
+grouped-query Llama-family model has Hkv < Hq, and head_dim may differ from d_model / n_heads):
+  decode     2 N_p flops (every weight once per token, the tied output projection included) + 4 L S Hq Dh for the
              attention over the cached positions (scores and weighted values over the whole fixed buffer S = P + N - 1:
              the loop attends the full buffer, masked); each decode step also reads every weight (4 N_p bytes) and
-             the whole cache (2 L B S D x the compute dtype's bytes), shared by the B rows of the step
-  train      6 N_p flops (forward and backward) + 12 L seq_len D for the attention (4 L T D forward, twice that back)
+             the whole cache, keys and values of Hkv heads (2 L B S Hkv Dh x the compute dtype's bytes:
+             `transformer.init_cache`'s arrays), shared by the B rows of the step
+  train      6 N_p flops (forward and backward) + 12 L seq_len Hq Dh for the attention (4 L T Hq Dh forward, twice
+             that back)
 so if both ran at one flop rate, generation tokens/s / training tokens/s would be train flops / decode flops per token
 (about 3); a decode step of a small batch is bound by its reads and its per-step overhead instead, which the achieved
 flop rates of the two (`achieved_gflops`) show.
@@ -57,14 +61,15 @@ def cost_model(cfg: RunConfig, n_params: int, batch: int, prompt_len: int, new_t
     m = cfg.model
     buffer = prompt_len + new_tokens - 1
     dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
-    decode = 2 * n_params + 4 * m.n_layers * buffer * m.d_model
-    train = 6 * n_params + 12 * m.n_layers * m.seq_len * m.d_model
+    queries = m.n_heads * m.head_size  # the width attention works in (d_model for GPT-2)
+    decode = 2 * n_params + 4 * m.n_layers * buffer * queries
+    train = 6 * n_params + 12 * m.n_layers * m.seq_len * queries
     return {
         "decode_flops_per_token": decode,
         "train_flops_per_token": train,
         "flops_ratio_train_over_decode": round(train / decode, 3),
         "decode_step_weight_bytes": 4 * n_params,
-        "decode_step_cache_bytes": 2 * m.n_layers * batch * buffer * m.d_model * dtype_bytes,
+        "decode_step_cache_bytes": 2 * m.n_layers * batch * buffer * m.kv_heads * m.head_size * dtype_bytes,
     }
 
 

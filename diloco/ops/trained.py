@@ -20,7 +20,7 @@ from diloco.config import InitConfig, IslandsConfig
 from diloco.run.warm_start import WarmStartError, find_source, read_item, stored_section
 from islands.data import DataConfig
 from islands.models.config import ModelConfig
-from islands.models.hf.checkpoint import RUN_FILES
+from islands.models.hf.checkpoint import kept_tokenizer_file
 from islands.models.registry import build_model
 from islands.workloads.config import WorkloadConfig
 from pytrees.digest import tree_digest
@@ -73,13 +73,6 @@ def load_trained(path: Path, where: str = "RUN_DIR") -> Trained:
 def kept_tokenizer(data: DataConfig, init: InitConfig, run_dir: Path) -> DataConfig:
     """The run's [data] with its tokenizer read from RUN/hf/ where it is the one of the init.from checkpoint that the
     run copied there (diloco/config.py `with_checkpoint_model` names the checkpoint's own, or the RUN/hf/ one of the
-    run init.from names, which lies in or above init.from); as stored otherwise."""
-    kept = run_dir / RUN_FILES / "tokenizer.json"
-    if not (data.tokenizer and init.from_ and kept.is_file()):
-        return data
-    tokenizer, source = Path(data.tokenizer).expanduser(), Path(init.from_).expanduser()
-    home = tokenizer.parent.parent  # the run directory whose RUN/hf/ holds it
-    of_a_run = tokenizer.parent.name == RUN_FILES and (source == home or home in source.parents)
-    if tokenizer != source / "tokenizer.json" and not of_a_run:
-        return data
-    return dataclasses.replace(data, tokenizer=str(kept))
+    run init.from names); as stored otherwise."""
+    kept = kept_tokenizer_file(run_dir, data.tokenizer, init.from_)
+    return data if kept is None else dataclasses.replace(data, tokenizer=str(kept))

@@ -10,11 +10,14 @@ with one line naming the keys.
 
 `MAY_CHANGE` is the table; README's copy is checked against it (tests/test_resume_rules.py). A key is matched
 exactly or by its section (`"quorum"` covers every `quorum.*` key). Every key not in the table may not change, so
-a key added later is refused on resume until someone decides otherwise here.
+a key added later is refused on resume until someone decides otherwise here. A key of `SAME_CONTENT` names a file:
+what the run depends on is the file's bytes, not its path, so another path to the same bytes (a checkpoint
+directory moved) is a change like those of the table, and other bytes are refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 MAY_CHANGE: dict[str, str] = {
@@ -45,6 +48,11 @@ MAY_CHANGE: dict[str, str] = {
 }
 
 
+SAME_CONTENT: dict[str, str] = {
+    "data.tokenizer": "the run's tokenizer.json (a checkpoint's, by default): its ids are what the model learned",
+}
+
+
 class ResumeRefused(ValueError):
     """The resumed config changes keys that may not change (their dotted names in `keys`)."""
 
@@ -67,10 +75,13 @@ def lookup(config: dict[str, Any], key: str) -> Any:
     return value
 
 
-def resume_changes(stored: dict[str, Any], resumed: dict[str, Any], differing: list[str]) -> dict[str, list[Any]]:
+def resume_changes(
+    stored: dict[str, Any], resumed: dict[str, Any], differing: list[str], same_content: Collection[str] = ()
+) -> dict[str, list[Any]]:
     """`{key: [old, new]}` for the differing keys of a resumed config, all of which may change; `ResumeRefused`
-    naming those that may not otherwise."""
-    refused = [key for key in differing if not may_change(key)]
+    naming those that may not otherwise. `same_content`: the keys of `SAME_CONTENT` whose files hold the same bytes
+    at their new paths as at their old ones (the caller reads the files)."""
+    refused = [key for key in differing if not may_change(key) and not (key in SAME_CONTENT and key in same_content)]
     if refused:
         raise ResumeRefused(refused)
     return {key: [lookup(stored, key), lookup(resumed, key)] for key in differing}

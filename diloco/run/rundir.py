@@ -27,10 +27,11 @@ from typing import IO, Any
 
 from diloco.config import RunConfig, diff_keys, dump_toml, from_dict, to_dict
 from diloco.ops.tensorboard import open_tensorboard
-from diloco.run.resume_rules import ResumeRefused, resume_changes
+from diloco.run.resume_rules import SAME_CONTENT, ResumeRefused, lookup, resume_changes
 from floor.errors import UserError
-from floor.files import write_atomically
+from floor.files import file_sha256, write_atomically
 from islands.memory import peak_resident
+from islands.models.hf.checkpoint import kept_tokenizer_file
 
 log = logging.getLogger("diloco.run.rundir")
 
@@ -334,7 +335,7 @@ class RunDir:
             self.metrics_path.unlink(missing_ok=True)
             return {}
         try:
-            changes = resume_changes(stored, resumed, differing)
+            changes = resume_changes(stored, resumed, differing, self._same_content(stored, resumed, differing))
         except ResumeRefused as exc:
             raise RunDirError(
                 f"run dir '{self.path}' holds another run (config differs in: {', '.join(exc.keys[:8])}); a resumed "
@@ -343,6 +344,20 @@ class RunDir:
         if changes:
             write_atomically(self.config_path, dump_toml(resumed))
         return changes
+
+    def _same_content(self, stored: dict[str, Any], resumed: dict[str, Any], differing: list[str]) -> set[str]:
+        """The keys of `SAME_CONTENT` among `differing` whose files hold the same bytes under both configs: the stored
+        file read where the run kept it (RUN/hf/ for its checkpoint's tokenizer), else at its stored path."""
+        same = set()
+        for key in SAME_CONTENT.keys() & set(differing):
+            old, new = lookup(stored, key), lookup(resumed, key)
+            if not (isinstance(old, str) and old and isinstance(new, str) and new):
+                continue
+            before = kept_tokenizer_file(self.path, old, lookup(stored, "init.from") or "") or Path(old).expanduser()
+            after = Path(new).expanduser()
+            if before.is_file() and after.is_file() and file_sha256(before) == file_sha256(after):
+                same.add(key)
+        return same
 
     def _never_started(self) -> bool:
         """Nothing here can be resumed: no checkpoint step, no summary and no committed round or sync event."""

@@ -49,12 +49,16 @@ class WorkloadConfig:
     the response's cross-entropy only), "dpo" (preference pairs: DPO's loss against a frozen reference model,
     workload.beta and workload.reference) or "rl" (group-relative policy optimization: the island samples
     workload.group_size answers per prompt from its current parameters, scores them with workload.reward and takes one
-    policy-gradient step on them, with a KL penalty to the reference). Post-training needs a transformer or moe model
-    (its logits), and tokenizes texts as [data] does: UTF-8 bytes, or with data.kind = "tokens" the tokenizer.json
-    `diloco data prepare` wrote beside data.path."""
+    policy-gradient step on them, with a KL penalty to the reference). Post-training needs a model of this project's
+    families (model.kind transformer, moe, llama or llama_moe: their token log-probabilities; not custom), and
+    reads its texts through the run's tokenizer (islands/text.py `tokenizer_file`: data.tokenizer, which a run from a
+    Hugging Face checkpoint fills with the checkpoint's, or the tokenizer.json `diloco data prepare` wrote beside a
+    data.kind = "tokens" corpus), UTF-8 bytes where the run has none."""
     path: str = ""
     """A JSON Lines file of workload.kind's examples (islands/posttrain/data.py: {"prompt", "response"} for sft,
-    {"prompt", "chosen", "rejected"} for dpo, {"prompt", "answer"?} for rl). Its last workload.heldout_examples
+    {"prompt", "chosen", "rejected"} for dpo, {"prompt", "answer"?} for rl; or conversations, {"messages": [...]} for
+    sft, chosen and rejected messages for dpo, prompt messages for rl, rendered through the chat template of the
+    run's tokenizer, an sft loss on the assistant's turns only). Its last workload.heldout_examples
     examples are held out for evaluation; the rest, less any example whose prompt a held-out one has, are dealt to
     the islands, each its own share. Exclusive with workload.task."""
     task: str = ""
@@ -235,7 +239,7 @@ def workload_conflict(
     if model_kind == "custom":
         return (
             f"workload kinds {', '.join(k for k in kinds if k != 'lm')} need the model's token log-probabilities: "
-            'model.kind must be "transformer" or "moe" (a custom model has only its own loss)'
+            'model.kind must be "transformer", "moe", "llama" or "llama_moe" (a custom model has only its own loss)'
         )
     if sampling == "chunks":
         return 'data.sampling = "chunks" leases a corpus\'s sequences: every island must run workload.kind = "lm"'

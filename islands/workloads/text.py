@@ -1,5 +1,6 @@
-"""A run's text for post-training: its token ids as `islands.text` reads them (UTF-8 bytes, or the tokenizer
-`diloco data prepare` wrote beside data.path), and the stop token that ends every answer.
+"""A run's text for post-training: its token ids as `islands.text` reads them (the run's tokenizer, `tokenizer_file`:
+data.tokenizer, a checkpoint's by default, or the one `diloco data prepare` wrote beside a token corpus; else UTF-8
+bytes), and the stop token that ends every answer.
 
 Every answer ends with a stop token, so that a model learns where its answer ends and generation knows where to cut:
 the tokenizer's end-of-sequence id where its tokenizer_config.json names one (a Hugging Face checkpoint's eos_token),

@@ -59,6 +59,22 @@ class CheckpointError(UserError, ValueError):
     """A Hugging Face directory that cannot be read or written as asked: one line naming the file, key or tensor."""
 
 
+def kept_tokenizer_file(run_dir: Path, tokenizer: str, init_from: str) -> Path | None:
+    """RUN/hf/tokenizer.json where `tokenizer` (a run's data.tokenizer) is the tokenizer.json of its init.from
+    checkpoint, which the run copied there when it started (diloco/config.py `with_checkpoint_model` names the
+    checkpoint's own, or the RUN/hf/ one of the run init.from names, which lies in or above init.from): the bytes the
+    run read, wherever the checkpoint has gone since. None otherwise."""
+    kept = run_dir / RUN_FILES / "tokenizer.json"
+    if not (tokenizer and init_from and kept.is_file()):
+        return None
+    named, source = Path(tokenizer).expanduser(), Path(init_from).expanduser()
+    home = named.parent.parent  # the run directory whose RUN/hf/ holds it
+    of_a_run = named.parent.name == RUN_FILES and (source == home or home in source.parents)
+    if named != source / "tokenizer.json" and not of_a_run:
+        return None
+    return kept
+
+
 def is_checkpoint(path: Path) -> bool:
     """Whether `path` is a Hugging Face model directory (a config.json, and no config.toml: a run directory of this
     project is not one)."""
