@@ -786,6 +786,29 @@ def test_a_federation_reads_the_chunks_simulate_reads(
     assert (launched["sequences_consumed"], launched["sequences_repeated"], launched["sequences_lost"]) == (192, 0, 0)
 
 
+def consumed_once(fed, records: list[dict]) -> set[tuple[int, int]]:
+    """The corpus's (chunk, sequence) pairs a federation's records say were consumed, after checking that none was
+    consumed twice or lost and that summary.json counts the same."""
+    got = consumption(records)
+    assert (got.repeated, got.lost) == (0, 0), got
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    assert (summary["sequences_consumed"], summary["sequences_repeated"], summary["sequences_lost"]) == (
+        got.consumed,
+        0,
+        0,
+    )
+    consumed = {
+        (chunk, seq)
+        for e in records
+        if e["event"] == "chunks_consumed"
+        for got_spans in e["spans"].values()
+        for chunk, start, end in got_spans
+        for seq in range(start, end)
+    }
+    assert got.consumed == len(consumed) == sum(e["sequences"] for e in records if e["event"] == "chunks_consumed")
+    return consumed
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -828,23 +851,7 @@ def test_under_churn_every_sequence_is_consumed_once(federation, tmp_path: Path)
 
     records = fed.events()
     assert [r["round"] for r in fed.rounds()] == list(range(rounds))
-    got = consumption(records)
-    assert (got.repeated, got.lost) == (0, 0), got
-    summary = json.loads((fed.run_dir / "summary.json").read_text())
-    assert (summary["sequences_consumed"], summary["sequences_repeated"], summary["sequences_lost"]) == (
-        got.consumed,
-        0,
-        0,
-    )
-    consumed = {
-        (chunk, seq)
-        for e in records
-        if e["event"] == "chunks_consumed"
-        for got_spans in e["spans"].values()
-        for chunk, start, end in got_spans
-        for seq in range(start, end)
-    }
-    assert got.consumed == len(consumed) == sum(e["sequences"] for e in records if e["event"] == "chunks_consumed")
+    consumed = consumed_once(fed, records)
     # What the killed island read for round 1 and never pushed went back and was read again, once.
     killed = next(e for e in fed.events("leased", island="island-1") if e["round"] == 1)["spans"]
     assert all((c, s) in consumed for c, start, end in killed for s in range(start, end)), killed
@@ -881,24 +888,10 @@ def test_streaming_islands_consume_every_sequence_once_through_a_kill(federation
     check_run(fed, rounds, names, tokens=TOKENS // 2, fragments=2)  # every θ the coordinator's, syncs complete
     records = fed.events()
     got = consumption(records)
-    assert (got.repeated, got.lost) == (0, 0), got
+    consumed = consumed_once(fed, records)
     summary = json.loads((fed.run_dir / "summary.json").read_text())
-    assert (summary["sequences_consumed"], summary["sequences_repeated"], summary["sequences_lost"]) == (
-        got.consumed,
-        0,
-        0,
-    )
     (unread,) = [e for e in records if e["event"] == "chunks_unread"]
     assert summary["sequences_unread"] == got.unread == unread["sequences"] > 0
-    consumed = {
-        (chunk, seq)
-        for e in records
-        if e["event"] == "chunks_consumed"
-        for got_spans in e["spans"].values()
-        for chunk, start, end in got_spans
-        for seq in range(start, end)
-    }
-    assert got.consumed == len(consumed) == sum(e["sequences"] for e in records if e["event"] == "chunks_consumed")
     # Each sync consumed what its pushes claimed: a fragment's push claims its own S steps of one island.
     assert all(len(e["spans"]) <= 2 and "fragment" in e for e in records if e["event"] == "chunks_consumed")
     killed = next(e for e in fed.events("leased", island="island-1") if e["round"] == 1)["spans"]
