@@ -109,6 +109,7 @@ def test_each_push_is_one_update_weighted_by_its_staleness(coordinator: Coordina
     assert [(e["round"], e["base"]) for e in pushes] == [(0, 0), (1, 0), (2, 1)]
 
 
+@pytest.mark.slow
 def test_an_island_catches_up_by_pulling_each_update_it_missed(coordinator: Coordinator) -> None:
     digest0 = coordinator.world.params_digest
     push(coordinator, "island-0", 0, digest0, 0.5)

@@ -412,6 +412,7 @@ def test_a_push_dropped_by_the_commit_it_triggers_is_refused_and_its_island_may_
         coord.close()
 
 
+@pytest.mark.slow
 def test_once_the_run_is_done_it_awaits_the_islands_that_took_part_and_did_not_finish(
     tiny_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
