@@ -200,8 +200,9 @@ class Scenario:
         extra = [*_decay(self.cfg, rounds, EXTRA_ROUNDS), "islands.retire_after_s=0"]
         with self._federation(extra, [*held, killed, waiting]) as fed:
             fed.start()
+            resumed = self.cfg.train.rounds  # the first run's joins are in the records too, at earlier rounds
             fed.wait_for(
-                lambda: {self.a, self.b} <= {e["island"] for e in fed.events("island_joined")},
+                lambda: {self.a, self.b} <= {e["island"] for e in fed.events("island_joined") if e["round"] >= resumed},
                 WAIT_S,
                 "both islands to join the lengthened run",
             )
