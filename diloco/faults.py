@@ -10,7 +10,9 @@ Each entry is WHO:POINT:ROUND. WHO is `coordinator` or an island's name; ROUND i
 time the process reaches the point at that round or a later one (an island that restarts may resync past a round).
 The points, each a one-line `at(...)` call in the product code:
 
-  island       before_push    it trained round r and has not taken its Δ yet: nothing of round r has left it
+  island       before_lease   it holds θ_r and is about to lease round r's chunks (data.sampling = "chunks"): it
+                              has read nothing of round r, and the ledger has handed it nothing for it
+               before_push    it trained round r and has not taken its Δ yet: nothing of round r has left it
                after_adopt    it adopted the commit that gives it θ_r (its pull is done, the local θ merged, the
                               save of round r's checkpoint started), before it trains round r
   coordinator  before_commit  round r's pushes are in and it is about to commit them, holding the round's lock:
@@ -43,7 +45,7 @@ from typing import Any
 ENV_AT = "DILOCO_PAUSE_AT"
 ENV_DIR = "DILOCO_PAUSE_DIR"
 COORDINATOR = "coordinator"
-ISLAND_POINTS = ("before_push", "after_adopt")
+ISLAND_POINTS = ("before_lease", "before_push", "after_adopt")
 COORDINATOR_POINTS = ("before_commit", "after_commit")
 POLL_S = 0.01
 """How often a paused thread looks for its release: the test waits on it, nobody else does."""

@@ -48,7 +48,10 @@ def test_spec(spec: str, pauses: tuple[Pause, ...]) -> None:
         ("island-1:before_push", "DILOCO_PAUSE_AT: 'island-1:before_push' is not WHO:POINT:ROUND"),
         ("island-1:before_push:3:4", "'island-1:before_push:3:4' is not WHO:POINT:ROUND"),
         (":before_push:3", "':before_push:3' is not WHO:POINT:ROUND"),
-        ("island-1:before_commit:3", "'island-1:before_commit:3': island-1's points are before_push, after_adopt"),
+        (
+            "island-1:before_commit:3",
+            "'island-1:before_commit:3': island-1's points are before_lease, before_push, after_adopt",
+        ),
         (
             "coordinator:before_push:3",
             "'coordinator:before_push:3': coordinator's points are before_commit, after_commit",

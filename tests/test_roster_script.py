@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from diloco.config import ConfigError, load_config
-from diloco.run.roster_script import RosterEvent, RoundChanges, changes_at, enrolled_at, rounds_changed
+from diloco.run.roster_script import RosterEvent, RoundChanges, changes_at, enrolled_at, leasing_at, rounds_changed
 from tests.conftest import FAST, REPO, TINY_TOML, child_env, fails, write_corpus
 
 pytestmark = pytest.mark.timeout(120)
@@ -86,6 +86,26 @@ def test_each_round_opens_with_the_scripts_changes() -> None:
     assert changes_at(events, 3) == RoundChanges(restarts=("island-0",))
     assert enrolled_at(events, CONFIGURED, 2) == ["island-0", "ap-1", "ap-2"]
     assert rounds_changed(events) == [1, 2, 3]
+    # Leases: the roster as the round opens (leavers included) by enrolment, then who comes back, then who joins.
+    assert leasing_at(events, CONFIGURED, 0) == ["island-0", "island-1"]
+    assert leasing_at(events, CONFIGURED, 1) == ["island-0", "island-1", "ap-1", "ap-2"]
+    assert leasing_at(events, CONFIGURED, 2) == ["island-0", "island-1", "ap-1", "ap-2"]
+    assert leasing_at(events, CONFIGURED, 3) == ["ap-1", "ap-2", "island-0"]
+    rejoin = (RosterEvent(round=1, retire="island-0"), RosterEvent(round=2, join="island-0"))
+    assert leasing_at(rejoin, CONFIGURED, 1) == ["island-0", "island-1"]
+    assert leasing_at(rejoin, CONFIGURED, 2) == ["island-1", "island-0"]
+
+
+def test_a_scripted_launch_under_chunks_orders_every_rounds_leases(tiny_config: Path) -> None:
+    from diloco.harness.roster_driver import held_entries
+
+    events = ['{round=1, join="ap-1"}', '{round=2, kill="island-0"}']
+    windows = held_entries(load_config(tiny_config, ["islands.max=3", script(*events)]))
+    assert windows == [f"{n}:before_push:{r}" for r, names in [(0, CONFIGURED), (1, CONFIGURED),
+                       (2, ["island-0", "island-1", "ap-1"])] for n in names]  # fmt: skip
+    chunks = held_entries(load_config(tiny_config, ["islands.max=3", "data.sampling=chunks", script(*events)]))
+    assert chunks == windows + [f"{n}:before_lease:{r}" for r, names in [(0, CONFIGURED), (1, [*CONFIGURED, "ap-1"]),
+                                (2, [*CONFIGURED, "ap-1"])] for n in names]  # fmt: skip
 
 
 def test_the_cli_refuses_a_bad_script_and_a_scripted_resume(
@@ -101,6 +121,14 @@ def test_the_cli_refuses_a_bad_script_and_a_scripted_resume(
           "simulate replays the script from round 0")  # fmt: skip
     fails(capsys, ["launch", str(tiny_config), "--run-dir", str(tmp_path / "l"), script('{round=1, kill="island-0"}')],
           "set network.operator_secret")  # fmt: skip
+    for written, expected in [
+        ("quorum.min_islands=1", "quorum.min_islands = 1 is set"),
+        ("quorum.max_deadline_s=20", "quorum.max_deadline_s = 20.0 is set"),
+        ("islands.retire_after_s=30", "islands.retire_after_s = 30.0 is set: remove it"),
+    ]:
+        fails(capsys, ["launch", str(tiny_config), "--run-dir", str(tmp_path / "l"), written,
+                       script('{round=1, kill="island-0"}')], expected)  # fmt: skip
+    assert not (tmp_path / "l").exists()
     fails(capsys, ["launch", str(tiny_config), "--run-dir", str(tmp_path / "l"), "network.operator_secret=env:OP",
                    "islands.processes=2", script('{round=1, kill="island-0"}')],
           "with islands.processes = 1")  # fmt: skip
@@ -123,8 +151,9 @@ def test_the_sweeps_scripts_are_valid_for_the_config_they_are_placed_by(tiny_con
 CHURN = ['{round=1, join="ap-1"}', '{round=2, kill="island-0"}', '{round=3, retire="island-1"}']
 """A join, a kill and a retirement: rounds 1 to 4 hold three islands, two (island-0 killed), two (island-0 back,
 island-1 retired) and two."""
-RUN = [*FAST, "train.rounds=5", "islands.max=3", "quorum.lease_s=60",
+RUN = [*(o for o in FAST if "deadline" not in o), "train.rounds=5", "islands.max=3", "quorum.lease_s=60",
        "network.operator_secret=env:DILOCO_TEST_OPERATOR"]  # fmt: skip
+"""A scripted launch runs without round deadlines (launch.SCRIPTED), and refuses any it is given."""
 
 
 def _rounds(run_dir: Path) -> dict[int, list[str]]:
@@ -153,13 +182,16 @@ def test_simulate_under_churn_reads_every_chunk_once(tiny_config: Path, tmp_path
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_launch_of_a_script_ends_with_simulates_digest(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sampling", ["windows", "chunks"])
+def test_launch_of_a_script_ends_with_simulates_digest(tmp_path: Path, sampling: str) -> None:
     """The same script, `simulate` and `launch` side by side: launch admits ap-1 as the operator at round 1, SIGKILLs
     island-0's worker before its push of round 2 (its supervisor restarts it from its checkpoint), retires island-1
-    at round 3; both end with one θ."""
+    at round 3; both end with one θ. Under chunks island-0's chunk, returned by its kill, goes to ap-1 in round 3 and
+    island-1's, returned by its retirement, to island-0 back from its kill (roster_script.leasing_at): both runs
+    record the same leases and consume the same sequences, none twice, none lost."""
     config = tmp_path / "tiny.toml"
     config.write_text(TINY_TOML.format(corpus=write_corpus(tmp_path / "corpus.txt")))
-    args = [*RUN, script(*CHURN), "--no-progress"]
+    args = [*RUN, f"data.sampling={sampling}", script(*CHURN), "--no-progress"]
     cli = [sys.executable, "-m", "diloco.cli"]
     env = {**child_env(jax_cache=True), "DILOCO_TEST_OPERATOR": "the-operators-secret"}
     procs = [
@@ -182,3 +214,14 @@ def test_launch_of_a_script_ends_with_simulates_digest(tmp_path: Path) -> None:
     assert launched["islands_retired"] == simulated["islands_retired"] == 1
     island0 = [json.loads(line) for line in (tmp_path / "launch" / "islands" / "island-0" / "metrics.jsonl").open()]
     assert any(e["event"] == "resumed" and e["round"] == 2 for e in island0), "island-0 did not resume its checkpoint"
+    if sampling == "chunks":
+        assert _leases(tmp_path / "launch") == _leases(tmp_path / "simulate")
+        for key in ("sequences_consumed", "sequences_repeated", "sequences_lost", "sequences_unread"):
+            assert launched[key] == simulated[key], (key, launched[key], simulated[key])
+        assert launched["sequences_repeated"] == launched["sequences_lost"] == 0
+
+
+def _leases(run_dir: Path) -> dict[int, dict[str, list[list[int]]]]:
+    """The chunk spans each island's pushes were credited with, by round (`chunks_consumed` records)."""
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {e["round"]: e["spans"] for e in events if e["event"] == "chunks_consumed"}

@@ -2,22 +2,31 @@
 
 A federation starts with the config's two islands, A and B, and goes through every change of roster the system
 promises to survive (docs/architecture.md, "Elastic federation"), each at a named pause point of one of its
-processes (diloco/faults.py), so the scenario is the same on a fast machine and on a loaded one:
+processes (diloco/faults.py) or once an event it waits for is in the run's records, so the scenario is the same on a
+fast machine and on a loaded one:
 
     round 1   A stops before its push; the operator admits JOINERS[0] (`admit_island`, with the operator's
               credential over gRPC); it starts with its own secret and joins while the round is open
     round 2   the same for JOINERS[1]
-    round 3   B stops before its push and is SIGKILLed there; the round closes without it; B starts again,
-              resumes from its own checkpoint and rejoins while A stops before its push of round 4 (so B is back
-              for round 5 however long its start takes)
     round 5   A stops; once JOINERS[0] has pushed (its push still counts), the operator retires it: its process is
               refused and ends with code 2; round 5 is the one with all four islands
-    round 6   A stops; JOINERS[1] is SIGKILLed for good and stays away: the coordinator retires it after
-              islands.retire_after_s
+    round 6   A stops; JOINERS[1] is SIGKILLed for good and stays away: once the coordinator has retired it after
+              islands.retire_after_s, A goes on
     end       the run ends at train.rounds; it is then lengthened: coordinator, A and B start again on the same
               run directories with train.rounds + EXTRA_ROUNDS and the warmup-stable-decay decay started over the
               extra rounds (a change README's "What a resumed run may change" permits), each holding its first push
-              until both have joined, and run to the new end
+              until both have joined
+    R + 1     (R = train.rounds) B stops before its push and is SIGKILLed there; the round closes without it; B
+              starts again, resumes from its own checkpoint and rejoins while A stops before its push of round
+              R + 2 (so B is back for round R + 3 however long its start takes); the run goes on to its new end
+
+No act waits for a time. A round closes only when every live island has pushed (no deadline: `_check_config` asks
+for quorum.min_deadline_s = inf), so a round held at a pause never closes without
+the island that holds it. The one rule that reads a clock, retirement after islands.retire_after_s, is met by
+JOINERS[1] alone, while A holds round 6 and the scenario waits for the `island_retired` record; no other island is
+absent while the first run goes on (a joiner is not absent before its first join). B's kill and return come in the
+lengthened run, which sets islands.retire_after_s = 0 (a resumed run may: never retired for absence), so a restart
+slowed by a loaded machine is never retired for being slow.
 
 What is checked, from the run's own records (the metrics.jsonl of the coordinator and of every island):
 
@@ -33,7 +42,7 @@ What is checked, from the run's own records (the metrics.jsonl of the coordinato
   same schedule shape: within ELASTIC_TOLERANCE.
 
 Run: ``diloco bench elastic configs/elastic.toml [--run-dir DIR] [key=value ...]``; prints JSON. A process that fails
-or a wait that times out ends the benchmark with a BenchError naming the log directory.
+or a wait that runs past its bound ends the benchmark with a BenchError naming the log directory.
 """
 
 from __future__ import annotations
@@ -55,11 +64,12 @@ from diloco.run.rundir import read_events
 JOINERS = ("sa-east", "af-south")
 """The islands the operator admits while the run goes on (not in the config)."""
 EXTRA_ROUNDS = 4
-"""Rounds added when the run is lengthened on resume; the learning rate decays over them."""
+"""Rounds added when the run is lengthened on resume; the learning rate decays over them. B is killed before its
+push of the second and pushes again by the fourth (the module docstring), so at least 4."""
 ELASTIC_TOLERANCE = 0.02
 """The issue's bound on |L_elastic - L_fixed| / L_fixed, at the same total tokens."""
 WAIT_S = 300.0
-"""How long any one condition of the scenario may take to come true on a slow, loaded machine."""
+"""The bound on any one wait of the scenario: for a run that hangs, never the measure of one that is merely slow."""
 OPERATOR_ENV = "DILOCO_OPERATOR_SECRET"
 
 
@@ -71,6 +81,11 @@ def _check_config(cfg: RunConfig) -> None:
         raise BenchError(f"bench elastic acts up to round 6 and needs train.rounds >= 8 (got {cfg.train.rounds})")
     if cfg.islands.max < 4 or cfg.islands.retire_after_s <= 0:
         raise BenchError("bench elastic needs islands.max >= 4 and islands.retire_after_s > 0 (configs/elastic.toml)")
+    if not math.isinf(cfg.quorum.min_deadline_s):
+        raise BenchError(
+            "bench elastic holds rounds at named points: quorum.min_deadline_s = quorum.max_deadline_s = inf, or a "
+            f"held round closes at its deadline (got {cfg.quorum.min_deadline_s:g}; configs/elastic.toml)"
+        )
     if cfg.inner.schedule != "wsd" or cfg.inner.decay_start_step:
         raise BenchError('bench elastic lengthens the run: inner.schedule = "wsd" with its decay not started')
     if cfg.network.operator_secret != f"env:{OPERATOR_ENV}":
@@ -112,9 +127,10 @@ class Scenario:
         self.acts[f"admit_{name}_s"] = round(time.monotonic() - t0, 2)
 
     def _kill_and_return(self, fed: Federation, pause: str) -> None:
+        """SIGKILL B where it stands at `pause` and start it again; back once the coordinator records its join."""
         fed.paused(pause, WAIT_S)
         t0 = time.monotonic()
-        joins = len(fed.events("island_joined"))  # B's join is the next one (the joiners have joined already)
+        joins = len(fed.events("island_joined"))  # B's join is the next one
         fed.kill(self.b)
         fed.start_island(self.b)
         fed.wait_for(
@@ -142,18 +158,15 @@ class Scenario:
 
     def first_phase(self) -> None:
         """The run to train.rounds, with every change of roster at its round (the module docstring)."""
-        a, b = self.a, self.b
-        pauses = [f"{a}:before_push:1", f"{a}:before_push:2", f"{b}:before_push:3"]
-        pauses += [f"{a}:before_push:5", f"{a}:before_push:6", f"{a}:before_push:4"]
+        a = self.a
+        pauses = [f"{a}:before_push:{r}" for r in (1, 2, 5, 6)]
         with self._federation([], pauses) as fed:
             fed.start()
             for joiner, pause in zip(JOINERS, pauses[:2], strict=True):
                 fed.paused(pause, WAIT_S)
                 self._admit(fed, joiner)
                 fed.release(pause)
-            self._kill_and_return(fed, pauses[2])
-            fed.release(pauses[5])  # B is back: round 4 may close (B takes part from round 5 at the latest)
-            fed.paused(pauses[3], WAIT_S)
+            fed.paused(pauses[2], WAIT_S)
             # Its push of round 5 is in before it is retired (it still counts): round 5 holds all four islands.
             fed.wait_for(
                 lambda: any(e["round"] == 5 and e["island"] == JOINERS[0] for e in fed.events("push")),
@@ -161,30 +174,42 @@ class Scenario:
                 f"{JOINERS[0]}'s push of round 5",
             )
             self._retire(fed, JOINERS[0])
-            fed.release(pauses[3])
-            fed.paused(pauses[4], WAIT_S)
+            fed.release(pauses[2])
+            fed.paused(pauses[3], WAIT_S)
             self._lose(fed, JOINERS[1])
-            fed.release(pauses[4])
+            fed.release(pauses[3])
             for name in JOINERS:
                 fed.others.pop(name)  # ended as the scenario meant: not part of the run's clean end
             fed.wait_done(WAIT_S * 2)
             fed.wait_exit(WAIT_S)
 
+    @property
+    def kill_round(self) -> int:
+        """The round B is SIGKILLed before its push of: the lengthened run's second."""
+        return self.cfg.train.rounds + 1
+
     def lengthen(self) -> dict[str, Any]:
-        """Resume the finished run with EXTRA_ROUNDS more, the decay started over them; its summary."""
-        rounds = self.cfg.train.rounds + EXTRA_ROUNDS
+        """Resume the finished run with EXTRA_ROUNDS more, the decay started over them, B killed and back in them;
+        its summary. islands.retire_after_s = 0 from here on: no island is retired for its absence, however long
+        B's restart takes."""
+        rounds, k = self.cfg.train.rounds + EXTRA_ROUNDS, self.kill_round
         # A round does not wait for an island that has not joined: each holds its first push until both have, or
         # the first one back could close the resumed rounds alone.
         held = [f"{name}:before_push:{self.cfg.train.rounds}" for name in (self.a, self.b)]
-        with self._federation(_decay(self.cfg, rounds, EXTRA_ROUNDS), held) as fed:
+        killed, waiting = f"{self.b}:before_push:{k}", f"{self.a}:before_push:{k + 1}"
+        extra = [*_decay(self.cfg, rounds, EXTRA_ROUNDS), "islands.retire_after_s=0"]
+        with self._federation(extra, [*held, killed, waiting]) as fed:
             fed.start()
+            resumed = self.cfg.train.rounds  # the first run's joins are in the records too, at earlier rounds
             fed.wait_for(
-                lambda: {self.a, self.b} <= {e["island"] for e in fed.events("island_joined")},
+                lambda: {self.a, self.b} <= {e["island"] for e in fed.events("island_joined") if e["round"] >= resumed},
                 WAIT_S,
                 "both islands to join the lengthened run",
             )
             for entry in held:
                 fed.release(entry)
+            self._kill_and_return(fed, killed)
+            fed.release(waiting)  # B is back: round k + 1 may close (B pushes from round k + 2 on)
             summary = fed.wait_done(WAIT_S * 2)
             fed.wait_exit(WAIT_S)
         return summary
@@ -208,7 +233,7 @@ def _digests_checked(run_dir: Path, events: Sequence[dict[str, Any]], islands: S
     return checked
 
 
-def _roster_history(events: Sequence[dict[str, Any]], a: str, b: str) -> dict[str, Any]:
+def _roster_history(events: Sequence[dict[str, Any]], a: str, b: str, kill_round: int) -> dict[str, Any]:
     rounds = [e for e in events if e["event"] == "round"]
     if [r["round"] for r in rounds] != list(range(len(rounds))):
         raise BenchError(f"committed rounds are not 0..N-1 once each: {[r['round'] for r in rounds]}")
@@ -221,7 +246,7 @@ def _roster_history(events: Sequence[dict[str, Any]], a: str, b: str) -> dict[st
         "admitted": admitted,
         "retired": retired,
         "config_changed": changed,
-        "b_back_in_rounds": [r["round"] for r in rounds if r["round"] > 3 and b in r["islands"]],
+        "b_back_in_rounds": [r["round"] for r in rounds if r["round"] > kill_round and b in r["islands"]],
         "a_in_every_round": all(a in r["islands"] for r in rounds),
     }
     problems = []
@@ -283,7 +308,7 @@ def run_elastic_bench(config: str | Path, overrides: Sequence[str], run_dir: Pat
     wall_s = time.monotonic() - t0
     elastic_dir = run_dir / "elastic"
     events = read_events(elastic_dir / "metrics.jsonl")  # the coordinator's records, read once for every check
-    history = _roster_history(events, scenario.a, scenario.b)
+    history = _roster_history(events, scenario.a, scenario.b, scenario.kill_round)
     checked = _digests_checked(elastic_dir, events, [scenario.a, scenario.b, *JOINERS])
     audit = _chunk_audit(events, scenario.cfg)
     fixed = _fixed_roster(config, overrides, run_dir / "fixed", summary["tokens"])

@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from diloco.config import RunConfig, load_config, parse_override, require_federated
+from diloco.config import RunConfig, apply_overrides, load_config, parse_override, require_federated
 from diloco.deploy.tls import OPERATOR_CLIENT, make_local_pki
 from diloco.harness.procs import Federation, FederationError
 from diloco.harness.roster_driver import RosterDriver, held_entries
@@ -89,15 +90,41 @@ def _hidden_variables(cfg: RunConfig) -> set[str]:
     return mine | {var for var in os.environ if var.startswith(SECRET_VAR.format(""))}
 
 
-SCRIPTED = ["quorum.min_islands=1.0", "quorum.min_deadline_s=inf", "quorum.max_deadline_s=inf"]
-"""What a launch of roster.events runs with: each round closes when every live island pushed, as in `simulate`,
-never at a deadline (the script holds a round while a joiner starts; a lost island is still noticed by presence)."""
+SCRIPTED: dict[str, float] = {
+    "quorum.min_islands": 1.0,
+    "quorum.min_deadline_s": math.inf,
+    "quorum.max_deadline_s": math.inf,
+    "islands.retire_after_s": 0.0,
+}
+"""What a launch of roster.events runs with (docs/architecture.md, "Churn by script"): each round closes when every
+live island pushed, as in `simulate`, never at a deadline (the script holds a round at named points while a joiner
+starts; a lost island is still noticed by presence); and no island is retired for its absence (the script does the
+retiring, and a killed island restarting on a loaded machine would otherwise race islands.retire_after_s)."""
+
+
+def scripted_overrides(config: str, overrides: Sequence[str]) -> list[str]:
+    """`SCRIPTED` as overrides, after the user's. A key of it that the config file or an override sets to another
+    value is refused in one line: launch never drops a setting the user wrote."""
+    cfg = load_config(config, overrides)
+    written = apply_overrides(tomllib.loads(Path(config).read_text()), overrides)
+    for key, value in SCRIPTED.items():
+        section, name = key.split(".")
+        if name not in written.get(section, {}):
+            continue
+        given = getattr(getattr(cfg, section), name)
+        if (type(given), given) != (type(value), value):
+            wanted = ", ".join(f"{k} = {v!r}" for k, v in SCRIPTED.items())
+            raise LaunchError(
+                f'roster.events: launch runs a script with {wanted} (docs/architecture.md, "Churn by script"); '
+                f"{key} = {given!r} is set: remove it or set it so"
+            )
+    return [f"{key}={value!r}" for key, value in SCRIPTED.items()]
 
 
 def launch(config: str, overrides: list[str], run_dir: Path, progress: bool = True) -> dict[str, Any]:
     cfg = load_config(config, overrides)
     if cfg.roster.events:
-        overrides = [*overrides, *SCRIPTED]
+        overrides = [*overrides, *scripted_overrides(config, overrides)]
         cfg = load_config(config, overrides)
     require_federated(cfg, "launch")
     check_supported(cfg, cfg.islands.processes)  # a multi-process island's limits: one line before anything starts

@@ -13,8 +13,13 @@ Once every one of them stands there, round r is open and nothing of it has been 
 4. each killee is SIGKILLed where it stands, once its checkpoint of round r is on disk and every steady island has
    pushed: its supervisor's Leave closes round r, and the restarted worker comes back in round r + 1.
 
-Every wait is on a marker or on the coordinator's Status, never on time; `poll` advances the script as far as it can
-and returns, so `launch`'s display loop drives it.
+Under data.sampling = "chunks" the leases are ordered too, in every round: each island stops at `before_lease` of r
+and is let go in `leasing_at`'s order, the next once the one before has logged its lease (`leased`), so the ledger
+hands out returned and fresh chunks as `simulate`'s does. The steady islands, retirees and killees lease before
+step 1, the arriving ones in step 2's order (those back from a kill first, then the joiners, each admitted in turn).
+
+Every wait is on a marker, an island's records or the coordinator's Status, never on time; `poll` advances the
+script as far as it can and returns, so `launch`'s display loop drives it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from diloco.config import RunConfig
 from diloco.deploy.tls import OPERATOR_CLIENT, LocalPki
 from diloco.harness.procs import Federation
 from diloco.ops.roster_ops import admit_island, retire_island
-from diloco.run.roster_script import changes_at, enrolled_at, rounds_changed
+from diloco.run.roster_script import changes_at, enrolled_at, leasing_at, rounds_changed
 from floor.errors import UserError
 from transport import diloco_pb2 as pb
 from transport.auth import call_metadata, resolve_secret
@@ -41,25 +46,40 @@ class RosterScriptError(UserError, RuntimeError):
 
 
 def held_entries(cfg: RunConfig) -> list[str]:
-    """The `before_push` stops (WHO:POINT:ROUND) the script needs, for `Federation(pause_at=...)`."""
-    return [_stop(name, r) for r in _held_rounds(cfg) for name in _held(cfg, r)]
+    """The stops (WHO:POINT:ROUND) the script needs, for `Federation(pause_at=...)`: `before_push` of the held
+    rounds, and under chunks `before_lease` of every round."""
+    pushes = [_stop(name, r) for r in _held_rounds(cfg) for name in _held(cfg, r)]
+    return pushes + [_lease_stop(name, r) for r in _leasing_rounds(cfg) for name in _leasing(cfg, r)]
 
 
 def _held_rounds(cfg: RunConfig) -> list[int]:
     """The rounds the driver holds: those that open with a change, and round 0, which every configured island must
-    have joined before any pushes (the islands start one by one; simulate's first round holds them all)."""
-    return sorted({0, *rounds_changed(cfg.roster.events)})
+    have joined before any pushes (the islands start one by one; simulate's first round holds them all). A kill in
+    the last round comes back in none."""
+    return sorted(r for r in {0, *rounds_changed(cfg.roster.events)} if r < cfg.train.rounds)
+
+
+def _leasing_rounds(cfg: RunConfig) -> list[int]:
+    """The rounds whose leases the driver orders: every one under data.sampling = "chunks", none otherwise."""
+    return list(range(cfg.train.rounds)) if cfg.data.sampling == "chunks" else []
 
 
 def _stop(island: str, round_: int) -> str:
     return f"{island}:before_push:{round_}"
 
 
+def _lease_stop(island: str, round_: int) -> str:
+    return f"{island}:before_lease:{round_}"
+
+
+def _leasing(cfg: RunConfig, round_: int) -> list[str]:
+    return leasing_at(cfg.roster.events, cfg.islands.island_names, round_)
+
+
 def _held(cfg: RunConfig, round_: int) -> list[str]:
     """The islands that stop before their push of `round_`: the steady ones, the retirees and the killees."""
-    changes = changes_at(cfg.roster.events, round_)
-    enrolled = enrolled_at(cfg.roster.events, cfg.islands.island_names, round_)
-    return [n for n in [*enrolled, *changes.retires] if n not in changes.joins and n not in changes.restarts]
+    arriving = changes_at(cfg.roster.events, round_).arriving
+    return [name for name in _leasing(cfg, round_) if name not in arriving]
 
 
 class RosterDriver:
@@ -87,23 +107,29 @@ class RosterDriver:
         next(self._steps, None)
 
     def _script(self) -> Iterator[None]:
-        for r in _held_rounds(self.cfg):
+        for r in sorted({*_held_rounds(self.cfg), *_leasing_rounds(self.cfg)}):
             yield from self._round(r)
 
     def _round(self, r: int) -> Iterator[None]:
-        """Round `r`'s changes, steps 1 to 4 of the module docstring."""
+        """Round `r`'s leases and changes, steps 1 to 4 of the module docstring."""
         changes = changes_at(self.cfg.roster.events, r)
-        held = _held(self.cfg, r)
+        held = _held(self.cfg, r) if r in _held_rounds(self.cfg) else []
+        ordered = r in _leasing_rounds(self.cfg)
+        if ordered:
+            for name in _held(self.cfg, r):
+                yield from self._lease(name, r)
         yield from self._until(lambda: all(self.fed.pauses.reached(_stop(n, r)) for n in held))
         for name in changes.retires:
             retire_island(self.fed.address, self.cfg.run.name, name, "roster.events", self.operator_tls,
                           operator_ref=self.operator_ref)  # fmt: skip
             self.retired.add(name)
             self.fed.release(_stop(name, r))
-        for name in changes.joins:
-            self._admit(name, r)
-        arriving = [*changes.joins, *changes.restarts]
-        yield from self._until(lambda: self._pushed(r, arriving))
+        for name in changes.arriving:
+            if name in changes.joins:
+                self._admit(name, r)
+            if ordered:
+                yield from self._lease(name, r)
+        yield from self._until(lambda: self._pushed(r, list(changes.arriving)))
         steady = [n for n in held if n not in changes.retires and n not in changes.kills]
         for name in steady:
             self.fed.release(_stop(name, r))
@@ -114,6 +140,13 @@ class RosterDriver:
             marker = self.fed.pauses.reached(_stop(name, r))
             assert marker is not None
             os.kill(int(marker["pid"]), signal.SIGKILL)  # the worker, where it stands; its supervisor restarts it
+
+    def _lease(self, name: str, round_: int) -> Iterator[None]:
+        """Let `name` lease round `round_`'s chunks, once it stands at `before_lease`; done once it logged the lease."""
+        stop = _lease_stop(name, round_)
+        yield from self._until(lambda: self.fed.pauses.reached(stop) is not None)
+        self.fed.release(stop)
+        yield from self._until(lambda: any(e["round"] == round_ for e in self.fed.events("leased", island=name)))
 
     @staticmethod
     def _until(condition: Callable[[], bool]) -> Iterator[None]:

@@ -18,11 +18,13 @@ A chunk is read in order, so its *position*, where its reader goes on, is commit
 * `lease(island, n)`: the spans of n sequences the island reads next, from the chunks it holds (lowest id first),
   taking new ones as it needs them: a chunk released by another island first (its remainder), then a fresh one of
   its own *home* (chunk i's home is configured island i mod N, so without churn every process leases the same
-  chunks whatever the timing: a federation equals `simulate` bit for bit), then a fresh one of another home (taken
-  from the back of the fullest), then the next epoch's. Asking again before a push changes nothing. The homes of an
-  epoch are the configured islands when it opened: a run resumed with another roster (islands.names / count) reads
-  the open epoch's remaining fresh chunks by its old homes, so none is handed out twice; an island without a home
-  there reads as a joiner does, and the next epoch opens with the new roster's homes.
+  chunks whatever the timing while every home has a fresh chunk left: a federation equals `simulate` bit for bit),
+  then a fresh one of another home (taken from the back of the fullest; which one, at an epoch's end, depends on who
+  asks first), then the next epoch's. Asking again before a push hands out the same spans, lowest chunk id first
+  (the first answer lists a returned chunk before fresh ones, so the order may differ). The homes of an epoch are
+  the configured islands when it opened: a run resumed with another roster (islands.names / count) reads the open
+  epoch's remaining fresh chunks by its old homes, so none is handed out twice; an island without a home there
+  reads as a joiner does, and the next epoch opens with the new roster's homes.
 * `record(island, sync, spans)` when a push is accepted: each span must be of a chunk leased to that island and
   start exactly at its position (before it: those sequences are consumed or pending already; after it: the ones
   between would be lost) and end within the chunk. All or nothing; `ChunkRefused` says why.

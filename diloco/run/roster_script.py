@@ -70,6 +70,11 @@ class RoundChanges:
     def __bool__(self) -> bool:
         return bool(self.joins or self.retires or self.kills or self.restarts)
 
+    @property
+    def arriving(self) -> tuple[str, ...]:
+        """The islands that come into round r once it is open: those back from a kill at r - 1, then the joiners."""
+        return (*self.restarts, *self.joins)
+
 
 def _ordered(events: Sequence[RosterEvent]) -> list[tuple[int, RosterEvent]]:
     """The events with their index in the script, by round (and by index within a round)."""
@@ -147,6 +152,17 @@ def enrolled_at(events: Sequence[RosterEvent], configured: Sequence[str], round_
         changes = changes_at(events, r)
         enrolled = [n for n in enrolled if n not in changes.retires] + list(changes.joins)
     return enrolled
+
+
+def leasing_at(events: Sequence[RosterEvent], configured: Sequence[str], round_: int) -> list[str]:
+    """The islands that lease round `round_`'s chunks (data.sampling = "chunks"), in the order `simulate` and
+    `launch` both lease them (docs/architecture.md, "Churn by script"): those on the roster as the round opens, its
+    retirees and killees among them, in order of enrolment; then those that arrive (`RoundChanges.arriving`). A
+    valid script. The ledger hands a returned chunk, or a joiner's fresh one, to whoever asks first, so one order of
+    the leases is what makes one digest of a run under churn."""
+    arriving = changes_at(events, round_).arriving
+    opening = enrolled_at(events, configured, round_ - 1)
+    return [name for name in opening if name not in arriving] + list(arriving)
 
 
 def rounds_changed(events: Sequence[RosterEvent]) -> list[int]:

@@ -130,7 +130,7 @@ def _run_diloco(cfg: RunConfig, setup: Setup, rd: RunDir, show_progress: bool) -
         step=world.loop.round * H,
         budget_s=cfg.train.round_seconds,
         vectorize=vectorize,
-        lease=world.chunks.lease if world.chunks is not None else None,
+        lease=roster.lease if world.chunks is not None else None,  # made by `open_round`, in launch's order
     )
     progress = Progress(cfg.train.rounds, f"{cfg.run.name} diloco x{len(names)}", show_progress)
     t_sync = time.monotonic()

@@ -489,6 +489,7 @@ class IslandWorker:
         # With overlap (τ > 0) the round's last push may still be on the wire: the lease reads on after its claim
         # once the ledger holds it, so it waits for the reply (the price of chunks: that push's round trip a round).
         self.sync.await_replies()
+        faults.at(self.name, "before_lease", round_)
         own = {"source": stream.source, "source_sequences": stream.layout.sequences} if stream.source else {}
         req = pb.LeaseRequest(**self.who, round=round_, sequences=steps * stream.batch_size, **own)
         for attempt in range(3):
