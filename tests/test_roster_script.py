@@ -106,6 +106,8 @@ def test_a_scripted_launch_under_chunks_orders_every_rounds_leases(tiny_config: 
     chunks = held_entries(load_config(tiny_config, ["islands.max=3", "data.sampling=chunks", script(*events)]))
     assert chunks == windows + [f"{n}:before_lease:{r}" for r, names in [(0, CONFIGURED), (1, [*CONFIGURED, "ap-1"]),
                                 (2, [*CONFIGURED, "ap-1"])] for n in names]  # fmt: skip
+    # without a script nothing would release a stop: a plain launch holds no island anywhere
+    assert held_entries(load_config(tiny_config, ["data.sampling=chunks"])) == []
 
 
 def test_the_cli_refuses_a_bad_script_and_a_scripted_resume(

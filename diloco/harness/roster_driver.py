@@ -47,7 +47,9 @@ class RosterScriptError(UserError, RuntimeError):
 
 def held_entries(cfg: RunConfig) -> list[str]:
     """The stops (WHO:POINT:ROUND) the script needs, for `Federation(pause_at=...)`: `before_push` of the held
-    rounds, and under chunks `before_lease` of every round."""
+    rounds, and under chunks `before_lease` of every round; none without a script (nothing would release them)."""
+    if not cfg.roster.events:
+        return []
     pushes = [_stop(name, r) for r in _held_rounds(cfg) for name in _held(cfg, r)]
     return pushes + [_lease_stop(name, r) for r in _leasing_rounds(cfg) for name in _leasing(cfg, r)]
 
