@@ -55,6 +55,16 @@ from floor.errors import UserError
 
 GB = 10**9
 
+CHECKPOINT_WRITE = 0.8
+"""The bytes orbax (tensorstore) holds while it writes a checkpoint, per byte of the state it writes: its write
+buffers, beside the state itself (BENCHMARKS.md, "Bigger on one host": 416 MiB for a 512 MiB state of random
+float32; a constant one compresses to nothing and costs none)."""
+
+RUNTIME = 600 * 10**6
+"""The resident bytes of a process that runs a model of negligible size: the interpreter, JAX, XLA and gRPC, the
+run's data and its compiled programs (BENCHMARKS.md, "Bigger on one host": 435 to 614 MiB per process of a launch at
+the smoke size). A launch's plan counts it once per process; `simulate`'s room is measured with it already held."""
+
 
 class OutOfMemoryError(UserError):
     """One step would not fit in the device's (or on CPU the host's) memory: a setting to change, so a user error
@@ -148,11 +158,18 @@ class ProcessPlan:
     pushers: int | None = None
     """The islands whose pushes the coordinator holds at a sync: its own (`islands`) unless given (a federation's
     coordinator holds its islands' pushes and none of their states)."""
+    runtime: int = 0
+    """The process's own runtime (`RUNTIME`), held from its start: counted for each process of a launch, 0 in
+    `simulate` (whose room is measured with it already held)."""
+
+    @property
+    def saved_state(self) -> int:
+        """One island's state as its checkpoint saves it: θ, the inner state and the residual."""
+        return self.params + self.inner_state + (self.params if self.uplink_lossy else 0)
 
     @property
     def island_state(self) -> int:
-        copies = int(self.uplink_lossy) + int(self.global_copy)  # the residual, the copy of the global θ
-        return self.params + self.inner_state + copies * self.params
+        return self.saved_state + (self.params if self.global_copy else 0)  # and the copy of the global θ
 
     @property
     def coordinator_state(self) -> int:
@@ -163,7 +180,7 @@ class ProcessPlan:
     @property
     def held(self) -> int:
         """What the run keeps from its first step to its last."""
-        return self.islands * self.island_state + self.coordinator_state + self.reference
+        return self.runtime + self.islands * self.island_state + self.coordinator_state + self.reference
 
     def phases(self) -> dict[str, int]:
         """The transient bytes of each phase beyond `held`, by name; the phases never overlap."""
@@ -173,6 +190,9 @@ class ProcessPlan:
             extra = self.step.total - self.step.arguments  # the arguments are the state, counted as held
             step = extra * self.step_sharers * (self.islands if self.stepped_together else 1)
         phases = {"a first step": P + self.inner_state + step} if self.islands else {}
+        if self.global_copy:
+            phases.update(self.island_process_phases(step))
+            return phases
         if self.coordinator:
             pushers = self.islands if self.pushers is None else self.pushers
             pushes = pushers * int(P * (1 + self.uplink_ratio))
@@ -187,6 +207,21 @@ class ProcessPlan:
         else:
             phases["a checkpoint"] = self.island_state
         return phases
+
+    def island_process_phases(self, step: int) -> dict[str, int]:
+        """The phases of an island process of a federation beyond its first step (`step`: XLA's temporaries of one
+        step), each beside its held state (module docstring, "an island process"). Its commits come from another
+        process, so its sync is its own push and pull, and its checkpoint is written while it trains on."""
+        P = self.params
+        up, down = int(P * self.uplink_ratio), int(P * self.downlink_ratio)
+        # Δ taken on the host; a lossy codec adds Δ̂ and the new residual beside it and the bytes to send
+        push = P + (2 * P + up if self.uplink_lossy else 0)
+        # the push's bytes (held until the commit comes back), the commit's bytes, û decoded and the new global θ
+        pull = up + down + 2 * P
+        # the state's copy, orbax's buffers while it is written, and the next steps, which run meanwhile
+        copy = self.saved_state
+        checkpoint = copy + int(copy * CHECKPOINT_WRITE) + step
+        return {"a push": push, "a pull": pull, "a checkpoint": checkpoint}
 
     @property
     def peak(self) -> int:

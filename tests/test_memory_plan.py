@@ -17,7 +17,10 @@ from diloco.config import load_config
 from diloco.run.memory_plan import COORDINATOR, check_process, codec_ratio, launch_need, launch_refusal, plan
 from diloco.run.setup import Evaluator, build_setup, make_island
 from floor.codec import CodecSpec
+from islands.island import InnerRun, RoundPush
 from islands.memory import GB, Footprint, OutOfMemoryError, ProcessPlan, Room, host_room
+from pytrees.encode import aligned_copy
+from pytrees.feedback import compress_tree
 from pytrees.naming import to_host
 
 MB = 10**6
@@ -173,3 +176,28 @@ def test_islands_that_do_not_fit_together_are_one_line_before_any_step(
     assert grown < 2 * GB  # no island's state was ever placed
     events = (run_dir / "metrics.jsonl").read_text() if (run_dir / "metrics.jsonl").exists() else ""
     assert '"island_joined"' not in events and '"inner"' not in events
+
+
+def test_an_aligned_host_copy_is_placed_without_another() -> None:
+    """place_tree's copy is 64-byte aligned so that XLA:CPU takes it as its buffer (one θ per placement, not two):
+    the premise checked on this JAX, and the copy is the caller's array's bytes, not the array."""
+    x = np.arange(1 << 16, dtype=np.float32).reshape(256, 256)
+    copy = aligned_copy(x)
+    assert copy.ctypes.data % 64 == 0 and copy.dtype == x.dtype and not np.shares_memory(copy, x)
+    np.testing.assert_array_equal(copy, x)
+    placed = jax.device_put(copy, jax.devices("cpu")[0])
+    assert placed.unsafe_buffer_pointer() == copy.ctypes.data
+    as_f32 = aligned_copy(np.ones(3, np.float16), np.float32)
+    assert as_f32.dtype == np.float32 and as_f32.ctypes.data % 64 == 0
+
+
+def test_a_push_on_the_wire_keeps_its_bytes_and_residual_only() -> None:
+    """An island process never reads the Δ̂ the coordinator decodes: the push it keeps until its commit comes back
+    lets it go (one θ less through the wait, the pull and the checkpoint)."""
+    delta = {"w": np.linspace(-1, 1, 4096, dtype=np.float32)}
+    run = InnerRun(losses=np.ones(1, np.float32), tokens=8, seconds=0.0, first_step=0)
+    push = RoundPush(run, compress_tree(delta, {"w": np.zeros(4096, np.float32)}, CodecSpec(kind="int8")))
+    kept = push.for_the_wire()
+    assert push.sent.decoded is not None and kept.sent.decoded is None
+    assert kept.sent.encoded is push.sent.encoded and kept.sent.residual is push.sent.residual
+    assert kept.for_the_wire() is kept

@@ -22,7 +22,16 @@ from diloco.config import RunConfig
 from diloco.run.setup import Evaluator, Setup, make_island
 from floor.codec import CodecSpec
 from islands.island import Island
-from islands.memory import OutOfMemoryError, ProcessPlan, Room, format_bytes, host_room, process_advice, step_advice
+from islands.memory import (
+    RUNTIME,
+    OutOfMemoryError,
+    ProcessPlan,
+    Room,
+    format_bytes,
+    host_room,
+    process_advice,
+    step_advice,
+)
 from outer_optimizer.optimizers import build_optimizer
 from pytrees.encode import encode
 from pytrees.feedback import is_lossless
@@ -87,8 +96,10 @@ def launch_plans(cfg: RunConfig, setup: Setup) -> dict[str, ProcessPlan]:
     placed: nothing is allocated."""
     names = cfg.islands.island_names
     islands = [make_island(cfg, n, setup.model_of(n), setup.streams[n], check_memory=False) for n in names]
-    plans = {island.name: replace(plan(cfg, setup, [island], None), global_copy=True) for island in islands}
-    plans[COORDINATOR] = plan(cfg, setup, [], Evaluator.of(cfg, setup), pushers=len(islands))
+    plans = {
+        island.name: replace(plan(cfg, setup, [island], None), global_copy=True, runtime=RUNTIME) for island in islands
+    }
+    plans[COORDINATOR] = replace(plan(cfg, setup, [], Evaluator.of(cfg, setup), pushers=len(islands)), runtime=RUNTIME)
     return plans
 
 
