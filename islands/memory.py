@@ -79,9 +79,10 @@ from floor.errors import UserError
 GB = 10**9
 
 CHECKPOINT_WRITE = 0.8
-"""The bytes orbax (tensorstore) holds while it writes a checkpoint, per byte of the state it writes: its write
-buffers, beside the state itself (BENCHMARKS.md, "Bigger on one host": 416 MiB for a 512 MiB state of random
-float32; a constant one compresses to nothing and costs none)."""
+"""The bytes orbax (tensorstore) holds while it writes a checkpoint, per byte of the state it writes, where nothing
+bounds them: its write buffers, beside the state itself (BENCHMARKS.md, "Bigger on one host": 416 MiB for a 512 MiB
+state of 32 arrays of random float32). The checkpoints of this project bound them by a write window
+(`ProcessPlan.write_window`)."""
 
 RUNTIME = 600 * 10**6
 """The resident bytes of a process that runs a model of negligible size: the interpreter, JAX, XLA and gRPC, the
@@ -181,6 +182,9 @@ class ProcessPlan:
     pushers: int | None = None
     """The islands whose pushes the coordinator holds at a sync: its own (`islands`) unless given (a federation's
     coordinator holds its islands' pushes and none of their states)."""
+    write_window: int | None = None
+    """The most bytes orbax writes at once (diloco/run/checkpoint.py, `WRITE_WINDOW` or the largest array): its
+    write buffers stay within it. None: unbounded (`CHECKPOINT_WRITE` of the state)."""
     runtime: int = 0
     """The process's own runtime (`RUNTIME`), held from its start: counted for each process of a launch, 0 in
     `simulate` (whose room is measured with it already held)."""
@@ -241,7 +245,7 @@ class ProcessPlan:
             else:  # a federation's coordinator saves while the commit settles, its rollback still kept
                 state = self.coordinator_state
                 host = P + (P if self.downlink_lossy else 0)  # θ and the residual, host arrays that orbax copies
-                phases["a checkpoint"] = state + pushers * P + host + int(state * CHECKPOINT_WRITE)
+                phases["a checkpoint"] = state + pushers * P + host + self.write_buffers(state)
         else:
             phases["a checkpoint"] = self.island_state
         return phases
@@ -258,8 +262,13 @@ class ProcessPlan:
         pull = up + down + 2 * P
         # the state's copy, orbax's buffers while it is written, and the next steps, which run meanwhile
         copy = self.saved_state
-        checkpoint = copy + int(copy * CHECKPOINT_WRITE) + step
+        checkpoint = copy + self.write_buffers(copy) + step
         return {"a push": push, "a pull": pull, "a checkpoint": checkpoint}
+
+    def write_buffers(self, state: int) -> int:
+        """What orbax holds while it writes a state of `state` bytes, beside it."""
+        unbounded = int(state * CHECKPOINT_WRITE)
+        return unbounded if self.write_window is None else min(unbounded, self.write_window)
 
     @property
     def peak(self) -> int:

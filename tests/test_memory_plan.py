@@ -78,6 +78,12 @@ def _plan(**kw: object) -> ProcessPlan:
             5 * P,
             {"a push": 3.25 * P, "a pull": 2.5 * P, "a checkpoint": 4 * P + 3.2 * P + 2.5 * P},
         ),
+        # orbax's write window bounds its buffers (P / 2 here, below 0.8 of the 4P saved)
+        (
+            {"coordinator": False, "islands": 1, "global_copy": True, "uplink_lossy": True, "write_window": P // 2},
+            5 * P,
+            {"a checkpoint": 4 * P + P / 2 + 2.5 * P},
+        ),
         # a federation's coordinator: no island's state; the last two pushes' receive buffers and the last commit's
         # bytes twice kept between syncs (4P at fp32); at a sync its 2 islands' pushes; it saves beside the state
         # before the commit (2P), the pushes (2P), orbax's copy of θ (P) and its write buffers (0.8 of 2P)

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from diloco.config import RunConfig
+from diloco.run.checkpoint import WRITE_WINDOW
 from diloco.run.setup import Evaluator, Setup, make_island
 from floor.codec import CodecSpec
 from islands.island import Island
@@ -90,16 +91,21 @@ def plan(
     )
 
 
+def launched(process: ProcessPlan, global_copy: bool = False) -> ProcessPlan:
+    """`process` as a process of its own: its runtime, its checkpoints written through orbax's window
+    (diloco/run/checkpoint.py), and for an island its own copy of the global θ (`global_copy`)."""
+    window = max(WRITE_WINDOW, process.largest_leaf)
+    return replace(process, runtime=RUNTIME, write_window=window, global_copy=global_copy)
+
+
 def launch_plans(cfg: RunConfig, setup: Setup) -> dict[str, ProcessPlan]:
     """The cost model of each process `diloco launch` starts, by name: each island's (its island alone) and the
     coordinator's (the global model, and at a sync every island's push). Islands are built to be measured, not
     placed: nothing is allocated."""
     names = cfg.islands.island_names
     islands = [make_island(cfg, n, setup.model_of(n), setup.streams[n], check_memory=False) for n in names]
-    plans = {
-        island.name: replace(plan(cfg, setup, [island], None), global_copy=True, runtime=RUNTIME) for island in islands
-    }
-    plans[COORDINATOR] = replace(plan(cfg, setup, [], Evaluator.of(cfg, setup), pushers=len(islands)), runtime=RUNTIME)
+    plans = {island.name: launched(plan(cfg, setup, [island], None), global_copy=True) for island in islands}
+    plans[COORDINATOR] = launched(plan(cfg, setup, [], Evaluator.of(cfg, setup), pushers=len(islands)))
     return plans
 
 
