@@ -86,8 +86,9 @@ state of 32 arrays of random float32). The checkpoints of this project bound the
 
 RUNTIME = 600 * 10**6
 """The resident bytes of a process that runs a model of negligible size: the interpreter, JAX, XLA and gRPC, the
-run's data and its compiled programs (BENCHMARKS.md, "Bigger on one host": 435 to 614 MiB per process of a launch at
-the smoke size). A launch's plan counts it once per process; `simulate`'s room is measured with it already held."""
+run's data and its compiled programs (BENCHMARKS.md, "Bigger on one host": 581 to 592 MiB an island process, 415 MiB
+the coordinator's, at the smoke size). A launch's plan counts it once per process; `simulate`'s room is measured with
+it already held."""
 
 
 class OutOfMemoryError(UserError):
