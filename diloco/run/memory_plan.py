@@ -99,9 +99,9 @@ def launched(process: ProcessPlan, global_copy: bool = False) -> ProcessPlan:
 
 
 def launch_plans(cfg: RunConfig, setup: Setup) -> dict[str, ProcessPlan]:
-    """The cost model of each process `diloco launch` starts, by name: each island's (its island alone) and the
-    coordinator's (the global model, and at a sync every island's push). Islands are built to be measured, not
-    placed: nothing is allocated."""
+    """The cost model of each process `diloco launch` starts, by name, each with its own runtime (`launched`): each
+    island's (its island alone and its copy of the global θ) and the coordinator's (the global model, and at a sync
+    every island's push). Islands are built to be measured, not placed: nothing is allocated."""
     names = cfg.islands.island_names
     islands = [make_island(cfg, n, setup.model_of(n), setup.streams[n], check_memory=False) for n in names]
     plans = {island.name: launched(plan(cfg, setup, [island], None), global_copy=True) for island in islands}
