@@ -157,6 +157,12 @@ class RoundPush:
     """encode(Δ + e): the bytes to push, the Δ the coordinator will decode, and the residual to keep if it is
     accepted."""
 
+    def for_the_wire(self) -> RoundPush:
+        """The push as an island process keeps it until its commit comes back: its bytes and the residual, without
+        the Δ the coordinator will decode (`simulate`'s coordinator reads that; in an island process it is one more
+        θ held through the wait, the pull and the checkpoint)."""
+        return self if self.sent.decoded is None else replace(self, sent=replace(self.sent, decoded=None))
+
 
 @dataclass(frozen=True)
 class TakenDelta:

@@ -38,9 +38,32 @@ once before any island's state exists (diloco/run/memory_plan.py), in bytes, wit
       a checkpoint  a copy of one owner's state (the largest), written before the next owner's save starts
 
 The islands of a `simulate` train one after another (`train.vectorize` steps them in one program: N steps' worth of
-temporaries at once). What the model leaves out is the runtime itself (the interpreter, JAX and XLA, a few hundred MB
-already held when the room is measured) and the allocator's slack; BENCHMARKS.md ("Memory") has the measured peaks
-against it.
+temporaries at once). What the model of `simulate` leaves out is the runtime itself (the interpreter, JAX and XLA, a
+few hundred MB already held when the room is measured) and the allocator's slack; BENCHMARKS.md ("Memory") has the
+measured peaks against it.
+
+`diloco launch` runs the same terms in separate processes (`launch_plans`, diloco/run/memory_plan.py), and each of
+them holds its own runtime besides (`RUNTIME`: the interpreter, JAX, XLA and gRPC, the run's data, its compiled
+programs). Their syncs and checkpoints are their own, so their phases differ from `simulate`'s:
+
+    an island process   its island (above) and its copy of the global θ (P, what Δ is taken from); at its peak its
+                        first step (above) or one of
+      a push            Δ taken on the host (P); a lossy codec adds Δ̂ and the new residual (2P) and the bytes
+      a pull            the push's bytes (kept until its commit comes back), the commit's bytes, û decoded (P) and
+                        the new global θ (P)
+      a checkpoint      the island's state copied (θ, inner state, residual: the next step donates them), orbax's
+                        write buffers while it is written (`CHECKPOINT_WRITE` of it) and XLA's figure for a step
+                        beyond its arguments: the next steps run while it is written
+    the coordinator's   the global model (above) and, from the first sync on, the receive buffers of the last two
+    process             pushes and the last commit's bytes twice (its own, and the serialized copy its pulls share:
+                        `wire_kept`); at its peak a sync or an evaluation (above, with its N islands' pushes) or
+      a checkpoint      written while the commit settles: the state before the commit and the pushes (kept for a
+                        rollback until the evaluation keeps it), orbax's copies of the host arrays it saves (θ, the
+                        residual) and its write buffers
+
+An island process lets go of what it does not read: θ_0 once it has started from it, the Δ̂ its push's encoding
+made (only `simulate`'s coordinator reads it), a full θ's receive buffer once its global copy has moved on.
+BENCHMARKS.md ("Bigger on one host") has a launch's measured peaks against this model.
 """
 
 from __future__ import annotations
@@ -54,6 +77,18 @@ from typing import Any
 from floor.errors import UserError
 
 GB = 10**9
+
+CHECKPOINT_WRITE = 0.8
+"""The bytes orbax (tensorstore) holds while it writes a checkpoint, per byte of the state it writes, where nothing
+bounds them: its write buffers, beside the state itself (BENCHMARKS.md, "Bigger on one host": 416 MiB for a 512 MiB
+state of 32 arrays of random float32). The checkpoints of this project bound them by a write window
+(`ProcessPlan.write_window`)."""
+
+RUNTIME = 600 * 10**6
+"""The resident bytes of a process that runs a model of negligible size: the interpreter, JAX, XLA and gRPC, the
+run's data and its compiled programs (BENCHMARKS.md, "Bigger on one host": 581 to 592 MiB an island process, 415 MiB
+the coordinator's, at the smoke size). A launch's plan counts it once per process; `simulate`'s room is measured with
+it already held."""
 
 
 class OutOfMemoryError(UserError):
@@ -148,11 +183,21 @@ class ProcessPlan:
     pushers: int | None = None
     """The islands whose pushes the coordinator holds at a sync: its own (`islands`) unless given (a federation's
     coordinator holds its islands' pushes and none of their states)."""
+    write_window: int | None = None
+    """The most bytes orbax writes at once (diloco/run/checkpoint.py, `WRITE_WINDOW` or the largest array): its
+    write buffers stay within it. None: unbounded (`CHECKPOINT_WRITE` of the state)."""
+    runtime: int = 0
+    """The process's own runtime (`RUNTIME`), held from its start: counted for each process of a launch, 0 in
+    `simulate` (whose room is measured with it already held)."""
+
+    @property
+    def saved_state(self) -> int:
+        """One island's state as its checkpoint saves it: θ, the inner state and the residual."""
+        return self.params + self.inner_state + (self.params if self.uplink_lossy else 0)
 
     @property
     def island_state(self) -> int:
-        copies = int(self.uplink_lossy) + int(self.global_copy)  # the residual, the copy of the global θ
-        return self.params + self.inner_state + copies * self.params
+        return self.saved_state + (self.params if self.global_copy else 0)  # and the copy of the global θ
 
     @property
     def coordinator_state(self) -> int:
@@ -161,9 +206,19 @@ class ProcessPlan:
         return self.params + self.outer_state + (self.params if self.downlink_lossy else 0)
 
     @property
+    def wire_kept(self) -> int:
+        """A federation's coordinator's bytes kept from one sync to the next: the receive buffers of its last two
+        pushes (the transport's pool, transport/chunking.py) and the last commit's bytes with the serialized copy its
+        pulls share (diloco/coordinator/commit_window.py). 0 for any other process."""
+        if not self.coordinator or self.pushers is None:
+            return 0
+        return min(self.pushers, 2) * int(self.params * self.uplink_ratio) + 2 * int(self.params * self.downlink_ratio)
+
+    @property
     def held(self) -> int:
         """What the run keeps from its first step to its last."""
-        return self.islands * self.island_state + self.coordinator_state + self.reference
+        state = self.islands * self.island_state + self.coordinator_state + self.reference
+        return self.runtime + state + self.wire_kept
 
     def phases(self) -> dict[str, int]:
         """The transient bytes of each phase beyond `held`, by name; the phases never overlap."""
@@ -173,6 +228,9 @@ class ProcessPlan:
             extra = self.step.total - self.step.arguments  # the arguments are the state, counted as held
             step = extra * self.step_sharers * (self.islands if self.stepped_together else 1)
         phases = {"a first step": P + self.inner_state + step} if self.islands else {}
+        if self.global_copy:
+            phases.update(self.island_process_phases(step))
+            return phases
         if self.coordinator:
             pushers = self.islands if self.pushers is None else self.pushers
             pushes = pushers * int(P * (1 + self.uplink_ratio))
@@ -183,10 +241,35 @@ class ProcessPlan:
             if self.evaluation is not None:
                 new_state = P + self.outer_state + (P if self.downlink_lossy else 0)
                 phases["an evaluation"] = pushes + new_state + self.evaluation.total
-            phases["a checkpoint"] = max(self.island_state if self.islands else 0, self.coordinator_state)
+            if self.pushers is None:
+                phases["a checkpoint"] = max(self.island_state if self.islands else 0, self.coordinator_state)
+            else:  # a federation's coordinator saves while the commit settles, its rollback still kept
+                state = self.coordinator_state
+                host = P + (P if self.downlink_lossy else 0)  # θ and the residual, host arrays that orbax copies
+                phases["a checkpoint"] = state + pushers * P + host + self.write_buffers(state)
         else:
             phases["a checkpoint"] = self.island_state
         return phases
+
+    def island_process_phases(self, step: int) -> dict[str, int]:
+        """The phases of an island process of a federation beyond its first step (`step`: XLA's temporaries of one
+        step), each beside its held state (module docstring, "an island process"). Its commits come from another
+        process, so its sync is its own push and pull, and its checkpoint is written while it trains on."""
+        P = self.params
+        up, down = int(P * self.uplink_ratio), int(P * self.downlink_ratio)
+        # Δ taken on the host; a lossy codec adds Δ̂ and the new residual beside it and the bytes to send
+        push = P + (2 * P + up if self.uplink_lossy else 0)
+        # the push's bytes (held until the commit comes back), the commit's bytes, û decoded and the new global θ
+        pull = up + down + 2 * P
+        # the state's copy, orbax's buffers while it is written, and the next steps, which run meanwhile
+        copy = self.saved_state
+        checkpoint = copy + self.write_buffers(copy) + step
+        return {"a push": push, "a pull": pull, "a checkpoint": checkpoint}
+
+    def write_buffers(self, state: int) -> int:
+        """What orbax holds while it writes a state of `state` bytes, beside it."""
+        unbounded = int(state * CHECKPOINT_WRITE)
+        return unbounded if self.write_window is None else min(unbounded, self.write_window)
 
     @property
     def peak(self) -> int:
@@ -197,9 +280,11 @@ class ProcessPlan:
         phase, extra = max(self.phases().items(), key=lambda kv: kv[1])
         each = "" if self.islands == 1 else " each"
         plural = "s" if self.islands > 1 else ""
-        parts = [f"{self.islands} island{plural} of {format_bytes(self.island_state)}{each}"] if self.islands else []
+        parts = [f"the runtime {format_bytes(self.runtime)}"] if self.runtime else []
+        if self.islands:
+            parts.append(f"{self.islands} island{plural} of {format_bytes(self.island_state)}{each}")
         if self.coordinator:
-            parts.append(f"the coordinator {format_bytes(self.coordinator_state)}")
+            parts.append(f"the coordinator {format_bytes(self.coordinator_state + self.wire_kept)}")
         if self.reference:
             parts.append(f"the reference {format_bytes(self.reference)}")
         return f"{', '.join(parts)} and at the peak {phase} {format_bytes(extra)}"

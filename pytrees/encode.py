@@ -139,15 +139,24 @@ def _enc_sparse(flat: np.ndarray, spec: CodecSpec) -> np.ndarray | None:
     return raw
 
 
+def aligned_copy(x: Any, dtype: Any = None) -> np.ndarray:
+    """A C-contiguous, 64-byte aligned copy of ``x`` (as ``dtype``, default its own): XLA:CPU places such a buffer
+    without copying it again (`jax.device_put` aliases it), where numpy's own large arrays, 16-byte aligned, are
+    copied a second time."""
+    x = np.asarray(x)
+    dtype = x.dtype if dtype is None else np.dtype(dtype)
+    buf = np.empty(x.size * dtype.itemsize + _ALIGN, np.uint8)
+    off = (-buf.ctypes.data) % _ALIGN
+    out = buf[off : off + x.size * dtype.itemsize].view(dtype).reshape(x.shape)
+    np.copyto(out, x, casting="same_kind")
+    return out
+
+
 def _aligned_f32(x: np.ndarray) -> np.ndarray:
     """C-contiguous, 64-byte aligned float32 view or copy of ``x`` (so XLA:CPU can alias it)."""
     if x.dtype == np.float32 and x.flags.c_contiguous and x.ctypes.data % _ALIGN == 0:
         return x
-    buf = np.empty(x.size * 4 + _ALIGN, np.uint8)
-    off = (-buf.ctypes.data) % _ALIGN
-    out = buf[off : off + x.size * 4].view(np.float32).reshape(x.shape)
-    np.copyto(out, x, casting="same_kind")
-    return out
+    return aligned_copy(x, np.float32)
 
 
 @functools.cache

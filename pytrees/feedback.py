@@ -63,7 +63,8 @@ def compress_named(
 class Compressed:
     encoded: list[EncodedTensor]
     decoded: PyTree
-    """The tree the receiver reconstructs from `encoded` (float32 numpy leaves, same structure as the input)."""
+    """The tree the receiver reconstructs from `encoded` (float32 numpy leaves, same structure as the input); None
+    once a sender that never reads it let it go (`islands.island.RoundPush.for_the_wire`)."""
     residual: Residual
     """What this message could not carry, to add to the next one (None for a lossless codec)."""
 

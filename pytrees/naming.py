@@ -48,6 +48,12 @@ def _named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     return out, treedef
 
 
+def shapes_of(tree: Any) -> Any:
+    """``tree`` with each leaf replaced by its shape and dtype (``jax.ShapeDtypeStruct``): a template for
+    :func:`unflatten_named` that holds no values."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
 def to_host(x: Any) -> Any:
     """A leaf as a host numpy array: numpy and scalars as `np.asarray` gives them (no copy), a JAX array copied shard by
     shard into a new array.

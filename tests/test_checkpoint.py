@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from diloco.run import checkpoint
 from diloco.run.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,3 +44,20 @@ def test_a_replacement_interrupted_by_a_kill_leaves_no_half_step(tmp_path: Path)
         assert not half.exists()
     finally:
         reopened.close()
+
+
+def test_an_array_larger_than_the_write_window_widens_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """orbax writes at most the window's bytes at once (its buffers stay within it) and refuses an array larger than
+    the window: the store widens the window to the state's largest array, and the step restores whole."""
+    monkeypatch.setattr(checkpoint, "WRITE_WINDOW", 1000)
+    store = CheckpointStore(tmp_path / "ckpt")
+    try:
+        state = {"big": jnp.arange(1 << 20, dtype=jnp.float32), "small": jnp.ones(3)}  # 4 MiB > 1000 + 1 MiB
+        store.save(0, state, {"round": 0})
+        store.wait()
+        restored, meta = store.restore(0, {k: jnp.zeros_like(v) for k, v in state.items()})
+        assert meta == {"round": 0}
+        for name, array in state.items():
+            np.testing.assert_array_equal(restored[name], array)
+    finally:
+        store.close()

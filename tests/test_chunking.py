@@ -412,3 +412,22 @@ def test_large_buffers_are_maps_whose_unwritten_pages_cost_nothing():
     assert isinstance(_fresh(LAZY_MIN_BYTES), mmap.mmap)
     assert isinstance(_fresh(LAZY_MIN_BYTES - 1), bytearray)
     assert len(_fresh(0)) == 0
+
+
+@pytest.mark.parametrize(("kind", "pooled"), [("update", True), ("full", False)])
+def test_a_full_pull_leaves_no_buffer_in_the_pool(kind: str, pooled: bool) -> None:
+    """An update's buffer is kept for the next round's update; a full θ (pulled once, at a join or a resync) is not:
+    kept, it would stay idle beside the island's state for the process's life."""
+    from transport import diloco_pb2 as pb
+    from transport.chunking import BACKGROUND_MIN_BYTES, RECEIVE_BUFFERS
+    from transport.client_core import receive_pull
+    from transport.config import TransportConfig
+    from transport.handler import KIND_TO_PB
+    from transport.service import _pull_chunks
+
+    tensors = tensors_of([BACKGROUND_MIN_BYTES // 4 + 1])
+    header = pb.PullHeader(payload=build_header(tensors, 1 << 20), kind=KIND_TO_PB[kind], param_digest=b"\0" * 16)
+    payload = receive_pull(_pull_chunks(header, tensors, 1 << 20), TransportConfig())
+    assert bytes(payload.tensors[0].payload) == tensors[0].payload
+    buffer = memoryview(payload.tensors[0].payload).obj
+    assert any(b is buffer for b in RECEIVE_BUFFERS._buffers) == pooled

@@ -302,7 +302,8 @@ def test_a_union_downlink_sends_every_islands_kept_values():
         loop = OuterLoop.fresh({"w": jnp.zeros(8192)}, tx, CodecSpec("sparse", 1024, density=density, sparse_bits=bits))
         for i, delta in enumerate(sent):
             loop.submit(f"i{i}", 0, {"w": jnp.asarray(delta)}, tokens=1)
-        return -np.asarray(loop.commit().update["w"])  # the outer step is -lr * mean
+        loop.commit()
+        return -np.asarray(loop.params["w"])  # θ_1 = 0 + û, and the outer step is -lr * mean
 
     assert np.count_nonzero(downlink(1 / 64, 2)) == 8 * 16  # k of each chunk: most of the union stays behind
     got, nz = downlink(4 / 64, 8), union != 0

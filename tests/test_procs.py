@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.harness.procs import devices_env
+from diloco.config import load_config
+from diloco.harness.procs import MALLOC_ARENAS, child_env, devices_env
+from tests.conftest import REPO
 
 
 @pytest.mark.parametrize(
@@ -27,3 +29,13 @@ from diloco.harness.procs import devices_env
 )
 def test_a_child_keeps_the_users_xla_flags_with_the_runs_device_count(given: str, devices: int, want: str) -> None:
     assert devices_env(devices, given) == {"XLA_FLAGS": want}
+
+
+def test_a_child_has_bounded_malloc_arenas_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each launched process gets MALLOC_ARENA_MAX=2 (glibc's per-thread arenas kept a commit's worth of memory each
+    time another gRPC thread ran the coordinator's commit); a value the user set is kept."""
+    cfg = load_config(REPO / "configs" / "smollm2-135m.toml", [])
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    assert child_env(cfg, {})["MALLOC_ARENA_MAX"] == MALLOC_ARENAS == "2"
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert child_env(cfg, {})["MALLOC_ARENA_MAX"] == "8"

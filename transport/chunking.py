@@ -415,6 +415,11 @@ class ByteBudget:
 RECEIVE_BUFFERS = BufferPool()
 """The process's default pool of reassembly buffers."""
 
+ONE_OFF_BUFFERS = BufferPool(keep=0)
+"""Reassembly buffers of payloads that come once, not round after round (a full θ pulled at a join or a resync):
+each goes with the last array over it. Kept in `RECEIVE_BUFFERS`, an island's full θ would stay there idle for the
+process's life once its global copy moved on: the updates that follow are too small to reuse it."""
+
 
 def check_header(
     header: pb.PayloadHeader, max_payload_bytes: int, max_tensors: int, known_codecs: frozenset[str]

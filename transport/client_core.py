@@ -33,7 +33,14 @@ import tenacity
 from floor.codec import EncodedTensor
 from transport import diloco_pb2 as pb
 from transport.auth import call_metadata
-from transport.chunking import Reassembler, build_header, check_header, iter_trailed_views
+from transport.chunking import (
+    ONE_OFF_BUFFERS,
+    RECEIVE_BUFFERS,
+    Reassembler,
+    build_header,
+    check_header,
+    iter_trailed_views,
+)
 from transport.config import TransportConfig
 from transport.errors import Rejected, TransportError
 from transport.handler import PB_TO_KIND, PullPayload
@@ -210,9 +217,10 @@ def receive_pull(
         raise Rejected(grpc.StatusCode.DATA_LOSS, "pull stream without a header")
     header = first.header
     check_header(header.payload, config.max_payload_bytes, config.max_tensors, known_codecs())
-    buf = Reassembler(header.payload, config.max_payload_bytes, config.max_tensors, known_codecs())
     if header.kind not in PB_TO_KIND:
         raise Rejected(grpc.StatusCode.DATA_LOSS, f"unknown pull kind {header.kind}")
+    pool = ONE_OFF_BUFFERS if PB_TO_KIND[header.kind] == "full" else RECEIVE_BUFFERS
+    buf = Reassembler(header.payload, config.max_payload_bytes, config.max_tensors, known_codecs(), pool)
     chunk: pb.PullChunk | None = first
     try:
         while chunk is not None:

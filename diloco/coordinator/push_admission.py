@@ -263,7 +263,9 @@ class PushAdmission:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"island {meta.island}'s pseudo-gradient for round {meta.round} was dropped: {self.dropped[content]}",
             )
-        delta = {name: np.array(arrays[name], np.float32) for name in sorted(arrays)}
+        # The decoded arrays themselves (read-only; nothing here writes to them), not a copy: the commit runs inside
+        # the last push, where a copy would hold that push's Δ twice.
+        delta = {name: np.asarray(arrays[name], np.float32) for name in sorted(arrays)}
         tokens = min(int(meta.tokens), self.max_tokens)
         return Admitted((meta.island, meta.round, meta.fragment), placement, delta, tokens, content)
 

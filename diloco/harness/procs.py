@@ -82,10 +82,20 @@ def devices_env(devices: int, xla_flags: str | None = None) -> dict[str, str]:
     return {"XLA_FLAGS": " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])}
 
 
+MALLOC_ARENAS = "2"
+"""glibc's malloc arenas in each child (MALLOC_ARENA_MAX) unless the environment sets them. By default every thread
+that allocates may get an arena of its own (up to 8 per core), and what one frees is not reused by another: the
+coordinator's commit, which runs on whichever gRPC thread took the round's last push, left its resident memory a
+commit higher each time a new thread ran it. With 2 arenas a 10-layer launch's coordinator peaked at 4,783 MiB, not
+5,777, and its islands at 3,880-4,034, not 4,089-4,226 (BENCHMARKS.md, "Bigger on one host")."""
+
+
 def child_env(cfg: RunConfig, extra: Mapping[str, str]) -> dict[str, str]:
-    """This process's environment, islands.devices CPU devices, CPU JAX unless chosen otherwise, then `extra`."""
+    """This process's environment, islands.devices CPU devices, CPU JAX unless chosen otherwise, glibc's arenas
+    bounded (`MALLOC_ARENAS`) unless chosen otherwise, then `extra`."""
     env = {**os.environ, **devices_env(cfg.islands.devices)}
     env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
     env.update(extra)
     return env
 

@@ -40,6 +40,12 @@ metadata, the JSON and a state whose arrays grow (a residual appearing), so a sa
 SPACE_SLACK = 1 << 20
 """Bytes every save needs beyond its arrays (orbax's metadata files, the manifest, the JSON)."""
 
+WRITE_WINDOW = 256 * 10**6
+"""The bytes orbax may be writing at once (its `save_concurrent_gb`), raised to the state's largest array where that
+is larger (orbax refuses an array larger than its window). With orbax's default (96 GB: the whole state at once) its
+write buffers held about 0.8 of a state made of many arrays of a few MB, beside the state and, in an island, the copy
+of it saved while the island trains on (BENCHMARKS.md, "Bigger on one host")."""
+
 _STORES: weakref.WeakSet[CheckpointStore] = weakref.WeakSet()
 """Every open store of this process: their saves in flight count against the free space of the next one."""
 
@@ -66,11 +72,30 @@ class CheckpointStore:
         """What the save in flight (if any) will have written, reserved against the free space, and its step."""
         for leftover in self.directory.glob(f"{_TRASH}*"):  # a replaced step whose removal a kill interrupted
             shutil.rmtree(leftover, ignore_errors=True)
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
-        )
+        self._max_to_keep = max_to_keep
+        self._window = WRITE_WINDOW
+        self._manager = self._open(self._window)
         _STORES.add(self)
+
+    def _open(self, window: int) -> ocp.CheckpointManager:
+        """orbax's manager of this directory, writing at most `window` bytes at once (`WRITE_WINDOW`; a MiB more,
+        as orbax takes the window in GB, a float, and refuses an array of exactly its bytes)."""
+        return ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=self._max_to_keep, create=True),
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(save_concurrent_gb=(window + (1 << 20)) / 10**9),  # type: ignore[arg-type]
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
+
+    def _fit_window(self, state: PyTree) -> None:
+        """Widen the write window to the state's largest array (once the saves in flight are done)."""
+        window = max(WRITE_WINDOW, max((state_nbytes(leaf) for leaf in jax.tree.leaves(state)), default=0))
+        if window > self._window:
+            self.wait()
+            self._manager.close()
+            self._window, self._manager = window, self._open(window)
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -86,6 +111,7 @@ class CheckpointStore:
         if step in self._manager.all_steps():
             self.wait()
             self._discard(step)
+        self._fit_window(state)
         need = int(state_nbytes(state) * SPACE_MARGIN) + SPACE_SLACK
         self._check_space(step, need)
         self._pending_bytes, self._pending_step = need, step

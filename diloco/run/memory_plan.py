@@ -19,10 +19,20 @@ import jax
 import numpy as np
 
 from diloco.config import RunConfig
+from diloco.run.checkpoint import WRITE_WINDOW
 from diloco.run.setup import Evaluator, Setup, make_island
 from floor.codec import CodecSpec
 from islands.island import Island
-from islands.memory import OutOfMemoryError, ProcessPlan, Room, format_bytes, host_room, process_advice, step_advice
+from islands.memory import (
+    RUNTIME,
+    OutOfMemoryError,
+    ProcessPlan,
+    Room,
+    format_bytes,
+    host_room,
+    process_advice,
+    step_advice,
+)
 from outer_optimizer.optimizers import build_optimizer
 from pytrees.encode import encode
 from pytrees.feedback import is_lossless
@@ -81,14 +91,21 @@ def plan(
     )
 
 
+def launched(process: ProcessPlan, global_copy: bool = False) -> ProcessPlan:
+    """`process` as a process of its own: its runtime, its checkpoints written through orbax's window
+    (diloco/run/checkpoint.py), and for an island its own copy of the global θ (`global_copy`)."""
+    window = max(WRITE_WINDOW, process.largest_leaf)
+    return replace(process, runtime=RUNTIME, write_window=window, global_copy=global_copy)
+
+
 def launch_plans(cfg: RunConfig, setup: Setup) -> dict[str, ProcessPlan]:
-    """The cost model of each process `diloco launch` starts, by name: each island's (its island alone) and the
-    coordinator's (the global model, and at a sync every island's push). Islands are built to be measured, not
-    placed: nothing is allocated."""
+    """The cost model of each process `diloco launch` starts, by name, each with its own runtime (`launched`): each
+    island's (its island alone and its copy of the global θ) and the coordinator's (the global model, and at a sync
+    every island's push). Islands are built to be measured, not placed: nothing is allocated."""
     names = cfg.islands.island_names
     islands = [make_island(cfg, n, setup.model_of(n), setup.streams[n], check_memory=False) for n in names]
-    plans = {island.name: replace(plan(cfg, setup, [island], None), global_copy=True) for island in islands}
-    plans[COORDINATOR] = plan(cfg, setup, [], Evaluator.of(cfg, setup), pushers=len(islands))
+    plans = {island.name: launched(plan(cfg, setup, [island], None), global_copy=True) for island in islands}
+    plans[COORDINATOR] = launched(plan(cfg, setup, [], Evaluator.of(cfg, setup), pushers=len(islands)))
     return plans
 
 

@@ -64,10 +64,10 @@ class Commit:
     """The round that was closed (θ_{round+1} is now global), or whose fragment was."""
     fragment: int
     """Which fragment was committed (0 without streaming)."""
-    update: dict[str, np.ndarray]
-    """û: the decoded update that was committed and is sent (the fragment's leaves, name -> array)."""
     encoded: list[EncodedTensor]
-    """û as it travels on the downlink."""
+    """û, the update that was committed, as it travels on the downlink (the fragment's leaves). Its decoded arrays are
+    not kept: the coordinator keeps its last commits for their pulls, and a float32 û beside them would be one more θ
+    held for the run's life."""
     islands: tuple[str, ...]
     tokens: int
     digest: str
@@ -267,7 +267,6 @@ class OuterLoop:
         return Commit(
             round=s.round,
             fragment=p,
-            update=sent.decoded,
             encoded=sent.encoded,
             islands=tuple(names),
             tokens=sum(c.tokens for c in contributions),

@@ -317,7 +317,7 @@ class LeaderIsland:
 
     def encode_delta(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
         self.channel.send("encode_delta", reference)
-        self._last_push = self.island.encode_delta(run, reference)
+        self._last_push = self.island.encode_delta(run, reference).for_the_wire()
         return self._last_push
 
     def keep_residual(self, push: RoundPush) -> None:
@@ -381,7 +381,7 @@ def follow(island: Island, like: PyTree, store: CheckpointStore | None, channel:
                 last_run = island.train(int(cmd.args["n"]))
             elif cmd.op == "encode_delta":
                 run = last_run or InnerRun(np.zeros(0, np.float32), 0, 0.0, 0)
-                last_push = island.encode_delta(run, cmd.arrays)
+                last_push = island.encode_delta(run, cmd.arrays).for_the_wire()
             elif cmd.op == "keep_residual":
                 assert last_push is not None
                 island.keep_residual(last_push)

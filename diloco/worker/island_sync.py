@@ -171,8 +171,9 @@ class IslandSync:
         return reply
 
     def encode(self, taken: TakenDelta) -> Future[RoundPush]:
-        """Δ encoded on the wire thread, after the syncs before it (the training thread goes on meanwhile)."""
-        return self.wire.submit(taken.encode)
+        """Δ encoded on the wire thread, after the syncs before it (the training thread goes on meanwhile), kept as
+        it goes on the wire (`RoundPush.for_the_wire`)."""
+        return self.wire.submit(lambda: taken.encode().for_the_wire())
 
     def submit(self, sync: int, meta: pb.PushMeta, pending: Future[RoundPush]) -> Future[Synced | None]:
         """Sync `sync`: its push to its fragment's lane once encoded, the wait for its commit to its pull lane; the

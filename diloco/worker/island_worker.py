@@ -67,7 +67,7 @@ from islands.backend import initialize_backend
 from islands.chunks import ChunkStream, Span
 from islands.island import DivergedError, InnerRun, Island, RoundPush
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
-from pytrees.naming import flatten_named
+from pytrees.naming import PyTree, flatten_named, shapes_of
 from transport import diloco_pb2 as pb
 from transport.auth import TlsConfig, call_metadata, is_island_name
 from transport.client import IslandClient
@@ -123,7 +123,11 @@ class IslandWorker:
         rd.observers.append(self.metrics.on_event)
         self.give_up_s = cfg.network.coordinator_wait_s
         setup = build_setup(cfg, islands=[name])
-        self.like = setup.init_params
+        self.initial: PyTree = setup.init_params
+        """θ_0, which the island starts from (`restore`) and then lets go: the first pull brings the global θ, and a
+        host copy of θ_0 kept for the process's life would be one more θ that its memory plan does not count."""
+        self.like = shapes_of(setup.init_params)
+        """θ's structure, shapes and dtypes: what a pulled θ is rebuilt into."""
         # A multi-process island's mesh is every device of its processes (jax.distributed's global devices).
         n_devices = len(jax.devices()) if group.multiple else min(cfg.islands.devices, len(jax.local_devices()))
         if n_devices < cfg.islands.devices:
@@ -221,8 +225,9 @@ class IslandWorker:
         """Resume from this island's own checkpoint if it has one; returns its round (-1: none)."""
         saved = self.checkpoints.latest()
         # Afresh, init.inner_state starts the inner optimizer from the source's (θ_0 comes by the first full pull).
-        inner = None if saved is not None else initial_inner_state(self.cfg, self.island, self.like, self.rd)
-        self.island.start(self.like, inner)
+        inner = None if saved is not None else initial_inner_state(self.cfg, self.island, self.initial, self.rd)
+        self.island.start(self.initial, inner)
+        self.initial = None
         if saved is None:
             return -1
         state, meta = self.checkpoints.restore(saved)
@@ -338,7 +343,7 @@ class IslandWorker:
         (diloco/worker/island_group.py)."""
         if self.P == 1:
             done: Future[RoundPush] = Future()
-            done.set_result(self.island.encode_delta(run, reference))
+            done.set_result(self.island.encode_delta(run, reference).for_the_wire())
             return done
         return self.sync.encode(self.island.take_delta(run, reference))
 
@@ -404,7 +409,7 @@ class IslandWorker:
             self.metrics.trained(run)
             steps_ended = time.perf_counter()
             self.rd.log_inner(self.round, self.name, run.first_step, run.losses, self.cfg.train.log_every, run.figures)
-            push = self.island.encode_delta(run, flatten_named(self.copy.params))
+            push = self.island.encode_delta(run, flatten_named(self.copy.params)).for_the_wire()
             meta = self._push_meta(self.round, 0, run, cycle_from)
             cycle_from = time.perf_counter()
             t0 = time.perf_counter()
