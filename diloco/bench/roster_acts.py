@@ -26,14 +26,21 @@ RETIRED_LINE = "not on this run's roster"
 
 
 def admit_and_start(
-    fed: Federation, name: str, kits: Path, timeout_s: float, args: Sequence[str] = (), pushed: bool = False
+    fed: Federation,
+    name: str,
+    kits: Path,
+    timeout_s: float,
+    args: Sequence[str] = (),
+    pushed: bool = False,
+    poll_s: float = 0.05,
 ) -> None:
     """The operator admits `name` (its kit in `kits`) and starts it with its secret and `args` (more of its command
-    line: `data.own_path=...`); returns once the coordinator logged its join, or with `pushed` its first push."""
+    line: `data.own_path=...`); returns once the coordinator logged its join, or with `pushed` its first push (the
+    coordinator's records read every `poll_s`)."""
     kit = admit_island(fed.address, fed.cfg.run.name, name, f"env:{OPERATOR_ENV}", kits, None)
     fed.start_island(name, args=["--secret", kit["secret"], *args])
     event, what = ("push", "pushed") if pushed else ("island_joined", "joined")
-    fed.wait_for(lambda: any(e["island"] == name for e in fed.events(event)), timeout_s, f"{name} {what}")
+    fed.wait_for(lambda: any(e["island"] == name for e in fed.events(event)), timeout_s, f"{name} {what}", poll_s)
 
 
 def retire_and_wait(fed: Federation, name: str, reason: str, timeout_s: float) -> None:
