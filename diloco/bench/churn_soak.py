@@ -20,9 +20,12 @@ the cycle acts at them:
    two files in turn, so a later joiner reads on where an earlier one of the same tokens stopped); the benchmark
    waits for its first push (the coordinator's `push` event). X stands at `before_push` of b + 1 meanwhile, so
    round b + 1 is open until the joiner has pushed into it or an earlier round;
-2. retire: the operator retires the joiner; its process is refused and ends with exit code 2 and one line;
-3. island kill: X is SIGKILLed where it stands and started again with the same command line; once it has pushed
-   again (into b + 1 or b + 2), the other islands of R, standing at `before_push` of b + 2, are let go;
+2. island kill: X is SIGKILLed where it stands and started again with the same command line; the benchmark waits
+   for its next push;
+3. retire: once the coordinator has checkpointed the round the joiner pushed into (its `checkpoint` event: the
+   joiner's work is the run's for good, whatever the coordinator kill below undoes), the operator retires it; its
+   process is refused and ends with exit code 2 and one line. The other islands of R, standing at `before_push` of
+   b + 2, are then let go;
 4. coordinator kill: the coordinator stops at `before_commit` of b + 2 (even cycles) or at `after_commit` (odd
    ones: a commit served and not yet saved, the window the islands roll back from); its RSS (VmRSS) and the run
    dir's size are sampled there, and it is SIGKILLed. In odd cycles and the last one the restart changes the
@@ -283,24 +286,32 @@ class ChurnSoak:
     def _pushed(self, name: str, from_round: int) -> bool:
         return any(e["island"] == name and e["round"] >= from_round for e in self.fed.events("push"))
 
+    def _saved(self, round_: int) -> bool:
+        """Whether the coordinator's checkpoint holds round `round_`'s commit (its `checkpoint` event follows the
+        save's end)."""
+        return any(e["round"] >= round_ for e in self.fed.events("checkpoint"))
+
     def cycle(self, c: Cycle, last: bool) -> None:
         """Cycle `c`'s four acts (the module docstring), each at its stop or on an event it waits for."""
         fed, t0 = self.fed, time.monotonic()
         acts: dict[str, Any] = {"cycle": c.index, "victim": c.victim, "joiner": c.joiner}
-        # 1-2: a joiner admitted, with its own source in even cycles, then retired once it has pushed.
+        # 1: a joiner admitted, with its own source in even cycles; it pushes (the victim holds round b + 1 open).
         own = self.own_sources[(c.index // 2) % len(self.own_sources)] if c.index % 2 == 0 else None
         self.watch.follow(c.joiner)
         args = [f"data.own_path={own}"] if own else []
         admit_and_start(fed, c.joiner, self.kits, WAIT_S, args, pushed=True, poll_s=POLL_S)
+        joiner_round = min(e["round"] for e in fed.events("push") if e["island"] == c.joiner)
         acts["own_source"] = own.name if own else None
-        retire_and_wait(fed, c.joiner, "churn soak", WAIT_S)
-        self.watch.observe(fed)
-        # 3: the victim SIGKILLed where it stands, started again; the steady islands let go once it pushed again.
+        # 2: the victim SIGKILLed where it stands and started again with the same command line.
         marker = fed.paused(c.victim_stop, WAIT_S)
         fed.kill(c.victim)
         fed.start_island(c.victim)
         self._wait(lambda: self._pushed(c.victim, marker["round"]), f"{c.victim} to push again after its kill")
         acts["victim_killed_at_round"] = marker["round"]
+        # 3: the joiner retired once the round it pushed into is checkpointed (its work is part of the run for good).
+        self._wait(lambda: self._saved(joiner_round), f"the checkpoint of round {joiner_round}")
+        retire_and_wait(fed, c.joiner, "churn soak", WAIT_S)
+        acts["joiner_pushed_in_round"] = joiner_round
         for entry in c.steady_stops():
             fed.paused(entry, WAIT_S)
             fed.release(entry)
