@@ -430,7 +430,9 @@ def run_churn_soak_bench(plan: ChurnPlan, run_dir: Path, overrides: Sequence[str
     stops = [entry for k in range(plan.most_cycles) for entry in Cycle(k).stops()]
     os.environ[OPERATOR_ENV] = secrets.token_hex(32)  # the operator's calls and the coordinator resolve it
     cycles = 0
-    with _federation(config, overrides, run_dir / "run", pause_at=stops, jax_cache=run_dir / "jax-cache") as fed:
+    # Restarted processes load their compiled steps from a cache: the user's, or one of the run's own.
+    jax_cache = None if os.environ.get("JAX_COMPILATION_CACHE_DIR") else run_dir / "jax-cache"
+    with _federation(config, overrides, run_dir / "run", pause_at=stops, jax_cache=jax_cache) as fed:
         soak = ChurnSoak(fed, own_sources, run_dir / "kits", overrides)
         fed.start()
         while True:
