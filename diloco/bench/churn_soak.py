@@ -8,8 +8,8 @@ the soak's digest check (`DigestWatch`), `bench elastic`'s operator acts and chu
 and the harness's named points (diloco/faults.py).
 
 The run (`churn_config_text`): a small byte transformer, `data.sampling = "chunks"` over a corpus file, int8 codecs
-both ways, configured islands us-east, eu-west and ap-south (ap-south dropped from and restored to islands.names on
-alternate roster changes), `quorum.min_islands = 1.0` and no deadline: a round closes once every live island has
+both ways, configured islands us-east and eu-west, and ap-south, which joins and leaves islands.names on alternate
+roster changes, `quorum.min_islands = 1.0` and no deadline: a round closes once every live island has
 pushed, so an island held at a named point holds its round and nothing happens "about then". Cycle k spans
 ROUNDS_PER_CYCLE rounds from b = k · ROUNDS_PER_CYCLE; its configured roster R and victim X (R's islands in turn)
 follow from k, so every process is started with every stop of every cycle (DILOCO_PAUSE_AT, WHO:POINT:ROUND+) and
@@ -30,8 +30,9 @@ the cycle acts at them:
    ones: a commit served and not yet saved, the window the islands roll back from); its RSS (VmRSS) and the run
    dir's size are sampled there, and it is SIGKILLed. In odd cycles and the last one the restart changes the
    config: every island is stopped (SIGTERM: it saves its checkpoint and exits 0), then the coordinator and the
-   islands of the new roster start with it (ap-south dropped or restored; the last cycle also sets train.rounds =
-   b + ROUNDS_PER_CYCLE + 1, which ends the run two rounds on). In even cycles the coordinator restarts with its
+   islands of the new roster start with it: ap-south added or dropped; the last cycle brings every configured
+   island back and sets train.rounds = b + ROUNDS_PER_CYCLE + 1, which ends the run two rounds on, each island
+   holding its push of the last round until all have joined. In even cycles the coordinator restarts with its
    command line and the islands find it again.
 
 `--cycles N` runs N cycles; `--minutes M` runs cycles until M minutes have passed (the cycle under way then is the
@@ -71,6 +72,7 @@ from diloco.bench.federation import _federation
 from diloco.bench.load import Sample
 from diloco.bench.roster_acts import OPERATOR_ENV, admit_and_start, chunk_audit, retire_and_wait
 from diloco.bench.soak import DigestWatch
+from diloco.faults import ENV_AT
 from diloco.harness.procs import COORDINATOR, Federation
 from diloco.run.chunk_ledger import CONSUMPTION_KEYS
 
@@ -131,8 +133,8 @@ warmup_steps = 5
 schedule = "wsd"
 
 [islands]
-count = {len(CONFIGURED)}
-names = {list(CONFIGURED)}
+count = {len(roster(0))}
+names = {list(roster(0))}
 max = {len(CONFIGURED) + 1}
 
 [codec]
@@ -162,8 +164,14 @@ backoff_max_s = 1.0
 
 
 def roster(cycle: int) -> tuple[str, ...]:
-    """The configured islands during `cycle`: the roster changes at the coordinator restart of every odd cycle."""
-    return CONFIGURED if (cycle // 2) % 2 == 0 else CONFIGURED[:-1]
+    """The configured islands during `cycle`: the last one joins the roster at the coordinator restart of cycle 1,
+    leaves it at cycle 3's, and so on; the run's last restart always brings the whole roster back (`FINAL_ROSTER`)."""
+    return CONFIGURED[:-1] if (cycle // 2) % 2 == 0 else CONFIGURED
+
+
+FINAL_ROSTER = CONFIGURED
+"""The roster of the run's last rounds: every configured island, so that each one that ever ran is checked at the end
+(one that holds a commit the last coordinator kill undid takes the coordinator's θ in its place)."""
 
 
 def roster_changes(cycle: int, last: bool) -> bool:
@@ -345,19 +353,34 @@ class ChurnSoak:
             POLL_S,
             coordinator_needed=False,
         )
-        names = roster(c.index + 1)
+        names = FINAL_ROSTER if last else roster(c.index + 1)
         changed = [*self.overrides, f"islands.names={list(names)}", f"islands.count={len(names)}"]
+        env = {}
         if last:
             changed.append(f"train.rounds={c.base + ROUNDS_PER_CYCLE + 1}")
+            env = {ENV_AT: ",".join([fed.env[ENV_AT], *self.final_stops(c)])}
         fed.reconfigure(changed)
         fed.start_coordinator()
         for name in names:
             self.watch.follow(name)
-            fed.start_island(name)
+            fed.start_island(name, env=env)
 
-    def finish(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-        """The run to its end: summary.json, and every process's exit code and last line once all have ended."""
+    @staticmethod
+    def final_stops(c: Cycle) -> list[str]:
+        """Where every island of the last rounds stops (before its push of the last round: an entry of that round
+        alone, so no earlier stop's marker passes it) until all have joined: a round waits for no island that has not
+        joined, and one that starts late would find the run over."""
+        return [f"{name}:before_push:{c.base + ROUNDS_PER_CYCLE}" for name in FINAL_ROSTER]
+
+    def finish(self, last: Cycle) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """The run to its end (its last round held until every island of it stands before its push): summary.json,
+        and every process's exit code and last line once all have ended."""
         fed = self.fed
+        stops = self.final_stops(last)
+        for entry in stops:
+            fed.paused(entry, WAIT_S)
+        for entry in stops:
+            fed.release(entry)
         summary = fed.wait_done(WAIT_S * 2)
         procs = fed.processes()
         fed.wait_for(
@@ -441,7 +464,7 @@ def run_churn_soak_bench(plan: ChurnPlan, run_dir: Path, overrides: Sequence[str
             cycles += 1
             if last:
                 break
-        summary, exits = soak.finish()
+        summary, exits = soak.finish(Cycle(cycles - 1))
         digests = soak.watch.final(fed, fed.cfg.train.rounds)
         events = fed.events()
     audit = chunk_audit(events)
