@@ -18,10 +18,11 @@ the cycle acts at them:
 1. admit: the operator admits `join-k` (its kit in RUN_DIR/kits, its secret's digest sent with the operator's
    credential), which starts with its secret and, in even cycles, a data source of its own (`data.own_path`, one of
    two files in turn, so a later joiner reads on where an earlier one of the same tokens stopped); the benchmark
-   waits for its first push (the coordinator's `push` event). X stands at `before_push` of b + 1 meanwhile, so
-   round b + 1 is open until the joiner has pushed into it or an earlier round;
-2. island kill: X is SIGKILLed where it stands and started again with the same command line; the benchmark waits
-   for its next push;
+   waits for its first push (the coordinator's `push` event). Every island of R stands at `before_push` of b + 1
+   meanwhile (however late it rejoined after the last restart: a round waits for no island that joined during it),
+   so round b + 1 is open until the joiner has pushed into it or an earlier round;
+2. island kill: X is SIGKILLed where it stands and started again with the same command line; the others are let
+   go (round b + 1 closes) and the benchmark waits for X's next push;
 3. retire: once the coordinator has checkpointed the round the joiner pushed into (its `checkpoint` event: the
    joiner's work is the run's for good, whatever the coordinator kill below undoes), the operator retires it; its
    process is refused and ends with exit code 2 and one line. The other islands of R, standing at `before_push` of
@@ -207,8 +208,11 @@ class Cycle:
     def victim_stop(self) -> str:
         return f"{self.victim}:before_push:{self.base + 1}+"
 
-    def steady_stops(self) -> list[str]:
-        return [f"{name}:before_push:{self.base + 2}+" for name in self.steady]
+    def steady_stops(self, round_offset: int) -> list[str]:
+        """Where the islands other than the victim stop: before their push of round b + 1 (with the victim's stop,
+        the round stays open for the joiner however late each rejoined after the last restart), then of b + 2
+        (open for the victim back)."""
+        return [f"{name}:before_push:{self.base + round_offset}+" for name in self.steady]
 
     @property
     def coordinator_stop(self) -> str:
@@ -216,7 +220,7 @@ class Cycle:
         return f"{COORDINATOR}:{point}:{self.base + 2}+"
 
     def stops(self) -> list[str]:
-        return [self.victim_stop, *self.steady_stops(), self.coordinator_stop]
+        return [self.victim_stop, *self.steady_stops(1), *self.steady_stops(2), self.coordinator_stop]
 
 
 # -- measurements ------------------------------------------------------------------------------------------------
@@ -310,17 +314,22 @@ class ChurnSoak:
         admit_and_start(fed, c.joiner, self.kits, WAIT_S, args, pushed=True, poll_s=POLL_S)
         joiner_round = min(e["round"] for e in fed.events("push") if e["island"] == c.joiner)
         acts["own_source"] = own.name if own else None
-        # 2: the victim SIGKILLed where it stands and started again with the same command line.
+        # 2: the victim SIGKILLed where it stands and started again with the same command line; round b + 1 closes
+        # once the others, standing before their push of it, are let go.
         marker = fed.paused(c.victim_stop, WAIT_S)
+        for entry in c.steady_stops(1):
+            fed.paused(entry, WAIT_S)
         fed.kill(c.victim)
         fed.start_island(c.victim)
+        for entry in c.steady_stops(1):
+            fed.release(entry)
         self._wait(lambda: self._pushed(c.victim, marker["round"]), f"{c.victim} to push again after its kill")
         acts["victim_killed_at_round"] = marker["round"]
         # 3: the joiner retired once the round it pushed into is checkpointed (its work is part of the run for good).
         self._wait(lambda: self._saved(joiner_round), f"the checkpoint of round {joiner_round}")
         retire_and_wait(fed, c.joiner, "churn soak", WAIT_S)
         acts["joiner_pushed_in_round"] = joiner_round
-        for entry in c.steady_stops():
+        for entry in c.steady_stops(2):
             fed.paused(entry, WAIT_S)
             fed.release(entry)
         # 4: the coordinator sampled and SIGKILLed at its stop, and restarted (with another config in odd cycles).
