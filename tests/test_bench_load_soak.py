@@ -170,7 +170,9 @@ def test_churn_cycles_stop_where_they_act() -> None:
     for c in cycles:
         names = roster(c.index)
         assert c.victim in names and set(c.steady) == set(names) - {c.victim}
-        assert len(c.stops()) == 2 * len(names)  # each island before its push of b + 1, the steady ones of b + 2 too, the coordinator
+        assert len(c.stops()) == 2 * len(
+            names
+        )  # each island before its push of b + 1, the steady ones of b + 2 too, the coordinator
         (victim_round,) = {int(e.split(":")[2].rstrip("+")) for e in c.stops() if e.startswith(f"{c.victim}:")}
         assert victim_round < int(c.coordinator_stop.split(":")[2].rstrip("+"))
     assert [len(roster(k)) for k in range(6)] == [2, 2, 3, 3, 2, 2]
