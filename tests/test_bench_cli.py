@@ -29,6 +29,8 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], args: list[str], *fragme
 
 def test_bad_bench_argument_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     _one_line_error(capsys, ["bench", "codec", "--size-mb", "0"], "--size-mb must be positive")
+    _one_line_error(capsys, ["bench", "churn-soak", "--cycles", "1"], "--cycles must be >= 2")
+    _one_line_error(capsys, ["bench", "churn-soak", "--minutes", "0"], "--minutes must be > 0")
 
 
 def test_federation_failure_is_one_line(

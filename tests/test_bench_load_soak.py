@@ -1,5 +1,6 @@
-"""`diloco bench load` and `diloco bench soak`: small real runs that assert what the benchmarks claim, and the two
-pieces of their logic that decide a verdict (the kill plan, the digest rule across a coordinator restart).
+"""`diloco bench load`, `diloco bench soak` and `diloco bench churn-soak`: small real runs that assert what the
+benchmarks claim, and the pieces of their logic that decide a verdict (the kill plans, the digest rule across a
+coordinator restart, the churn soak's cycles).
 
 The real runs start a real coordinator (and, for the soak, real islands) and check the properties, never
 timings: every planned round committed, bytes counted alike on both sides, every digest equal, every process
@@ -13,9 +14,11 @@ from typing import Any
 
 import pytest
 
+from diloco.bench.churn_soak import CONFIGURED, ChurnPlan, Cycle, bounded, roster, run_churn_soak_bench
 from diloco.bench.errors import BenchError
 from diloco.bench.load import run_load_bench
 from diloco.bench.soak import TAIL_ROUNDS, DigestWatch, SoakPlan, run_soak_bench
+from diloco.faults import COORDINATOR_POINTS, parse
 
 
 @pytest.mark.slow
@@ -71,6 +74,11 @@ def test_kill_plan_is_seeded_and_spread() -> None:
     rounds = [k.at_round for k in kills]
     assert rounds == sorted(rounds) and len(set(rounds)) == 12
     assert 1 <= rounds[0] and rounds[-1] <= plan.rounds - TAIL_ROUNDS - 1
+    # every kill lands at a named point, never at a time: the coordinator's at one of its points, an island's before
+    # its push, each a DILOCO_PAUSE_AT entry of its own
+    assert all(k.point in COORDINATOR_POINTS if k.coordinator else k.point == "before_push" for k in kills)
+    entries = [k.entry(("a", "b", "c", "d")) for k in kills]
+    assert len(set(entries)) == 12 and len(parse(",".join(entries))) == 12
     with pytest.raises(BenchError, match="no room"):
         SoakPlan(rounds=8, island_kills=5, coordinator_kills=1)
 
@@ -127,3 +135,52 @@ def test_digests_compare_with_the_last_commit_of_a_round() -> None:
     assert rolled["digest_mismatches"] == 0 and rolled["rolled_back_syncs"] == 1, rolled
     files.resumed = [{"round": 2}]  # a coordinator that resumed at round 2 cannot have served a lost θ_2
     assert watch.final(files, rounds=3)["digest_mismatches"] == 1
+
+
+@pytest.mark.bench  # ~2 minutes of process starts: outside README's test command, run with `pytest -m bench`
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_churn_soak_smoke(tmp_path: Path, shared_jax_cache: Path) -> None:
+    """Two cycles: a joiner with its own source, then one on the corpus, each admitted, pushing and retired; an
+    island and the coordinator SIGKILLed at their stops in each; the second restart adds ap-south and ends the run."""
+    out = run_churn_soak_bench(ChurnPlan(cycles=2), tmp_path / "churn")
+    assert out["cycles"] == 2 and out["islands_admitted"] == 2 and out["islands_retired"] == 2, out["cycle_log"]
+    assert out["coordinator_resumes"] >= 2 and [c["s"] for c in out["cycle_log"]]
+    assert out["config_changes"][-1]["islands.names"] == [list(CONFIGURED[:-1]), list(CONFIGURED)], out[
+        "config_changes"
+    ]
+    chunks = out["chunks"]
+    assert len(chunks["by_source"]) == 2 and all(s["sequences_consumed"] > 0 for s in chunks["by_source"].values())
+    assert out["exactly_once"], (chunks, out["summary_sequences"])
+    assert out["digests_ok"] and out["digests"]["synced_checked"] > 0, out["digests"]
+    assert out["exits_explained"], out["exits"]
+    assert {out["exits"][f"join-{k}"]["rc"] for k in (0, 1)} == {2}, out["exits"]
+    assert len(out["coordinator_rss_mib"]) == 2 and out["rss"]["within_bound"], out["rss"]
+    assert out["disk"]["within_bound"], out["state_kib"]
+    assert out["passed"]
+
+
+def test_churn_cycles_stop_where_they_act() -> None:
+    """Each cycle's stops are its own (no entry fires in another cycle), name only islands of its roster, and put
+    the island kill before the coordinator's; the roster changes every other restart."""
+    cycles = [Cycle(k) for k in range(8)]
+    entries = [e for c in cycles for e in c.stops()]
+    assert len(set(entries)) == len(entries) and len(parse(",".join(entries))) == len(entries)
+    for c in cycles:
+        names = roster(c.index)
+        assert c.victim in names and set(c.steady) == set(names) - {c.victim}
+        assert len(c.stops()) == 2 * len(
+            names
+        )  # each island before its push of b + 1, the steady ones of b + 2 too, the coordinator
+        (victim_round,) = {int(e.split(":")[2].rstrip("+")) for e in c.stops() if e.startswith(f"{c.victim}:")}
+        assert victim_round < int(c.coordinator_stop.split(":")[2].rstrip("+"))
+    assert [len(roster(k)) for k in range(6)] == [2, 2, 3, 3, 2, 2]
+    assert {c.coordinator_stop.split(":")[1] for c in cycles} == set(COORDINATOR_POINTS)
+    assert len({c.victim for c in cycles}) == len(CONFIGURED)  # every configured island is killed in turn
+    with pytest.raises(BenchError, match="one of --cycles"):
+        ChurnPlan()
+    with pytest.raises(BenchError, match="--cycles must be >= 2"):
+        ChurnPlan(cycles=1)
+    assert bounded([300.0, 100.0, 105.0, 104.0], 1, 1.10)["within_bound"]
+    assert not bounded([100.0, 100.0, 111.0], 1, 1.10)["within_bound"]

@@ -37,6 +37,7 @@ HELP = {
     "heterogeneous": "one island 2x slower: plain vs time-budgeted vs async DiLoCo on one virtual time axis",
     "elastic": "islands admitted, killed and back, retired, lost, then the run lengthened: digests, exactly-once, loss",
     "churn": "islands admitted, joined and retired against one coordinator: RSS, roster.json and Status, bounded",
+    "churn-soak": "cycles of admit, retire, kills, resume with another roster: exactly-once, digests, exits, RSS, disk",
     "roster-sweep": "simulate under roster scripts (a join, a retirement, a kill, all three): final eval loss each",
     "simulator": "simulate's islands stepped in turn vs as one program (train.vectorize): wall time, speedup, max |Δ|",
     "generate": "KV-cache generation vs the training step of one model: tokens/s, first-token time, per-token decode",
@@ -188,6 +189,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     churn.add_argument("--cycles", type=int, default=1000, help="admit, join, retire cycles (default 1000)")
     churn.add_argument("--warm-up", type=int, default=100, help="cycles before the figures compared (default 100)")
     _add_soak(parsers["soak"])
+    _add_churn_soak(parsers["churn-soak"])
     _add_heterogeneous(parsers["heterogeneous"])
     _with_config(parsers["roster-sweep"])
     sim = parsers["simulator"]
@@ -269,6 +271,15 @@ def _add_soak(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator-kills", type=int, default=2, help="coordinator SIGKILLs, each restarted")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill plan (times, victims, restart delays)")
     p.add_argument("--no-fault-free", action="store_true", help="skip the fault-free run and the loss comparison")
+
+
+def _add_churn_soak(p: argparse.ArgumentParser) -> None:
+    _with_own_config(p)
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--cycles", type=int, default=None, help="cycles to run (default 3 without --minutes)")
+    length.add_argument("--minutes", type=float, default=None, help="run cycles until this many minutes have passed")
+    p.add_argument("--warm-up", type=int, default=1, help="cycles before RSS and disk are compared (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the run and of its corpus")
 
 
 HETEROGENEOUS_CONFIG = "configs/convergence.toml"
@@ -369,6 +380,14 @@ def _churn(args: argparse.Namespace) -> Result:
     from diloco.bench.churn import run_churn_bench
 
     return run_churn_bench(args.config, args.overrides, _run_dir(args), args.cycles, args.warm_up)
+
+
+def _churn_soak(args: argparse.Namespace) -> Result:
+    from diloco.bench.churn_soak import ChurnPlan, run_churn_soak_bench
+
+    cycles = 3 if args.cycles is None and args.minutes is None else args.cycles
+    plan = ChurnPlan(cycles=cycles, minutes=args.minutes, warm_up=args.warm_up, seed=args.seed)
+    return run_churn_soak_bench(plan, _run_dir(args), args.overrides)
 
 
 def _soak(args: argparse.Namespace) -> Result:
@@ -520,6 +539,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "load": _load,
     "soak": _soak,
     "churn": _churn,
+    "churn-soak": _churn_soak,
     "streaming": _streaming,
     "sync": _sync,
     "colocation": _colocation,

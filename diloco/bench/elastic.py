@@ -56,9 +56,9 @@ from pathlib import Path
 from typing import Any
 
 from diloco.bench.errors import BenchError
+from diloco.bench.roster_acts import OPERATOR_ENV, admit_and_start, chunk_audit, retire_and_wait
 from diloco.config import RunConfig, load_config
 from diloco.harness.procs import Federation, FederationError
-from diloco.ops.roster_ops import admit_island, retire_island
 from diloco.run.rundir import read_events
 
 JOINERS = ("sa-east", "af-south")
@@ -70,7 +70,6 @@ ELASTIC_TOLERANCE = 0.02
 """The issue's bound on |L_elastic - L_fixed| / L_fixed, at the same total tokens."""
 WAIT_S = 300.0
 """The bound on any one wait of the scenario: for a run that hangs, never the measure of one that is merely slow."""
-OPERATOR_ENV = "DILOCO_OPERATOR_SECRET"
 
 
 def _check_config(cfg: RunConfig) -> None:
@@ -121,9 +120,7 @@ class Scenario:
 
     def _admit(self, fed: Federation, name: str) -> None:
         t0 = time.monotonic()
-        kit = admit_island(fed.address, fed.cfg.run.name, name, f"env:{OPERATOR_ENV}", self.kits, None)
-        fed.start_island(name, args=["--secret", kit["secret"]])
-        fed.wait_for(lambda: any(e["island"] == name for e in fed.events("island_joined")), WAIT_S, f"{name} joined")
+        admit_and_start(fed, name, self.kits, WAIT_S)
         self.acts[f"admit_{name}_s"] = round(time.monotonic() - t0, 2)
 
     def _kill_and_return(self, fed: Federation, pause: str) -> None:
@@ -140,12 +137,7 @@ class Scenario:
 
     def _retire(self, fed: Federation, name: str) -> None:
         t0 = time.monotonic()
-        fed.killed.add(name)  # its refused process ends with code 2, as it should: no failure of the federation
-        retire_island(fed.address, fed.cfg.run.name, name, "region closed", None, f"env:{OPERATOR_ENV}")
-        proc = fed.others[name]
-        fed.wait_for(lambda: proc.poll() is not None, WAIT_S, f"{name} to stop once retired")
-        if proc.returncode != 2 or "not on this run's roster" not in fed.last_line(name):
-            raise BenchError(f"retired {name} ended with code {proc.returncode}: {fed.last_line(name)}")
+        retire_and_wait(fed, name, "region closed", WAIT_S)
         self.acts["retire_s"] = round(time.monotonic() - t0, 2)
 
     def _lose(self, fed: Federation, name: str) -> None:
@@ -263,25 +255,6 @@ def _roster_history(events: Sequence[dict[str, Any]], a: str, b: str, kill_round
     return history
 
 
-def _chunk_audit(events: Sequence[dict[str, Any]], cfg: RunConfig) -> dict[str, Any] | None:
-    """Exactly-once over the committed rounds, from the coordinator's `chunks_layout` and `chunks_consumed` records
-    (None without chunked sampling): consumed, repeated, lost, and the passes over the corpus read whole."""
-    if cfg.data.sampling != "chunks":
-        return None
-    from diloco.run.chunk_ledger import ConsumptionCheck
-
-    check = ConsumptionCheck()
-    for event in events:
-        check.add(event)
-    if check.layout is None:
-        raise BenchError("the run recorded no chunks_layout: its consumption cannot be checked")
-    return {
-        **check.result().summary(),
-        "sequences_per_epoch": check.layout["sequences"],
-        "complete_epochs": check.complete_epochs(),
-    }
-
-
 def _fixed_roster(config: str | Path, overrides: Sequence[str], run_dir: Path, tokens: int) -> dict[str, Any]:
     """`simulate` of the config's two islands, no faults, for the rounds that come closest to `tokens`, the decay
     over the same share of the run as the elastic one's."""
@@ -310,7 +283,7 @@ def run_elastic_bench(config: str | Path, overrides: Sequence[str], run_dir: Pat
     events = read_events(elastic_dir / "metrics.jsonl")  # the coordinator's records, read once for every check
     history = _roster_history(events, scenario.a, scenario.b, scenario.kill_round)
     checked = _digests_checked(elastic_dir, events, [scenario.a, scenario.b, *JOINERS])
-    audit = _chunk_audit(events, scenario.cfg)
+    audit = chunk_audit(events) if scenario.cfg.data.sampling == "chunks" else None
     fixed = _fixed_roster(config, overrides, run_dir / "fixed", summary["tokens"])
     a, b = summary["final_eval_loss"], fixed["final_eval_loss"]
     rel = abs(a - b) / abs(b) if b and math.isfinite(a) and math.isfinite(b) else math.inf

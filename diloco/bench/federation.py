@@ -128,12 +128,14 @@ def _federation(
     run_dir: Path,
     wrap: Wrap | None = None,
     pause_at: Sequence[str] = (),
+    jax_cache: Path | None = None,
 ) -> Iterator[Federation]:
     """A Federation whose failure ends the benchmark as one BenchError line; the details stay in its logs.
     `wrap` prefixes every process's command (`diloco.harness.netns.Namespace.wrap`: the federation in a shaped
-    namespace); `pause_at` names where its processes wait for the benchmark (diloco/faults.py)."""
+    namespace); `pause_at` names where its processes wait for the benchmark (diloco/faults.py); `jax_cache` is a
+    compilation cache its processes share (a restarted one loads its compiled steps)."""
     try:
-        with Federation(config_path, overrides, run_dir, wrap=wrap, pause_at=pause_at) as fed:
+        with Federation(config_path, overrides, run_dir, wrap=wrap, pause_at=pause_at, jax_cache=jax_cache) as fed:
             yield fed
     except FederationError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -11,9 +11,13 @@ that a round closes soon after an island died), each a real coordinator and real
 
 * faulted: a seeded plan (`SoakPlan.schedule`) spreads the kills over the run, one in each of as many equal
   stretches of rounds (none in the last `TAIL_ROUNDS`, so that every restarted process trains again before the
-  end); each kill falls at a random moment of its round; an island's victim is drawn among those running. Each
-  killed process is started again after a seeded delay with the very same command line (a coordinator on the
-  address it had, from its last checkpoint; an island from its own checkpoint).
+  end). Each kill lands at a named point (docs/architecture.md, "Fault injection at named points"), never at a
+  time: a seeded island at `before_push` of the kill's round (or of the first round it reaches after it, if it
+  is down then), the coordinator at a seeded one of `before_commit` and `after_commit`; the process stops there,
+  and the benchmark SIGKILLs it once it sees its marker. Each killed process is started again after a seeded
+  delay with the very same command line (a coordinator on the address it had, from its last checkpoint; an island
+  from its own checkpoint). A kill whose victim never reaches its point before the run ends is reported
+  (`kills_not_reached`).
 * fault-free: the same config, no kill. Acceptance: final eval losses within `LOSS_TOLERANCE`.
 
 Digests (`DigestWatch`). The coordinator's `round` event of round r carries the digest of θ_{r+1}, and an
@@ -48,6 +52,8 @@ from typing import Any
 
 from diloco.bench.errors import BenchError
 from diloco.bench.federation import _federation
+from diloco.config import load_config
+from diloco.faults import COORDINATOR_POINTS
 from diloco.harness.procs import COORDINATOR, Federation
 
 TAIL_ROUNDS = 4
@@ -127,14 +133,21 @@ backoff_max_s = 1.0
 
 @dataclass(frozen=True)
 class Kill:
-    """One planned SIGKILL: once `at_round` rounds are committed, wait `offset_s`, kill, restart after `delay_s`."""
+    """One planned SIGKILL: at `point` of round `at_round` (or the first round after it that the victim reaches),
+    restarted after `delay_s`."""
 
     at_round: int
     coordinator: bool
-    offset_s: float
+    point: str
+    """The named point (diloco/faults.py): `before_push` for an island, a coordinator's point for the coordinator."""
     delay_s: float
     pick: float
-    """Which running island dies (a fraction of the running ones, in name order); unused for the coordinator."""
+    """Which island dies (a fraction of the configured ones, in name order); unused for the coordinator."""
+
+    def entry(self, islands: Sequence[str]) -> str:
+        """Its DILOCO_PAUSE_AT entry (WHO:POINT:ROUND+) in a run of `islands`."""
+        who = COORDINATOR if self.coordinator else islands[int(self.pick * len(islands))]
+        return f"{who}:{self.point}:{self.at_round}+"
 
 
 @dataclass(frozen=True)
@@ -171,11 +184,12 @@ class SoakPlan:
         for i in range(n):
             lo = first + math.floor(i * span)
             hi = max(lo, first + math.floor((i + 1) * span) - 1)
+            coordinator = i in coordinator_at
             kills.append(
                 Kill(
                     at_round=rng.randint(lo, hi),
-                    coordinator=i in coordinator_at,
-                    offset_s=rng.uniform(0.0, 1.0),
+                    coordinator=coordinator,
+                    point=rng.choice(COORDINATOR_POINTS) if coordinator else "before_push",
                     delay_s=rng.uniform(*RESTART_DELAY_S),
                     pick=rng.random(),
                 )
@@ -196,6 +210,11 @@ class DigestWatch:
     live_mismatches: set[tuple[str, int, str]] = field(default_factory=set)
     """(island, synced round, its digest) that differed from the coordinator's digest at the time."""
     _seen: frozenset[tuple[int, str]] = frozenset()
+
+    def follow(self, name: str) -> None:
+        """Check island `name` too (an island that joins the run later: admitted, or added to the roster)."""
+        if name not in self.islands:
+            self.islands = (*self.islands, name)
 
     def observe(self, fed: Federation) -> int:
         """Record the coordinator's commits; when they changed, check the islands. Returns the highest round
@@ -275,19 +294,17 @@ def was_forgotten(synced: dict[str, Any], later: list[dict[str, Any]], resumed_a
 
 @dataclass
 class Chaos:
-    """Carries out a kill plan on a running federation."""
+    """Carries out a kill plan on a running federation whose processes stop at the plan's entries."""
 
     fed: Federation
-    plan: list[Kill]
+    pending: dict[str, Kill]
+    """Entry (WHO:POINT:ROUND+) -> its kill, until its victim stops there."""
     done: list[dict[str, Any]] = field(default_factory=list)
     restarts: dict[str, float] = field(default_factory=dict)
     """Process name -> when to start it again."""
 
-    def _running_islands(self) -> list[str]:
-        return [n for n in self.fed.names if n not in self.restarts]
-
     def step(self, committed: int, t0: float) -> None:
-        """Restart what is due, then carry out the next kill if its round has come."""
+        """Restart what is due, then SIGKILL every process that stands at a pending entry."""
         now = time.monotonic()
         for name, when in sorted(self.restarts.items(), key=lambda kv: kv[1]):
             if now >= when:
@@ -296,22 +313,34 @@ class Chaos:
                     self.fed.start_coordinator()
                 else:
                     self.fed.start_island(name)
-        if not self.plan or committed + 1 < self.plan[0].at_round:
-            return
-        kill = self.plan[0]
-        running = self._running_islands()
-        if (kill.coordinator and COORDINATOR in self.restarts) or (not kill.coordinator and not running):
-            return  # the victim is still down from the previous kill: wait for it
-        self.plan.pop(0)
-        time.sleep(kill.offset_s)
-        victim = COORDINATOR if kill.coordinator else running[int(kill.pick * len(running))]
-        self.fed.kill(victim)
-        self.restarts[victim] = time.monotonic() + kill.delay_s
-        self.done.append({"victim": victim, "committed_rounds": committed + 1, "t": round(time.monotonic() - t0, 1)})
+        for entry, kill in list(self.pending.items()):
+            marker = self.fed.pauses.reached(entry)
+            if marker is None:
+                continue
+            victim = entry.split(":", 1)[0]
+            del self.pending[entry]
+            self.fed.kill(victim)
+            self.restarts[victim] = time.monotonic() + kill.delay_s
+            self.done.append(
+                {
+                    "victim": victim,
+                    "point": kill.point,
+                    "round": marker["round"],
+                    "committed_rounds": committed + 1,
+                    "t": round(time.monotonic() - t0, 1),
+                }
+            )
 
-    @property
     def finished(self) -> bool:
-        return not self.plan and not self.restarts
+        """Every kill done and restarted, or the run over (the coordinator ended by itself) with none restarting."""
+        coordinator = self.fed.coordinator
+        over = coordinator is not None and COORDINATOR not in self.fed.killed and coordinator.poll() is not None
+        return not self.restarts and (not self.pending or over)
+
+    def let_go(self) -> None:
+        """Release the entries never reached, so that no process stops at one after the kills are over."""
+        for entry in self.pending:
+            self.fed.release(entry)
 
 
 def soak_run(
@@ -319,17 +348,20 @@ def soak_run(
 ) -> dict[str, Any]:
     """One federation run of `config`, with the kills carried out (None: fault-free); checks digests throughout."""
     t0 = time.monotonic()
-    with _federation(config, overrides, run_dir) as fed:
+    islands = load_config(config, overrides).islands.island_names
+    pending = {kill.entry(islands): kill for kill in kills or []}
+    with _federation(config, overrides, run_dir, pause_at=list(pending)) as fed:
         watch = DigestWatch(fed.names)
-        chaos = Chaos(fed, list(kills or []))
+        chaos = Chaos(fed, pending)
         fed.start()
         deadline = t0 + TIMEOUT_S
-        while not chaos.finished:
+        while not chaos.finished():
             if time.monotonic() > deadline:
                 raise BenchError(f"the soak did not finish its kills in {TIMEOUT_S:.0f}s (logs: {run_dir / 'logs'})")
             fed.check_alive()
             chaos.step(watch.observe(fed), t0)
             time.sleep(0.1)
+        chaos.let_go()
         summary = fed.wait_done(max(60.0, deadline - time.monotonic()))
         fed.wait_exit(120.0)  # every process, restarted ones included, ends by itself with exit code 0
         digests = watch.final(fed, rounds)
@@ -341,6 +373,7 @@ def soak_run(
         "kills": chaos.done,
         "island_kills": sum(k["victim"] != COORDINATOR for k in chaos.done),
         "coordinator_kills": sum(k["victim"] == COORDINATOR for k in chaos.done),
+        "kills_not_reached": sorted(chaos.pending),
         **digests,
         "final_eval_loss": summary["final_eval_loss"],
         "islands_lost": summary["islands_lost"],

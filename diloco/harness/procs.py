@@ -320,6 +320,12 @@ class Federation:
             raise FederationError(f"island {name} is already running")
         return self.spawn(name, self.island_argv(name, args, supervised), env)
 
+    def reconfigure(self, overrides: Sequence[str]) -> None:
+        """Start the next processes with `overrides` instead (the run resumed with a change the resume table
+        permits: another roster, another length); the processes running now keep the config they started with."""
+        self.overrides = list(overrides)
+        self.cfg = load_config(self.config, self.overrides)
+
     def start(self, timeout_s: float = 180.0) -> None:
         """Coordinator, then every island of the config."""
         self.start_coordinator(timeout_s)

@@ -180,14 +180,12 @@ class IslandWorker:
             timer.start()
 
     def _stop_now(self) -> None:
-        """The stop's grace ran out: exit at once (exit code 0: it was asked to stop). A checkpoint save cut short
+        """The stop's grace ran out: exit at once (exit code 0: it was asked to stop), with the line a stopped island
+        ends with (`stopped` saying why), so that its log's last line says why it ended. A checkpoint save cut short
         leaves the previous step restorable (diloco/run/checkpoint.py), so a restart resumes from there."""
-        self.rd.log(
-            "stopped",
-            round=self.round,
-            island=self.name,
-            reason=f"{self.stop_reason} (forced after {STOP_GRACE_S:g} s: not at a sync point)",
-        )
+        reason = f"{self.stop_reason} (forced after {STOP_GRACE_S:g} s: not at a sync point)"
+        self.rd.log("stopped", round=self.round, island=self.name, reason=reason)
+        print(json.dumps({"island": self.name, "round": self.round, "stopped": reason}), flush=True)
         os._exit(0)
 
     @property
