@@ -450,6 +450,7 @@ def test_every_source_is_read_once_across_a_coordinator_restart(federation, tmp_
 
     records = fed.events()
     assert [r["round"] for r in fed.rounds()] == [0, 1, 2, 3]
+    assert all(len(r["islands"]) == 3 for r in fed.rounds()), "the restarted coordinator waits for every island"
     mine = json.loads((fed.run_dir / SOURCES_FILE).read_text())["islands"]["sa-east"]
     summary = json.loads((fed.run_dir / "summary.json").read_text())
     by_source = summary["sequences_by_source"]

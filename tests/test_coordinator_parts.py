@@ -220,8 +220,9 @@ def test_the_roster_knows_who_joined_a_sync_late_and_who_is_gone_for_retirement(
     assert roster.round_view(0.0, (), (), sync=8).late == frozenset(), "only the sync it arrived in"
     roster.join("b", 3.0)  # a join that holds the open sync's θ is waited for again
     assert roster.round_view(0.0, (), (), sync=7).late == frozenset()
-    assert roster.gone == {"c": 0.0}
+    assert roster.gone == {"c": 0.0} and roster.round_view(0.0, (), ()).awaited == {"c": 0.0}, "awaited till it joins"
     assert not roster.retire("c") and roster.gone == {}, "a retired island is not gone: it is no island any more"
+    assert roster.awaited == {}, "nor awaited"
     roster.beat("a", 4, 4.0)
     roster.pushed("a", 2.5, 5.0)
     assert roster.retire("a") and "a" not in roster and "a" not in roster.gone

@@ -147,6 +147,25 @@ def test_quorum_scales_with_the_live_roster_and_never_waits_for_a_joiner(
     assert (d.action, reason in d.reason) == (action, True), d.reason
 
 
+@pytest.mark.parametrize(
+    ("now", "seen", "pushed", "action", "reason"),
+    [
+        # a resumed coordinator waits for the island that took part before, though it has not joined yet ...
+        (5.0, {"a": 4.0}, {"a"}, Action.WAIT, "waiting for b (deadline in"),
+        # ... once it joined it is a member like any other
+        (5.0, {"a": 4.0, "b": 4.5}, {"a", "b"}, Action.CLOSE, "all 2 live islands pushed"),
+        # ... and a lease after the restart without a word from it, it is waited for no more
+        (16.0, {"a": 15.5}, {"a"}, Action.CLOSE, "all 1 live islands pushed (1 contributions)"),
+    ],
+)
+def test_a_restart_alone_drops_no_island_from_a_round(now, seen, pushed, action, reason) -> None:
+    cfg = QuorumConfig(min_islands=1.0, lease_s=10.0, min_deadline_s=30.0, max_deadline_s=60.0)
+    view = RoundView(opened_at=0.0, last_seen=seen, pushed=frozenset(pushed), awaited={"a": 0.0, "b": 0.0})
+    d = decide(now, view, cfg)
+    assert (d.action, reason in d.reason) == (action, True), d.reason
+    assert d.live == frozenset(seen) and not d.lost  # awaited is no member: never counted live, never lost
+
+
 def test_deadline_is_clamped_and_robust_to_one_outlier() -> None:
     assert adaptive_deadline([1, 1, 1, 1], CFG) == 5  # min clamp
     assert adaptive_deadline([500, 600, 700], CFG) == 100  # max clamp

@@ -12,6 +12,9 @@ holds no state and reads no clock, so every branch is table-tested. Rules:
     should one come before the close;
   * `min_islands` is a count, or a fraction of the live islands the round waits for (a float: 0.5 = half of them,
     rounded up; a joiner that arrived late is not counted in it);
+  * a coordinator that resumed a run waits for the islands that took part before as for live ones (`awaited`)
+    until each joins it, or `lease_s` after its start passes without a word from it (the rule that loses a
+    member that went silent): a restart alone never drops an island's work from a round;
   * otherwise it closes at the deadline once `min_islands` have pushed, dropping the late ones;
   * the deadline adapts to observed round times: median + k·MAD of recent rounds, clamped to
     [min_deadline_s, max_deadline_s], so nobody has to guess a constant for their WAN;
@@ -95,6 +98,9 @@ class RoundView:
     """Member -> when its presence call broke, for those not heard from since."""
     late: frozenset[str] = frozenset()
     """Members that joined during this round without its θ: not waited for (a push from one still counts)."""
+    awaited: Mapping[str, float] = field(default_factory=dict)
+    """Islands that took part before a coordinator restart and have not joined the new one -> since when (its
+    start): waited for while `lease_s` has not passed since."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,8 @@ def decide(now: float, view: RoundView, cfg: QuorumConfig) -> Decision:
     live = frozenset(reasons) - frozenset(lost)
     deadline = adaptive_deadline(view.durations, cfg)
     pushed = view.pushed
-    waiting_for = sorted(live - pushed - view.late)
+    back = {n for n, since in view.awaited.items() if n not in view.last_seen and now - since <= cfg.lease_s}
+    waiting_for = sorted((live - pushed - view.late) | back)
     elapsed = now - view.opened_at
 
     def out(action: Action, reason: str) -> Decision:

@@ -32,6 +32,9 @@ class Roster:
         a run, has not come back since it started): what retirement after `islands.retire_after_s` reads. An island
         that never came is not gone (a region slow to start is not retired for it). Forgotten when it joins or is
         retired."""
+        self.awaited: dict[str, float] = {}
+        """Island that took part before this coordinator resumed the run and has not joined it -> since when: rounds
+        wait for it a lease long (diloco/coordinator/membership.py). Forgotten when it joins, leaves or is retired."""
 
     def __contains__(self, island: str) -> bool:
         return island in self.last_seen
@@ -50,11 +53,12 @@ class Roster:
         self.broken.pop(island, None)
 
     def expect(self, islands: Iterable[str], now: float) -> None:
-        """Islands that took part before (a resumed run's) and have not joined this coordinator yet: gone since `now`
-        as far as retirement is concerned."""
+        """Islands that took part before (a resumed run's) and have not joined this coordinator yet: awaited, and
+        gone since `now` as far as retirement is concerned."""
         for island in islands:
             if island not in self.last_seen:
                 self.gone.setdefault(island, now)
+                self.awaited.setdefault(island, now)
 
     def join(self, island: str, now: float, late_for: int | None = None) -> bool:
         """The island joins (or rejoins); True when it was not a member. `late_for`: the sync it arrives during
@@ -62,6 +66,7 @@ class Roster:
         new = island not in self.last_seen
         self.heard_from(island, now)
         self.gone.pop(island, None)
+        self.awaited.pop(island, None)
         if late_for is None:
             self.late.pop(island, None)
         else:
@@ -89,6 +94,7 @@ class Roster:
         """The island leaves; True when it was a member."""
         self.broken.pop(island, None)
         self.late.pop(island, None)
+        self.awaited.pop(island, None)
         if self.last_seen.pop(island, None) is None:
             return False
         self.gone[island] = now
@@ -118,6 +124,7 @@ class Roster:
             durations=durations,
             broken=dict(self.broken),
             late=frozenset(n for n, s in self.late.items() if s == sync),
+            awaited=dict(self.awaited),
         )
 
     def moved_past(self, island: str, round_: int) -> bool:
