@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -10,6 +13,7 @@ import pytest
 
 from diloco.run import checkpoint
 from diloco.run.checkpoint import CheckpointStore
+from tests.conftest import child_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,6 +48,35 @@ def test_a_replacement_interrupted_by_a_kill_leaves_no_half_step(tmp_path: Path)
         assert not half.exists()
     finally:
         reopened.close()
+
+
+@pytest.mark.slow  # a child process that imports JAX
+def test_a_save_killed_midway_leaves_the_last_step_and_no_temporary_directory(tmp_path: Path) -> None:
+    """A process SIGKILLed while orbax writes step 2 (its temporary directory on disk): the next store opened there
+    restores step 1 and removes step 2's temporary directory, which would otherwise stay for good."""
+    ckpt = tmp_path / "ckpt"
+    child = (
+        "import os, signal, sys\n"
+        "import numpy as np\n"
+        "from pathlib import Path\n"
+        "from diloco.run.checkpoint import CheckpointStore\n"
+        "store = CheckpointStore(Path(sys.argv[1]))\n"
+        "store.save(1, {'a': np.zeros(3, np.float32)}, {'version': 1})\n"
+        "store.wait()\n"
+        "store.save(2, {'a': np.ones(1 << 24, np.float32)}, {'version': 2})  # 64 MB, written asynchronously\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child, str(ckpt)], env=child_env(), timeout=50)
+    assert done.returncode == -signal.SIGKILL
+    assert [p.name for p in ckpt.iterdir() if "tmp" in p.name], "the kill came after step 2 was whole"
+    store = CheckpointStore(ckpt)
+    try:
+        assert store.steps() == [1]
+        assert sorted(p.name for p in ckpt.iterdir()) == ["1"]
+        _, meta = store.restore(1, {"a": np.zeros(3, np.float32)})
+        assert meta == {"version": 1}
+    finally:
+        store.close()
 
 
 def test_an_array_larger_than_the_write_window_widens_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

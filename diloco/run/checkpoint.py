@@ -1,8 +1,9 @@
 """Checkpoints with orbax: one directory per owner (the coordinator, each island), one writer each.
 
 orbax writes each step into a temporary directory and renames it when complete, so a process killed mid-save
-leaves the previous step restorable. `latest_common_step` finds the newest step that every owner finished,
-which is where a run that checkpoints several owners per round resumes.
+leaves the previous step restorable; the next store opened on the directory removes that temporary one.
+`latest_common_step` finds the newest step that every owner finished, which is where a run that checkpoints several
+owners per round resumes.
 
 States are saved as the pytrees they are (`save_state` / `restore_state`): `GlobalState` (diloco/run/rounds.py) and
 `IslandState` (islands/island.py) are registered dataclasses whose array fields go to orbax and whose static
@@ -82,7 +83,11 @@ class CheckpointStore:
         as orbax takes the window in GB, a float, and refuses an array of exactly its bytes)."""
         return ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=self._max_to_keep, create=True),
+            # A process killed mid-save leaves its step's temporary directory: removed here, or a run whose islands
+            # are killed and restarted fills its disk with them (BENCHMARKS.md, "Churn soak").
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=self._max_to_keep, create=True, cleanup_tmp_directories=True
+            ),
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(save_concurrent_gb=(window + (1 << 20)) / 10**9),  # type: ignore[arg-type]
                 "meta": ocp.JsonCheckpointHandler(),
