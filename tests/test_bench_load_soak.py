@@ -142,22 +142,24 @@ def test_digests_compare_with_the_last_commit_of_a_round() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_churn_soak_smoke(tmp_path: Path, shared_jax_cache: Path) -> None:
-    """Two cycles: a joiner with its own source, then one on the corpus, each admitted, pushing and retired; an
-    island and the coordinator SIGKILLed at their stops in each; the second restart adds ap-south and ends the run."""
-    out = run_churn_soak_bench(ChurnPlan(cycles=2), tmp_path / "churn")
-    assert out["cycles"] == 2 and out["islands_admitted"] == 2 and out["islands_retired"] == 2, out["cycle_log"]
-    assert out["coordinator_resumes"] >= 2 and [c["s"] for c in out["cycle_log"]]
-    assert out["config_changes"][-1]["islands.names"] == [list(CONFIGURED[:-1]), list(CONFIGURED)], out[
-        "config_changes"
-    ]
+    """Three cycles: joiners with and without their own source, each admitted, pushing and retired; an island and
+    the coordinator SIGKILLed at their stops in each; the second restart adds ap-south, the third ends the run. The
+    memory and disk bounds compare the two cycles after the warm-up one (with fewer, they would hold by
+    construction)."""
+    out = run_churn_soak_bench(ChurnPlan(cycles=3), tmp_path / "churn")
+    assert out["cycles"] == 3 and out["islands_admitted"] == 3 and out["islands_retired"] == 3, out["cycle_log"]
+    assert out["coordinator_resumes"] >= 3 and [c["s"] for c in out["cycle_log"]]
+    grown = {"islands.names": [list(CONFIGURED[:-1]), list(CONFIGURED)]}
+    assert any(grown.items() <= change.items() for change in out["config_changes"]), out["config_changes"]
     chunks = out["chunks"]
-    assert len(chunks["by_source"]) == 2 and all(s["sequences_consumed"] > 0 for s in chunks["by_source"].values())
+    assert len(chunks["by_source"]) == 3 and all(s["sequences_consumed"] > 0 for s in chunks["by_source"].values())
     assert out["exactly_once"], (chunks, out["summary_sequences"])
     assert out["digests_ok"] and out["digests"]["synced_checked"] > 0, out["digests"]
     assert out["exits_explained"], out["exits"]
-    assert {out["exits"][f"join-{k}"]["rc"] for k in (0, 1)} == {2}, out["exits"]
-    assert len(out["coordinator_rss_mib"]) == 2 and out["rss"]["within_bound"], out["rss"]
-    assert out["disk"]["within_bound"], out["state_kib"]
+    assert {out["exits"][f"join-{k}"]["rc"] for k in range(3)} == {2}, out["exits"]
+    assert len(out["coordinator_rss_mib"]) == 3, out["coordinator_rss_mib"]
+    for bound in ("rss", "disk"):
+        assert out[bound]["samples_after_warm_up"] == 2 and out[bound]["within_bound"], (bound, out[bound])
     assert out["passed"]
 
 

@@ -310,3 +310,36 @@ def test_a_run_that_saved_nothing_gives_its_dir_to_a_corrected_config(tmp_path: 
     rd.close()
     with pytest.raises(RunDirError, match=r"holds another run \(config differs in: train.batch_size\)"):
         RunDir(tmp_path / "r", first)
+
+
+SUPERVISOR = """
+import logging, sys
+from pathlib import Path
+from diloco.worker.supervisor import supervise
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+sys.exit(supervise(sys.argv[2:], Path(sys.argv[1]), backoff_s=600))
+"""
+"""A supervisor whose restart backoff is long, so that a stop lands in it for sure."""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_stop_in_the_restart_backoff_starts_no_worker(tiny_config: Path, tmp_path: Path) -> None:
+    """A worker that gave up (exit 69: a follower with no process 0 to lead its island) and a SIGTERM while its
+    supervisor waits to restart it: the supervisor ends then, with the worker's code, and starts no other worker
+    (one that started after the stop would run on, untold, until its own patience ran out)."""
+    run_dir = tmp_path / "island"
+    worker = ["island", str(tiny_config), "--name", "island-0", "--no-supervise", "--run-dir", str(run_dir)]
+    worker += ["--process-id", "1", "--num-processes", "2", "--island-coordinator", "127.0.0.1:1"]
+    worker += ["network.coordinator_wait_s=0.2"]
+    err = tmp_path / "supervisor.err"
+    with err.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(run_dir), *worker], env=child_env(), stderr=sink)
+    try:
+        wait_until(lambda: "restart 1/5" in err.read_text(), "the supervisor's first restart backoff", 90)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 69, err.read_text()
+    finally:
+        proc.kill()
+    text = err.read_text()
+    assert "before its worker's restart" in text and text.count("no place in the island") == 1, text

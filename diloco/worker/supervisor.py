@@ -124,15 +124,14 @@ def supervise(
     given = list(worker_argv)
     group = given if given and isinstance(given[0], Member) else [Member([str(a) for a in given])]
     restarts = 0
-    stopping = False
+    stopped_by: int | None = None
+    """The signal that stops the island (SIGTERM, SIGINT): it reaches every worker, and no worker starts after it."""
     children: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+        nonlocal stopped_by
+        stopped_by = signum
+        _send(children, signum)
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, forward)
@@ -140,18 +139,32 @@ def supervise(
     while True:
         check_free(run_dir, lock_name)
         children = _start(group, run_dir)
+        if stopped_by is not None:  # it came while they started: forwarded to the workers before them
+            _send(children, stopped_by)
         code = _wait_group(children)
+        stopping = stopped_by is not None
         if code == REGROUP and not stopping:
             log.info("island worker ended to re-form its island; starting it again")
             continue
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         if on_death is not None and not stopping and code not in (0, USER_ERROR):  # a user error left by itself
             on_death(f"worker died ({why})")
-        if stopping or code in (0, USER_ERROR) or restarts >= max_restarts:
+        if stopped_by is not None or code in (0, USER_ERROR) or restarts >= max_restarts:  # a stop during on_death too
             return code if code >= 0 else 128 - code
         restarts += 1
         log.warning("island worker died (%s); restart %d/%d", why, restarts, max_restarts)
-        time.sleep(backoff_s * restarts)
+        backoff_ends = time.monotonic() + backoff_s * restarts
+        while stopped_by is None and time.monotonic() < backoff_ends:  # a stop in the backoff restarts nothing
+            time.sleep(POLL_S)
+        if stopped_by is not None:
+            log.info("island stopped (signal %d) before its worker's restart", stopped_by)
+            return code if code >= 0 else 128 - code
+
+
+def _send(children: Sequence[subprocess.Popen[bytes]], signum: int) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signum)
 
 
 def follow_supervisor(poll_s: float = 0.5) -> threading.Thread | None:
