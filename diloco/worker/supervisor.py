@@ -4,7 +4,8 @@ A crash (a non-zero exit that is not a user error, or death by a signal the supe
 worker after a backoff; the new worker resumes from the island's own checkpoint and rejoins the current round. A
 worker restarted on fewer devices (a device lost) builds its mesh on the devices it sees and keeps the island's batch
 by gradient accumulation. Exit code 2 (a user mistake, a diverged island) is never retried: it would only fail
-again.
+again. A stop (SIGTERM, Ctrl+C) reaches every worker, also one that starts as it comes, and a stop during the
+backoff ends the supervisor there: no worker starts after it.
 
 A worker that dies is noticed at once (the supervisor is its parent): before the backoff, `on_death` tells the
 coordinator that this island is gone (`diloco island` sends a Leave with the island's own credentials), so the
