@@ -108,7 +108,8 @@ def test_an_island_that_stops_with_retire_on_stop_retires_itself(federation: Cal
         "train.rounds=6",
         "quorum.lease_s=60",
         'network.secrets=["env:DILOCO_TEST_S0","env:DILOCO_TEST_S1"]',
-        pause_at=["island-1:before_push:1"],
+        # island-0 holds round 1 open, so island-1 trains it however late it starts on a loaded machine
+        pause_at=["island-0:before_push:1", "island-1:before_push:1"],
     )
     fed.start_coordinator(env=secrets)
     fed.start_island("island-0", env=secrets)
@@ -116,6 +117,7 @@ def test_an_island_that_stops_with_retire_on_stop_retires_itself(federation: Cal
     fed.paused("island-1:before_push:1", WAIT_S)
     fed.signal("island-1", signal.SIGTERM)  # a clean stop: it leaves at its next sync point, then retires itself
     fed.release("island-1:before_push:1")
+    fed.release("island-0:before_push:1")
     retired = fed.wait_for(lambda: fed.events("island_retired"), WAIT_S, "island-1 retired")
     assert [(e["island"], e["reason"]) for e in retired] == [("island-1", "retired on stop: SIGTERM")], retired
     fed.wait_exit(WAIT_S)  # island-1 stopped cleanly (exit 0); island-0 ends the run alone
