@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diloco.config import load_config
-from diloco.harness.procs import MALLOC_ARENAS, child_env, devices_env
+from diloco.harness.procs import MALLOC_ARENAS, MMAP_THRESHOLD, child_env, devices_env
 from tests.conftest import REPO
 
 
@@ -31,7 +31,9 @@ def test_a_child_keeps_the_users_xla_flags_with_the_runs_device_count(given: str
     assert devices_env(devices, given) == {"XLA_FLAGS": want}
 
 
-def test_a_child_has_bounded_malloc_arenas_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_child_has_bounded_malloc_arenas_and_mmap_threshold_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Each launched process gets MALLOC_ARENA_MAX=2 (glibc's per-thread arenas kept a commit's worth of memory each
     time another gRPC thread ran the coordinator's commit); a value the user set is kept."""
     cfg = load_config(REPO / "configs" / "smollm2-135m.toml", [])
@@ -39,3 +41,8 @@ def test_a_child_has_bounded_malloc_arenas_unless_the_user_chose(monkeypatch: py
     assert child_env(cfg, {})["MALLOC_ARENA_MAX"] == MALLOC_ARENAS == "2"
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
     assert child_env(cfg, {})["MALLOC_ARENA_MAX"] == "8"
+    # and freed blocks of 1 MiB or more go back to the system (the processes of one host peak at different times)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert child_env(cfg, {})["MALLOC_MMAP_THRESHOLD_"] == MMAP_THRESHOLD == str(1 << 20)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
+    assert child_env(cfg, {})["MALLOC_MMAP_THRESHOLD_"] == "33554432"

@@ -90,12 +90,25 @@ commit higher each time a new thread ran it. With 2 arenas a 10-layer launch's c
 5,777, and its islands at 3,880-4,034, not 4,089-4,226 (BENCHMARKS.md, "Bigger on one host")."""
 
 
+MMAP_THRESHOLD = str(1 << 20)
+"""glibc's mmap threshold in each child (MALLOC_MMAP_THRESHOLD_) unless the environment sets it: every allocation of
+1 MiB or more (θ's tensors, their copies, a step's temporaries, a checkpoint's buffers) is its own mapping, handed back
+to the system when freed. With glibc's default (a threshold that grows to 32 MiB as such blocks are freed) a freed
+block stays in the process's heap: each process's resident memory stays at its high water, and the processes of one
+host, which peak at different times (the islands at their checkpoints, the coordinator at a sync), hold their peaks
+together. With it the 30-layer SmolLM2-135M shape runs under `launch` on a 24 GiB host, which it did not without; it
+costs some speed (BENCHMARKS.md, "Bigger on one host"). `diloco island` and `diloco coordinator` started on hosts of
+their own keep glibc's default."""
+
+
 def child_env(cfg: RunConfig, extra: Mapping[str, str]) -> dict[str, str]:
     """This process's environment, islands.devices CPU devices, CPU JAX unless chosen otherwise, glibc's arenas
-    bounded (`MALLOC_ARENAS`) unless chosen otherwise, then `extra`."""
+    bounded (`MALLOC_ARENAS`) and its freed large blocks given back (`MMAP_THRESHOLD`) unless chosen otherwise, then
+    `extra`."""
     env = {**os.environ, **devices_env(cfg.islands.devices)}
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)
     env.update(extra)
     return env
 
