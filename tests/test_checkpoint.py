@@ -53,7 +53,8 @@ def test_a_replacement_interrupted_by_a_kill_leaves_no_half_step(tmp_path: Path)
 @pytest.mark.slow  # a child process that imports JAX
 def test_a_save_killed_midway_leaves_the_last_step_and_no_temporary_directory(tmp_path: Path) -> None:
     """A process SIGKILLed while orbax writes step 2 (its temporary directory on disk): the next store opened there
-    restores step 1 and removes step 2's temporary directory, which would otherwise stay for good."""
+    restores step 1 and removes step 2's temporary directory, which would otherwise stay for good (orbax removes it
+    on a thread of its own, awaited by the next save)."""
     ckpt = tmp_path / "ckpt"
     child = (
         "import os, signal, sys\n"
@@ -72,9 +73,11 @@ def test_a_save_killed_midway_leaves_the_last_step_and_no_temporary_directory(tm
     store = CheckpointStore(ckpt)
     try:
         assert store.steps() == [1]
-        assert sorted(p.name for p in ckpt.iterdir()) == ["1"]
         _, meta = store.restore(1, {"a": np.zeros(3, np.float32)})
         assert meta == {"version": 1}
+        store.save(3, {"a": np.zeros(3, np.float32)}, {"version": 3})
+        store.wait()
+        assert sorted(p.name for p in ckpt.iterdir()) == ["1", "3"]
     finally:
         store.close()
 
