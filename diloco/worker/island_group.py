@@ -58,9 +58,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +83,7 @@ from diloco.worker.island_formation import (
     lock_name,
     take_place,
 )
+from diloco.worker.stop_grace import StopGrace
 from diloco.worker.supervisor import Member
 from floor.errors import UserError
 from islands.chunks import Span
@@ -441,11 +439,4 @@ def run_process(
 def _stop_later_on_signal() -> None:
     """SIGTERM / Ctrl+C: the leader, signalled too (launch, a supervisor), stops at its next sync point and tells
     us; exiting now would abort the island mid-collective. Exit anyway if its word does not come."""
-
-    def later(signum: int, frame: object) -> None:
-        timer = threading.Timer(FOLLOWER_STOP_S, os._exit, args=(0,))
-        timer.daemon = True
-        timer.start()
-
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, later)
+    StopGrace(FOLLOWER_STOP_S, on_request=lambda name: None)

@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -61,6 +58,7 @@ from diloco.worker.island_formation import FormationFiles, Lead
 from diloco.worker.island_group import ONE_PROCESS, Channel, Group, LeaderIsland, exit_code, join
 from diloco.worker.island_presence import IslandPresence
 from diloco.worker.island_sync import IslandSync, Serial, Synced, retry_forever
+from diloco.worker.stop_grace import StopGrace
 from diloco.worker.supervisor import REGROUP
 from floor.errors import UserError
 from islands.backend import initialize_backend
@@ -170,23 +168,19 @@ class IslandWorker:
 
     def request_stop(self, reason: str) -> None:
         """Leave the federation at the next sync point (between inner-step runs): no new push, the checkpoint
-        flushed, a Leave so the coordinator does not wait out the lease. Sets a flag and arms a timer, so it is safe
-        in a signal handler: an island blocked on an absent coordinator (retrying for network.coordinator_wait_s)
-        never reaches a sync point, so after STOP_GRACE_S it exits anyway (`_stop_now`)."""
+        flushed, a Leave so the coordinator does not wait out the lease. Sets a flag, so it is safe in a signal
+        handler; an island blocked on an absent coordinator (retrying for network.coordinator_wait_s) never reaches a
+        sync point, so its `StopGrace` ends it after STOP_GRACE_S anyway (`forced_stop`)."""
         if self.stop_reason is None:
             self.stop_reason = reason
-            timer = threading.Timer(STOP_GRACE_S, self._stop_now)
-            timer.daemon = True  # a stop that completes in time exits without waiting for it
-            timer.start()
 
-    def _stop_now(self) -> None:
-        """The stop's grace ran out: exit at once (exit code 0: it was asked to stop), with the line a stopped island
-        ends with (`stopped` saying why), so that its log's last line says why it ended. A checkpoint save cut short
-        leaves the previous step restorable (diloco/run/checkpoint.py), so a restart resumes from there."""
-        reason = f"{self.stop_reason} (forced after {STOP_GRACE_S:g} s: not at a sync point)"
-        self.rd.log("stopped", round=self.round, island=self.name, reason=reason)
+    def forced_stop(self, reason: str) -> None:
+        """The stop's grace ran out: the line a stopped island ends with (`stopped` saying why), so that its log's
+        last line says why it ended; the process then exits with code 0 (it was asked to stop). A checkpoint save
+        cut short leaves the previous step restorable (diloco/run/checkpoint.py), so a restart resumes from there."""
+        reason = f"{self.stop_reason or reason} (forced after {STOP_GRACE_S:g} s: not at a sync point)"
         print(json.dumps({"island": self.name, "round": self.round, "stopped": reason}), flush=True)
-        os._exit(0)
+        self.rd.log("stopped", round=self.round, island=self.name, reason=reason)
 
     @property
     def round(self) -> int:
@@ -629,11 +623,7 @@ def run_island_process(
             worker.reform = lead.returning
         metrics_server = serve_metrics(worker.metrics.registry, cfg.network.metrics_host, port)
 
-        def stop(signum: int, frame: object) -> None:
-            worker.request_stop(signal.Signals(signum).name)
-
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, stop)
+        StopGrace(STOP_GRACE_S, worker.request_stop, worker.forced_stop)
         contributed = worker.run()
         rd.log_memory_peak(island=name)
         stopped = {"stopped": worker.stop_reason} if worker.stop_reason else {}
