@@ -20,6 +20,7 @@ import pytest
 
 import diloco.coordinator.settler as settler_module
 from diloco.config import ConfigError, load_config
+from diloco.coordinator.chunk_leases import chunk_status
 from diloco.coordinator.coordinator import Coordinator
 from diloco.run.chunk_ledger import (
     BEYOND_END,
@@ -118,7 +119,8 @@ def test_leases_take_home_chunks_then_others_then_the_next_epoch() -> None:
         (spans((0, 2, 5)), OUT_OF_ORDER, "skipping sequences 0 to 1"),
         (spans((0, 0, 5), (0, 5, 6)), INVALID, "named twice"),
         (spans((0, 3, 3)), INVALID, "is empty"),
-        (spans((99, 0, 1)), INVALID, "does not exist"),
+        (spans((-1, 0, 1)), INVALID, "does not exist"),
+        (spans((99, 0, 1)), NOT_LEASED, "chunk 99 is of epoch 24, which is not open"),
         ([], INVALID, "names no chunk span"),
         (spans(*[(0, 0, 1)] * 26), INVALID, "at most 25"),
     ],
@@ -132,6 +134,26 @@ def test_a_claim_is_refused_with_its_reason_and_changes_nothing(claim: list[Span
         book.record("a", 0, claim)
     assert info.value.kind == kind and words in info.value.reason, info.value.reason
     assert book.to_meta() == before and book.position(0) == 0
+
+
+def test_a_lease_into_an_epoch_a_restart_undid_is_refused_as_not_leased_and_leased_again() -> None:
+    """An island's lease opened epoch 1 after the checkpoint a restarted coordinator resumed from: its push of
+    those spans is a state it lags (FAILED_PRECONDITION, so it leases again), not a malformed request that ends it."""
+    book = ledger(sequences=40, chunk=10, most=25)
+    book.lease("a", 20)
+    book.record("a", 0, spans((0, 0, 10), (2, 0, 10)))
+    book.commit(0, ["a"])
+    saved = book.to_meta()
+    book.lease("b", 20)  # chunks 1 and 3: epoch 0 is used up
+    undone = book.lease("a", 10)
+    assert book.epoch == 1 and undone == spans((4, 0, 10))
+    book.restore(saved)  # the coordinator restarted from the checkpoint of sync 0
+    with pytest.raises(ChunkRefused, match="chunk 4 is of epoch 1, which is not open") as info:
+        book.record("a", 1, undone)
+    assert info.value.kind == NOT_LEASED and chunk_status(info.value) == grpc.StatusCode.FAILED_PRECONDITION
+    again = book.lease("a", 10)
+    book.record("a", 1, again)
+    assert again[0].chunk < 4 and book.commit(1, ["a"]) == {"a": again}
 
 
 def test_a_span_already_pending_or_consumed_is_refused() -> None:

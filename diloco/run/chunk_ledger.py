@@ -71,9 +71,10 @@ MAX_LEASE_SPANS = 1024
 """The most spans one lease hands out, whatever a round reads (below transport.validate.MAX_CHUNK_SPANS, what a push
 may name on the wire)."""
 INVALID = "invalid"
-"""A malformed request: a count out of bounds, a span that is empty, a chunk that does not exist, one twice."""
+"""A malformed request: a count out of bounds, a span that is empty, a negative chunk id, a chunk named twice."""
 NOT_LEASED = "not_leased"
-"""A chunk that is not leased to the claiming island (another island's, or nobody's)."""
+"""A chunk that is not leased to the claiming island (another island's, nobody's, or of an epoch not open: a lease
+that opened the next epoch is undone by a coordinator restarted from a checkpoint before it)."""
 OUT_OF_ORDER = "out_of_order"
 """A span that does not start at its chunk's position: it overlaps what is consumed or pending, or skips some."""
 BEYOND_END = "beyond_end"
@@ -233,9 +234,11 @@ class ChunkLedger:
             if c in seen:
                 raise ChunkRefused(INVALID, f"chunk {c} is named twice")
             seen.add(c)
-            if not 0 <= c < (self.epoch + 1) * self.layout.chunks:
-                raise ChunkRefused(INVALID, f"chunk {c} does not exist (epoch {self.epoch} ends at chunk "
-                                   f"{(self.epoch + 1) * self.layout.chunks - 1})")  # fmt: skip
+            if c < 0:
+                raise ChunkRefused(INVALID, f"chunk {c} does not exist (chunk ids start at 0)")
+            if c >= (self.epoch + 1) * self.layout.chunks:  # a lease that a coordinator restart undid, with its epoch
+                raise ChunkRefused(NOT_LEASED, f"chunk {c} is of epoch {c // self.layout.chunks}, which is not open "
+                                   f"(epoch {self.epoch} is): leased to no island, not to {island}")  # fmt: skip
             owner = self.owner(c)
             if owner != island:
                 whose = f"leased to island {owner}" if owner is not None else "leased to no island"
