@@ -107,42 +107,51 @@ def test_unshaped_link_never_sleeps():
     assert transfer_time_s(inf, 10 * MiB, "up") == 0.0
 
 
-def _timed_sends(s: LinkShaper, direction: str, chunks: int, chunk: int, out: dict, key: str, t0: float):
-    for _ in range(chunks):
-        s.transmit(chunk, direction)
-    out[key] = time.monotonic() - t0
+def frozen_shaper() -> tuple[LinkShaper, list[float]]:
+    """A 40 Mbit/s shaper whose clock stands at 0: each transmit sleeps until its slot on its direction's lane ends,
+    so the sleeps it asks for are those ends (no wall clock: the lanes' schedule, whatever the machine's load)."""
+    ends: list[float] = []
+    shaper = LinkShaper(LinkProfile(up_mbps=40.0, down_mbps=40.0), clock=lambda: 0.0, sleep=ends.append, bucket_bytes=0)
+    return shaper, ends
 
 
-def test_two_threads_in_one_direction_split_the_bandwidth():
-    # 2 x 8 x 128 KiB at 40 Mbit/s: 0.42 s in all; one thread alone would need half of that.
-    s = LinkShaper(LinkProfile(up_mbps=40.0, down_mbps=40.0), bucket_bytes=0)
+def test_two_senders_in_one_direction_split_the_bandwidth():
+    # 2 x 8 x 128 KiB at 40 Mbit/s: 0.42 s in all; one sender alone would need half of that.
+    s, ends = frozen_shaper()
     chunk, chunks = 128 * 1024, 8
-    total_s = 2 * chunks * chunk * 8 / 40e6
-    done: dict[str, float] = {}
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=_timed_sends, args=(s, "up", chunks, chunk, done, k, t0)) for k in ("a", "b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    # Both finish near the end: they interleaved rather than one running at full speed first.
-    assert min(done.values()) >= 0.85 * total_s
-    assert max(done.values()) == pytest.approx(total_s, rel=0.15)
+    chunk_s = chunk * 8 / 40e6
+    last: dict[str, float] = {}
+    for _ in range(chunks):
+        for sender in ("a", "b"):
+            s.transmit(chunk, "up")
+            last[sender] = ends[-1]
+    # Both finish near the end: they share one lane rather than one running at full speed first.
+    assert last == {"a": pytest.approx((2 * chunks - 1) * chunk_s), "b": pytest.approx(2 * chunks * chunk_s)}
     assert s.bytes_sent["up"] == 2 * chunks * chunk
 
 
 def test_up_and_down_run_concurrently_at_full_speed():
-    s = LinkShaper(LinkProfile(up_mbps=40.0, down_mbps=40.0), bucket_bytes=0)
+    s, ends = frozen_shaper()
     chunk, chunks = 128 * 1024, 4
     one_s = chunks * chunk * 8 / 40e6
-    done: dict[str, float] = {}
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=_timed_sends, args=(s, d, chunks, chunk, done, d, t0)) for d in ("up", "down")]
+    last: dict[str, float] = {}
+    for _ in range(chunks):
+        for direction in ("up", "down"):
+            s.transmit(chunk, direction)
+            last[direction] = ends[-1]
+    assert last == {"up": pytest.approx(one_s), "down": pytest.approx(one_s)}  # not 2 * one_s: a lane each
+
+
+def test_senders_on_threads_share_the_lane_without_losing_a_slot():
+    """The lane's reservation under its lock: 2 threads x 8 chunks end exactly where 16 chunks in a row would."""
+    s, ends = frozen_shaper()
+    chunk, chunks = 128 * 1024, 8
+    threads = [threading.Thread(target=lambda: [s.transmit(chunk, "up") for _ in range(chunks)]) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert max(done.values()) == pytest.approx(one_s, rel=0.15)  # not 2 * one_s
+    assert sorted(ends) == pytest.approx([(k + 1) * chunk * 8 / 40e6 for k in range(2 * chunks)])
 
 
 @pytest.mark.slow
