@@ -842,17 +842,17 @@ def test_under_churn_every_sequence_is_consumed_once(federation, tmp_path: Path)
     from tests.test_elastic import ELASTIC, OPERATOR, operator_command
 
     rounds = 8
-    pauses = ["island-0:before_push:0", "island-1:before_push:1", "island-0:before_push:3", "island-1:before_push:5"]
+    pauses = ["island-0:before_push:0", "island-1:before_push:0", "island-1:before_push:1", "island-0:before_push:3",
+              "island-1:before_push:5"]  # fmt: skip
     fed = federation(*CHUNKS, f"train.rounds={rounds}", *ELASTIC, pause_at=pauses)
     fed.env.update(OPERATOR)
     fed.start()
-    # island-0 holds round 0 until island-1 has joined, so round 1 waits for island-1 (on a busy machine island-1's
-    # JAX process may start so late that rounds 0 and 1 would close without it, and its pause below never come).
-    fed.paused("island-0:before_push:0", WAIT_S)
-    fed.wait_for(
-        lambda: [e for e in fed.events("island_joined") if e["island"] == "island-1"], WAIT_S, "island-1 to join"
-    )
-    fed.release("island-0:before_push:0")
+    # Both hold round 0 until both have joined, so round 1 waits for island-1 (on a busy machine one JAX process may
+    # start so late that the other closes the first rounds alone, and the pause below never comes).
+    for name in ("island-0", "island-1"):
+        fed.paused(f"{name}:before_push:0", WAIT_S)
+    for name in ("island-0", "island-1"):
+        fed.release(f"{name}:before_push:0")
     fed.paused("island-1:before_push:1", WAIT_S)
     fed.kill("island-1")  # it read round 1's spans; its presence call breaks, it is lost and its chunks go back
     fed.wait_for(lambda: fed.events("island_lost"), WAIT_S, "island-1 lost")
