@@ -146,7 +146,7 @@ def test_churn_soak_smoke(tmp_path: Path, shared_jax_cache: Path) -> None:
     the coordinator SIGKILLed at their stops in each; the second restart adds ap-south, the third ends the run. The
     memory and disk bounds compare the two cycles after the warm-up one (with fewer, they would hold by
     construction)."""
-    out = run_churn_soak_bench(ChurnPlan(cycles=3), tmp_path / "churn")
+    out = run_churn_soak_bench(ChurnPlan(cycles=3, warm_up=1), tmp_path / "churn")
     assert out["cycles"] == 3 and out["islands_admitted"] == 3 and out["islands_retired"] == 3, out["cycle_log"]
     assert out["coordinator_resumes"] >= 3 and [c["s"] for c in out["cycle_log"]]
     grown = {"islands.names": [list(CONFIGURED[:-1]), list(CONFIGURED)]}

@@ -90,6 +90,9 @@ WAIT_S = 300.0
 """How long any one condition of a cycle may take to come true on a slow, loaded machine."""
 POLL_S = 0.5
 """How often a wait on the records reads them (they grow with the run; the kills wait on markers, not on these)."""
+WARM_UP_CYCLES = 3
+"""Cycles before the memory and disk samples are compared: the checkpoint stores of the coordinator and of each island
+fill their `max_to_keep` steps over the first three (state 3.3 -> 3.7 -> 4.6 MiB, then flat)."""
 CYCLES_PER_MINUTE = 6
 """No cycle is faster than this on any machine: the stops a `--minutes` run is started with cover this many."""
 CORPUS_BYTES = 60_000
@@ -417,7 +420,7 @@ class ChurnPlan:
 
     cycles: int | None = None
     minutes: float | None = None
-    warm_up: int = 1
+    warm_up: int = WARM_UP_CYCLES
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -276,9 +276,9 @@ def _add_soak(p: argparse.ArgumentParser) -> None:
 def _add_churn_soak(p: argparse.ArgumentParser) -> None:
     _with_own_config(p)
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--cycles", type=int, default=None, help="cycles to run (default 3 without --minutes)")
+    length.add_argument("--cycles", type=int, default=None, help="cycles to run (default: the warm-up + 2)")
     length.add_argument("--minutes", type=float, default=None, help="run cycles until this many minutes have passed")
-    p.add_argument("--warm-up", type=int, default=1, help="cycles before RSS and disk are compared (default 1)")
+    p.add_argument("--warm-up", type=int, default=None, help="cycles before RSS and disk are compared (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the run and of its corpus")
 
 
@@ -383,10 +383,11 @@ def _churn(args: argparse.Namespace) -> Result:
 
 
 def _churn_soak(args: argparse.Namespace) -> Result:
-    from diloco.bench.churn_soak import ChurnPlan, run_churn_soak_bench
+    from diloco.bench.churn_soak import WARM_UP_CYCLES, ChurnPlan, run_churn_soak_bench
 
-    cycles = 3 if args.cycles is None and args.minutes is None else args.cycles
-    plan = ChurnPlan(cycles=cycles, minutes=args.minutes, warm_up=args.warm_up, seed=args.seed)
+    warm_up = WARM_UP_CYCLES if args.warm_up is None else args.warm_up
+    cycles = warm_up + 2 if args.cycles is None and args.minutes is None else args.cycles
+    plan = ChurnPlan(cycles=cycles, minutes=args.minutes, warm_up=warm_up, seed=args.seed)
     return run_churn_soak_bench(plan, _run_dir(args), args.overrides)
 
 
