@@ -192,7 +192,13 @@ class IslandsConfig:
     """Local devices each island uses (its mesh size). On CPU, more come from
     XLA_FLAGS=--xla_force_host_platform_device_count=N."""
     shard_params: bool = False
-    """Shard parameters and optimizer state across the island's devices (for models larger than one device)."""
+    """Shard parameters and optimizer state across the island's devices (for models larger than one device): along
+    the data axis of its mesh, FSDP style (islands/mesh.py)."""
+    tensor: int = 1
+    """The tensor-parallel width of each island's mesh: its devices form a mesh of data (devices / tensor) x tensor,
+    and the tensor axis splits attention heads, the feed-forward's hidden width, the vocabulary and expert stacks
+    (islands/mesh.py, by the model's logical axes; a built-in model.kind). Must divide islands.devices, so a tensor
+    group is one process's devices."""
     slowdown: tuple[str, ...] = ()
     """"NAME=FACTOR" entries: island NAME takes FACTOR (>= 1) times as long per inner step (it sleeps the difference),
     a stand-in for slower hardware in tests and benchmarks."""
@@ -246,6 +252,8 @@ class IslandsConfig:
                 raise ValueError(f"islands.names: {reserved}")
         if self.devices < 1:
             raise ValueError(f"islands.devices must be >= 1 (got {self.devices})")
+        if self.tensor < 1 or self.devices % self.tensor:
+            raise ValueError(f"islands.tensor ({self.tensor}) must be >= 1 and divide islands.devices ({self.devices})")
         if self.processes < 1:
             raise ValueError(f"islands.processes must be >= 1 (got {self.processes})")
         if not 0.0 <= self.regroup_wait_s <= 3600.0:

@@ -22,7 +22,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from floor.errors import UserError
 from islands.config import InnerConfig
-from islands.mesh import param_sharding, replicated
+from islands.mesh import Layout, replicated
 from pytrees.encode import aligned_copy
 from pytrees.naming import path_name
 
@@ -185,11 +185,11 @@ def _accumulated_grads(loss_fn: LossFn, params: PyTree, batch: PyTree) -> tuple[
     return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum), jax.tree.map(jnp.mean, metrics)
 
 
-def place_tree(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:
-    """Put every leaf on the mesh with the layout `param_sharding` gives its shape.
+def place_tree(tree: PyTree, layout: Layout) -> PyTree:
+    """Put every leaf on the layout's mesh where `Layout.sharding` puts its name and shape.
 
-    Parameters and the optimizer moments that mirror them get the same layout because it is a pure function of
-    the shape; scalars (step counts) are replicated.
+    Parameters and the optimizer moments that mirror them (the same last path parts) get the same layout; scalars
+    (step counts) are replicated.
     """
     # The result is donated to the train step, which must never free the caller's buffers (in `simulate` every
     # island starts from the coordinator's own global parameters). `may_alias=False` alone is not enough: putting a
@@ -199,14 +199,12 @@ def place_tree(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:
     # in one batched device_put (a streaming island places a fragment at every merge).
     leaves, treedef = jax.tree.flatten(tree)
     copies = [aligned_copy(x) if isinstance(x, np.ndarray) else jnp.array(x, copy=True) for x in leaves]
-    shardings = [param_sharding(mesh, np.shape(x), shard_params) for x in leaves]
+    shardings = jax.tree.leaves(layout.shardings(tree))
     return jax.tree.unflatten(treedef, jax.device_put(copies, shardings))
 
 
-def _constrain(tree: PyTree, mesh: Mesh, shard_params: bool) -> PyTree:
-    return jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x, param_sharding(mesh, x.shape, shard_params)), tree
-    )
+def _constrain(tree: PyTree, layout: Layout) -> PyTree:
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, layout.shardings(tree))
 
 
 TrainStep = Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree, dict[str, jax.Array]]]
@@ -225,8 +223,8 @@ def inner_update(
 
 
 @functools.lru_cache(maxsize=32)
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh, shard_params: bool) -> TrainStep:
-    """jit(step) over `mesh`; params and optimizer state are donated and keep their layout.
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, layout: Layout) -> TrainStep:
+    """jit(step) over the layout's mesh; params and optimizer state are donated and keep their layout.
 
     Inputs arrive placed by `place_tree` and batches by `batch_sharding`; the outputs are constrained to the
     same layouts, so the donated buffers are reused. Cached, so islands of one process share one compilation.
@@ -234,7 +232,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mes
 
     def step(params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, dict]:
         params, opt_state, metrics = inner_update(loss_fn, tx, params, opt_state, batch)
-        return _constrain(params, mesh, shard_params), _constrain(opt_state, mesh, shard_params), metrics
+        return _constrain(params, layout), _constrain(opt_state, layout), metrics
 
     return jax.jit(step, donate_argnums=(0, 1))
 

@@ -42,7 +42,7 @@ from islands.chunks import ChunkStream, Span
 from islands.config import InnerConfig
 from islands.inner import make_train_step, place_tree
 from islands.memory import Footprint, OutOfMemoryError, device_room, step_advice, verdict
-from islands.mesh import accumulation_steps, batch_sharding, build_mesh, param_sharding
+from islands.mesh import Layout, accumulation_steps, batch_sharding, build_mesh, data_width
 from islands.models.base import Model
 from outer_optimizer.aggregate import pseudo_gradient
 from pytrees.feedback import Compressed, Residual, compress_tree, zero_residual
@@ -196,6 +196,7 @@ class Island:
         n_devices: int = 1,
         microbatch: int = 0,
         shard_params: bool = False,
+        tensor: int = 1,
         devices: list[jax.Device] | None = None,
         inner: InnerConfig | None = None,
         slowdown: float = 1.0,
@@ -218,10 +219,10 @@ class Island:
         self.stream = stream
         self.uplink = uplink or CodecSpec(kind="fp32")
         self.feedback_decay = feedback_decay
-        self.mesh = build_mesh(n_devices, devices)
-        self.shard_params = shard_params
+        self.mesh = build_mesh(n_devices, devices, tensor)
+        self.layout = Layout(self.mesh, shard_params, model.axis_units)
         self.microbatch = microbatch
-        self.passes = accumulation_steps(stream.batch_size, microbatch, n_devices)
+        self.passes = accumulation_steps(stream.batch_size, microbatch, data_width(self.mesh))
         self._batch_sharding = batch_sharding(self.mesh)
         self._step_fn: Callable | None = None
         self.state: IslandState | None = None
@@ -230,16 +231,17 @@ class Island:
 
     def place(self, tree: PyTree) -> PyTree:
         """Copy a pytree (params or optimizer state) onto this island's mesh with its layouts."""
-        return place_tree(tree, self.mesh, self.shard_params)
+        return place_tree(tree, self.layout)
 
     def start(self, params: PyTree, opt_state: PyTree | None = None, step: int = 0, cursor: int = 0) -> None:
         """Begin from params with a fresh inner optimizer state and a zero residual (or resume: `restore`)."""
+        self.layout.check(params)
         placed = self.place(params)
         opt = self.place(self.tx.init(placed) if opt_state is None else opt_state)
         residual = zero_residual(params, self.uplink)
         self.state = IslandState(params=placed, inner_opt_state=opt, residual=residual, step=step, data_cursor=cursor)
         self.stream.cursor = cursor
-        self._step_fn = make_train_step(self.model.loss, self.tx, self.mesh, self.shard_params)
+        self._step_fn = make_train_step(self.model.loss, self.tx, self.layout)
         self._warm = False
 
     def restore(self, state: IslandState) -> None:
@@ -300,11 +302,15 @@ class Island:
         except Exception:  # whatever the user's code raises under tracing: the check waits for the real state
             return None
 
-        def placed(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-            layout = param_sharding(self.mesh, x.shape, self.shard_params)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout)
+        def placed(tree: PyTree) -> PyTree:
+            return jax.tree.map(
+                lambda x, layout: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout),
+                tree,
+                self.layout.shardings(tree),
+            )
 
-        return jax.tree.map(placed, params), jax.tree.map(placed, opt_state)
+        self.layout.check(params)
+        return placed(params), placed(opt_state)
 
     def check_memory(self, params: PyTree = None, opt_state: PyTree = None) -> Any:
         """Compile the inner step for this state (default: `abstract_state`, before any exists) and raise
@@ -328,14 +334,19 @@ class Island:
             Footprint.of(compiled),
             device_room(mine),
             f"one train step (batch {self.stream.batch_size} x {tokens} tokens{split})",
-            step_advice(self.stream.batch_size, self.microbatch, passes, self.mesh.size, self.shard_params, self.remat),
+            self.step_advice(),
         )
         if message is not None:
             raise OutOfMemoryError(message)
         return compiled
 
+    def step_advice(self) -> str:
+        """The settings that shrink this island's train step (islands/memory.py, `step_advice`)."""
+        batch, layout = self.stream.batch_size, self.layout
+        return step_advice(batch, self.microbatch, self.passes, self.mesh.size, layout.shard_params, self.remat)
+
     def _compile_step(self, params: PyTree, opt_state: PyTree) -> Any:
-        step = make_train_step(self.model.loss, self.tx, self.mesh, self.shard_params)
+        step = make_train_step(self.model.loss, self.tx, self.layout)
         return step.lower(params, opt_state, self._batch_spec()).compile()
 
     def step_footprint(self) -> Footprint | None:

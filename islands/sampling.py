@@ -28,10 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from floor.errors import UserError
-from islands.mesh import AXIS, param_sharding, row_sharding
+from islands.mesh import Layout, data_width, row_sharding
 from islands.models import transformer
 from islands.models.base import Params
 from islands.models.config import ModelConfig
@@ -230,15 +229,15 @@ def token_logprobs(params: Params, model_cfg: ModelConfig, tokens: jax.Array, te
     return _token_logprobs(params, model_cfg, tokens, jnp.float32(temperature))
 
 
-def place_rows(mesh: Mesh, params: Params, shard_params: bool, *rows: np.ndarray) -> tuple[Params, list[jax.Array]]:
-    """Parameters and row arrays on an island's mesh: the parameters as the island lays them out (replicated, or
-    sharded with shard_params), each row array [B, ...] split over the data axis. B is padded up to a multiple of
-    the mesh's devices by repeating the last row; the caller keeps the first B rows of what comes back."""
-    n = mesh.shape[AXIS]
-    placed_params = jax.tree.map(lambda a: jax.device_put(a, param_sharding(mesh, a.shape, shard_params)), params)
+def place_rows(layout: Layout, params: Params, *rows: np.ndarray) -> tuple[Params, list[jax.Array]]:
+    """Parameters and row arrays on an island's mesh: the parameters as the island lays them out (`Layout`), each row
+    array [B, ...] split over the data axis. B is padded up to a multiple of the data axis's devices by repeating the
+    last row; the caller keeps the first B rows of what comes back."""
+    n = data_width(layout.mesh)
+    placed_params = jax.device_put(params, layout.shardings(params))
     placed = []
     for array in rows:
         extra = -len(array) % n
         padded = np.concatenate([array, np.repeat(array[-1:], extra, axis=0)]) if extra else array
-        placed.append(jax.device_put(padded, row_sharding(mesh)))
+        placed.append(jax.device_put(padded, row_sharding(layout.mesh)))
     return placed_params, placed

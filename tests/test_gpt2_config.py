@@ -22,7 +22,7 @@ import pytest
 
 from diloco.config import ConfigError, load_config
 from islands.inner import make_train_step, place_tree
-from islands.mesh import accumulation_steps, build_mesh
+from islands.mesh import Layout, accumulation_steps, build_mesh
 from islands.models.base import param_count
 from islands.models.config import ModelConfig, ModelError
 from islands.models.registry import build_model
@@ -135,15 +135,15 @@ def test_bf16_matmuls_over_float32_master_weights() -> None:
 
 @pytest.mark.slow
 def test_bf16_step_keeps_float32_params_and_optimizer_state() -> None:
-    mesh = build_mesh(1)
+    layout = Layout(build_mesh(1))
     tx = optax.adamw(1e-3)
     init = jax.jit(build_model(SMALL).init)(jax.random.key(0))
     stack = batch(SMALL)[None]  # one pass
     fp32_loss = float(jax.jit(build_model(SMALL).loss)(init, stack[0])[0])
     model = build_model(replace(SMALL, compute_dtype="bfloat16"))
-    params = place_tree(init, mesh, False)
-    params, opt_state, metrics = make_train_step(model.loss, tx, mesh, False)(
-        params, place_tree(tx.init(params), mesh, False), stack
+    params = place_tree(init, layout)
+    params, opt_state, metrics = make_train_step(model.loss, tx, layout)(
+        params, place_tree(tx.init(params), layout), stack
     )
     floats = [x for x in jax.tree.leaves((params, opt_state)) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}

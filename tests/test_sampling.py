@@ -269,19 +269,20 @@ def test_bad_requests_are_one_line(change, message):
 
 MESH_CHILD = """
 import json, jax, jax.numpy as jnp, numpy as np
-from islands.mesh import build_mesh
+from islands.mesh import Layout, build_mesh
+from islands.models.axes import axis_units
 from islands.models.registry import ARCHITECTURES, build_model
 from islands.sampling import generate, place_rows
 from tests.test_sampling import LENS, NEW, PROMPTS, TINY
 params = jax.jit(build_model(TINY).init)(jax.random.key(0))
 out = {}
-for n in (1, 2):
-    mesh = build_mesh(n)
-    # 3 rows on 2 devices: padded to 4, the extra row dropped after.
-    placed, (prompts, lens) = place_rows(mesh, params, False, PROMPTS, LENS)
+for n, tensor in ((1, 1), (2, 1), (4, 2)):
+    layout = Layout(build_mesh(n, tensor=tensor), False, axis_units(TINY))
+    # 3 rows on 2 devices of the data axis: padded to 4, the extra row dropped after.
+    placed, (prompts, lens) = place_rows(layout, params, PROMPTS, LENS)
     tokens, lengths = generate(placed, TINY, prompts, lens, key=jax.random.key(0), max_new_tokens=NEW, temperature=0)
     out[n] = {"tokens": np.asarray(tokens)[: len(PROMPTS)].tolist(), "devices": len(tokens.sharding.device_set),
-              "rows": len(tokens)}
+              "rows": len(tokens), "tensor_split": sum("tensor" in x.sharding.spec for x in jax.tree.leaves(placed))}
 print(json.dumps(out))
 """
 
@@ -293,10 +294,12 @@ def test_generation_runs_on_an_islands_mesh():
         capture_output=True,
         text=True,
         timeout=240,
-        env=child_env(devices=2, jax_cache=True),
+        env=child_env(devices=4, jax_cache=True),
         cwd=REPO,
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["1"]["devices"] == 1 and out["2"]["devices"] == 2 and out["2"]["rows"] == 4
-    assert out["1"]["tokens"] == out["2"]["tokens"]
+    # A 2 x 2 mesh: rows over the data axis, heads, MLP and vocabulary over the tensor axis.
+    assert out["4"]["devices"] == 4 and out["4"]["rows"] == 4 and out["4"]["tensor_split"] >= 8, out["4"]
+    assert out["1"]["tokens"] == out["2"]["tokens"] == out["4"]["tokens"]

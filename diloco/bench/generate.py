@@ -42,7 +42,6 @@ from diloco.config import RunConfig
 from diloco.run.setup import build_setup
 from islands.inner import make_inner_optimizer
 from islands.island import Island
-from islands.mesh import build_mesh
 from islands.models.base import param_count
 from islands.sampling import SamplingError, check_request, generate, place_rows
 
@@ -99,15 +98,19 @@ def run_generate_bench(
     setup = build_setup(cfg, islands=[name])
     tx = make_inner_optimizer(cfg.inner, cfg.total_inner_steps)
     island = Island(
-        "bench", setup.model, tx, setup.streams[name], n_devices=cfg.islands.devices, microbatch=cfg.train.microbatch
+        "bench",
+        setup.model,
+        tx,
+        setup.streams[name],
+        n_devices=cfg.islands.devices,
+        microbatch=cfg.train.microbatch,
+        shard_params=cfg.islands.shard_params,
+        tensor=cfg.islands.tensor,
     )
     island.start(setup.init_params)
-    mesh = build_mesh(cfg.islands.devices)
     rng = np.random.default_rng(cfg.run.seed)
     prompts = rng.integers(0, cfg.model.vocab_size, (batch, prompt_len), dtype=np.int32)
-    params, (rows, lens) = place_rows(
-        mesh, setup.init_params, cfg.islands.shard_params, prompts, np.full(batch, prompt_len, np.int32)
-    )
+    params, (rows, lens) = place_rows(island.layout, setup.init_params, prompts, np.full(batch, prompt_len, np.int32))
 
     def make(n: int) -> Callable[[], object]:
         key = jax.random.key(cfg.run.seed)

@@ -12,6 +12,7 @@ A bad argument is one line naming it, before the run is read; a prompt too long 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ import numpy as np
 
 from diloco.ops.trained import load_trained
 from floor.errors import UserError
-from islands.mesh import build_mesh
+from islands.mesh import Layout, build_mesh
+from islands.models.axes import axis_units
 from islands.sampling import generate, place_rows
 from islands.text import TextCodec, TokenizerText, text_codec
 from islands.workloads.text import with_stop
@@ -88,8 +90,10 @@ def sample(
     for b, ids in enumerate(encoded):
         rows[b, : len(ids)] = ids
     lens = np.array([len(ids) for ids in encoded], np.int32)
-    mesh = build_mesh(min(trained.islands.devices, len(jax.devices())))
-    params, (rows_placed, lens_placed) = place_rows(mesh, trained.params, trained.islands.shard_params, rows, lens)
+    n_devices = min(trained.islands.devices, len(jax.devices()))
+    mesh = build_mesh(n_devices, tensor=math.gcd(n_devices, trained.islands.tensor))
+    layout = Layout(mesh, trained.islands.shard_params, axis_units(trained.model))
+    params, (rows_placed, lens_placed) = place_rows(layout, trained.params, rows, lens)
     tokens, lengths = generate(
         params,
         trained.model,

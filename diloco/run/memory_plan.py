@@ -31,7 +31,6 @@ from islands.memory import (
     format_bytes,
     host_room,
     process_advice,
-    step_advice,
 )
 from outer_optimizer.optimizers import build_optimizer
 from pytrees.encode import encode
@@ -140,9 +139,7 @@ def refusal(process: ProcessPlan, room: Room | None, island: Island) -> str | No
     `island`: one of its islands, whose settings the advice names."""
     if room is None or process.peak <= room.free:
         return None
-    knobs = step_advice(
-        island.stream.batch_size, island.microbatch, island.passes, island.mesh.size, island.shard_params, island.remat
-    )
+    knobs = island.step_advice()
     return (
         f"this run needs about {format_bytes(process.peak)} in one process ({process.describe()}), {room.text}; "
         f"{process_advice(process.islands, knobs)}"

@@ -185,7 +185,7 @@ class PostTraining:
         """The model an island of this kind trains: the same parameters, the workload's loss."""
         w = self.workload
         loss = WorkloadLoss(kind, self.cfg.model, w.beta, w.kl_coef, w.sft_weight, w.temperature)
-        return Model(init=base.init, loss=loss, step_figures=STEP_FIGURES[kind])
+        return Model(init=base.init, loss=loss, axis_units=base.axis_units, step_figures=STEP_FIGURES[kind])
 
     def stream(self, name: str, names: Sequence[str], stream_id: int) -> Batches:
         """Island `name`'s batches: its share of its kind's examples."""

@@ -226,6 +226,7 @@ def make_island(
         n_devices=cfg.islands.devices if n_devices is None else n_devices,
         microbatch=cfg.train.microbatch,
         shard_params=cfg.islands.shard_params,
+        tensor=cfg.islands.tensor,
         inner=cfg.inner,
         slowdown=cfg.islands.slowdowns().get(name, 1.0),
         device_step_s=cfg.islands.device_step_s,

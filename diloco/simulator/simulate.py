@@ -43,7 +43,7 @@ from diloco.simulator.local_islands import finish, island_stores, save_islands, 
 from diloco.simulator.scripted_roster import ScriptedRoster
 from islands.chunks import ChunkStream, Span
 from islands.island import Batches, InnerRun, Island, PolicyBatches, RoundPush, empty_batch
-from islands.mesh import accumulation_steps, build_mesh
+from islands.mesh import accumulation_steps, build_mesh, data_width
 from islands.vectorized import IslandStack
 from outer_optimizer.fragments import merging_fragment, next_event, syncing_fragment
 from pytrees.digest import tree_digest
@@ -100,7 +100,8 @@ def run_simulation(cfg: RunConfig, run_dir: Path, show_progress: bool = True) ->
         )
     setup = build_setup(cfg)
     # Device and batch problems are the user's: report them before any run directory is created.
-    accumulation_steps(cfg.train.batch_size, cfg.train.microbatch, build_mesh(cfg.islands.devices).size)
+    mesh = build_mesh(cfg.islands.devices, tensor=cfg.islands.tensor)
+    accumulation_steps(cfg.train.batch_size, cfg.train.microbatch, data_width(mesh))
     check_fresh(cfg, run_dir)
     rd = RunDir(run_dir, cfg)
     try:

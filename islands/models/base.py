@@ -33,6 +33,10 @@ class Model:
     """(params, batch) -> (scalar loss to minimise, scalar metrics with at least "ce").
     batch is int32 [B, seq_len + 1]: inputs are batch[:, :-1], targets batch[:, 1:]."""
 
+    axis_units: tuple[tuple[str, int], ...] = ()
+    """How many whole units (heads, experts) each logical axis of its leaves holds (islands/models/axes.py), which a
+    tensor-parallel split keeps whole; none for a user model, whose leaves name no logical axes."""
+
     step_figures: tuple[str, ...] = ()
     """Metrics of `loss` that each inner step reports beside the loss (a post-training workload's: rl's training
     reward and KL, dpo's preference accuracy); none for a language model, whose loss is its figure."""

@@ -9,10 +9,12 @@ what runs them outside `loss` (the sampler's cached forward, log-probabilities, 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import jax
 
 from islands.models import llama, moe, transformer
+from islands.models.axes import axis_units
 from islands.models.base import Model, param_count
 from islands.models.config import ModelConfig, ModelError
 from islands.user_code import load_callable
@@ -56,8 +58,10 @@ ARCHITECTURES: dict[str, transformer.Architecture] = {
 
 
 def build_model(cfg: ModelConfig) -> Model:
-    """The Model that cfg describes (cfg is validated when it is constructed)."""
-    return MODELS[cfg.kind](cfg)
+    """The Model that cfg describes (cfg is validated when it is constructed), with the units of its logical axes
+    where it is a built-in kind."""
+    model = MODELS[cfg.kind](cfg)
+    return model if cfg.kind == "custom" else replace(model, axis_units=axis_units(cfg))
 
 
 def parameter_count(cfg: ModelConfig) -> int:
