@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from diloco.bench.errors import BenchError
@@ -31,22 +32,9 @@ from islands.step_memory import Lora, step_memory
 RATIO_BOUND = 1.5
 MIB = 1 << 20
 
-LLAMA_3 = dict(kind="llama", vocab_size=128256, rope_theta=500000.0, rope_scaling="llama3", norm_eps=1e-5)
-SHAPES: dict[str, ModelConfig] = {
-    # meta-llama/Llama-3.2-1B config.json: hidden 2048, 16 layers, 32 / 8 heads of 64, intermediate 8192, tied.
-    "llama-3.2-1b": ModelConfig(
-        **LLAMA_3, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, d_ff=8192, tie_embeddings=True
-    ),
-    # meta-llama/Llama-3.1-8B: hidden 4096, 32 layers, 32 / 8 heads of 128, intermediate 14336, untied.
-    "llama-3.1-8b": ModelConfig(
-        **LLAMA_3, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336, tie_embeddings=False
-    ),
-    # meta-llama/Llama-3.1-70B: hidden 8192, 80 layers, 64 / 8 heads of 128, intermediate 28672, untied.
-    "llama-3.1-70b": ModelConfig(
-        **LLAMA_3, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128, d_ff=28672, tie_embeddings=False
-    ),
-}
-"""The Llama 3 shapes of the table (1,235,814,400, 8,030,261,248 and 70,553,706,496 parameters)."""
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SHAPES = ("llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b")
+"""The Llama 3 shapes of the table: configs/NAME.toml (1,235,814,400, 8,030,261,248 and 70,553,706,496 parameters)."""
 
 TABLE_SEQ_LEN = 2048
 TABLE_MESHES = {8: ((8, 1), (4, 2), (1, 8)), 64: ((8, 8), (64, 1))}
@@ -75,18 +63,20 @@ CHECK_ROWS = 4
 
 
 def table() -> list[dict[str, Any]]:
-    """The plan at size: each shape, island size, mesh split, full fine-tune or LoRA, remat off and on, bfloat16
-    compute, one sequence of TABLE_SEQ_LEN tokens per device per pass, FSDP over the data axis, an int8 uplink."""
-    from floor.codec import CodecSpec
+    """The plan at size: each shape (its config's model and uplink), island size, mesh split, full fine-tune or LoRA,
+    remat off and on; bfloat16 compute, one sequence of TABLE_SEQ_LEN tokens per device per pass, FSDP over the data
+    axis."""
+    from diloco.config import load_config
 
     rows = []
-    for name, shape in SHAPES.items():
+    for name in SHAPES:
+        run = load_config(CONFIGS / f"{name}.toml")
         for devices, meshes in TABLE_MESHES.items():
             for data, tensor in meshes:
                 for lora in (None, TABLE_LORA):
                     for remat in (False, True):
-                        cfg = replace(shape, seq_len=TABLE_SEQ_LEN, compute_dtype="bfloat16", remat=remat)
-                        plan = step_memory(cfg, data, 1, data, tensor, True, lora, CodecSpec(kind="int8"))
+                        cfg = replace(run.model, seq_len=TABLE_SEQ_LEN, compute_dtype="bfloat16", remat=remat)
+                        plan = step_memory(cfg, data, 1, data, tensor, True, lora, run.codec.spec("uplink"))
                         rows.append(
                             {
                                 "model": name,
