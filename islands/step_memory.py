@@ -1,5 +1,5 @@
 """The memory plan at size: what one island's training step holds on each device of its mesh, from the model's shape
-alone (no JAX, nothing compiled), so that a 70B Llama on 64 accelerators can be sized on a laptop.
+alone (nothing traced or compiled), so that a 70B Llama on 64 accelerators can be sized on a laptop.
 
 `islands/memory.py` sizes a step from what XLA compiled for this host; this is the same question asked before there
 is a host that could compile it. A Llama-family `ModelConfig` (islands/models/llama.py's layout), the island's batch,
@@ -37,8 +37,8 @@ so a block saves A = 2 (12 + c) D + c (2 Hq Dh + 2 Hkv Dh) + 6 c F + (9 + c) Hq 
 L A b T, against Korthikanti's 34 h (their dropout masks and LayerNorm are not here; the float32 statistics and
 SwiGLU's third matrix are). With remat (`jax.checkpoint`, nothing saveable: transformer.forward) a block keeps its
 input, c D per token (Korthikanti's full recomputation, 2 s b h), and the backward pass holds one block's A at a time
-while it recomputes it: L c D b T + A b T. XLA may fuse some of the saved elementwise values away (on CPU it keeps
-about 0.6 of A: BENCHMARKS.md, "The memory plan at size"), so the count is an upper bound of what the backward holds.
+while it recomputes it: L c D b T + A b T. XLA may fuse some of the saved elementwise values away, so the count
+is an upper bound of what the backward holds (BENCHMARKS.md, "The memory plan at size", has it against XLA).
 
 Sharding over the mesh follows the logical-axis rules of the two-axis island mesh (MaxText's manner): the tensor
 axis takes the attention heads (wq's columns, wo's rows; when n_heads % tensor == 0), the key/value heads (wk, wv;
