@@ -309,6 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="conversations (messages), for a run tokenizer with a chat template"
     )
 
+    pln = sub.add_parser("plan", help="per-device memory of an island's step at size, from the config alone (JSON)")
+    pln.add_argument("config", help="TOML run config (e.g. configs/llama-3.1-8b.toml)")
+    pln.add_argument("--mesh", default=None, metavar="DATAxTENSOR", help="the island's mesh (default: devices x 1)")
+    pln.add_argument("--device-gb", type=float, default=80.0, help="each device's memory, GB (80)")
+    pln.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank only")
+    pln.add_argument(
+        "--lora-targets", default="wq,wk,wv,wo", help="the matrices LoRA adapts, comma-separated (wq,wk,wv,wo)"
+    )
+    pln.add_argument("--lora-base", default="float32", help="the frozen base's dtype under LoRA: float32 or bfloat16")
+    pln.add_argument("--sample", default=None, metavar="ROWSxLENGTH", help="a generation's KV cache to plan for")
+    pln.epilog = "Trailing section.key=value arguments override the config, e.g. model.remat=true train.microbatch=1."
+    pln.set_defaults(accepts_overrides=True)
+
     from diloco.bench.cli import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
     from diloco.deploy.k8s import add_deploy_parser  # argparse only: nothing rendered, no YAML imported
 
@@ -358,6 +371,35 @@ def _data(args: argparse.Namespace) -> int:
         text_field=args.text_field,
     )
     print(json.dumps(summary(args.out, meta), indent=2))
+    return 0
+
+
+def _by(text: str, flag: str) -> tuple[int, int]:
+    """ "8x2" -> (8, 2), else one line naming the flag."""
+    from diloco.config import ConfigError
+
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(f"{flag} must be two positive integers as AxB, e.g. 8x2 (got {text!r})")
+    return int(parts[0]), int(parts[1])
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from diloco.config import load_config
+    from islands.memory import GB
+    from islands.step_memory import Lora, advice, check, step_memory, summary
+
+    cfg = load_config(args.config, args.overrides)
+    data, tensor = _by(args.mesh, "--mesh") if args.mesh else (cfg.islands.devices, 1)
+    rows, length = _by(args.sample, "--sample") if args.sample else (0, 0)
+    lora = Lora(args.lora, tuple(args.lora_targets.split(",")), args.lora_base) if args.lora else None
+    shard = cfg.islands.shard_params
+    plan = step_memory(
+        cfg.model, cfg.train.batch_size, cfg.train.microbatch, data, tensor, shard, lora, cfg.codec.spec("uplink"),
+        rows, length,
+    )  # fmt: skip
+    print(json.dumps({"config": args.config, "mesh": f"{data}x{tensor}", **summary(plan, int(args.device_gb * GB))}))
+    check(plan, args.device_gb, advice(plan, data, tensor, shard, cfg.train.microbatch, lora))
     return 0
 
 
@@ -635,6 +677,7 @@ COMMANDS = {
     "admit": _admit,
     "retire": _retire,
     "bench": _bench,
+    "plan": _plan,
     "plot": _plot,
     "sample": _sample,
     "export": _export,

@@ -44,6 +44,7 @@ HELP = {
     "posttrain": "SFT, DPO and RL: DiLoCo vs one island vs data-parallel on the same samples, whole held-out split",
     "models": "the Llama family's block vs the GPT-2 block at equal parameters: step time and their ratio",
     "big": "a big model under launch (SmolLM2-135M-shaped): each process's peak memory vs its plan, tokens/s, bytes",
+    "plan": "the memory plan at size against XLA's per-device figure for a small Llama; --table: 1B, 8B, 70B",
 }
 
 
@@ -208,6 +209,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     _with_config(big)
     big.add_argument("--rounds", type=int, default=None, help="rounds of the run (default: the config's)")
     big.add_argument("--smoke", action="store_true", help="the config's family at a few hundred thousand parameters")
+    parsers["plan"].add_argument("--table", action="store_true", help="add the plan at size of the Llama 3 shapes")
 
 
 def _add_models(p: argparse.ArgumentParser) -> None:
@@ -512,6 +514,12 @@ def _big(args: argparse.Namespace) -> Result:
     return run_big_bench(args.config, args.overrides, _run_dir(args), args.rounds, args.smoke)
 
 
+def _plan(args: argparse.Namespace) -> Result:
+    from diloco.bench.plan import run_plan_bench
+
+    return run_plan_bench(args.table)
+
+
 def _posttrain(args: argparse.Namespace) -> Result:
     from diloco.bench.errors import parse_names
     from diloco.bench.posttrain import COLUMNS, DPO_DEFAULT, RL_DEFAULT, run_posttrain_bench
@@ -553,6 +561,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "posttrain": _posttrain,
     "models": _models,
     "big": _big,
+    "plan": _plan,
 }
 
 

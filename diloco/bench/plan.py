@@ -1,0 +1,169 @@
+"""`diloco bench plan`: the memory plan at size (islands/step_memory.py) against XLA at the sizes this host compiles,
+and the plan's table for Llama 3.2 1B, 3.1 8B and 3.1 70B on islands of 8 and 64 80 GB devices.
+
+The check: a Llama of tens of millions of parameters (`CHECK_MODEL`) is compiled as an island's train step
+(islands/inner.py `make_train_step`, AdamW, on a 1-D mesh of forced host devices, with and without
+islands.shard_params, float32 and bfloat16, remat off and on), in a child process that sets
+XLA_FLAGS=--xla_force_host_platform_device_count before JAX starts. The measured figure is XLA's compiled memory
+analysis per device (islands/memory.py `Footprint.total`: arguments, outputs not donated, temporaries, code): the
+buffers XLA assigns the step on each device, which a GPU's allocator must hold while it runs, the same parts the plan
+counts (its state and its step; the uplink's host buffers and a generation's cache are not in the step). A process's
+resident memory would not compare: on CPU every forced device is the one host's memory, beside the runtime.
+
+Reported (JSON): each case's plan and XLA's figure in MiB and plan / measured (`within_1_5x`: the issue's bound,
+either way). `--table`: the plan at size for the three Llama shapes (pure arithmetic, nothing compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from diloco.bench.errors import BenchError
+from islands.memory import GB
+from islands.models.config import ModelConfig
+from islands.step_memory import Lora, step_memory
+
+RATIO_BOUND = 1.5
+MIB = 1 << 20
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SHAPES = ("llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b")
+"""The Llama 3 shapes of the table: configs/NAME.toml (1,235,814,400, 8,030,261,248 and 70,553,706,496 parameters)."""
+
+TABLE_SEQ_LEN = 2048
+TABLE_MESHES = {8: ((8, 1), (4, 2), (1, 8)), 64: ((8, 8), (64, 1))}
+"""Island sizes and their data x tensor splits in the table."""
+
+TABLE_LORA = Lora(rank=16, targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), base_dtype="bfloat16")
+
+CHECK_MODEL = dict(
+    kind="llama", vocab_size=8192, seq_len=256, d_model=512, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=1408
+)
+"""The checked shape: 19.7M parameters (untied), every width of a Llama in small."""
+
+CHECK_CASES: tuple[tuple[int, bool, str, bool], ...] = (
+    (1, False, "float32", False),
+    (2, False, "float32", False),
+    (2, True, "float32", False),
+    (4, True, "float32", False),
+    (1, False, "bfloat16", False),
+    (2, True, "bfloat16", False),
+    (1, False, "float32", True),
+    (2, True, "bfloat16", True),
+)
+"""(devices, shard_params, compute dtype, remat) of each checked step; sequences per device per pass: `CHECK_ROWS`."""
+
+CHECK_ROWS = 4
+
+
+def table() -> list[dict[str, Any]]:
+    """The plan at size: each shape (its config's model and uplink), island size, mesh split, full fine-tune or LoRA,
+    remat off and on; bfloat16 compute, one sequence of TABLE_SEQ_LEN tokens per device per pass, FSDP over the data
+    axis."""
+    from diloco.config import load_config
+
+    rows = []
+    for name in SHAPES:
+        run = load_config(CONFIGS / f"{name}.toml")
+        for devices, meshes in TABLE_MESHES.items():
+            for data, tensor in meshes:
+                for lora in (None, TABLE_LORA):
+                    for remat in (False, True):
+                        cfg = replace(run.model, seq_len=TABLE_SEQ_LEN, compute_dtype="bfloat16", remat=remat)
+                        plan = step_memory(cfg, data, 1, data, tensor, True, lora, run.codec.spec("uplink"))
+                        rows.append(
+                            {
+                                "model": name,
+                                "devices": devices,
+                                "mesh": f"{data}x{tensor}",
+                                "lora": lora is not None,
+                                "remat": remat,
+                                "per_device_gb": round(plan.total / GB, 1),
+                                "fits_80gb": plan.total <= 80 * GB,
+                                "parts_gb": {k: round(v / GB, 2) for k, v in plan.parts().items()},
+                                "host_per_island_gb": round(plan.host.total / GB, 1),
+                            }
+                        )
+    return rows
+
+
+def measure(cases: tuple[tuple[int, bool, str, bool], ...] = CHECK_CASES) -> list[dict[str, Any]]:
+    """XLA's figure for each case's step, per device (`Footprint.total`), compiled in this process: its JAX must see
+    at least the cases' devices. Nothing runs; the state is shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    from islands.config import InnerConfig
+    from islands.inner import make_inner_optimizer, make_train_step
+    from islands.memory import Footprint
+    from islands.mesh import batch_sharding, build_mesh, param_sharding
+    from islands.models.registry import build_model
+
+    out = []
+    for devices, shard, dtype, remat in cases:
+        cfg = ModelConfig(**CHECK_MODEL, tie_embeddings=False, compute_dtype=dtype, remat=remat)
+        model, tx, mesh = build_model(cfg), make_inner_optimizer(InnerConfig(), 100), build_mesh(devices)
+
+        def placed(tree: Any, mesh: Any = mesh, shard: bool = shard) -> Any:
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=param_sharding(mesh, x.shape, shard)), tree
+            )
+
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        opt = jax.eval_shape(tx.init, params)
+        shape = (1, CHECK_ROWS * devices, cfg.seq_len + 1)
+        batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh))
+        compiled = make_train_step(model.loss, tx, mesh, shard).lower(placed(params), placed(opt), batch).compile()
+        footprint = Footprint.of(compiled)
+        if footprint is None:
+            raise BenchError("bench plan: XLA gives no memory analysis on this backend")
+        out.append({"devices": devices, "shard_params": shard, "dtype": dtype, "remat": remat, "xla": footprint.total})
+    return out
+
+
+def compare(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each measured case beside its plan: MiB and plan / measured."""
+    rows = []
+    for m in measured:
+        cfg = ModelConfig(**CHECK_MODEL, tie_embeddings=False, compute_dtype=m["dtype"], remat=m["remat"])
+        plan = step_memory(cfg, CHECK_ROWS * m["devices"], 0, m["devices"], 1, m["shard_params"])
+        ratio = round((plan.state + plan.step) / m["xla"], 3)
+        rows.append(
+            {
+                **{k: m[k] for k in ("devices", "shard_params", "dtype", "remat")},
+                "plan_mib": round((plan.state + plan.step) / MIB, 1),
+                "xla_mib": round(m["xla"] / MIB, 1),
+                "plan_over_xla": ratio,
+                "within_1_5x": 1 / RATIO_BOUND <= ratio <= RATIO_BOUND,
+            }
+        )
+    return rows
+
+
+def run_plan_bench(with_table: bool = False) -> dict[str, Any]:
+    """The check in a child process of max(devices) forced host devices; with `with_table`, the table too."""
+    devices = max(case[0] for case in CHECK_CASES)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    code = "import json; from diloco.bench.plan import measure; print(json.dumps(measure()))"
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    if child.returncode:
+        raise BenchError(f"bench plan: the measuring child failed: {child.stderr.strip().splitlines()[-1:]}")
+    cases = compare(json.loads(child.stdout.strip().splitlines()[-1]))
+    result: dict[str, Any] = {
+        "bench": "plan",
+        "model": CHECK_MODEL,
+        "rows_per_device": CHECK_ROWS,
+        "cases": cases,
+        "all_within_1_5x": all(c["within_1_5x"] for c in cases if not c["remat"]),
+        "remat_within_1_5x": all(c["within_1_5x"] for c in cases if c["remat"]),
+    }
+    if with_table:
+        result["table"] = table()
+    return result
