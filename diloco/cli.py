@@ -311,7 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     pln = sub.add_parser("plan", help="per-device memory of an island's step at size, from the config alone (JSON)")
     pln.add_argument("config", help="TOML run config (e.g. configs/llama-3.1-8b.toml)")
-    pln.add_argument("--mesh", default=None, metavar="DATAxTENSOR", help="the island's mesh (default: devices x 1)")
     pln.add_argument("--device-gb", type=float, default=80.0, help="each device's memory, GB (80)")
     pln.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank only")
     pln.add_argument(
@@ -319,7 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pln.add_argument("--lora-base", default="float32", help="the frozen base's dtype under LoRA: float32 or bfloat16")
     pln.add_argument("--sample", default=None, metavar="ROWSxLENGTH", help="a generation's KV cache to plan for")
-    pln.epilog = "Trailing section.key=value arguments override the config, e.g. model.remat=true train.microbatch=1."
+    pln.epilog = (
+        "Trailing section.key=value arguments override the config, e.g. islands.devices=64 islands.tensor=8 "
+        "model.remat=true: the island's mesh is islands.devices / islands.tensor x islands.tensor."
+    )
     pln.set_defaults(accepts_overrides=True)
 
     from diloco.bench.cli import add_bench_parser  # argparse only: no benchmark module (nor JAX) is imported
@@ -390,7 +392,7 @@ def _plan(args: argparse.Namespace) -> int:
     from islands.step_memory import Lora, advice, check, step_memory, summary
 
     cfg = load_config(args.config, args.overrides)
-    data, tensor = _by(args.mesh, "--mesh") if args.mesh else (cfg.islands.devices, 1)
+    data, tensor = cfg.islands.devices // cfg.islands.tensor, cfg.islands.tensor
     rows, length = _by(args.sample, "--sample") if args.sample else (0, 0)
     lora = Lora(args.lora, tuple(args.lora_targets.split(",")), args.lora_base) if args.lora else None
     shard = cfg.islands.shard_params

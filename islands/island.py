@@ -302,15 +302,8 @@ class Island:
         except Exception:  # whatever the user's code raises under tracing: the check waits for the real state
             return None
 
-        def placed(tree: PyTree) -> PyTree:
-            return jax.tree.map(
-                lambda x, layout: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout),
-                tree,
-                self.layout.shardings(tree),
-            )
-
         self.layout.check(params)
-        return placed(params), placed(opt_state)
+        return self.layout.shapes(params), self.layout.shapes(opt_state)
 
     def check_memory(self, params: PyTree = None, opt_state: PyTree = None) -> Any:
         """Compile the inner step for this state (default: `abstract_state`, before any exists) and raise

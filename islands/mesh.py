@@ -146,6 +146,13 @@ class Layout:
         """`sharding` of every leaf of `tree` (arrays or shapes), as a tree of the same structure."""
         return jax.tree_util.tree_map_with_path(lambda p, x: self.sharding(path_name(p), np.shape(x)), tree)
 
+    def shapes(self, tree: Any) -> Any:
+        """`tree` as shapes (`jax.ShapeDtypeStruct`) with the layouts `sharding` gives them: what a step is compiled
+        for before any state exists."""
+        return jax.tree.map(
+            lambda x, layout: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=layout), tree, self.shardings(tree)
+        )
+
     def unnamed(self, params: Any) -> list[str]:
         """The leaves of `params` with no logical axes (a user model's): a tensor split cannot place them."""
         leaves = jax.tree_util.tree_leaves_with_path(params)

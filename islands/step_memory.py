@@ -1,5 +1,6 @@
 """The memory plan at size: what one island's training step holds on each device of its mesh, from the model's shape
-alone (nothing traced or compiled), so that a 70B Llama on 64 accelerators can be sized on a laptop.
+alone (its init traced abstractly, nothing allocated or compiled), so that a 70B Llama on 64 accelerators can be sized
+on a laptop.
 
 `islands/memory.py` sizes a step from what XLA compiled for this host; this is the same question asked before there
 is a host that could compile it. A Llama-family `ModelConfig` (islands/models/llama.py's layout), the island's batch,
@@ -40,13 +41,13 @@ input, c D per token (Korthikanti's full recomputation, 2 s b h), and the backwa
 while it recomputes it: L c D b T + A b T. XLA may fuse some of the saved elementwise values away, so the count
 is an upper bound of what the backward holds (BENCHMARKS.md, "The memory plan at size", has it against XLA).
 
-Sharding over the mesh follows the logical-axis rules of the two-axis island mesh (MaxText's manner): the tensor
+Each leaf lies on the mesh as the island lays it out (islands/mesh.py, `leaf_spec`, by its logical axes): the tensor
 axis takes the attention heads (wq's columns, wo's rows; when n_heads % tensor == 0), the key/value heads (wk, wv;
 when n_kv_heads % tensor == 0, else they are replicated), the MLP's hidden width (w_gate, w_up columns, w_down rows),
 the vocabulary (embed rows, lm_head columns); norms are replicated. FSDP (`shard_params`) splits each leaf along its
-largest dimension divisible by the data axis among those the tensor axis does not take (islands/mesh.py,
-`param_sharding`, on a 1-D mesh). Activations split over the data axis by their sequences; over the tensor axis, the
-terms in heads, F and V split where their weights do, those in D are replicated (no sequence parallelism).
+largest dimension divisible by the data axis among those the tensor axis does not take. Activations split over the
+data axis by their sequences; over the tensor axis, the terms in heads, F and V split where their weights do
+(`tensor_share`), those in D are replicated (no sequence parallelism).
 
 The uplink's buffers are the host's, not the device's (pytrees/feedback.py works on numpy arrays), so they are
 reported per island apart from the device (`HostMemory`): the pushed tree's float32 pseudo-gradient Δ and its
@@ -61,13 +62,19 @@ device holds the state (parameters, optimizer) and the larger of a step and a ge
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
+import jax
+
 from floor.codec import CodecSpec, index_bits, raw_payload_nbytes, sparse_payload_nbytes
 from islands.memory import GB, OutOfMemoryError, format_bytes
-from islands.models.config import LLAMA_KINDS, ModelConfig, ModelError
+from islands.mesh import DATA, TENSOR, accumulation_steps, leaf_spec
+from islands.models.axes import Axes, axis_units, logical_axes
+from islands.models.config import ModelConfig, ModelError
+from islands.models.registry import build_model
+from pytrees.naming import path_name
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -99,12 +106,12 @@ class Lora:
 
 @dataclass(frozen=True)
 class Leaf:
-    """One parameter: its shape, the dimension the tensor axis takes (None: replicated over it), its bytes per
-    scalar and whether it is trained."""
+    """One parameter: its name, shape, logical axes (islands/models/axes.py), bytes per scalar and whether it is
+    trained."""
 
     name: str
     shape: tuple[int, ...]
-    tensor_dim: int | None
+    axes: Axes | None
     itemsize: int = 4
     trained: bool = True
 
@@ -112,67 +119,29 @@ class Leaf:
     def numel(self) -> int:
         return prod(self.shape)
 
-    def per_device(self, data: int, tensor: int, shard_params: bool) -> int:
-        """Scalars of this leaf on one device of a data x tensor mesh."""
-        shape = list(self.shape)
-        if tensor > 1 and self.tensor_dim is not None and shape[self.tensor_dim] % tensor == 0:
-            shape[self.tensor_dim] //= tensor
-            taken = self.tensor_dim
-        else:
-            taken = None
-        if shard_params and data > 1:
-            candidates = [d for d in range(len(shape)) if d != taken and shape[d] % data == 0]
-            if candidates:
-                dim = max(candidates, key=lambda d: shape[d])
-                shape[dim] //= data
-        return prod(shape)
-
-
-def split(n: int, tensor: int) -> int:
-    """A width the tensor axis takes where it divides it evenly (else it is replicated)."""
-    return n // tensor if n % tensor == 0 else n
-
-
-def heads_split(n_heads: int, tensor: int) -> bool:
-    return n_heads % tensor == 0
+    def per_device(self, data: int, tensor: int, shard_params: bool, units: Mapping[str, int]) -> int:
+        """Scalars of this leaf on one device of a data x tensor mesh, laid out as the island lays it out
+        (islands/mesh.py, `leaf_spec`)."""
+        spec = tuple(leaf_spec(self.shape, self.axes, data, tensor, shard_params, dict(units)))
+        width = {DATA: data, TENSOR: tensor, None: 1}
+        return prod(n // width[axis] for n, axis in zip(self.shape, spec + (None,) * len(self.shape), strict=False))
 
 
 def leaves(cfg: ModelConfig, lora: Lora | None = None) -> list[Leaf]:
-    """The Llama family's dense parameters (islands/models/llama.py's layout), each with the dimension the tensor axis
-    takes; under `lora` the base frozen in its dtype and the adapters added."""
-    d, v, f = cfg.d_model, cfg.vocab_size, cfg.d_ff
-    q, kv = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    """The model's parameters as its own init makes them (`jax.eval_shape`: shapes only, nothing allocated), each
+    with its logical axes; under `lora` the base frozen in its dtype and, for each targeted matrix, the adapters A
+    [in, r] (split where the matrix's input is) and B [r, out] (where its output is)."""
     base = 4 if lora is None else DTYPE_BYTES[lora.base_dtype]
-    trained = lora is None
-    out = [Leaf("embed/tok", (v, d), 0, base, trained)]
-    matrices = {  # the tensor axis takes wq's columns and wo's rows whole heads at a time (head-major layout)
-        "wq": ((d, q), 1),
-        "wk": ((d, kv), 1),
-        "wv": ((d, kv), 1),
-        "wo": ((q, d), 0),
-        "w_gate": ((d, f), 1),
-        "w_up": ((d, f), 1),
-        "w_down": ((f, d), 0),
-    }
-    for i in range(cfg.n_layers):
-        out += [Leaf(f"blocks/{i}/ln1/scale", (d,), None, base, trained)]
-        for name, (shape, dim) in matrices.items():
-            out.append(Leaf(f"blocks/{i}/{name}", shape, dim, base, trained))
-            if lora is not None and name in lora.targets:
-                # A [in, r] splits where the matrix's input does, B [r, out] where its output does.
-                out.append(Leaf(f"blocks/{i}/{name}/lora_a", (shape[0], lora.rank), 0 if dim == 0 else None))
-                out.append(Leaf(f"blocks/{i}/{name}/lora_b", (lora.rank, shape[1]), 1 if dim == 1 else None))
-        if cfg.qkv_bias or cfg.attn_bias:
-            out += [Leaf(f"blocks/{i}/b{n}", (w,), 0, base, trained) for n, w in (("q", q), ("k", kv), ("v", kv))]
-        if cfg.attn_bias:
-            out.append(Leaf(f"blocks/{i}/bo", (d,), None, base, trained))
-        if cfg.qk_norm:
-            h = cfg.head_size
-            out += [Leaf(f"blocks/{i}/{n}_norm/scale", (h,), None, base, trained) for n in ("q", "k")]
-        out.append(Leaf(f"blocks/{i}/ln2/scale", (d,), None, base, trained))
-    out.append(Leaf("final_norm/scale", (d,), None, base, trained))
-    if not cfg.tie_embeddings:
-        out.append(Leaf("lm_head", (d, v), 1, base, trained))
+    shapes = jax.eval_shape(build_model(cfg).init, jax.random.key(0))
+    out = []
+    for path, x in jax.tree_util.tree_leaves_with_path(shapes):
+        name = path_name(path)
+        axes = logical_axes(name, x.ndim)
+        out.append(Leaf(name, tuple(x.shape), axes, base, lora is None))
+        if lora is not None and name.startswith("blocks/") and name.split("/")[-1] in lora.targets:
+            (d_in, d_out), (a_in, a_out) = x.shape, axes or (None, None)
+            out.append(Leaf(f"{name}/lora_a", (d_in, lora.rank), (a_in, None)))
+            out.append(Leaf(f"{name}/lora_b", (lora.rank, d_out), (None, a_out)))
     return out
 
 
@@ -285,22 +254,26 @@ def summary(plan: StepMemory, device_bytes: int) -> dict[str, object]:
 
 def rows_per_pass(batch_size: int, microbatch: int, data: int) -> tuple[int, int]:
     """(passes, sequences per device per pass): islands/mesh.py's `accumulation_steps` over the data axis."""
-    from islands.mesh import accumulation_steps  # JAX, imported where a plan is made rather than with this module
-
     passes = accumulation_steps(batch_size, microbatch, data)
     return passes, batch_size // passes // data
+
+
+def tensor_share(axis: str, width: int, tensor: int, units: Mapping[str, int]) -> int:
+    """What one device of the tensor axis holds of a width of logical `axis`: the whole width where the mesh's rules
+    keep it whole (islands/mesh.py, `leaf_spec`), else its share."""
+    return width // tensor if any(leaf_spec((width,), (axis,), 1, tensor, False, dict(units))) else width
 
 
 def block_activations(cfg: ModelConfig, tensor: int, lora: Lora | None = None) -> int:
     """Bytes one block saves for the backward pass per token of a pass (A in the module docstring), per device."""
     c = DTYPE_BYTES[cfg.compute_dtype]
-    d, f, dh, t = cfg.d_model, cfg.d_ff, cfg.head_size, tensor
-    hq = cfg.n_heads // t if heads_split(cfg.n_heads, t) else cfg.n_heads
-    hkv = cfg.kv_heads // t if heads_split(cfg.kv_heads, t) else cfg.kv_heads
-    norms = 2 * (12 + c) * d
-    attention = c * (2 * hq * dh + 2 * hkv * dh)
-    scores = (9 + c) * hq * cfg.seq_len
-    mlp = 6 * c * split(f, t)
+    units, dh = dict(axis_units(cfg)), cfg.head_size
+    q = tensor_share("heads", cfg.n_heads * dh, tensor, units)
+    kv = tensor_share("kv_heads", cfg.kv_heads * dh, tensor, units)
+    norms = 2 * (12 + c) * cfg.d_model
+    attention = c * (2 * q + 2 * kv)
+    scores = (9 + c) * (q // dh) * cfg.seq_len
+    mlp = 6 * c * tensor_share("mlp", cfg.d_ff, tensor, units)
     adapters = c * lora.rank * len(lora.targets) if lora is not None else 0  # x @ A of each adapter
     return norms + attention + scores + mlp + adapters
 
@@ -333,14 +306,14 @@ def step_memory(
     device per pass (train.microbatch; 0: the whole batch in one pass); cfg.remat and cfg.compute_dtype as the model
     runs them; uplink: the codec of the pushes (None: fp32); sample_rows x sample_length: a generation's KV cache (0:
     none)."""
-    if cfg.kind not in LLAMA_KINDS or cfg.kind != "llama":
+    if cfg.kind != "llama":
         raise ModelError(f"the memory plan at size knows the dense Llama family (model.kind = llama), not {cfg.kind}")
     if data < 1 or tensor < 1:
         raise ModelError(f"the mesh must be at least 1 x 1 devices (got {data} x {tensor})")
     passes, rows = rows_per_pass(batch_size, microbatch, data)
     c = DTYPE_BYTES[cfg.compute_dtype]
-    params = _heads_aware(leaves(cfg, lora), cfg, tensor)
-    on_device = {leaf.name: leaf.per_device(data, tensor, shard_params) for leaf in params}
+    params, units = leaves(cfg, lora), axis_units(cfg)
+    on_device = {leaf.name: leaf.per_device(data, tensor, shard_params, units) for leaf in params}
     parameters = sum(on_device[leaf.name] * leaf.itemsize for leaf in params)
     trained = sum(on_device[leaf.name] for leaf in params if leaf.trained) * 4
     matrices = [leaf for leaf in params if leaf.name.split("/")[-1] in LORA_TARGETS]
@@ -350,7 +323,7 @@ def step_memory(
         """The weights the backward keeps beyond the arguments: gathered over the data axis (FSDP) in c, or cast
         to c where their dtype is not c."""
         if fsdp:
-            return sum(leaf.per_device(1, tensor, False) * c for leaf in of)
+            return sum(leaf.per_device(1, tensor, False, units) * c for leaf in of)
         return sum(on_device[leaf.name] * c for leaf in of if leaf.itemsize != c)
 
     per_block = [leaf for leaf in matrices if leaf.name.startswith("blocks/0/")]
@@ -359,12 +332,12 @@ def step_memory(
     outside = (12 + c) * cfg.d_model * tokens  # the final norm
     full = cfg.n_layers * a * tokens + outside
     remat = cfg.n_layers * c * cfg.d_model * tokens + a * tokens + outside
-    v = split(cfg.vocab_size, tensor)
+    v = tensor_share("vocab", cfg.vocab_size, tensor, units)
     logits = LOGITS_COPIES * 4 * v * tokens + (c * v * tokens if c != 4 else 0)
     head = [leaf for leaf in params if leaf.name in ("lm_head", "embed/tok")]
     head = [leaf for leaf in head if leaf.name == "lm_head"] or head  # the output projection
     weight_copies = copies(head) + copies(per_block) * (1 if cfg.remat else cfg.n_layers)
-    hkv = cfg.kv_heads // tensor if heads_split(cfg.kv_heads, tensor) else cfg.kv_heads
+    hkv = tensor_share("kv_heads", cfg.kv_heads * cfg.head_size, tensor, units) // cfg.head_size
     cache_rows = -(-sample_rows // data)
     kv_cache = 2 * cfg.n_layers * cache_rows * hkv * sample_length * cfg.head_size * c
     pushed = sum(leaf.numel for leaf in params if leaf.trained)
@@ -395,19 +368,6 @@ def step_memory(
         passes=passes,
         rows=rows,
     )
-
-
-def _heads_aware(params: list[Leaf], cfg: ModelConfig, tensor: int) -> list[Leaf]:
-    """Attention leaves are split whole heads or not at all: the query side only when n_heads % tensor == 0, the
-    key/value side only when n_kv_heads % tensor == 0 (else replicated over the tensor axis)."""
-    q_ok, kv_ok = heads_split(cfg.n_heads, tensor), heads_split(cfg.kv_heads, tensor)
-    out = []
-    for leaf in params:
-        parts = leaf.name.split("/")
-        kind = next((p for p in parts if p in ("wq", "wo", "bq", "wk", "wv", "bk", "bv")), None)
-        ok = kv_ok if kind in ("wk", "wv", "bk", "bv") else q_ok
-        out.append(leaf if kind is None or ok else Leaf(leaf.name, leaf.shape, None, leaf.itemsize, leaf.trained))
-    return out
 
 
 def advice(

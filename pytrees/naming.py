@@ -60,14 +60,33 @@ def to_host(x: Any) -> Any:
 
     `np.asarray` of a JAX array keeps the host copy it makes inside the array, for as long as the array lives: an
     island's θ read for its Δ would hold a second θ until the next step, and θ_0 read by the first commit would hold
-    one for the whole run. Copying each shard's buffer into an array of our own leaves nothing behind."""
-    if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+    one for the whole run. Copying each shard's buffer into an array of our own leaves nothing behind.
+
+    A multi-process island's leaf spans every process's devices; each process holds all of it when it is split only
+    over that process's devices (islands.tensor; replicated across processes), and reads it from them. A leaf split
+    across processes is refused (diloco/worker/island_group.py refuses islands.shard_params there)."""
+    if not isinstance(x, jax.Array):
         return np.asarray(x)
     out = np.empty(x.shape, x.dtype)
-    for shard in x.addressable_shards:
-        if shard.replica_id == 0:
-            out[shard.index] = np.asarray(shard.data)
+    if x.is_fully_addressable:
+        for shard in x.addressable_shards:
+            if shard.replica_id == 0:
+                out[shard.index] = np.asarray(shard.data)
+        return out
+    if x.is_fully_replicated:
+        return np.asarray(x)
+    local: dict[str, Any] = {_index_key(s.index): s for s in x.addressable_shards}
+    every = {_index_key(index) for index in x.sharding.devices_indices_map(x.shape).values()}
+    if set(local) != every:
+        raise ValueError(f"a leaf of shape {x.shape} is split across processes: this process holds part of it")
+    for shard in local.values():
+        out[shard.index] = np.asarray(shard.data)
     return out
+
+
+def _index_key(index: tuple[slice, ...]) -> str:
+    """A shard's place in its array as a hashable text."""
+    return repr([(s.start, s.stop) for s in index])
 
 
 def flatten_named(tree: Any, *, to_numpy: bool = True) -> dict[str, Any]:

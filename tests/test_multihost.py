@@ -113,7 +113,15 @@ def _check_formations(
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", [pytest.param([], id="windows"), pytest.param(CHUNKS, id="chunks")])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        pytest.param([], id="windows"),
+        pytest.param(CHUNKS, id="chunks"),
+        # Each process's 2 devices one tensor group: the island's mesh is 2 (data, across processes) x 2 (tensor).
+        pytest.param(["islands.tensor=2"], id="tensor"),
+    ],
+)
 def test_two_process_island_trains_as_one_process_island_through_a_killed_follower(
     tmp_path: Path,
     tiny_config: Path,
@@ -123,7 +131,8 @@ def test_two_process_island_trains_as_one_process_island_through_a_killed_follow
 ) -> None:
     """island-0 as 2 processes x 2 devices against the one-process run of the same config (`simulated`). With
     chunks, process 0 leases for the island and its follower reads the same spans: the restarted island leases its
-    round again, reads the batches it lost, and the run consumes each sequence once."""
+    round again, reads the batches it lost, and the run consumes each sequence once. With islands.tensor = 2 each
+    process holds its leaves split over its own two devices and forms the whole Δ from them."""
     reference = simulated([*RUN, *sampling])
     fed = Federation(
         tiny_config,
@@ -155,7 +164,7 @@ def test_two_process_island_trains_as_one_process_island_through_a_killed_follow
     assert (island / "process-1.lock").exists() and (island / "process-1.pid").exists()
     worst = _same_curve(fed, reference, ROUNDS)
     print(f"killed in round {killed_in}; loss curves differ by at most {worst:.3g}")
-    if sampling:
+    if sampling == CHUNKS:
         leased = [e["spans"] for e in fed.events("leased", island="island-0") if e["round"] == killed_in]
         assert len(leased) == 2 and leased[0] == leased[1]  # what the lost round read is read again, by the same
         _each_sequence_once(fed, ROUNDS)

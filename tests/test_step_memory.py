@@ -16,7 +16,7 @@ from floor.codec import CodecSpec
 from islands.config import InnerConfig
 from islands.inner import make_inner_optimizer, make_train_step
 from islands.memory import Footprint, OutOfMemoryError
-from islands.mesh import batch_sharding, build_mesh, param_sharding
+from islands.mesh import Layout, batch_sharding, build_mesh
 from islands.models.config import ModelConfig, ModelError
 from islands.models.registry import build_model
 from islands.models.registry import parameter_count as traced_count
@@ -99,18 +99,12 @@ def test_kv_cache_and_uplink_buffers() -> None:
 def test_plan_within_1_5x_of_xla() -> None:
     """One tiny step compiled on this process's first device: the plan's state and step against XLA's figure."""
     cfg = ModelConfig(kind="llama", vocab_size=512, seq_len=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
-    model, tx, mesh = build_model(cfg), make_inner_optimizer(InnerConfig(), 10), build_mesh(1)
+    model, tx, layout = build_model(cfg), make_inner_optimizer(InnerConfig(), 10), Layout(build_mesh(1))
     params = jax.eval_shape(model.init, jax.random.key(0))
     opt = jax.eval_shape(tx.init, params)
-
-    def placed(tree: object) -> object:
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=param_sharding(mesh, x.shape, False)), tree
-        )
-
-    batch = jax.ShapeDtypeStruct((1, 8, 65), jnp.int32, sharding=batch_sharding(mesh))
+    batch = jax.ShapeDtypeStruct((1, 8, 65), jnp.int32, sharding=batch_sharding(layout.mesh))
     footprint = Footprint.of(
-        make_train_step(model.loss, tx, mesh, False).lower(placed(params), placed(opt), batch).compile()
+        make_train_step(model.loss, tx, layout).lower(layout.shapes(params), layout.shapes(opt), batch).compile()
     )
     assert footprint is not None
     plan = step_memory(cfg, 8)
@@ -120,7 +114,7 @@ def test_plan_within_1_5x_of_xla() -> None:
 
 def test_what_does_not_fit_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     config = str(CONFIGS / "llama-3.1-70b.toml")
-    assert main(["plan", config, "--mesh", "8x8", "model.remat=true"]) == 0
+    assert main(["plan", config, "islands.devices=64", "islands.tensor=8", "model.remat=true"]) == 0
     assert main(["plan", config]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "largest: activations" in err[0] and "turn on model.remat" in err[0]
@@ -133,4 +127,4 @@ def test_mistakes_are_one_line() -> None:
         Lora(4, ("wqkv",))
     with pytest.raises(ModelError, match="model.kind = llama"):
         step_memory(ModelConfig(), 8)
-    assert main(["plan", str(CONFIGS / "llama-3.2-1b.toml"), "--mesh", "8by1"]) == 2
+    assert main(["plan", str(CONFIGS / "llama-3.2-1b.toml"), "islands.tensor=3"]) == 2

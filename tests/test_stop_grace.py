@@ -74,3 +74,36 @@ def test_a_forced_stop_that_cannot_finish_dumps_every_stack_and_exits() -> None:
     assert "forced after" not in done.stdout
     assert "Timeout (0:00:05)!" in done.stderr
     assert "in forced" in done.stderr  # the stuck thread's frame, so the log says where it hung
+
+
+class Worker:
+    """What an island's worker does with a stop (diloco/worker/island_worker.py, `IslandWorker`): a note of it."""
+
+    def __init__(self) -> None:
+        self.requested: list[str] = []
+        self.forced: list[str] = []
+
+    def request_stop(self, reason: str) -> None:
+        self.requested.append(reason)
+
+    def forced_stop(self, reason: str) -> None:
+        self.forced.append(reason)
+
+
+def test_a_stop_while_the_island_starts_reaches_its_worker(capsys: pytest.CaptureFixture[str]) -> None:
+    """A SIGTERM before the worker exists (the model compiling, the checkpoint restoring) is kept and handed to the
+    worker, which stops at its first sync point; a grace that ends first ends the process with the island's line."""
+    from diloco.worker.island_worker import StartingStop
+
+    early = StartingStop("us-east")
+    early.request("SIGTERM")
+    worker = Worker()
+    early.attach(worker)  # type: ignore[arg-type]
+    assert worker.requested == ["SIGTERM"]
+    early.forced("SIGTERM")
+    assert worker.forced == ["SIGTERM"] and capsys.readouterr().out == ""
+    never = StartingStop("eu-west")
+    never.request("SIGINT")
+    never.forced("SIGINT")
+    (line,) = capsys.readouterr().out.splitlines()
+    assert '"island": "eu-west"' in line and "SIGINT (forced after 10 s: while starting)" in line

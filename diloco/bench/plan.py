@@ -2,8 +2,8 @@
 and the plan's table for Llama 3.2 1B, 3.1 8B and 3.1 70B on islands of 8 and 64 80 GB devices.
 
 The check: a Llama of tens of millions of parameters (`CHECK_MODEL`) is compiled as an island's train step
-(islands/inner.py `make_train_step`, AdamW, on a 1-D mesh of forced host devices, with and without
-islands.shard_params, float32 and bfloat16, remat off and on), in a child process that sets
+(islands/inner.py `make_train_step`, AdamW, on data x tensor meshes of forced host devices, with and
+without islands.shard_params, float32 and bfloat16, remat off and on), in a child process that sets
 XLA_FLAGS=--xla_force_host_platform_device_count before JAX starts. The measured figure is XLA's compiled memory
 analysis per device (islands/memory.py `Footprint.total`: arguments, outputs not donated, temporaries, code): the
 buffers XLA assigns the step on each device, which a GPU's allocator must hold while it runs, the same parts the plan
@@ -47,17 +47,22 @@ CHECK_MODEL = dict(
 )
 """The checked shape: 19.7M parameters (untied), every width of a Llama in small."""
 
-CHECK_CASES: tuple[tuple[int, bool, str, bool], ...] = (
-    (1, False, "float32", False),
-    (2, False, "float32", False),
-    (2, True, "float32", False),
-    (4, True, "float32", False),
-    (1, False, "bfloat16", False),
-    (2, True, "bfloat16", False),
-    (1, False, "float32", True),
-    (2, True, "bfloat16", True),
+CHECK_CASES: tuple[tuple[int, int, bool, str, bool], ...] = (
+    (1, 1, False, "float32", False),
+    (2, 1, False, "float32", False),
+    (2, 1, True, "float32", False),
+    (4, 1, True, "float32", False),
+    (1, 1, False, "bfloat16", False),
+    (2, 1, True, "bfloat16", False),
+    (1, 2, False, "float32", False),
+    (1, 4, False, "float32", False),
+    (2, 2, True, "float32", False),
+    (2, 2, True, "bfloat16", False),
+    (1, 1, False, "float32", True),
+    (2, 1, True, "bfloat16", True),
 )
-"""(devices, shard_params, compute dtype, remat) of each checked step; sequences per device per pass: `CHECK_ROWS`."""
+"""(data, tensor, shard_params, compute dtype, remat) of each checked step; sequences per device of the data axis per
+pass: `CHECK_ROWS`."""
 
 CHECK_ROWS = 4
 
@@ -93,7 +98,7 @@ def table() -> list[dict[str, Any]]:
     return rows
 
 
-def measure(cases: tuple[tuple[int, bool, str, bool], ...] = CHECK_CASES) -> list[dict[str, Any]]:
+def measure(cases: tuple[tuple[int, int, bool, str, bool], ...] = CHECK_CASES) -> list[dict[str, Any]]:
     """XLA's figure for each case's step, per device (`Footprint.total`), compiled in this process: its JAX must see
     at least the cases' devices. Nothing runs; the state is shapes."""
     import jax
@@ -102,28 +107,24 @@ def measure(cases: tuple[tuple[int, bool, str, bool], ...] = CHECK_CASES) -> lis
     from islands.config import InnerConfig
     from islands.inner import make_inner_optimizer, make_train_step
     from islands.memory import Footprint
-    from islands.mesh import batch_sharding, build_mesh, param_sharding
+    from islands.mesh import Layout, batch_sharding, build_mesh
     from islands.models.registry import build_model
 
     out = []
-    for devices, shard, dtype, remat in cases:
+    for data, tensor, shard, dtype, remat in cases:
         cfg = ModelConfig(**CHECK_MODEL, tie_embeddings=False, compute_dtype=dtype, remat=remat)
-        model, tx, mesh = build_model(cfg), make_inner_optimizer(InnerConfig(), 100), build_mesh(devices)
-
-        def placed(tree: Any, mesh: Any = mesh, shard: bool = shard) -> Any:
-            return jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=param_sharding(mesh, x.shape, shard)), tree
-            )
-
+        model, tx = build_model(cfg), make_inner_optimizer(InnerConfig(), 100)
+        layout = Layout(build_mesh(data * tensor, tensor=tensor), shard, model.axis_units)
         params = jax.eval_shape(model.init, jax.random.key(0))
         opt = jax.eval_shape(tx.init, params)
-        shape = (1, CHECK_ROWS * devices, cfg.seq_len + 1)
-        batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh))
-        compiled = make_train_step(model.loss, tx, mesh, shard).lower(placed(params), placed(opt), batch).compile()
-        footprint = Footprint.of(compiled)
+        shape = (1, CHECK_ROWS * data, cfg.seq_len + 1)
+        batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(layout.mesh))
+        step = make_train_step(model.loss, tx, layout)
+        footprint = Footprint.of(step.lower(layout.shapes(params), layout.shapes(opt), batch).compile())
         if footprint is None:
             raise BenchError("bench plan: XLA gives no memory analysis on this backend")
-        out.append({"devices": devices, "shard_params": shard, "dtype": dtype, "remat": remat, "xla": footprint.total})
+        case = {"data": data, "tensor": tensor, "shard_params": shard, "dtype": dtype, "remat": remat}
+        out.append({**case, "xla": footprint.total})
     return out
 
 
@@ -132,11 +133,11 @@ def compare(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for m in measured:
         cfg = ModelConfig(**CHECK_MODEL, tie_embeddings=False, compute_dtype=m["dtype"], remat=m["remat"])
-        plan = step_memory(cfg, CHECK_ROWS * m["devices"], 0, m["devices"], 1, m["shard_params"])
+        plan = step_memory(cfg, CHECK_ROWS * m["data"], 0, m["data"], m["tensor"], m["shard_params"])
         ratio = round((plan.state + plan.step) / m["xla"], 3)
         rows.append(
             {
-                **{k: m[k] for k in ("devices", "shard_params", "dtype", "remat")},
+                **{k: m[k] for k in ("data", "tensor", "shard_params", "dtype", "remat")},
                 "plan_mib": round((plan.state + plan.step) / MIB, 1),
                 "xla_mib": round(m["xla"] / MIB, 1),
                 "plan_over_xla": ratio,
@@ -148,7 +149,7 @@ def compare(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_plan_bench(with_table: bool = False) -> dict[str, Any]:
     """The check in a child process of max(devices) forced host devices; with `with_table`, the table too."""
-    devices = max(case[0] for case in CHECK_CASES)
+    devices = max(data * tensor for data, tensor, *_ in CHECK_CASES)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     code = "import json; from diloco.bench.plan import measure; print(json.dumps(measure()))"

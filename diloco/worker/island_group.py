@@ -161,6 +161,9 @@ def check_supported(cfg: RunConfig, processes: int) -> None:
         ("train.mode = 'async'", cfg.train.mode == "async"),
         ("init.inner_state = true", cfg.init.inner_state),
         ("a post-training workload (sft, dpo, rl)", cfg.workload.post_training(cfg.islands.island_names)),
+        # Every process forms the whole Δ from its own devices (pytrees/naming.py, `to_host`): a parameter may be split
+        # over one process's devices (islands.tensor), not across processes.
+        ("islands.shard_params = true (parameters split across processes)", cfg.islands.shard_params),
     ]
     for what, bad in refused:
         if bad and processes > 1:

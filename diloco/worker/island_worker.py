@@ -582,6 +582,35 @@ def retire_self(cfg: RunConfig, name: str, target: str, secret: str | None, reas
     return True
 
 
+class StartingStop:
+    """Where an island process's stop goes: to its worker once the worker exists (`attach`), kept until then. An island
+    takes a while to start (its model compiled, its checkpoint restored, its place in a multi-process island waited
+    for); a SIGTERM then is a stop like any other: the worker stops at its first sync point, or the grace ends the
+    process with its one line and exit code 0, never the signal's default death."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reason: str | None = None
+        self.worker: IslandWorker | None = None
+
+    def request(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        if self.worker is not None:
+            self.worker.request_stop(reason)
+
+    def forced(self, reason: str) -> None:
+        if self.worker is not None:
+            self.worker.forced_stop(reason)
+            return
+        stopped = f"{self.reason or reason} (forced after {STOP_GRACE_S:g} s: while starting)"
+        print(json.dumps({"island": self.name, "round": -1, "stopped": stopped}), flush=True)
+
+    def attach(self, worker: IslandWorker) -> None:
+        self.worker = worker
+        if self.reason is not None:
+            worker.request_stop(self.reason)
+
+
 def run_island_process(
     cfg: RunConfig,
     name: str,
@@ -602,6 +631,8 @@ def run_island_process(
     with "reform" in its result, to be started again), and however it ends tells the other processes to stop with
     its exit code. With `retire_on_stop` a clean
     stop (not a re-forming) ends with the island retiring itself (`retire_self`), after its Leave."""
+    stop = StartingStop(name)
+    StopGrace(STOP_GRACE_S, stop.request, stop.forced)  # first: a SIGTERM while the island starts is a stop too
     initialize_backend(cfg.islands.backend)  # before anything asks JAX for a device (islands/backend.py)
     port = metrics_port(cfg, name, metrics_port_flag) if name in cfg.islands.island_names else 0
     rd = RunDir(run_dir, cfg, lock=lead_lock)
@@ -623,7 +654,7 @@ def run_island_process(
             worker.reform = lead.returning
         metrics_server = serve_metrics(worker.metrics.registry, cfg.network.metrics_host, port)
 
-        StopGrace(STOP_GRACE_S, worker.request_stop, worker.forced_stop)
+        stop.attach(worker)
         contributed = worker.run()
         rd.log_memory_peak(island=name)
         stopped = {"stopped": worker.stop_reason} if worker.stop_reason else {}
