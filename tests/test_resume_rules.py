@@ -35,6 +35,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
         ("codec.uplink", False),  # residuals are saved in its terms
         ("stream.fragments", False),
         ("train.inner_steps", False),
+        ("islands.tensor", True),  # restored into the new layout
         ("islands.shard_params", False),
         ("a.key.nobody.knows", False),  # unknown keys are refused until someone decides
     ],

@@ -36,6 +36,7 @@ MAY_CHANGE: dict[str, str] = {
     "islands.count": "the configured roster (islands admitted while the run goes on need no change)",
     "islands.names": "the configured roster",
     "islands.devices": "an island's device count (its batch is kept by gradient accumulation)",
+    "islands.tensor": "an island's tensor split (its checkpoint is restored into the new layout)",
     "islands.slowdown": "emulated slow islands",
     "islands.device_step_s": "emulated device-bound steps",
     "islands.max": "the roster's bound",
