@@ -567,6 +567,8 @@ def cannot_vectorize(cfg: RunConfig) -> str | None:
         return "islands.device_step_s cannot be set (a step's length is each island's own)"
     if cfg.workload.post_training(cfg.islands.island_names):
         return "every island must run workload.kind = \"lm\" (a post-training island's batches are its own kind's)"
+    if cfg.workload.lora.enabled:
+        return "workload.lora must be off (its frozen base is an argument of the islands' own step programs only)"
     return None
 
 

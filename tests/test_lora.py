@@ -4,6 +4,7 @@ export is the base plus the adapters, a small run learns under SFT and RL, and b
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -12,18 +13,25 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from diloco.cli import main
 from diloco.config import ConfigError, load_config
 from diloco.ops.export import export, export_peft
 from diloco.ops.trained import load_trained
+from diloco.run.rundir import read_events
 from diloco.run.setup import Evaluator, build_setup
 from diloco.simulator.simulate import run_simulation
+from islands.config import InnerConfig
+from islands.inner import WithFrozen, make_inner_optimizer, make_train_step
+from islands.mesh import build_mesh
 from islands.models.base import param_count
 from islands.models.config import ModelConfig
 from islands.models.lora import Lora, LoraError, adapt
 from islands.models.registry import ARCHITECTURES, build_model
 from islands.models.transformer import forward
 from pytrees.naming import flatten_named, unflatten_named
-from tests.conftest import fails
+from tests.conftest import TINY_TOML, fails, write_corpus
+from tests.test_workloads import RL, SIZE
+from tests.test_workloads import TASK as WORKLOAD_TASK
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -151,3 +159,61 @@ def test_sft_with_lora_trains_the_adapters_only_and_exports_merged(tiny_config: 
     a = tensors["base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"]
     b = tensors["base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"]
     assert a.shape == (4, 32) and b.shape == (96, 4)
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A full SFT run of tests/test_workloads.py's size: where the LoRA runs of RL and DPO start (their base)."""
+    tmp = tmp_path_factory.mktemp("lora")
+    config = tmp / "tiny.toml"
+    config.write_text(TINY_TOML.format(corpus=write_corpus(tmp / "corpus.txt")))
+    overrides = [*SIZE, *WORKLOAD_TASK, "workload.kind=sft", "train.rounds=2", "train.inner_steps=20"]
+    run_simulation(load_config(config, overrides), tmp / "sft", show_progress=False)
+    return tmp
+
+
+@pytest.mark.slow
+def test_rl_and_dpo_with_lora_start_at_their_base_and_learn(sft_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, base = sft_run / "tiny.toml", f"init.from={sft_run / 'sft'}"
+    common = [*SIZE, *WORKLOAD_TASK, base, "workload.lora.rank=4", "workload.lora.targets=[wqkv,wo,w1,w2]"]
+    rl = load_config(config, [*common, *RL, "inner.lr=1e-2", "train.rounds=2", "train.inner_steps=20",
+                              "workload.group_size=8", "train.batch_size=32"])  # fmt: skip
+    summary = run_simulation(rl, sft_run / "rl", show_progress=False)
+    assert summary["final_scores"]["rl_reward"] > summary["initial_scores"]["rl_reward"]
+    inner = read_events(sft_run / "rl" / "metrics.jsonl", "inner")
+    assert all(e["kl"] >= 0.0 for e in inner) and len(inner) == 2 * 20 // 2 * 2
+
+    dpo = load_config(config, [*common, "workload.kind=dpo", "train.rounds=1", "train.inner_steps=2"])
+    first = run_simulation(dpo, sft_run / "dpo", show_progress=False)["initial_scores"]
+    assert first["dpo_loss"] == pytest.approx(math.log(2.0), abs=1e-6)  # θ_0 merged is the reference
+
+    args = ["sample", str(sft_run / "rl"), "--prompt", "12+34=", "--temperature", "0", "--max-new-tokens", "4"]
+    assert main([*args, "--json"]) == 0  # the adapters merged at load
+    (answer,) = json.loads(capsys.readouterr().out)["samples"]
+    assert 1 <= len(answer["tokens"]) <= 4
+
+
+def test_bench_posttrain_lora_refuses_what_it_cannot_compare(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "posttrain", str(tiny_config), "--pretrained", str(tmp_path), "--run-dir", str(tmp_path / "b")]
+    task = ["workload.kind=sft", *TASK]
+    fails(capsys, [*argv, "--lora", "workload.lora.alpha=8", *task], "--lora 'workload.lora.alpha=8' leaves")
+    fails(capsys, [*argv, "--lora", "workload.lora.rank=2", "--columns", "one", *task], "--lora compares SFT and")
+
+
+def test_the_train_step_takes_the_base_as_an_argument_not_as_constants() -> None:
+    model = build_model(LLAMA)
+    lora = Lora.over(model.init(jax.random.key(0)), rank=2, alpha=4.0)
+    adapted = adapt(model, lora)
+    tx = make_inner_optimizer(InnerConfig(), 10)
+    step = make_train_step(adapted.loss, tx, build_mesh(1), False)
+    assert isinstance(step, WithFrozen)
+    adapters = adapted.init(jax.random.key(1))
+    batch = jax.random.randint(jax.random.key(2), (1, 2, LLAMA.seq_len + 1), 0, LLAMA.vocab_size)
+    text = step.lower(adapters, tx.init(adapters), batch).as_text()
+    embedding = f"tensor<{LLAMA.vocab_size}x{LLAMA.d_model}xf32>"
+    assert not [line for line in text.splitlines() if "stablehlo.constant" in line and embedding in line]
+    params, _, metrics = step(adapters, tx.init(adapters), batch)
+    assert float(metrics["loss"]) == pytest.approx(float(model.loss(lora.base, batch[0])[0]), rel=1e-6)
+    assert jax.tree.structure(params) == jax.tree.structure(adapters)

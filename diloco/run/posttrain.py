@@ -85,7 +85,8 @@ class PostTraining:
     """The post-training data of one process, loaded once and shared by its islands and its evaluation."""
 
     def __init__(self, cfg: RunConfig, init_params: PyTree, lora: Lora | None = None) -> None:
-        """`init_params`: θ_0 as random init gives it (with `lora`, the adapters over `lora.base`)."""
+        """`init_params`: the model's parameters at θ_0 as the random init of run.seed gives them (with `lora` too:
+        the structure a workload.reference path is read into)."""
         self.cfg, self.workload, self.lora = cfg, cfg.workload, lora
         self.codec: AnswerText = answer_text(cfg.data, cfg.model.vocab_size)
         self.prompt_width = cfg.model.seq_len - self.workload.max_new_tokens

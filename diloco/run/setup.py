@@ -110,6 +110,7 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         batches = eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len)
         stack = eval_chunks(batches, cfg.train.microbatch)
     params = model.init(jax.random.key(cfg.run.seed))
+    initial = params  # θ_0 of the model's own parameters (a workload.reference path is read into its structure)
     lora = None
     if workload.lora.enabled:  # the islands train adapters over a frozen base: θ is the adapters
         from diloco.run.warm_start import lora_base
@@ -124,7 +125,7 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         raise ConfigError(str(exc)) from None
     if not workload.post_training(names):
         return Setup(model, streams, stack, params, fragments, layouts, lora=lora)
-    post = PostTraining(cfg, params, lora)
+    post = PostTraining(cfg, initial, lora)
     models = {}
     for name in wanted:
         kind = workload.of(name).kind

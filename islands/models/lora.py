@@ -7,9 +7,9 @@ What trains is the adapters alone, a pytree of its own (`Lora.init`):
 
 so the DiLoCo machinery (pseudo-gradients, codecs, error feedback, the outer step, digests, checkpoints) moves the
 adapters and nothing else, and a run's θ is its adapters. The base is held by each process (`Lora.base`, float32
-or bfloat16) and closed over by the loss (`adapt`). A is drawn from N(0, 1/in) (the paper's random Gaussian at a
-fan-in scale, as PEFT's Kaiming init is), B is zero: at step 0 every adapted weight is W exactly, so the model is
-the base's.
+or bfloat16) and read by the loss (`adapt`), whose programs take it as an argument (islands/inner.py
+`FrozenLoss`). A is drawn from N(0, 1/in) (the paper's random Gaussian at a fan-in scale, as PEFT's Kaiming init
+is), B is zero: at step 0 every adapted weight is W exactly, so the model is the base's.
 
 A note on merging: the adapters are applied merged, each forward computing W' = W + (α / r)·A·B once per weight
 (`Lora.merged`) and then the model's own blocks over W'. W'x = Wx + (α / r)·B·A·x as the paper writes it (our weights
@@ -26,7 +26,7 @@ line (a shared expert's matrices, 2-D, are adapted). Embeddings, norms, biases a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -145,6 +145,15 @@ class AdapterLoss:
 
     loss: Callable[..., tuple[jax.Array, Metrics]]
     lora: Lora
+
+    @property
+    def frozen(self) -> Params:
+        """The base: a program runs this loss with it as an argument (islands/inner.py `FrozenLoss`)."""
+        return self.lora.base
+
+    def bind(self, frozen: Params) -> AdapterLoss:
+        """This loss over the base `frozen` (a traced argument of the program that runs it)."""
+        return replace(self, lora=replace(self.lora, base=frozen))
 
     def __call__(self, adapters: Params, batch: Any, totals: Any = None) -> tuple[jax.Array, Metrics]:
         params = self.lora.merged(adapters)
