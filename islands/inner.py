@@ -237,10 +237,11 @@ class FrozenLoss(Protocol):
     def bind(self, frozen: PyTree) -> LossFn: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class WithFrozen:
-    """A jitted program whose last argument is a loss's frozen arrays, called (and lowered) without it: the arrays
-    are handed over at every call, placed once on the program's mesh."""
+    """A jitted program whose last argument is a loss's frozen arrays, called, lowered and compiled without it: the
+    arrays are handed over at every call, placed once on the program's mesh. What `lower` and `compile` give reads
+    as JAX's own (`Lowered`, `Compiled`: their other attributes pass through)."""
 
     program: Any
     frozen: PyTree
@@ -248,8 +249,14 @@ class WithFrozen:
     def __call__(self, *args: Any) -> Any:
         return self.program(*args, self.frozen)
 
-    def lower(self, *args: Any) -> Any:
-        return self.program.lower(*args, self.frozen)
+    def lower(self, *args: Any) -> WithFrozen:
+        return WithFrozen(self.program.lower(*args, self.frozen), self.frozen)
+
+    def compile(self) -> WithFrozen:
+        return WithFrozen(self.program.compile(), self.frozen)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.program, name)
 
 
 def _bound(loss_fn: LossFn, frozen: PyTree) -> LossFn:
