@@ -217,3 +217,23 @@ def test_the_train_step_takes_the_base_as_an_argument_not_as_constants() -> None
     params, _, metrics = step(adapters, tx.init(adapters), batch)
     assert float(metrics["loss"]) == pytest.approx(float(model.loss(lora.base, batch[0])[0]), rel=1e-6)
     assert jax.tree.structure(params) == jax.tree.structure(adapters)
+
+
+@pytest.mark.slow
+def test_a_llama_lm_run_with_lora_learns_and_exports_peft_names(tiny_config: Path, tmp_path: Path) -> None:
+    llama = ["model.kind=llama", "model.n_kv_heads=1", "train.rounds=2", "inner.lr=1e-2", "workload.lora.rank=2"]
+    cfg = load_config(tiny_config, llama)
+    summary = run_simulation(cfg, tmp_path / "run", show_progress=False)
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]  # plain lm: the corpus's loss
+    out = export_peft(tmp_path / "run", tmp_path / "peft")
+    assert out["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]  # the attention projections
+    tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (2, 32)
+    assert tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (16, 2)
+    trained = load_trained(tmp_path / "run")
+    a, b = (trained.adapters["blocks"][0]["attn"]["wq"][k] for k in ("lora_a", "lora_b"))
+    np.testing.assert_array_equal(a.T, tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"])
+    base = build_model(cfg.model).init(jax.random.key(cfg.run.seed))["blocks"][0]["attn"]["wq"]  # no init.from
+    merged = trained.params["blocks"][0]["attn"]["wq"]
+    np.testing.assert_allclose(merged, np.asarray(base) + (16.0 / 2) * (a @ b), atol=1e-6)  # W + (α / r)·A·B
+    assert not np.array_equal(merged, np.asarray(base))
