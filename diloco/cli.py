@@ -262,9 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--force", action="store_true", help="write into a DIR that is not empty (replace an export)")
     ex.add_argument(
         "--format",
-        choices=("diloco", "hf"),
+        choices=("diloco", "hf", "peft"),
         default="diloco",
-        help="diloco: the project's tensor names (default); hf: a Hugging Face directory transformers loads",
+        help="diloco: the project's tensor names (default); hf: a Hugging Face directory transformers loads; peft: "
+        "a LoRA run's adapters alone, as PEFT saves them (diloco and hf merge them into the base)",
     )
     ex.add_argument("--dtype", default=None, metavar="DTYPE", help="--format hf: float32 (default) or bfloat16")
     ex.add_argument(
@@ -421,13 +422,15 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from diloco.ops.export import MAX_SHARD_SIZE, ExportError, export, export_hf
+    from diloco.ops.export import MAX_SHARD_SIZE, ExportError, export, export_hf, export_peft
 
+    if args.format != "hf" and (args.dtype or args.max_shard_size):
+        raise ExportError("--dtype and --max-shard-size apply to --format hf (the project's own is float32, one file)")
     if args.format == "hf":
         shard = args.max_shard_size or MAX_SHARD_SIZE
         written = export_hf(args.run_dir, args.out, args.force, args.dtype or "float32", shard)
-    elif args.dtype or args.max_shard_size:
-        raise ExportError("--dtype and --max-shard-size apply to --format hf (the project's own is float32, one file)")
+    elif args.format == "peft":
+        written = export_peft(args.run_dir, args.out, args.force)
     else:
         written = export(args.run_dir, args.out, args.force)
     print(json.dumps({"out": str(args.out), **written}, indent=2))

@@ -502,6 +502,16 @@ class RunConfig:
                 f"inner.schedule_steps ({self.inner.schedule_steps}) is shorter than the run's "
                 f"train.rounds x train.inner_steps ({self.total_inner_steps}): the schedule spans the whole run"
             )
+        if self.workload.lora.enabled and self.init.inner_state:
+            raise ValueError(
+                "init.inner_state loads the source's inner optimizer states, which are over all of θ; workload.lora "
+                "trains adapters only: leave init.inner_state unset"
+            )
+        if self.workload.lora.enabled and self.inner.kind == "muon":
+            raise ValueError(
+                "workload.lora trains low-rank adapters, which are not the hidden-layer matrices Muon takes: set "
+                'inner.kind = "adamw"'
+            )
         why = workload_conflict(
             self.workload,
             self.islands.island_names,
@@ -565,6 +575,8 @@ def cannot_vectorize(cfg: RunConfig) -> str | None:
         return "islands.device_step_s cannot be set (a step's length is each island's own)"
     if cfg.workload.post_training(cfg.islands.island_names):
         return "every island must run workload.kind = \"lm\" (a post-training island's batches are its own kind's)"
+    if cfg.workload.lora.enabled:
+        return "workload.lora must be off (its frozen base is an argument of the islands' own step programs only)"
     return None
 
 
@@ -854,12 +866,16 @@ def _toml_value(value: Any) -> str:
 
 
 def dump_toml(data: dict[str, Any]) -> str:
-    """Write a two-level dict (sections of scalars and lists) as TOML."""
+    """Write a dict of sections (scalars and lists, and sub-sections such as workload.lora, each a table of its own:
+    `[workload.lora]`) as TOML."""
     lines: list[str] = []
     for section, values in data.items():
         lines.append(f"[{section}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if not isinstance(v, dict))
         lines.append("")
+        tables = {f"{section}.{k}": v for k, v in values.items() if isinstance(v, dict)}
+        if tables:
+            lines.append(dump_toml(tables))
     return "\n".join(lines)
 
 

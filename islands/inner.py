@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -222,29 +223,77 @@ def inner_update(
     return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
+@runtime_checkable
+class FrozenLoss(Protocol):
+    """A loss that reads arrays it does not train (workload.lora's frozen base, islands/models/lora.py): `frozen`,
+    and `bind(frozen)`, the same loss reading the `frozen` it is given. The programs that run it take them as an
+    argument (`WithFrozen`): arrays a traced function closes over are compiled into the program as constants, a copy
+    of the base in every executable."""
+
+    frozen: PyTree
+
+    def bind(self, frozen: PyTree) -> LossFn: ...
+
+
+@dataclass(frozen=True, eq=False)
+class WithFrozen:
+    """A jitted program whose last argument is a loss's frozen arrays, called, lowered and compiled without it: the
+    arrays are handed over at every call, placed once on the program's mesh. What `lower` and `compile` give reads
+    as JAX's own (`Lowered`, `Compiled`: their other attributes pass through)."""
+
+    program: Any
+    frozen: PyTree
+
+    def __call__(self, *args: Any) -> Any:
+        return self.program(*args, self.frozen)
+
+    def lower(self, *args: Any) -> WithFrozen:
+        return WithFrozen(self.program.lower(*args, self.frozen), self.frozen)
+
+    def compile(self) -> WithFrozen:
+        return WithFrozen(self.program.compile(), self.frozen)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.program, name)
+
+
+def _bound(loss_fn: LossFn, frozen: PyTree) -> LossFn:
+    return loss_fn.bind(frozen) if isinstance(loss_fn, FrozenLoss) else loss_fn
+
+
+def _with_frozen(program: Any, loss_fn: LossFn, layout: Layout) -> Any:
+    """`program` itself for a loss without frozen arrays, else `WithFrozen` with them laid out as parameters are."""
+    if not isinstance(loss_fn, FrozenLoss):
+        return program
+    return WithFrozen(program, jax.device_put(loss_fn.frozen, layout.shardings(loss_fn.frozen)))
+
+
 @functools.lru_cache(maxsize=32)
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, layout: Layout) -> TrainStep:
     """jit(step) over the layout's mesh; params and optimizer state are donated and keep their layout.
 
     Inputs arrive placed by `place_tree` and batches by `batch_sharding`; the outputs are constrained to the
-    same layouts, so the donated buffers are reused. Cached, so islands of one process share one compilation.
+    same layouts, so the donated buffers are reused. Cached, so islands of one process share one compilation. A
+    `FrozenLoss`'s frozen arrays are the program's last argument (`WithFrozen`).
     """
 
-    def step(params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, dict]:
-        params, opt_state, metrics = inner_update(loss_fn, tx, params, opt_state, batch)
+    def step(params: PyTree, opt_state: PyTree, batch: PyTree, frozen: PyTree = None) -> tuple[PyTree, PyTree, dict]:
+        params, opt_state, metrics = inner_update(_bound(loss_fn, frozen), tx, params, opt_state, batch)
         return _constrain(params, layout), _constrain(opt_state, layout), metrics
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return _with_frozen(jax.jit(step, donate_argnums=(0, 1)), loss_fn, layout)
 
 
 def make_eval_fn(loss_fn: LossFn, mesh: Mesh) -> Callable[[PyTree, jax.Array], jax.Array]:
     """Mean loss over a stack of batches [n, seqs, tokens+1] (params replicated or sharded as given)."""
 
-    def evaluate(params: PyTree, batches: jax.Array) -> jax.Array:
+    def evaluate(params: PyTree, batches: jax.Array, frozen: PyTree = None) -> jax.Array:
+        loss = _bound(loss_fn, frozen)
+
         def cross_entropy(batch: jax.Array) -> jax.Array:
-            loss, metrics = loss_fn(params, batch)
-            return metrics.get("ce", loss)  # eval reports cross-entropy, without auxiliary losses
+            value, metrics = loss(params, batch)
+            return metrics.get("ce", value)  # eval reports cross-entropy, without auxiliary losses
 
         return jnp.mean(jax.lax.map(cross_entropy, batches))
 
-    return jax.jit(evaluate, out_shardings=replicated(mesh))
+    return _with_frozen(jax.jit(evaluate, out_shardings=replicated(mesh)), loss_fn, Layout(mesh))

@@ -42,6 +42,9 @@ CASES = [
     ("blocks/0/ln1/scale", (32,), 4, 1, True, P(DATA)),
     ("0/mu/blocks/0/attn/wq", (32, 32), 1, 2, False, P(None, TENSOR)),  # an optimizer moment: as its parameter
     ("0/count", (), 2, 2, True, P()),
+    ("blocks/0/attn/wo/lora_a", (32, 8), 1, 2, False, P(TENSOR, None)),  # LoRA's A: as wo's input, by head
+    ("blocks/0/attn/wq/lora_b", (8, 32), 1, 2, False, P(None, TENSOR)),  # LoRA's B: as wq's output
+    ("blocks/0/ff/w_up/lora_a", (32, 8), 2, 2, True, P(DATA, None)),
     # One axis (tensor 1): today's FSDP rule, the largest dimension the data axis divides.
     ("blocks/0/attn/wq", (32, 32), 4, 1, True, P(DATA, None)),
     ("blocks/0/ff/w_gate", (32, 64), 4, 1, True, P(None, DATA)),

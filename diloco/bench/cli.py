@@ -231,6 +231,12 @@ def _add_posttrain(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl", default=None, metavar="OVERRIDES", help="the RL stage's overrides (default: README's)")
     p.add_argument("--heldout", type=int, default=None, help="held-out problems to score (default: the whole split)")
     p.add_argument("--columns", default=None, help="comma-separated columns to run (default: diloco,one,sync)")
+    p.add_argument(
+        "--lora",
+        default=None,
+        metavar="OVERRIDES",
+        help='compare LoRA ("workload.lora.rank=8 ...") with full fine-tuning, SFT and GRPO, instead of the columns',
+    )
 
 
 def _add_fuzz(p: argparse.ArgumentParser) -> None:
@@ -521,9 +527,15 @@ def _plan(args: argparse.Namespace) -> Result:
 
 
 def _posttrain(args: argparse.Namespace) -> Result:
-    from diloco.bench.errors import parse_names
-    from diloco.bench.posttrain import COLUMNS, DPO_DEFAULT, RL_DEFAULT, run_posttrain_bench
+    from diloco.bench.errors import BenchError, parse_names
+    from diloco.bench.posttrain import COLUMNS, DPO_DEFAULT, RL_DEFAULT, run_lora_bench, run_posttrain_bench
 
+    if args.lora is not None:
+        if args.columns is not None or args.dpo is not None:
+            raise BenchError("bench posttrain: --lora compares SFT and GRPO in the DiLoCo column (no --columns, --dpo)")
+        return run_lora_bench(
+            args.config, args.overrides, _run_dir(args), args.pretrained, args.lora, args.rl or RL_DEFAULT, args.heldout
+        )
     columns = (
         COLUMNS if args.columns is None else parse_names(args.columns, list(COLUMNS), "bench posttrain: --columns")
     )

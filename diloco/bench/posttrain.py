@@ -17,6 +17,16 @@ Every θ (the pre-trained one and each stage's) is then scored on `--heldout` pr
 the mean reward of greedy answers, and DPO's preference accuracy against the column's SFT θ (its reference). The
 result holds each run's own before and after (`initial` / `final`), wall time, WAN bytes and digest, the held-out
 scores, and per stage DiLoCo's exact match over each baseline's (`ratios`).
+
+With `--lora OVERRIDES` (workload.lora's keys, e.g. "workload.lora.rank=8") it compares LoRA with full fine-tuning
+instead (`run_lora_bench`), the DiLoCo column only, every other setting equal and so the same steps:
+
+    sft   full and LoRA from `--pretrained`
+    rl    GRPO (the `--rl` settings), full and LoRA, both from the full SFT run (a LoRA run's θ is its adapters, which
+          no run starts from: both GRPO runs start from one θ)
+
+Each stage reports the bytes per round (all islands, pushed and pulled) and the held-out scores, and per stage the
+LoRA run's over the full run's: bytes per round, exact match and reward (`ratios`).
 """
 
 from __future__ import annotations
@@ -28,8 +38,8 @@ from typing import Any
 
 from diloco.bench.errors import BenchError
 from diloco.config import RunConfig, load_config
+from diloco.ops.trained import load_trained
 from diloco.run.setup import Evaluator, build_setup
-from diloco.run.warm_start import find_source, read_item
 from diloco.simulator.simulate import run_simulation
 from islands.posttrain.rewards import BUILTIN
 from islands.posttrain.task import builtin_task
@@ -95,21 +105,20 @@ class HeldOutScorer:
         self.config, self.n = config, n
         base = load_config(config, list(overrides))
         self.common = [*overrides, *column_overrides(base, "one"), f"workload.heldout_examples={n}"]
-        self._rl, self._like = self._evaluator(["workload.kind=rl", f"workload.reward={BUILTIN}{base.workload.task}"])
+        self._rl = self._evaluator(["workload.kind=rl", f"workload.reward={BUILTIN}{base.workload.task}"])
 
-    def _evaluator(self, extra: list[str]) -> tuple[Evaluator, Any]:
-        """The evaluation of the config with `extra` overrides, and its θ_0 (the tree a checkpoint's θ is read into)."""
-        cfg = load_config(self.config, [*self.common, *extra])
-        setup = build_setup(cfg, islands=())
-        return Evaluator.of(cfg, setup), setup.init_params
+    def _evaluator(self, extra: list[str]) -> Evaluator:
+        """The evaluation of the config with `extra` overrides (every parameter: a LoRA run is scored merged)."""
+        cfg = load_config(self.config, [*self.common, *extra, "workload.lora.rank=0"])
+        return Evaluator.of(cfg, build_setup(cfg, islands=()))
 
     def score(self, run: Path, reference: Path | None) -> dict[str, float]:
         """exact_match and reward of run's newest θ; with a reference run, dpo_accuracy against it too."""
-        params = read_item(find_source(run).step_dir, "params", self._like, "parameters")
+        params = load_trained(run).params  # a LoRA run's adapters merged into their base
         _, out = self._rl.measure(params)
         scores = {"exact_match": out["rl_exact_match"], "reward": out["rl_reward"]}
         if reference is not None:
-            dpo, _ = self._evaluator(["workload.kind=dpo", f"workload.reference={reference}"])
+            dpo = self._evaluator(["workload.kind=dpo", f"workload.reference={reference}"])
             scores["dpo_accuracy"] = dpo.measure(params)[1]["dpo_accuracy"]
         return {k: round(v, 4) for k, v in scores.items()}
 
@@ -173,6 +182,75 @@ def run_posttrain_bench(
         "heldout_problems": n,
         "pretrained_heldout": pretrained_scores,
         "columns": results,
+        "ratios": ratios,
+        "run_dir": str(run_dir),
+    }
+
+
+LORA_STAGES = ("sft", "rl")
+"""The stages `run_lora_bench` compares: SFT, and GRPO from the full SFT run."""
+
+
+def run_lora_bench(
+    config: str,
+    overrides: Sequence[str],
+    run_dir: Path,
+    pretrained: Path,
+    lora: str,
+    rl: str = RL_DEFAULT,
+    heldout: int | None = None,
+) -> dict[str, Any]:
+    """LoRA (`lora`: workload.lora overrides) against full fine-tuning at equal steps (module docstring)."""
+    base = load_config(config, list(overrides))
+    if not base.workload.task:
+        raise BenchError(f"{config}: bench posttrain needs a [workload] with a built-in task (workload.task)")
+    if not pretrained.is_dir():
+        raise BenchError(f"--pretrained '{pretrained}' is not a run directory")
+    adapters = shlex.split(lora)
+    if not load_config(config, [*overrides, *adapters]).workload.lora.enabled:
+        raise BenchError(f"--lora {lora!r} leaves workload.lora.rank at 0: give it workload.lora.rank=R")
+    pretrained = pretrained.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    n = heldout_count(base, heldout)
+    stages: dict[str, Any] = {}
+    for stage in LORA_STAGES:
+        source = pretrained if stage == "sft" else run_dir / "full-sft"
+        stages[stage] = {}
+        for mode, extra in (("full", []), ("lora", adapters)):
+            settings = [*stage_overrides(stage, source, "", rl), *extra]
+            cfg = load_config(config, [*overrides, *settings])
+            summary = run_simulation(cfg, run_dir / f"{mode}-{stage}", show_progress=False)
+            stages[stage][mode] = {
+                "overrides": settings,
+                "trained_params": summary["param_count"],
+                "initial": summary["initial_scores"],
+                "final": summary["final_scores"],
+                "wall_s": summary["wall_s"],
+                "bytes_up": summary["bytes_up"],
+                "bytes_down": summary["bytes_down"],
+                "bytes_per_round": round((summary["bytes_up"] + summary["bytes_down"]) / cfg.train.rounds),
+                "digest": summary["params_digest"],
+            }
+    scorer = HeldOutScorer(config, overrides, n)
+    for stage, modes in stages.items():
+        for mode, row in modes.items():
+            row["heldout"] = scorer.score(run_dir / f"{mode}-{stage}", None)
+    ratios = {
+        stage: {
+            "bytes_per_round": ratio(modes["lora"]["bytes_per_round"], modes["full"]["bytes_per_round"]),
+            "exact_match": ratio(modes["lora"]["heldout"]["exact_match"], modes["full"]["heldout"]["exact_match"]),
+            "reward": ratio(modes["lora"]["heldout"]["reward"], modes["full"]["heldout"]["reward"]),
+        }
+        for stage, modes in stages.items()
+    }
+    return {
+        "config": config,
+        "overrides": list(overrides),
+        "lora": adapters,
+        "pretrained": str(pretrained),
+        "heldout_problems": n,
+        "pretrained_heldout": scorer.score(pretrained, None),
+        "stages": stages,
         "ratios": ratios,
         "run_dir": str(run_dir),
     }

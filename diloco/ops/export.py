@@ -9,6 +9,14 @@
 θ is what `diloco sample` and `init.from` read (diloco/ops/trained.py). An existing DIR that holds anything is refused
 unless `force`, which replaces these three files (and removes a tokenizer.json that the run has none for).
 
+A run with workload.lora (islands/models/lora.py) exports its adapters merged into their base, W + (α / r)·A·B, in
+either format: the model a run without LoRA would have exported; `--format peft` writes the adapters alone
+(`export_peft`), as PEFT's LoraModel saves them, for its PeftModel.from_pretrained over the base checkpoint:
+
+    DIR/adapter_model.safetensors   base_model.model.{Hugging Face module}.lora_A.weight [r, in] and .lora_B.weight
+                                    [out, r] per adapted matrix (A and B of islands/models/lora.py, transposed)
+    DIR/adapter_config.json         peft_type LORA, r, lora_alpha, target_modules (the Hugging Face modules' names)
+
 `--format hf` writes a Hugging Face directory instead (`export_hf`), which transformers' AutoModelForCausalLM and
 AutoTokenizer load without this project (islands/models/hf/):
 
@@ -47,8 +55,10 @@ FORMAT = "diloco-export/1"
 """config.json's `format`: bumped when a field a loader reads changes meaning."""
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-FORMATS = ("diloco", "hf")
-"""--format: the project's own (the default), or Hugging Face's."""
+FORMATS = ("diloco", "hf", "peft")
+"""--format: the project's own (the default), Hugging Face's, or a LoRA run's adapters alone in PEFT's layout."""
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
 DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 """--dtype of a Hugging Face export: the weights as trained, or halved."""
 MAX_SHARD_SIZE = "5GB"
@@ -93,6 +103,7 @@ def export(run_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
         "digest": trained.digest,
         "param_count": param_count(trained.params),
         "tensors": len(tensors),
+        **({"lora": to_dict(trained.workload.lora)} if trained.adapters is not None else {}),
         "source": str(trained.step_dir),
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +199,60 @@ def export_hf(
         "round": trained.round,
         "digest": trained.digest,
         "param_count": param_count(trained.params),
+        "source": str(trained.step_dir),
+    }
+
+
+def export_peft(run_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
+    """Write a LoRA run's newest committed adapters into `out` in PEFT's layout (module docstring); returns what was
+    written. A run without workload.lora, or of a model Hugging Face has no architecture for, is one line."""
+    check_out(out, force)
+    trained = load_trained(run_dir)
+    if trained.adapters is None:
+        raise ExportError(
+            f"--format peft writes LoRA adapters, and '{trained.run_dir}' trained every parameter "
+            "(workload.lora.rank = 0): use --format hf"
+        )
+    family = family_of(trained.model)
+    try:
+        architecture = family.architecture_of(trained.model)
+    except ValueError as exc:
+        raise ExportError(f"--format peft: {exc}") from None
+    where = {rule.ours: rule.theirs[0] for rule in family.rules(trained.model, architecture) if len(rule.theirs) == 1}
+    named = flatten_named(trained.adapters)
+    tensors_out: dict[str, np.ndarray] = {}
+    modules: set[str] = set()
+    for name in sorted(named):
+        leaf, factor = name.rsplit("/", 1)
+        module = where[leaf].removesuffix(".weight")
+        modules.add(module.rsplit(".", 1)[-1])
+        peft_factor = "lora_A" if factor == "lora_a" else "lora_B"
+        tensors_out[f"base_model.model.{module}.{peft_factor}.weight"] = np.ascontiguousarray(named[name].T)
+    lora = trained.workload.lora
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": trained.model.kind == "transformer",  # GPT-2's Conv1D stores [in, out]
+        "inference_mode": True,
+        "base_model_name_or_path": trained.run_dir.joinpath(checkpoint.RUN_FILES).as_posix(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    safetensors.write(out / PEFT_WEIGHTS, tensors_out, {"format": "pt", "diloco": FORMAT, "digest": trained.digest})
+    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return {
+        "format": "peft",
+        "architecture": architecture,
+        "files": [PEFT_WEIGHTS, PEFT_CONFIG],
+        "tensors": len(tensors_out),
+        "target_modules": config["target_modules"],
+        "round": trained.round,
+        "digest": trained.digest,
+        "param_count": param_count(trained.adapters),
         "source": str(trained.step_dir),
     }
 

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import jax
 
-from diloco.config import InitConfig, IslandsConfig
-from diloco.run.warm_start import WarmStartError, find_source, read_item, stored_section
+from diloco.config import ConfigError, InitConfig, IslandsConfig, load_config
+from diloco.run.warm_start import WarmStartError, find_source, lora_base, read_item, stored_section
 from islands.data import DataConfig
 from islands.models.config import ModelConfig
 from islands.models.hf.checkpoint import kept_tokenizer_file
+from islands.models.lora import Lora
 from islands.models.registry import build_model
 from islands.workloads.config import WorkloadConfig
 from pytrees.digest import tree_digest
@@ -43,12 +44,16 @@ class Trained:
     workload: WorkloadConfig
     """What its islands minimized ([workload]; the default, lm, for a run older than the section)."""
     params: PyTree
-    """θ as host (numpy) float32 arrays in the model's pytree."""
+    """The model's parameters as host (numpy) float32 arrays in the model's pytree: θ, or with workload.lora the
+    adapters merged into their base."""
+    adapters: PyTree = None
+    """workload.lora: θ, the adapters (host arrays, islands/models/lora.py's pytree); None without LoRA."""
 
     @property
     def digest(self) -> str:
-        """θ's digest, as the run's `round` events and summary.json's params_digest give it (pytrees/digest.py)."""
-        return tree_digest(self.params)
+        """θ's digest, as the run's `round` events and summary.json's params_digest give it (pytrees/digest.py): the
+        adapters' with workload.lora."""
+        return tree_digest(self.params if self.adapters is None else self.adapters)
 
 
 def load_trained(path: Path, where: str = "RUN_DIR") -> Trained:
@@ -65,9 +70,27 @@ def load_trained(path: Path, where: str = "RUN_DIR") -> Trained:
     data = kept_tokenizer(stored_section(source.run_dir, DataConfig, "data", where), init, source.run_dir)
     islands = stored_section(source.run_dir, IslandsConfig, "islands", where)
     workload = stored_section(source.run_dir, WorkloadConfig, "workload", where)
+    if workload.lora.enabled:
+        lora = lora_of(source.run_dir, where)
+        like = jax.eval_shape(lora.init, jax.random.key(0))
+        adapters = jax.device_get(read_item(source.step_dir, "params", like, "parameters", where))
+        params = jax.device_get(lora.merged(adapters))
+        return Trained(source.run_dir, source.step_dir, source.round, model, data, islands, workload, params, adapters)
     like = jax.eval_shape(build_model(model).init, jax.random.key(0))
     params = read_item(source.step_dir, "params", like, "parameters", where)
     return Trained(source.run_dir, source.step_dir, source.round, model, data, islands, workload, params)
+
+
+def lora_of(run_dir: Path, where: str) -> Lora:
+    """The frozen base and adapter layout of a run with workload.lora, as its islands built them: its config.toml's
+    init.from (or the random init of its run.seed) through `lora_base`, which must still be where the run read it."""
+    try:
+        cfg = load_config(run_dir / "config.toml")
+    except (OSError, ConfigError) as exc:
+        raise WarmStartError(f"{where}: '{run_dir}/config.toml' does not load ({exc})") from None
+    spec = cfg.workload.lora
+    base = lora_base(cfg, build_model(cfg.model).init(jax.random.key(cfg.run.seed)))
+    return Lora.over(base, spec.rank, spec.alpha, spec.targets, spec.base_dtype)
 
 
 def kept_tokenizer(data: DataConfig, init: InitConfig, run_dir: Path) -> DataConfig:

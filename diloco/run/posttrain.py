@@ -16,7 +16,7 @@ workload.max_new_tokens, which a greedy answer could then never match.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from diloco.config import ConfigError, RunConfig
 from islands.chat import ChatTemplate
 from islands.island import Batches
 from islands.models.base import Model
+from islands.models.lora import Lora, adapt
 from islands.posttrain.accuracy import exact_matches
 from islands.posttrain.data import ChatSft, PreferencePair, RlPrompt, SftExample, read_examples
 from islands.posttrain.rewards import load_reward, score
@@ -41,7 +42,7 @@ from islands.workloads.batches import (
     prompt_table,
     sft_table,
 )
-from islands.workloads.config import STEP_FIGURES, IslandWorkload
+from islands.workloads.config import REFERENCE_START, STEP_FIGURES, IslandWorkload
 from islands.workloads.evaluate import HeldOut, Judge, WorkloadEval, answer_logprobs
 from islands.workloads.losses import WorkloadLoss
 from islands.workloads.rollouts import Rollouts, Scorer
@@ -83,8 +84,10 @@ def answer_of(example: Example) -> str | None:
 class PostTraining:
     """The post-training data of one process, loaded once and shared by its islands and its evaluation."""
 
-    def __init__(self, cfg: RunConfig, init_params: PyTree) -> None:
-        self.cfg, self.workload = cfg, cfg.workload
+    def __init__(self, cfg: RunConfig, init_params: PyTree, lora: Lora | None = None) -> None:
+        """`init_params`: the model's parameters at θ_0 as the random init of run.seed gives them (with `lora` too:
+        the structure a workload.reference path is read into)."""
+        self.cfg, self.workload, self.lora = cfg, cfg.workload, lora
         self.codec: AnswerText = answer_text(cfg.data, cfg.model.vocab_size)
         self.prompt_width = cfg.model.seq_len - self.workload.max_new_tokens
         """Tokens a prompt may take when its answer is generated (the rest of the context is the answer's)."""
@@ -172,8 +175,16 @@ class PostTraining:
         """The frozen reference θ_ref (workload.reference), on the default device, read once per process."""
         from diloco.run.warm_start import reference_params
 
+        if self.lora is not None and self.workload.reference == REFERENCE_START:
+            return jax.device_put(self.lora.merged({}))  # θ_0 merged: the base itself, as the islands hold it
         params, _ = reference_params(self.cfg, self._init_params)
         return jax.device_put(params)
+
+    @property
+    def view(self) -> Callable[[PyTree], PyTree] | None:
+        """What turns the trained θ into the model's parameters for sampling and evaluation: the adapters merged into
+        the base (`Lora.merged`) with workload.lora; None where θ is the model's parameters."""
+        return None if self.lora is None else self.lora.merged
 
     @functools.cached_property
     def scorer(self) -> Scorer:
@@ -185,7 +196,8 @@ class PostTraining:
         """The model an island of this kind trains: the same parameters, the workload's loss."""
         w = self.workload
         loss = WorkloadLoss(kind, self.cfg.model, w.beta, w.kl_coef, w.sft_weight, w.temperature)
-        return Model(init=base.init, loss=loss, axis_units=base.axis_units, step_figures=STEP_FIGURES[kind])
+        model = Model(init=base.init, loss=loss, axis_units=base.axis_units, step_figures=STEP_FIGURES[kind])
+        return model if self.lora is None else adapt(model, self.lora)
 
     def stream(self, name: str, names: Sequence[str], stream_id: int) -> Batches:
         """Island `name`'s batches: its share of its kind's examples."""
@@ -201,7 +213,7 @@ class PostTraining:
             texts = [e.prompt for e in examples]
             prompts = prompt_table(texts, self.codec, self.prompt_width)
             return Rollouts(prompts, texts, self.scorer, self.codec, self.reference, cfg.model, self.workload,
-                            batch, seed, stream_id)  # fmt: skip
+                            batch, seed, stream_id, view=self.view)  # fmt: skip
         return ExampleStream(self.table(kind, examples), batch, seq_len, seed, stream_id)
 
     def table(self, kind: str, examples: Sequence[Example]) -> Table:
@@ -251,7 +263,8 @@ class PostTraining:
             )
         w = self.workload
         rows = self.cfg.train.microbatch or self.cfg.train.batch_size
-        return WorkloadEval(self.cfg.model, held, self.codec, max_new_tokens=w.max_new_tokens, rows=rows, beta=w.beta)
+        return WorkloadEval(self.cfg.model, held, self.codec, max_new_tokens=w.max_new_tokens, rows=rows, beta=w.beta,
+                            view=self.view)  # fmt: skip
 
     def _judge(self, heldout: Sequence[Example], sources: Sequence[IslandWorkload]) -> Judge | None:
         """Exact match: the task's reward is 1; for examples from files, the answer is the reference (None where an

@@ -27,6 +27,7 @@ from islands.island import Batches, Island
 from islands.memory import Footprint, OutOfMemoryError, device_room, eval_advice, verdict
 from islands.mesh import build_mesh, replicated
 from islands.models.base import Model, param_count
+from islands.models.lora import Lora, adapt
 from islands.models.registry import build_model
 from islands.text import corpus_tokenizer
 from islands.workloads.evaluate import WorkloadEval, primary_loss
@@ -56,6 +57,8 @@ class Setup:
     """Island name -> the model it trains where that is not `model`: a post-training island's (the workload's loss)."""
     heldout: WorkloadEval | None = None
     """The held-out evaluation of the run's post-training workloads (None: every island trains on the corpus)."""
+    lora: Lora | None = None
+    """workload.lora: the frozen base the adapters (θ here) merge into; None: θ is the model's parameters."""
 
     @property
     def n_params(self) -> int:
@@ -107,14 +110,22 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         batches = eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len)
         stack = eval_chunks(batches, cfg.train.microbatch)
     params = model.init(jax.random.key(cfg.run.seed))
+    initial = params  # θ_0 of the model's own parameters (a workload.reference path is read into its structure)
+    lora = None
+    if workload.lora.enabled:  # the islands train adapters over a frozen base: θ is the adapters
+        from diloco.run.warm_start import lora_base
+
+        spec = workload.lora
+        lora = Lora.over(lora_base(cfg, params), spec.rank, spec.alpha, spec.targets, spec.base_dtype)
+        model, params = adapt(model, lora), lora.init(jax.random.key(cfg.run.seed))
     sizes = {name: int(np.size(leaf)) for name, leaf in flatten_named(params).items()}
     try:
         fragments = Fragments.split(sizes, cfg.stream.fragments, cfg.stream.layout)
     except FragmentError as exc:
         raise ConfigError(str(exc)) from None
     if not workload.post_training(names):
-        return Setup(model, streams, stack, params, fragments, layouts)
-    post = PostTraining(cfg, params)
+        return Setup(model, streams, stack, params, fragments, layouts, lora=lora)
+    post = PostTraining(cfg, initial, lora)
     models = {}
     for name in wanted:
         kind = workload.of(name).kind
@@ -123,7 +134,7 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
             streams[name] = post.stream(name, names, stream_id)
             models[name] = post.model(kind, model)
     streams = {name: streams[name] for name in wanted}  # in the order asked for
-    return Setup(model, streams, stack, params, fragments, layouts, models, post.evaluation(names))
+    return Setup(model, streams, stack, params, fragments, layouts, models, post.evaluation(names), lora)
 
 
 def chunk_layouts(cfg: RunConfig) -> dict[str, ChunkLayout] | None:

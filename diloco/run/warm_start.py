@@ -58,6 +58,7 @@ from islands.models.hf.checkpoint import (
 )
 from islands.models.hf.families import Import, open_import
 from islands.models.registry import build_model
+from islands.workloads.config import WorkloadConfig
 from pytrees.digest import tree_digest
 from pytrees.naming import PyTree, flatten_named, unflatten_named
 
@@ -189,6 +190,11 @@ def locate(cfg: RunConfig) -> Source:
     """init.from's checkpoint step, its run's model checked against this run's (no array is read)."""
     source = find_source(Path(cfg.init.from_).expanduser())
     check_model(cfg, source)
+    if source.run_dir is not None and stored_section(source.run_dir, WorkloadConfig, "workload").lora.enabled:
+        raise WarmStartError(
+            f"init.from: '{source.run_dir}' trained LoRA adapters, which are its θ without their base: start from "
+            "its merged weights (diloco export --format hf) instead"
+        )
     return source
 
 
@@ -296,30 +302,43 @@ def reference_params(cfg: RunConfig, init_params: PyTree) -> tuple[PyTree, str]:
     if ref == "start":
         if not cfg.init.from_:
             return init_params, "start"
-        directory = checkpoint_dir(cfg)
-        if directory is not None:
-            return checkpoint_params(cfg, directory, init_params), str(directory)
-        source = locate(cfg)
-        return read_item(source.step_dir, "params", init_params, "parameters"), str(source.step_dir)
+        params, event = warm_params(cfg, init_params)
+        return params, event["source"]
     where = "workload.reference"
     source = find_source(Path(ref).expanduser(), where)
     check_model(cfg, source, where)
     return read_item(source.step_dir, "params", init_params, "parameters", where), str(source.step_dir)
 
 
-def initial_params(cfg: RunConfig, init_params: PyTree, rd: RunDir) -> PyTree:
-    """θ_0 of a run that starts afresh: init.from's parameters, logged as a `warm_start` event (source, source_round,
-    digest), or `init_params` when init.from is unset."""
-    if not cfg.init.from_:
-        return init_params
+def warm_params(cfg: RunConfig, like: PyTree) -> tuple[PyTree, dict[str, Any]]:
+    """init.from's parameters in the structure of `like`, and the `warm_start` event's fields that say where they
+    came from (source, and format "hf" or source_round)."""
     directory = checkpoint_dir(cfg)
     if directory is not None:
-        params = checkpoint_params(cfg, directory, init_params)
-        event: dict[str, Any] = {"source": str(directory), "format": "hf"}
+        return checkpoint_params(cfg, directory, like), {"source": str(directory), "format": "hf"}
+    source = locate(cfg)
+    return read_item(source.step_dir, "params", like, "parameters"), {
+        "source": str(source.step_dir),
+        "source_round": source.round,
+    }
+
+
+def lora_base(cfg: RunConfig, init_params: PyTree) -> PyTree:
+    """The frozen base of a run with workload.lora: init.from's parameters, else `init_params` (the random θ_0 of
+    run.seed). Read at every start, from the same place, so a resumed island merges over the same base."""
+    return warm_params(cfg, init_params)[0] if cfg.init.from_ else init_params
+
+
+def initial_params(cfg: RunConfig, init_params: PyTree, rd: RunDir) -> PyTree:
+    """θ_0 of a run that starts afresh: init.from's parameters, logged as a `warm_start` event (source, source_round,
+    digest), or `init_params` when init.from is unset. With workload.lora, θ_0 is the adapters `init_params` and
+    init.from their base (`lora_base`): the event says so (lora = "base")."""
+    if not cfg.init.from_:
+        return init_params
+    if cfg.workload.lora.enabled:  # init.from is the frozen base (`lora_base`); θ_0 is the fresh adapters
+        params, event = init_params, {"source": cfg.init.from_, "lora": "base"}
     else:
-        source = locate(cfg)
-        params = read_item(source.step_dir, "params", init_params, "parameters")
-        event = {"source": str(source.step_dir), "source_round": source.round}
+        params, event = warm_params(cfg, init_params)
     kept = kept_checkpoint(Path(cfg.init.from_).expanduser())  # the checkpoint's, or the source run's RUN/hf/
     if kept is not None:
         event["files"] = copy_files(kept, rd.path / RUN_FILES, (CONFIG, *TOKENIZER_FILES))

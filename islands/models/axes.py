@@ -7,7 +7,8 @@ mesh axes with one rules table; nothing here knows a mesh.
 
 The names follow the params layouts in transformer.py (GPT-2), moe.py and llama.py: a leaf is named by its last two
 path parts ("attn/wq"), or by its last where that alone says what it is ("w_down" [F, D], or [E, F, D] in an expert
-stack). An optimizer state mirrors the parameters under longer paths ("0/mu/blocks/3/attn/wq"): the same last parts,
+stack). A LoRA adapter of a matrix (lora.py: A [in, r] and B [r, out] under the matrix's name) takes the matrix's
+input axis and its output axis, its rank unsplit. An optimizer state mirrors the parameters under longer paths ("0/mu/blocks/3/attn/wq"): the same last parts,
 the same axes.
 """
 
@@ -59,6 +60,11 @@ def logical_axes(name: str, ndim: int) -> Axes | None:
     if ndim == 0:
         return ()
     parts = name.split("/")
+    if parts[-1] in ("lora_a", "lora_b") and ndim == 2:  # a LoRA adapter of a matrix (islands/models/lora.py)
+        matrix = logical_axes("/".join(parts[:-1]), 2)
+        if matrix is None:
+            return None
+        return (matrix[0], None) if parts[-1] == "lora_a" else (None, matrix[1])
     for key in ("/".join(parts[-2:]), parts[-1]):
         if key in LEAF_AXES:
             return LEAF_AXES[key].get(ndim)

@@ -27,6 +27,13 @@ ROPE_SCALINGS: tuple[str, ...] = ("none", "llama3")
 COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 """The values of model.compute_dtype."""
 
+LORA_MODULES: tuple[str, ...] = ("wqkv", "wq", "wk", "wv", "wo", "w1", "w2", "w_gate", "w_up", "w_down")
+"""The block matrices workload.lora.targets may name (islands/models/lora.py): GPT-2's wqkv, wo, w1, w2 and the Llama
+family's wq, wk, wv, wo, w_gate, w_up, w_down (a shared expert's too)."""
+
+LORA_ATTENTION: tuple[str, ...] = ("wqkv", "wq", "wk", "wv", "wo")
+"""What workload.lora.targets = [] adapts: every attention projection the model has."""
+
 
 class ModelError(UserError, ValueError):
     """A user error in the model section of the config (bad sizes, an entry that does not import)."""

@@ -8,8 +8,9 @@ names, the model's kind and context, vectorized islands, chunked sampling) are `
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from islands.models.config import COMPUTE_DTYPES, LORA_MODULES
 from islands.posttrain.rewards import BUILTIN
 from islands.posttrain.task import DEFAULT_DIGITS, MAX_DIGITS, TASKS
 from islands.user_code import entry_form_ok
@@ -30,6 +31,56 @@ STEP_FIGURE_NAMES: tuple[str, ...] = tuple(sorted({name for names in STEP_FIGURE
 
 REFERENCE_START = "start"
 """workload.reference's value for θ at the start of the run."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA (Hu et al. 2021, arXiv 2106.09685; islands/models/lora.py): the base weights frozen, the islands train
+    low-rank adapters, and the pseudo-gradients, the outer step, the codecs and the checkpoints see the adapters only.
+    The base is θ_0 as a run without LoRA would start: init.from's parameters, else the random init of run.seed."""
+
+    rank: int = 0
+    """r, the adapters' rank; 0: no LoRA (every parameter trains)."""
+    alpha: float = 16.0
+    """α: an adapted weight is W + (α / r)·A·B."""
+    targets: tuple[str, ...] = ()
+    """The block matrices adapted, by leaf name (islands/models/config.py `LORA_MODULES`: wq, wk, wv, wo, w_gate,
+    w_up, w_down for the Llama family, wqkv, wo, w1, w2 for GPT-2's); []: every attention projection of the model.
+    A stack of experts [E, D, F] is refused: LoRA adapts 2-D matrices."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input; only 0 is accepted: the adapters are applied merged into the weight
+    (islands/models/lora.py), where no per-token mask exists, and the inner step has no per-step random key."""
+    base_dtype: str = "float32"
+    """How each process holds the frozen base: "float32", or "bfloat16" (half the memory; the merged weights are
+    float32, so only the base's rounding changes)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if self.rank < 0:
+            raise ValueError(f"workload.lora.rank must be >= 1 (0: no LoRA) (got {self.rank})")
+        if not (0 < self.alpha < math.inf):
+            raise ValueError(f"workload.lora.alpha must be a finite number > 0 (got {self.alpha})")
+        unknown = [t for t in self.targets if t not in LORA_MODULES]
+        if unknown:
+            raise ValueError(
+                f"workload.lora.targets names {unknown[0]!r}, not a block matrix LoRA adapts "
+                f"({', '.join(LORA_MODULES)})"
+            )
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"workload.lora.targets names a matrix twice ({', '.join(self.targets)})")
+        if self.dropout != 0:
+            raise ValueError(
+                f"workload.lora.dropout must be 0 (got {self.dropout}): the adapters are applied merged into the "
+                "weights, where no dropout mask on their input exists"
+            )
+        if self.base_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"workload.lora.base_dtype must be one of {', '.join(COMPUTE_DTYPES)} (got {self.base_dtype!r})"
+            )
 
 
 @dataclass(frozen=True)
@@ -104,6 +155,8 @@ class WorkloadConfig:
     """Mixed workloads: "NAME=KIND" or "NAME=KIND:PATH" entries, island NAME running KIND instead of workload.kind
     (on its own file PATH, else on workload.path when KIND is workload.kind, else on workload.task). Every island
     trains the same parameters and the outer step averages their pseudo-gradients as for one workload."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters in place of full fine-tuning, for every kind (`LoraConfig`); off by default."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "islands", tuple(self.islands))
@@ -225,6 +278,11 @@ def workload_conflict(
     mode: str,
 ) -> str | None:
     """Why the workload cannot run with the rest of the config, naming the keys; None if it can."""
+    if workload.lora.enabled and model_kind == "custom":
+        return (
+            'workload.lora adapts the block matrices of this project\'s models: model.kind must be "transformer", '
+            '"moe", "llama" or "llama_moe" (got "custom")'
+        )
     unknown = sorted(set(workload.entries()) - set(island_names))
     if unknown:
         return f"workload.islands names {', '.join(unknown)}, not in islands.names ({', '.join(island_names)})"

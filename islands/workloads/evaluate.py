@@ -108,14 +108,17 @@ class WorkloadEval:
         max_new_tokens: int,
         rows: int,
         beta: float,
+        view: Callable[[Params], Params] | None = None,
     ) -> None:
-        """`rows`: examples per program call; `beta`: DPO's β (workload.beta) for dpo_loss."""
-        self.model_cfg, self.held, self.codec = model_cfg, list(held), codec
+        """`rows`: examples per program call; `beta`: DPO's β (workload.beta) for dpo_loss; `view`: what turns the
+        θ evaluated into the model's parameters (workload.lora: the adapters merged into their base)."""
+        self.model_cfg, self.held, self.codec, self.view = model_cfg, list(held), codec, view
         self.max_new_tokens, self.rows, self.beta = max_new_tokens, rows, beta
 
     def __call__(self, params: Params) -> dict[str, float]:
         """Every figure, named `KIND_FIGURE` (sft_ce, dpo_accuracy, rl_reward, ...)."""
         out: dict[str, float] = {}
+        params = params if self.view is None else self.view(params)
         for held in self.held:
             out.update(self._figures(params, held))
         return out

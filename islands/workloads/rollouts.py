@@ -61,14 +61,17 @@ class Rollouts:
         seed: int,
         stream_id: int,
         cursor: int = 0,
+        view: Callable[[Params], Params] | None = None,
     ) -> None:
         """`prompts`: the island's share as `batches.prompt_table` makes it, `texts` the same prompts as text (what
-        the reward reads); `reference`: the frozen θ_ref, on the device the island's steps run on."""
+        the reward reads); `reference`: the frozen θ_ref, on the device the island's steps run on; `view`: what turns
+        the trained θ into the model's parameters (workload.lora: the adapters merged into their base)."""
         self.prompts, self.texts, self.scorer, self.codec = prompts, list(texts), scorer, codec
         self.reference, self.model_cfg, self.workload = reference, model_cfg, workload
         self.batch_size, self.seq_len = batch_size, model_cfg.seq_len
         self.seed, self.stream_id, self.cursor = seed, stream_id, cursor
         self.groups = batch_size // workload.group_size
+        self.view = view
 
     def next_for(self, params: Params) -> Table:
         k, g = self.cursor, self.workload.group_size
@@ -77,7 +80,7 @@ class Rollouts:
         prompts = rows_of(self.prompts, picked)
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), self.stream_id), k)
         new, lengths = generate(
-            params,
+            params if self.view is None else self.view(params),
             self.model_cfg,
             prompts["prompt"],
             prompts["prompt_len"],

@@ -1,0 +1,240 @@
+"""LoRA (islands/models/lora.py, workload.lora): step 0 is the base, only the adapters train and travel, a merged
+export is the base plus the adapters, a small run learns under SFT and RL, and bad settings are one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from diloco.cli import main
+from diloco.config import ConfigError, load_config
+from diloco.ops.export import export, export_peft
+from diloco.ops.trained import load_trained
+from diloco.run.rundir import read_events
+from diloco.run.setup import Evaluator, build_setup
+from diloco.simulator.simulate import run_simulation
+from islands.config import InnerConfig
+from islands.inner import WithFrozen, make_inner_optimizer, make_train_step
+from islands.mesh import Layout, build_mesh
+from islands.models.base import param_count
+from islands.models.config import ModelConfig
+from islands.models.lora import Lora, LoraError, adapt
+from islands.models.registry import ARCHITECTURES, build_model
+from islands.models.transformer import forward
+from pytrees.naming import flatten_named, unflatten_named
+from tests.conftest import TINY_TOML, fails, write_corpus
+from tests.test_workloads import RL, SIZE
+from tests.test_workloads import TASK as WORKLOAD_TASK
+
+pytestmark = pytest.mark.timeout(300)
+
+LLAMA = ModelConfig(kind="llama", vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32)
+GPT2 = ModelConfig(kind="transformer", vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32)
+TASK = ["workload.task=addition", "workload.heldout_examples=8", "workload.max_new_tokens=4"]
+LORA = ["workload.lora.rank=4", "workload.lora.targets=[wqkv,wo,w1,w2]"]
+
+
+def _logits(cfg: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    return forward(params, tokens, cfg, ARCHITECTURES[cfg.kind])[0]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "targets", "adapted"),
+    [(LLAMA, (), 8), (LLAMA, ("wq", "w_down"), 4), (GPT2, (), 4), (GPT2, ("wqkv", "wo", "w1", "w2"), 8)],
+)
+def test_step_zero_is_the_base_and_only_targets_are_adapted(cfg: ModelConfig, targets: tuple, adapted: int) -> None:
+    model = build_model(cfg)
+    base = model.init(jax.random.key(0))
+    lora = Lora.over(base, rank=2, alpha=8.0, targets=targets)
+    adapters = lora.init(jax.random.key(1))
+    names = flatten_named(adapters)
+    assert len(names) == 2 * adapted and all(n.rsplit("/", 1)[-1] in ("lora_a", "lora_b") for n in names)
+    assert param_count(adapters) < param_count(base) / 4
+    tokens = jax.random.randint(jax.random.key(2), (2, cfg.seq_len), 0, cfg.vocab_size)
+    np.testing.assert_array_equal(_logits(cfg, lora.merged(adapters), tokens), _logits(cfg, base, tokens))
+    batch = jax.random.randint(jax.random.key(3), (2, cfg.seq_len + 1), 0, cfg.vocab_size)
+    (loss, _), grads = jax.value_and_grad(adapt(model, lora).loss, has_aux=True)(adapters, batch)
+    assert loss == model.loss(base, batch)[0]
+    assert jax.tree.structure(grads) == jax.tree.structure(adapters)  # the gradient is over the adapters alone
+    assert any(float(jnp.abs(g).sum()) > 0 for n, g in flatten_named(grads).items() if n.endswith("lora_b"))
+
+
+def test_a_bfloat16_base_merges_into_float32_weights() -> None:
+    base = build_model(LLAMA).init(jax.random.key(0))
+    lora = Lora.over(base, rank=2, alpha=4.0, dtype="bfloat16")
+    assert {leaf.dtype for leaf in jax.tree.leaves(lora.base)} == {jnp.dtype(jnp.bfloat16)}
+    merged = lora.merged(lora.init(jax.random.key(1)))
+    assert {leaf.dtype for leaf in jax.tree.leaves(merged)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize(
+    ("cfg", "targets", "message"),
+    [
+        (GPT2, ("wq",), "workload.lora.targets names 'wq', which this model has no block matrix of"),
+        (LLAMA, ("wqkv",), "workload.lora.targets names 'wqkv', which this model has no block matrix of"),
+        (
+            ModelConfig(
+                kind="llama_moe",
+                vocab_size=64,
+                seq_len=8,
+                d_model=16,
+                n_layers=1,
+                n_heads=2,
+                d_ff=8,
+                n_experts=2,
+                top_k=1,
+            ),  # fmt: skip
+            ("w_up",),
+            "blocks/0/ff/w_up is a stack of experts [2, 16, 8]; LoRA adapts 2-D matrices",
+        ),
+    ],
+)
+def test_a_target_the_model_cannot_adapt_is_one_line(cfg: ModelConfig, targets: tuple, message: str) -> None:
+    with pytest.raises(LoraError, match=re.escape(message)):
+        Lora.over(build_model(cfg).init(jax.random.key(0)), rank=2, alpha=1.0, targets=targets)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["workload.lora.rank=-1"], "workload.lora.rank must be >= 1 (0: no LoRA)"),
+        (["workload.lora.rank=2", "workload.lora.alpha=0"], "workload.lora.alpha must be a finite number > 0"),
+        (["workload.lora.targets=[q_proj]"], "workload.lora.targets names 'q_proj', not a block matrix LoRA adapts"),
+        (["workload.lora.targets=[wq,wq]"], "workload.lora.targets names a matrix twice"),
+        (["workload.lora.dropout=0.1"], "workload.lora.dropout must be 0 (got 0.1)"),
+        (["workload.lora.base_dtype=float16"], "workload.lora.base_dtype must be one of float32, bfloat16"),
+        (["workload.lora.rank=2", "inner.kind=muon"], "workload.lora trains low-rank adapters, which are not the"),
+        (
+            ["workload.lora.rank=2", "model.kind=custom", "model.entry=tests.custom_model:build"],
+            "workload.lora adapts the block matrices of this project's models: model.kind must be",
+        ),
+    ],
+)
+def test_a_bad_lora_setting_is_one_line(tiny_config: Path, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(tiny_config, overrides)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_target_absent_from_the_run_model_is_one_cli_line(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", str(tiny_config), "--run-dir", str(tmp_path / "r"), "workload.lora.rank=2"]
+    fails(capsys, [*argv, "workload.lora.targets=[w_gate]"], "workload.lora.targets names 'w_gate', which this model")
+
+
+@pytest.mark.slow
+def test_sft_with_lora_trains_the_adapters_only_and_exports_merged(tiny_config: Path, tmp_path: Path) -> None:
+    full_cfg = load_config(tiny_config, ["workload.kind=sft", *TASK])
+    cfg = load_config(tiny_config, ["workload.kind=sft", *TASK, *LORA, "inner.lr=1e-2"])
+    full, setup = build_setup(full_cfg, islands=()), build_setup(cfg, islands=())
+    assert setup.n_params * 4 < full.n_params  # the tree that trains, travels and is saved is the adapters
+    summary = run_simulation(cfg, tmp_path / "run", show_progress=False)
+    base_scores = Evaluator.of(full_cfg, full).measure(full.init_params)[1]
+    assert summary["initial_scores"] == base_scores  # step 0 is the base
+    assert summary["final_scores"]["sft_ce"] < summary["initial_scores"]["sft_ce"] - 0.1
+    assert summary["bytes_up"] < cfg.train.rounds * cfg.islands.count * full.n_params  # a quarter of θ's fp32 bytes
+
+    trained = load_trained(tmp_path / "run")
+    assert trained.digest == summary["params_digest"]  # the run's θ is its adapters
+    out = export(tmp_path / "run", tmp_path / "export")
+    merged = load_file(tmp_path / "export" / "model.safetensors")
+    model_params = jax.tree.map(np.asarray, setup.lora.merged(trained.adapters))
+    tokens = jax.random.randint(jax.random.key(0), (2, cfg.model.seq_len), 0, cfg.model.vocab_size)
+    exported = unflatten_named(merged, full.init_params)
+    expected = _logits(cfg.model, model_params, tokens)
+    np.testing.assert_allclose(_logits(cfg.model, exported, tokens), expected, atol=1e-5, rtol=0)
+    assert out["param_count"] == full.n_params
+    peft = export_peft(tmp_path / "run", tmp_path / "peft")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["peft_type"] == "LORA" and peft["tensors"] == 8
+    tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    a = tensors["base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"]
+    b = tensors["base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"]
+    assert a.shape == (4, 32) and b.shape == (96, 4)
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A full SFT run of tests/test_workloads.py's size: where the LoRA runs of RL and DPO start (their base)."""
+    tmp = tmp_path_factory.mktemp("lora")
+    config = tmp / "tiny.toml"
+    config.write_text(TINY_TOML.format(corpus=write_corpus(tmp / "corpus.txt")))
+    overrides = [*SIZE, *WORKLOAD_TASK, "workload.kind=sft", "train.rounds=2", "train.inner_steps=20"]
+    run_simulation(load_config(config, overrides), tmp / "sft", show_progress=False)
+    return tmp
+
+
+@pytest.mark.slow
+def test_rl_and_dpo_with_lora_start_at_their_base_and_learn(sft_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, base = sft_run / "tiny.toml", f"init.from={sft_run / 'sft'}"
+    common = [*SIZE, *WORKLOAD_TASK, base, "workload.lora.rank=4", "workload.lora.targets=[wqkv,wo,w1,w2]"]
+    rl = load_config(config, [*common, *RL, "inner.lr=1e-2", "train.rounds=2", "train.inner_steps=20",
+                              "workload.group_size=8", "train.batch_size=32"])  # fmt: skip
+    summary = run_simulation(rl, sft_run / "rl", show_progress=False)
+    assert summary["final_scores"]["rl_reward"] > summary["initial_scores"]["rl_reward"]
+    inner = read_events(sft_run / "rl" / "metrics.jsonl", "inner")
+    assert all(e["kl"] >= 0.0 for e in inner) and len(inner) == 2 * 20 // 2 * 2
+
+    dpo = load_config(config, [*common, "workload.kind=dpo", "train.rounds=1", "train.inner_steps=2"])
+    first = run_simulation(dpo, sft_run / "dpo", show_progress=False)["initial_scores"]
+    assert first["dpo_loss"] == pytest.approx(math.log(2.0), abs=1e-6)  # θ_0 merged is the reference
+
+    args = ["sample", str(sft_run / "rl"), "--prompt", "12+34=", "--temperature", "0", "--max-new-tokens", "4"]
+    assert main([*args, "--json"]) == 0  # the adapters merged at load
+    (answer,) = json.loads(capsys.readouterr().out)["samples"]
+    assert 1 <= len(answer["tokens"]) <= 4
+
+
+def test_bench_posttrain_lora_refuses_what_it_cannot_compare(
+    tiny_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "posttrain", str(tiny_config), "--pretrained", str(tmp_path), "--run-dir", str(tmp_path / "b")]
+    task = ["workload.kind=sft", *TASK]
+    fails(capsys, [*argv, "--lora", "workload.lora.alpha=8", *task], "--lora 'workload.lora.alpha=8' leaves")
+    fails(capsys, [*argv, "--lora", "workload.lora.rank=2", "--columns", "one", *task], "--lora compares SFT and")
+
+
+def test_the_train_step_takes_the_base_as_an_argument_not_as_constants() -> None:
+    model = build_model(LLAMA)
+    lora = Lora.over(model.init(jax.random.key(0)), rank=2, alpha=4.0)
+    adapted = adapt(model, lora)
+    tx = make_inner_optimizer(InnerConfig(), 10)
+    step = make_train_step(adapted.loss, tx, Layout(build_mesh(1)))
+    assert isinstance(step, WithFrozen)
+    adapters = adapted.init(jax.random.key(1))
+    batch = jax.random.randint(jax.random.key(2), (1, 2, LLAMA.seq_len + 1), 0, LLAMA.vocab_size)
+    text = step.lower(adapters, tx.init(adapters), batch).as_text()
+    embedding = f"tensor<{LLAMA.vocab_size}x{LLAMA.d_model}xf32>"
+    assert not [line for line in text.splitlines() if "stablehlo.constant" in line and embedding in line]
+    params, _, metrics = step(adapters, tx.init(adapters), batch)
+    assert float(metrics["loss"]) == pytest.approx(float(model.loss(lora.base, batch[0])[0]), rel=1e-6)
+    assert jax.tree.structure(params) == jax.tree.structure(adapters)
+
+
+@pytest.mark.slow
+def test_a_llama_lm_run_with_lora_learns_and_exports_peft_names(tiny_config: Path, tmp_path: Path) -> None:
+    llama = ["model.kind=llama", "model.n_kv_heads=1", "train.rounds=2", "inner.lr=1e-2", "workload.lora.rank=2"]
+    cfg = load_config(tiny_config, llama)
+    summary = run_simulation(cfg, tmp_path / "run", show_progress=False)
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]  # plain lm: the corpus's loss
+    out = export_peft(tmp_path / "run", tmp_path / "peft")
+    assert out["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]  # the attention projections
+    tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (2, 32)
+    assert tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (16, 2)
+    trained = load_trained(tmp_path / "run")
+    a, b = (trained.adapters["blocks"][0]["attn"]["wq"][k] for k in ("lora_a", "lora_b"))
+    np.testing.assert_array_equal(a.T, tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"])
+    base = build_model(cfg.model).init(jax.random.key(cfg.run.seed))["blocks"][0]["attn"]["wq"]  # no init.from
+    merged = trained.params["blocks"][0]["attn"]["wq"]
+    np.testing.assert_allclose(merged, np.asarray(base) + (16.0 / 2) * (a @ b), atol=1e-6)  # W + (α / r)·A·B
+    assert not np.array_equal(merged, np.asarray(base))
