@@ -313,11 +313,6 @@ def build_parser() -> argparse.ArgumentParser:
     pln = sub.add_parser("plan", help="per-device memory of an island's step at size, from the config alone (JSON)")
     pln.add_argument("config", help="TOML run config (e.g. configs/llama-3.1-8b.toml)")
     pln.add_argument("--device-gb", type=float, default=80.0, help="each device's memory, GB (80)")
-    pln.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank only")
-    pln.add_argument(
-        "--lora-targets", default="wq,wk,wv,wo", help="the matrices LoRA adapts, comma-separated (wq,wk,wv,wo)"
-    )
-    pln.add_argument("--lora-base", default="float32", help="the frozen base's dtype under LoRA: float32 or bfloat16")
     pln.add_argument("--sample", default=None, metavar="ROWSxLENGTH", help="a generation's KV cache to plan for")
     pln.epilog = (
         "Trailing section.key=value arguments override the config, e.g. islands.devices=64 islands.tensor=8 "
@@ -390,12 +385,12 @@ def _by(text: str, flag: str) -> tuple[int, int]:
 def _plan(args: argparse.Namespace) -> int:
     from diloco.config import load_config
     from islands.memory import GB
-    from islands.step_memory import Lora, advice, check, step_memory, summary
+    from islands.step_memory import advice, check, step_memory, summary
 
     cfg = load_config(args.config, args.overrides)
     data, tensor = cfg.islands.devices // cfg.islands.tensor, cfg.islands.tensor
     rows, length = _by(args.sample, "--sample") if args.sample else (0, 0)
-    lora = Lora(args.lora, tuple(args.lora_targets.split(",")), args.lora_base) if args.lora else None
+    lora = cfg.workload.lora if cfg.workload.lora.enabled else None
     shard = cfg.islands.shard_params
     plan = step_memory(
         cfg.model, cfg.train.batch_size, cfg.train.microbatch, data, tensor, shard, lora, cfg.codec.spec("uplink"),

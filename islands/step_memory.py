@@ -15,6 +15,9 @@ bytes per device (`StepMemory`):
     weight copies   what the backward pass keeps of the weights beyond the arguments: each matrix cast to the compute
                     dtype (`transformer.dense`: none in float32) and, with FSDP, gathered over the data axis; every
                     block's without remat, one block's with it (the one being recomputed)
+    merged weights  under LoRA, the float32 parameters each step merges before its forward (islands/models/lora.py,
+                    `Lora.merged`): W + (α / r)·A·B for each adapted matrix, and each other leaf cast where the base
+                    is bfloat16
     activations     what autodiff saves for the backward pass (below), model.remat on or off (both are reported)
     logits          the loss's float32 [b, T, V] four times at its backward: the logits, their log-softmax (saved),
                     its gradient and the logits' gradient (plus the compute-dtype logits under bfloat16)
@@ -72,36 +75,16 @@ from floor.codec import CodecSpec, index_bits, raw_payload_nbytes, sparse_payloa
 from islands.memory import GB, OutOfMemoryError, format_bytes
 from islands.mesh import DATA, TENSOR, accumulation_steps, leaf_spec
 from islands.models.axes import Axes, axis_units, logical_axes
-from islands.models.config import ModelConfig, ModelError
+from islands.models.config import LORA_MODULES, ModelConfig, ModelError
+from islands.models.lora import target_names
 from islands.models.registry import build_model
+from islands.workloads.config import LoraConfig
 from pytrees.naming import path_name
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
-LORA_TARGETS: tuple[str, ...] = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-"""The matrices of a block a LoRA adapter may target."""
-
 LOGITS_COPIES = 4
 """Float32 [b, T, V] arrays live at the loss's backward (module docstring, "logits")."""
-
-
-@dataclass(frozen=True)
-class Lora:
-    """A LoRA (Hu et al. 2021, arXiv 2106.09685) of rank `rank` on the `targets` of every block: the base frozen in
-    `base_dtype`, only the adapters trained, pushed and given optimizer state."""
-
-    rank: int
-    targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
-    base_dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ModelError(f"the LoRA rank must be >= 1 (got {self.rank})")
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
-        if unknown or not self.targets:
-            raise ModelError(f"LoRA targets must be some of {', '.join(LORA_TARGETS)} (got {', '.join(self.targets)})")
-        if self.base_dtype not in DTYPE_BYTES:
-            raise ModelError(f"the LoRA base dtype must be one of {', '.join(DTYPE_BYTES)} (got {self.base_dtype!r})")
 
 
 @dataclass(frozen=True)
@@ -127,19 +110,20 @@ class Leaf:
         return prod(n // width[axis] for n, axis in zip(self.shape, spec + (None,) * len(self.shape), strict=False))
 
 
-def leaves(cfg: ModelConfig, lora: Lora | None = None) -> list[Leaf]:
+def leaves(cfg: ModelConfig, lora: LoraConfig | None = None) -> list[Leaf]:
     """The model's parameters as its own init makes them (`jax.eval_shape`: shapes only, nothing allocated), each
     with its logical axes; under `lora` the base frozen in its dtype and, for each targeted matrix, the adapters A
     [in, r] (split where the matrix's input is) and B [r, out] (where its output is)."""
     base = 4 if lora is None else DTYPE_BYTES[lora.base_dtype]
-    shapes = jax.eval_shape(build_model(cfg).init, jax.random.key(0))
+    init = jax.eval_shape(build_model(cfg).init, jax.random.key(0))
+    shapes = {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(init)}
+    adapted = set() if lora is None else set(target_names(shapes, lora.targets))
     out = []
-    for path, x in jax.tree_util.tree_leaves_with_path(shapes):
-        name = path_name(path)
-        axes = logical_axes(name, x.ndim)
-        out.append(Leaf(name, tuple(x.shape), axes, base, lora is None))
-        if lora is not None and name.startswith("blocks/") and name.split("/")[-1] in lora.targets:
-            (d_in, d_out), (a_in, a_out) = x.shape, axes or (None, None)
+    for name, shape in shapes.items():
+        axes = logical_axes(name, len(shape))
+        out.append(Leaf(name, tuple(shape), axes, base, lora is None))
+        if lora is not None and name in adapted:
+            (d_in, d_out), (a_in, a_out) = shape, axes or (None, None)
             out.append(Leaf(f"{name}/lora_a", (d_in, lora.rank), (a_in, None)))
             out.append(Leaf(f"{name}/lora_b", (lora.rank, d_out), (None, a_out)))
     return out
@@ -177,6 +161,8 @@ class StepMemory:
     optimizer: int
     update: int
     weight_copies: int
+    merged: int
+    """Under LoRA: the float32 parameters each step merges (`Lora.merged`); 0 without."""
     activations: int
     """With the plan's remat setting: `activations_remat` or `activations_full`."""
     activations_full: int
@@ -201,7 +187,8 @@ class StepMemory:
     @property
     def step(self) -> int:
         """A train step's transient bytes beyond the state."""
-        return self.gradients + self.update + self.weight_copies + self.activations + self.logits + self.batch
+        parts = (self.gradients, self.update, self.weight_copies, self.merged, self.activations, self.logits)
+        return sum(parts) + self.batch
 
     @property
     def total(self) -> int:
@@ -220,6 +207,7 @@ class StepMemory:
             "gradients": self.gradients,
             "update": self.update,
             "weight copies": self.weight_copies,
+            "merged weights": self.merged,
             "activations": self.activations,
             "logits": self.logits,
             "batch": self.batch,
@@ -264,8 +252,9 @@ def tensor_share(axis: str, width: int, tensor: int, units: Mapping[str, int]) -
     return width // tensor if any(leaf_spec((width,), (axis,), 1, tensor, False, dict(units))) else width
 
 
-def block_activations(cfg: ModelConfig, tensor: int, lora: Lora | None = None) -> int:
-    """Bytes one block saves for the backward pass per token of a pass (A in the module docstring), per device."""
+def block_activations(cfg: ModelConfig, tensor: int, lora: LoraConfig | None = None, adapted: int = 0) -> int:
+    """Bytes one block saves for the backward pass per token of a pass (A in the module docstring), per device;
+    `adapted`: the block's matrices LoRA adapts (each saves x @ A)."""
     c = DTYPE_BYTES[cfg.compute_dtype]
     units, dh = dict(axis_units(cfg)), cfg.head_size
     q = tensor_share("heads", cfg.n_heads * dh, tensor, units)
@@ -274,7 +263,7 @@ def block_activations(cfg: ModelConfig, tensor: int, lora: Lora | None = None) -
     attention = c * (2 * q + 2 * kv)
     scores = (9 + c) * (q // dh) * cfg.seq_len
     mlp = 6 * c * tensor_share("mlp", cfg.d_ff, tensor, units)
-    adapters = c * lora.rank * len(lora.targets) if lora is not None else 0  # x @ A of each adapter
+    adapters = c * lora.rank * adapted if lora is not None else 0
     return norms + attention + scores + mlp + adapters
 
 
@@ -295,7 +284,7 @@ def step_memory(
     data: int = 1,
     tensor: int = 1,
     shard_params: bool = False,
-    lora: Lora | None = None,
+    lora: LoraConfig | None = None,
     uplink: CodecSpec | None = None,
     sample_rows: int = 0,
     sample_length: int = 0,
@@ -316,7 +305,20 @@ def step_memory(
     on_device = {leaf.name: leaf.per_device(data, tensor, shard_params, units) for leaf in params}
     parameters = sum(on_device[leaf.name] * leaf.itemsize for leaf in params)
     trained = sum(on_device[leaf.name] for leaf in params if leaf.trained) * 4
-    matrices = [leaf for leaf in params if leaf.name.split("/")[-1] in LORA_TARGETS]
+    matrices = [leaf for leaf in params if leaf.name.startswith("blocks/") and leaf.name.split("/")[-1] in LORA_MODULES]
+    adapters = [leaf for leaf in params if leaf.name.endswith("/lora_a")]
+    # LoRA applies the adapters merged (islands/models/lora.py, `Lora.merged`): every step makes the whole model's
+    # float32 parameters, W + (α / r)·A·B for each adapted matrix and each other leaf cast, before the forward.
+    merged = (
+        0
+        if lora is None
+        else 4
+        * sum(
+            on_device[leaf.name]
+            for leaf in params
+            if not leaf.trained and (leaf.itemsize != 4 or f"{leaf.name}/lora_a" in on_device)
+        )
+    )
     fsdp = shard_params and data > 1
 
     def copies(of: Sequence[Leaf]) -> int:
@@ -328,7 +330,7 @@ def step_memory(
 
     per_block = [leaf for leaf in matrices if leaf.name.startswith("blocks/0/")]
     tokens = rows * cfg.seq_len
-    a = block_activations(cfg, tensor, lora)
+    a = block_activations(cfg, tensor, lora, sum(leaf.name.startswith("blocks/0/") for leaf in adapters))
     outside = (12 + c) * cfg.d_model * tokens  # the final norm
     full = cfg.n_layers * a * tokens + outside
     remat = cfg.n_layers * c * cfg.d_model * tokens + a * tokens + outside
@@ -355,6 +357,7 @@ def step_memory(
         optimizer=2 * trained,
         update=trained,
         weight_copies=weight_copies,
+        merged=merged,
         activations=remat if cfg.remat else full,
         activations_full=full,
         activations_remat=remat,
@@ -371,13 +374,13 @@ def step_memory(
 
 
 def advice(
-    plan: StepMemory, data: int, tensor: int, shard_params: bool, microbatch: int, lora: Lora | None
+    plan: StepMemory, data: int, tensor: int, shard_params: bool, microbatch: int, lora: LoraConfig | None
 ) -> list[str]:
     """The settings that shrink the plan's largest parts, largest first."""
     knobs: list[str] = []
     ranked = sorted(plan.parts().items(), key=lambda kv: -kv[1])
     for part, _ in ranked[:3]:
-        if part in ("parameters", "gradients", "optimizer", "update", "weight copies"):
+        if part in ("parameters", "gradients", "optimizer", "update", "weight copies", "merged weights"):
             if not shard_params and data > 1:
                 knobs.append("set islands.shard_params (FSDP over the data axis)")
             knobs.append(f"raise islands.tensor ({tensor})")

@@ -20,7 +20,8 @@ from islands.mesh import Layout, batch_sharding, build_mesh
 from islands.models.config import ModelConfig, ModelError
 from islands.models.registry import build_model
 from islands.models.registry import parameter_count as traced_count
-from islands.step_memory import Lora, check, leaves, parameter_count, step_memory
+from islands.step_memory import check, leaves, parameter_count, step_memory
+from islands.workloads.config import LoraConfig
 
 SMALL = ModelConfig(
     kind="llama", vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=768
@@ -70,13 +71,17 @@ def test_kv_heads_that_the_tensor_axis_cannot_split_are_replicated() -> None:
 
 def test_lora_keeps_optimizer_state_for_the_adapters_only() -> None:
     full = step_memory(SMALL, 8, 1)
-    lora = step_memory(SMALL, 8, 1, lora=Lora(8, base_dtype="bfloat16"), uplink=CodecSpec(kind="int8"))
+    lora = step_memory(SMALL, 8, 1, lora=LoraConfig(rank=8, base_dtype="bfloat16"), uplink=CodecSpec(kind="int8"))
     # per block A [in, 8] and B [8, out] of wq (256 -> 256), wk and wv (256 -> 128), wo (256 -> 256); float32
     adapters = 4 * SMALL.n_layers * 8 * ((256 + 256) + 2 * (256 + 128) + (256 + 256))
     assert lora.trainable * 4 == adapters
     assert lora.optimizer == 2 * adapters and full.optimizer == 8 * parameter_count(SMALL)
     assert lora.parameters == 2 * parameter_count(SMALL) + adapters  # the base in bfloat16
     assert lora.host.residual == lora.host.global_copy == adapters  # only the adapters are pushed
+    assert lora.merged == 4 * parameter_count(SMALL) and full.merged == 0  # each step merges a float32 θ
+    fp32_base = step_memory(SMALL, 8, 1, lora=LoraConfig(rank=8))
+    attention = 4 * SMALL.n_layers * (2 * 256 * 256 + 2 * 256 * 128)  # only the adapted matrices are new arrays
+    assert fp32_base.merged == attention
 
 
 def test_remat_keeps_one_blocks_activations() -> None:
@@ -123,8 +128,8 @@ def test_what_does_not_fit_is_refused_in_one_line(capsys: pytest.CaptureFixture[
 
 
 def test_mistakes_are_one_line() -> None:
-    with pytest.raises(ModelError, match="LoRA targets"):
-        Lora(4, ("wqkv",))
+    with pytest.raises(ModelError, match="names 'wqkv', which this model has no block matrix of"):
+        step_memory(SMALL, 8, lora=LoraConfig(rank=4, targets=("wqkv",)))
     with pytest.raises(ModelError, match="model.kind = llama"):
         step_memory(ModelConfig(), 8)
     assert main(["plan", str(CONFIGS / "llama-3.2-1b.toml"), "islands.tensor=3"]) == 2

@@ -27,7 +27,8 @@ from typing import Any
 from diloco.bench.errors import BenchError
 from islands.memory import GB
 from islands.models.config import ModelConfig
-from islands.step_memory import Lora, step_memory
+from islands.step_memory import step_memory
+from islands.workloads.config import LoraConfig
 
 RATIO_BOUND = 1.5
 MIB = 1 << 20
@@ -40,29 +41,33 @@ TABLE_SEQ_LEN = 2048
 TABLE_MESHES = {8: ((8, 1), (4, 2), (1, 8)), 64: ((8, 8), (64, 1))}
 """Island sizes and their data x tensor splits in the table."""
 
-TABLE_LORA = Lora(rank=16, targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), base_dtype="bfloat16")
+TABLE_LORA = LoraConfig(rank=16, targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), base_dtype="bfloat16")
 
 CHECK_MODEL = dict(
     kind="llama", vocab_size=8192, seq_len=256, d_model=512, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=1408
 )
 """The checked shape: 19.7M parameters (untied), every width of a Llama in small."""
 
-CHECK_CASES: tuple[tuple[int, int, bool, str, bool], ...] = (
-    (1, 1, False, "float32", False),
-    (2, 1, False, "float32", False),
-    (2, 1, True, "float32", False),
-    (4, 1, True, "float32", False),
-    (1, 1, False, "bfloat16", False),
-    (2, 1, True, "bfloat16", False),
-    (1, 2, False, "float32", False),
-    (1, 4, False, "float32", False),
-    (2, 2, True, "float32", False),
-    (2, 2, True, "bfloat16", False),
-    (1, 1, False, "float32", True),
-    (2, 1, True, "bfloat16", True),
+CHECK_CASES: tuple[tuple[int, int, bool, str, bool, bool], ...] = (
+    (1, 1, False, "float32", False, False),
+    (2, 1, False, "float32", False, False),
+    (2, 1, True, "float32", False, False),
+    (4, 1, True, "float32", False, False),
+    (1, 1, False, "bfloat16", False, False),
+    (2, 1, True, "bfloat16", False, False),
+    (1, 2, False, "float32", False, False),
+    (1, 4, False, "float32", False, False),
+    (2, 2, True, "float32", False, False),
+    (2, 2, True, "bfloat16", False, False),
+    (1, 1, False, "float32", True, False),
+    (2, 1, True, "bfloat16", True, False),
+    (1, 1, False, "float32", False, True),
+    (2, 2, True, "bfloat16", False, True),
 )
-"""(data, tensor, shard_params, compute dtype, remat) of each checked step; sequences per device of the data axis per
-pass: `CHECK_ROWS`."""
+"""(data, tensor, shard_params, compute dtype, remat, LoRA) of each checked step (LoRA: `CHECK_LORA`); sequences per
+device of the data axis per pass: `CHECK_ROWS`."""
+
+CHECK_LORA = LoraConfig(rank=8, targets=TABLE_LORA.targets, base_dtype="bfloat16")
 
 CHECK_ROWS = 4
 
@@ -98,7 +103,7 @@ def table() -> list[dict[str, Any]]:
     return rows
 
 
-def measure(cases: tuple[tuple[int, int, bool, str, bool], ...] = CHECK_CASES) -> list[dict[str, Any]]:
+def measure(cases: tuple[tuple[int, int, bool, str, bool, bool], ...] = CHECK_CASES) -> list[dict[str, Any]]:
     """XLA's figure for each case's step, per device (`Footprint.total`), compiled in this process: its JAX must see
     at least the cases' devices. Nothing runs; the state is shapes."""
     import jax
@@ -108,12 +113,17 @@ def measure(cases: tuple[tuple[int, int, bool, str, bool], ...] = CHECK_CASES) -
     from islands.inner import make_inner_optimizer, make_train_step
     from islands.memory import Footprint
     from islands.mesh import Layout, batch_sharding, build_mesh
+    from islands.models.lora import Lora, adapt
     from islands.models.registry import build_model
 
     out = []
-    for data, tensor, shard, dtype, remat in cases:
+    for data, tensor, shard, dtype, remat, lora in cases:
         cfg = ModelConfig(**CHECK_MODEL, tie_embeddings=False, compute_dtype=dtype, remat=remat)
         model, tx = build_model(cfg), make_inner_optimizer(InnerConfig(), 100)
+        if lora:  # the frozen base is an argument of the step (islands/inner.py `WithFrozen`): XLA counts it
+            base = jax.jit(model.init)(jax.random.key(0))
+            c = CHECK_LORA
+            model = adapt(model, Lora.over(base, c.rank, c.alpha, c.targets, c.base_dtype))
         layout = Layout(build_mesh(data * tensor, tensor=tensor), shard, model.axis_units)
         params = jax.eval_shape(model.init, jax.random.key(0))
         opt = jax.eval_shape(tx.init, params)
@@ -123,7 +133,7 @@ def measure(cases: tuple[tuple[int, int, bool, str, bool], ...] = CHECK_CASES) -
         footprint = Footprint.of(step.lower(layout.shapes(params), layout.shapes(opt), batch).compile())
         if footprint is None:
             raise BenchError("bench plan: XLA gives no memory analysis on this backend")
-        case = {"data": data, "tensor": tensor, "shard_params": shard, "dtype": dtype, "remat": remat}
+        case = {"data": data, "tensor": tensor, "shard_params": shard, "dtype": dtype, "remat": remat, "lora": lora}
         out.append({**case, "xla": footprint.total})
     return out
 
@@ -133,11 +143,12 @@ def compare(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for m in measured:
         cfg = ModelConfig(**CHECK_MODEL, tie_embeddings=False, compute_dtype=m["dtype"], remat=m["remat"])
-        plan = step_memory(cfg, CHECK_ROWS * m["data"], 0, m["data"], m["tensor"], m["shard_params"])
+        lora = CHECK_LORA if m["lora"] else None
+        plan = step_memory(cfg, CHECK_ROWS * m["data"], 0, m["data"], m["tensor"], m["shard_params"], lora)
         ratio = round((plan.state + plan.step) / m["xla"], 3)
         rows.append(
             {
-                **{k: m[k] for k in ("data", "tensor", "shard_params", "dtype", "remat")},
+                **{k: m[k] for k in ("data", "tensor", "shard_params", "dtype", "remat", "lora")},
                 "plan_mib": round((plan.state + plan.step) / MIB, 1),
                 "xla_mib": round(m["xla"] / MIB, 1),
                 "plan_over_xla": ratio,

@@ -8,8 +8,8 @@ mesh axes with one rules table; nothing here knows a mesh.
 The names follow the params layouts in transformer.py (GPT-2), moe.py and llama.py: a leaf is named by its last two
 path parts ("attn/wq"), or by its last where that alone says what it is ("w_down" [F, D], or [E, F, D] in an expert
 stack). A LoRA adapter of a matrix (lora.py: A [in, r] and B [r, out] under the matrix's name) takes the matrix's
-input axis and its output axis, its rank unsplit. An optimizer state mirrors the parameters under longer paths ("0/mu/blocks/3/attn/wq"): the same last parts,
-the same axes.
+input axis and its output axis, its rank unsplit. An optimizer state mirrors the parameters under longer paths
+("0/mu/blocks/3/attn/wq"): the same last parts, the same axes.
 """
 
 from __future__ import annotations
