@@ -123,6 +123,16 @@ class HeldOutScorer:
         return {k: round(v, 4) for k, v in scores.items()}
 
 
+def _checked_inputs(config: str, overrides: Sequence[str], pretrained: Path) -> RunConfig:
+    """The bench's config, refused in one line without a built-in task or without a pre-trained run directory."""
+    base = load_config(config, list(overrides))
+    if not base.workload.task:
+        raise BenchError(f"{config}: bench posttrain needs a [workload] with a built-in task (workload.task)")
+    if not pretrained.is_dir():
+        raise BenchError(f"--pretrained '{pretrained}' is not a run directory")
+    return base
+
+
 def run_posttrain_bench(
     config: str,
     overrides: Sequence[str],
@@ -134,11 +144,7 @@ def run_posttrain_bench(
     columns: Sequence[str] = COLUMNS,
 ) -> dict[str, Any]:
     """Run every column's stages under run_dir/COLUMN-STAGE, score them, and return the result (module docstring)."""
-    base = load_config(config, list(overrides))
-    if not base.workload.task:
-        raise BenchError(f"{config}: bench posttrain needs a [workload] with a built-in task (workload.task)")
-    if not pretrained.is_dir():
-        raise BenchError(f"--pretrained '{pretrained}' is not a run directory")
+    base = _checked_inputs(config, overrides, pretrained)
     pretrained = pretrained.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     n = heldout_count(base, heldout)
@@ -201,11 +207,7 @@ def run_lora_bench(
     heldout: int | None = None,
 ) -> dict[str, Any]:
     """LoRA (`lora`: workload.lora overrides) against full fine-tuning at equal steps (module docstring)."""
-    base = load_config(config, list(overrides))
-    if not base.workload.task:
-        raise BenchError(f"{config}: bench posttrain needs a [workload] with a built-in task (workload.task)")
-    if not pretrained.is_dir():
-        raise BenchError(f"--pretrained '{pretrained}' is not a run directory")
+    base = _checked_inputs(config, overrides, pretrained)
     adapters = shlex.split(lora)
     if not load_config(config, [*overrides, *adapters]).workload.lora.enabled:
         raise BenchError(f"--lora {lora!r} leaves workload.lora.rank at 0: give it workload.lora.rank=R")
