@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -731,7 +733,12 @@ def run() -> NoReturn:
     flushed). Exiting through the interpreter's teardown instead can abort a finished process: a native thread that
     gRPC or XLA still runs (a server's poller, a channel's) is unwound by the exiting interpreter and the C++
     runtime aborts ("FATAL: exception not rethrown", exit status 134), seen once on a coordinator that had just
-    written its summary. A supervisor or a script would take that for a crash."""
+    written its summary. A supervisor or a script would take that for a crash.
+
+    SIGUSR1 writes every thread's stack to stderr and the process goes on (faulthandler: no interpreter lock needed,
+    so a process stuck in a C call answers too): how a hung island or coordinator says where it waits
+    (`kill -USR1 PID`; the test harness asks each live process so when a wait of its runs out)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = main()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -1,11 +1,11 @@
-"""The process harness's environment (diloco/harness/procs.py): what a child JAX process is given."""
+"""The process harness (diloco/harness/procs.py): what a child JAX process is given, and what a failed wait shows."""
 
 from __future__ import annotations
 
 import pytest
 
 from diloco.config import load_config
-from diloco.harness.procs import MALLOC_ARENAS, MMAP_THRESHOLD, child_env, devices_env
+from diloco.harness.procs import MALLOC_ARENAS, MMAP_THRESHOLD, STACK_HEADER, FederationError, child_env, devices_env
 from tests.conftest import REPO
 
 
@@ -46,3 +46,23 @@ def test_a_child_has_bounded_malloc_arenas_and_mmap_threshold_unless_the_user_ch
     assert child_env(cfg, {})["MALLOC_MMAP_THRESHOLD_"] == MMAP_THRESHOLD == str(1 << 20)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
     assert child_env(cfg, {})["MALLOC_MMAP_THRESHOLD_"] == "33554432"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_wait_that_runs_out_shows_where_each_live_process_waits(federation) -> None:
+    """When a wait of the harness runs out, every live process is asked for its threads' stacks (SIGUSR1), goes on,
+    and the failure shows them: island-0, held at a named point, is seen waiting there."""
+    from tests.conftest import WAIT_S
+
+    fed = federation(pause_at=["island-0:before_push:0"])
+    fed.start_coordinator()
+    fed.start_island("island-0")
+    fed.paused("island-0:before_push:0", WAIT_S)
+    with pytest.raises(FederationError) as failure:
+        fed.wait_for(lambda: None, 0.0, "a condition that never holds")
+    shown = str(failure.value)
+    assert "waiting for a condition that never holds" in shown
+    island = shown[shown.index("island-0.log") :]
+    assert STACK_HEADER in island and "in _stop" in island, shown
+    assert all(proc.poll() is None for proc in fed.processes().values())  # the signal ended nothing

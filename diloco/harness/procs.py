@@ -43,6 +43,12 @@ from diloco.run.rundir import read_events
 T = TypeVar("T")
 Wrap = Callable[[list[str]], list[str]]
 COORDINATOR = "coordinator"
+STACK_HEADER = "(most recent call first)"
+"""What faulthandler writes above each thread's stack (`Federation.dump_stacks`)."""
+STACKS_S = 20.0
+"""How long `Federation.dump_stacks` waits for the stacks it asked for."""
+STACK_LINES = 80
+"""Lines of each log a failure shows once the stacks are in it."""
 
 
 def as_text(line: str) -> str:
@@ -397,7 +403,36 @@ class Federation:
         try:
             return wait_until(probe, what, timeout_s, poll_s, check)
         except WaitTimeout as exc:
-            raise FederationError(f"{exc}\n{self.logs()}") from None
+            dumped = self.dump_stacks()
+            raise FederationError(f"{exc}\n{self.logs(STACK_LINES if dumped else 12)}") from None
+
+    def dump_stacks(self) -> bool:
+        """Ask every live process for its threads' stacks (SIGUSR1: `diloco.cli.run`), written to its log: where each
+        one waits when a wait of the test ran out. True once every one that was asked wrote them (bounded: a
+        process still starting, before it listens for the signal, ends by it, which its exit code then says)."""
+        asked = {}
+        for name, proc in self.processes().items():
+            if proc.poll() is None:
+                asked[name] = self.log_path(name).stat().st_size if self.log_path(name).exists() else 0
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGUSR1)
+
+        def written() -> bool:
+            return all(
+                self.processes()[name].poll() is not None or STACK_HEADER in self._log_since(name, offset)
+                for name, offset in asked.items()
+            )
+
+        try:
+            return wait_until(written, "the stacks", STACKS_S)
+        except WaitTimeout:
+            return False
+
+    def _log_since(self, name: str, offset: int) -> str:
+        with contextlib.suppress(OSError), self.log_path(name).open("rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+        return ""
 
     def paused(self, entry: str, timeout_s: float) -> dict[str, Any]:
         """Wait until a process stopped at `entry` of `pause_at` (WHO:POINT:ROUND); returns its marker, {"round":
