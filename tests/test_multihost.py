@@ -117,9 +117,8 @@ def _check_formations(
     "sampling",
     [
         pytest.param([], id="windows"),
-        pytest.param(CHUNKS, id="chunks"),
-        # Each process's 2 devices one tensor group: the island's mesh is 2 (data, across processes) x 2 (tensor).
-        pytest.param(["islands.tensor=2"], id="tensor"),
+        # And each process's 2 devices one tensor group: the island's mesh is 2 (data, across processes) x 2 (tensor).
+        pytest.param([*CHUNKS, "islands.tensor=2"], id="chunks-tensor"),
     ],
 )
 def test_two_process_island_trains_as_one_process_island_through_a_killed_follower(
