@@ -15,7 +15,9 @@ The points, each a one-line `at(...)` call in the product code:
                before_push    it trained round r and has not taken its Δ yet: nothing of round r has left it
                after_adopt    it adopted the commit that gives it θ_r (its pull is done, the local θ merged, the
                               save of round r's checkpoint started), before it trains round r
-  coordinator  before_commit  round r's pushes are in and it is about to commit them, holding the round's lock:
+  coordinator  before_restore it listens (health NOT_SERVING) and is about to build its state and restore its
+                              checkpoint (round: 0, the round is what the restore finds)
+               before_commit  round r's pushes are in and it is about to commit them, holding the round's lock:
                               nothing of round r is committed, and nothing else moves in the coordinator
                after_commit   round r is committed and served (θ_{r+1}), its evaluation and checkpoint not begun
                               (the settle thread stops; rounds go on)
@@ -46,7 +48,7 @@ ENV_AT = "DILOCO_PAUSE_AT"
 ENV_DIR = "DILOCO_PAUSE_DIR"
 COORDINATOR = "coordinator"
 ISLAND_POINTS = ("before_lease", "before_push", "after_adopt")
-COORDINATOR_POINTS = ("before_commit", "after_commit")
+COORDINATOR_POINTS = ("before_restore", "before_commit", "after_commit")
 POLL_S = 0.01
 """How often a paused thread looks for its release: the test waits on it, nobody else does."""
 

@@ -107,3 +107,21 @@ def test_a_stop_while_the_island_starts_reaches_its_worker(capsys: pytest.Captur
     never.forced("SIGINT")
     (line,) = capsys.readouterr().out.splitlines()
     assert '"island": "eu-west"' in line and "SIGINT (forced after 10 s: while starting)" in line
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_stop_while_the_coordinator_starts_stops_it_once_started(federation) -> None:
+    """A SIGTERM while the coordinator restores (held at before_restore) is kept: once started it stops at once, with
+    its `stopped` record and exit code 0, never the signal's default death (-15)."""
+    from tests.conftest import WAIT_S
+
+    fed = federation(pause_at=["coordinator:before_restore:0"])
+    argv = ["coordinator", fed.config, "--listen", "127.0.0.1:0", "--run-dir", str(fed.run_dir), "--quiet"]
+    fed.spawn("coordinator", [*argv, *fed.overrides])  # its address comes after the restore: not waited for
+    fed.paused("coordinator:before_restore:0", WAIT_S)
+    fed.signal("coordinator", signal.SIGTERM)
+    fed.release("coordinator:before_restore:0")
+    fed.wait_exit(WAIT_S)
+    assert [(e["event"], e["reason"]) for e in fed.events("stopped")] == [("stopped", "SIGTERM")]
+    assert not (fed.run_dir / "summary.json").exists()  # stopped, not done

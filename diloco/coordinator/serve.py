@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diloco import faults
 from diloco.config import RunConfig, require_federated
 from diloco.coordinator.coordinator import Coordinator
 from diloco.deploy.tls import check_exposure, server_tls
@@ -94,8 +95,6 @@ def serve(
     operator_digest(cfg)  # an operator secret that does not resolve is one line now, not after the restore
     check_fresh(cfg, run_dir)
     rd = RunDir(run_dir, cfg)
-    server, metrics_server, coordinator = _start(cfg, rd, listen, tls, secrets, metrics_port_flag)
-    _announce(run_dir, rd, server, coordinator)
     stop = threading.Event()
     stopped_by: list[str] = []
 
@@ -103,12 +102,19 @@ def serve(
         stopped_by.append(signal.Signals(signum).name)
         stop.set()
 
+    # From before the start (the model built, the checkpoint restored: a while): a stop that comes then is kept, and
+    # the coordinator stops as soon as it started, with its `stopped` record, never by the signal's default death.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server, metrics_server, coordinator = _start(cfg, rd, listen, tls, secrets, metrics_port_flag)
+    except BaseException:
+        _restore_handlers(previous)
+        raise
+    _announce(run_dir, rd, server, coordinator)
     try:
         _tick_until_done(coordinator, stop, progress, linger_s)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        _restore_handlers(previous)
         server.stop(grace_s=1.0)
         coordinator.settled(timeout_s=120.0)  # the last commits' evaluations and checkpoints
         if stopped_by and not coordinator.done:
@@ -125,6 +131,11 @@ def serve(
             metrics_server.stop()
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def _restore_handlers(previous: dict[signal.Signals, Any]) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler)
 
 
 def _start(
@@ -152,6 +163,7 @@ def _start(
         host = listen.rpartition(":")[0]
         metrics_server = serve_metrics(metrics.registry, host, port, certfile=net.tls_cert, keyfile=net.tls_key)
         credentials = {name: secret_digest(secret) for name, secret in (secrets or {}).items()}
+        faults.at(faults.COORDINATOR, "before_restore", 0)
         coordinator = Coordinator(cfg, rd, build_setup(cfg, islands=()), metrics=metrics, credentials=credentials)
     except BaseException:
         server.stop(0)
