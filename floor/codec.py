@@ -45,6 +45,12 @@ float32 before zstd is 4 / (1 + 4/256) = 3.94x for int8 and 8 / (1 + 8/256) = 7.
 defaults (c = 4096 as SparseLoCo's 64 x 64 chunks, density 1/64 so k = 64, w = 12, b = 2) make 8 + 112 = 120 bytes
 for 16384 of float32: 136.5x (b = 3: 128x; b = 4: 120.5x; density 0.03 and b = 2: 73x).
 
+Pieces: a tensor split over an island's devices (or processes) is encoded shard by shard where the shard lives,
+each shard a piece (``EncodedTensor.offset``: the region's place in the tensor); the receiver checks that a name's
+pieces tile its tensor (``check_tiling``) and decodes each into its region. An island splits a tensor into pieces
+only where each piece decodes to exactly what the whole tensor's encoding would (``piece_decodes_as_whole``: its
+runs are whole blocks), so the decoded values, and every digest after them, do not depend on the island's layout.
+
 Payload layout (header-free; the metadata -- name, codec, dtype, shape, block size, zstd level -- travels
 separately as the fields of :class:`EncodedTensor`). ``n`` is the element count,
 ``nb = ceil(n / block_size)``, all multi-byte numbers little-endian:
@@ -204,13 +210,16 @@ class EncodedTensor:
     dtype: str
     """Dtype of the original tensor and of the decoded array (a key of :data:`DTYPES`)."""
     shape: tuple[int, ...]
-    """Shape of the original tensor."""
+    """Shape of the original tensor, or of the piece of it this is (`offset`): what the payload decodes to."""
     block_size: int
     """Quantization block size (int8/int4) or chunk (sparse), 0 for fp32/bf16."""
     zstd_level: int
     """zstd level the payload was compressed with, 0 if the payload is not zstd-compressed."""
     payload: bytes | memoryview
     """The bytes laid out as the module docstring says (a received tensor's is a view of the receive buffer)."""
+    offset: tuple[int, ...] = ()
+    """A piece: where the region of ``shape`` starts in the named tensor (one index per dimension), encoded alone
+    ("Pieces" in the module docstring); () for the whole tensor."""
 
     @property
     def numel(self) -> int:
@@ -236,6 +245,65 @@ class EncodedTensor:
     def dense_nbytes(self) -> int:
         """Size of the same tensor as float32 (the reference for compression ratios)."""
         return 4 * self.numel
+
+
+def piece_decodes_as_whole(
+    kind: str, block_size: int, whole: Sequence[int], offset: Sequence[int], shape: Sequence[int]
+) -> bool:
+    """True when the region ``[offset, offset + shape)`` of a tensor of shape ``whole``, encoded alone with ``kind``,
+    decodes to exactly the values the whole tensor's encoding gives there ("Pieces" in the module docstring).
+
+    fp32 and bf16 work value by value: any region. The blockwise codecs (int8, int4 and sparse's chunks) cut the
+    C-order flattening into blocks: the region's elements lie in the whole's order as runs (one per index of the
+    dimensions before the last one it does not span whole), and each run must be whole blocks that start on a block
+    boundary, so the region's own blocks are the whole's, value for value."""
+    if kind in ("fp32", "bf16"):
+        return True
+    ndim = len(whole)
+    if ndim == 0 or math.prod(shape) == 0:
+        return False
+    k = ndim - 1
+    while k > 0 and shape[k] == whole[k]:
+        k -= 1
+    inner = math.prod(whole[k + 1 :])
+    if (shape[k] * inner) % block_size or (offset[k] * inner) % block_size:
+        return False
+    # Every other run starts a multiple of the stride of dimension k - 1 further on.
+    several = any(o or s > 1 for o, s in zip(offset[:k], shape[:k], strict=True))
+    return not (several and (whole[k] * inner) % block_size)
+
+
+def check_tiling(name: str, whole: Sequence[int], pieces: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+    """The regions ``(offset, shape)`` tile a tensor of shape ``whole`` exactly: each inside it, none overlapping,
+    none missing. They must form a grid (as the shards of a sharded array do): along each dimension the pieces' edges
+    cut it into intervals, each piece spans one interval per dimension, and each cell of the grid is one piece.
+    Raises :class:`CodecError` naming the tensor; costs O(pieces x dimensions), whatever the shape."""
+    ndim = len(whole)
+    cuts: list[list[int]] = []
+    for d in range(ndim):
+        edges = {0, int(whole[d])}
+        for offset, shape in pieces:
+            if len(offset) != ndim or len(shape) != ndim:
+                raise CodecError(f"tensor {name!r}: a piece has {len(offset)} offsets for {ndim} dimensions")
+            lo, hi = int(offset[d]), int(offset[d]) + int(shape[d])
+            if lo < 0 or shape[d] <= 0 or hi > whole[d]:
+                raise CodecError(
+                    f"tensor {name!r}: piece at {tuple(offset)} of shape {tuple(shape)} is not inside {tuple(whole)}"
+                )
+            edges.update((lo, hi))
+        cuts.append(sorted(edges))
+    where = [{edge: i for i, edge in enumerate(c)} for c in cuts]
+    seen: set[tuple[int, ...]] = set()
+    for offset, shape in pieces:
+        cell = tuple(where[d][int(offset[d])] for d in range(ndim))
+        if any(where[d][int(offset[d]) + int(shape[d])] != cell[d] + 1 for d in range(ndim)) or cell in seen:
+            raise CodecError(f"tensor {name!r}: piece at {tuple(offset)} of shape {tuple(shape)} overlaps another")
+        seen.add(cell)
+    cells = 1
+    for c in cuts:
+        cells *= len(c) - 1
+        if cells > len(seen):
+            raise CodecError(f"tensor {name!r}: its {len(pieces)} pieces leave part of it out")
 
 
 def raw_payload_nbytes(kind: str, numel: int, block_size: int) -> int:

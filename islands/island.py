@@ -44,9 +44,9 @@ from islands.inner import make_train_step, place_tree
 from islands.memory import Footprint, OutOfMemoryError, device_room, step_advice, verdict
 from islands.mesh import Layout, accumulation_steps, batch_sharding, build_mesh, data_width
 from islands.models.base import Model
-from outer_optimizer.aggregate import pseudo_gradient
 from pytrees.feedback import Compressed, Residual, compress_tree, zero_residual
-from pytrees.naming import PyTree, flatten_named, to_host, unflatten_named
+from pytrees.naming import PyTree, flatten_named, unflatten_named
+from pytrees.pieces import delta_of
 
 
 class DivergedError(UserError):
@@ -471,13 +471,11 @@ class Island:
 
         On the host: each leaf of θ_local is read back once and subtracted there, where the global copy and the
         codec are. A subtraction on the device would send the reference over and Δ back (twice the bytes) and pay a
-        dispatch per leaf, which costs the training thread more than the host's subtraction does."""
+        dispatch per leaf, which costs the training thread more than the host's subtraction does. A leaf split over
+        the island's devices is read shard by shard, each shard's Δ a piece of its tensor (`pytrees.pieces`)."""
         assert self.state is not None
         local = flatten_named(self.state.params, to_numpy=False)
-        delta = pseudo_gradient(
-            {name: to_host(reference[name]) for name in reference},
-            {name: to_host(local[name]) for name in reference},
-        )
+        delta = {name: delta_of(reference[name], local[name], self.uplink) for name in reference}
         residual = None if self.state.residual is None else {name: self.state.residual[name] for name in reference}
         return TakenDelta(run, delta, residual, self.uplink, self.feedback_decay)
 

@@ -9,14 +9,15 @@ reconstruct. Both sides then compute with the decoded values, which is what keep
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from floor.codec import CodecError, CodecSpec, EncodedTensor, decode
 from pytrees.encode import encode, encode_named
-from pytrees.naming import PyTree, flatten_named, unflatten_named
+from pytrees.naming import PyTree, flatten_named, to_host, unflatten_named
+from pytrees.pieces import Split
 
 Residual = dict[str, np.ndarray] | None
 """Error-feedback state: leaf name -> float32 array, or None for a lossless codec (nothing is ever dropped)."""
@@ -46,16 +47,39 @@ def compress_with_feedback(
     return encoded, decoded, target - decoded.astype(np.float32)
 
 
+def compress_split(
+    split: Split, residual: np.ndarray | None, spec: CodecSpec, *, name: str, decay: float = 1.0
+) -> tuple[list[EncodedTensor], np.ndarray, np.ndarray]:
+    """:func:`compress_with_feedback` piece by piece (`pytrees.pieces`): each piece of the leaf with its region of the
+    residual, encoded alone as a piece of tensor `name`. Returns (the pieces, the decoded leaf, the new residual), the
+    same values as compressing the whole leaf gives (`delta_of` splits only where they are)."""
+    if residual is not None and np.shape(residual) != split.shape:
+        raise CodecError(f"tensor {name!r}: residual shape {np.shape(residual)} does not match {split.shape}")
+    encoded, decoded, new_residual = [], np.empty(split.shape, np.float32), np.empty(split.shape, np.float32)
+    for offset, where, values in split.regions():
+        enc, decoded[where], new_residual[where] = compress_with_feedback(
+            values, None if residual is None else residual[where], spec, name=name, decay=decay
+        )
+        encoded.append(replace(enc, offset=offset))
+    return encoded, decoded, new_residual
+
+
 def compress_named(
     named: Mapping[str, Any], residuals: Mapping[str, np.ndarray] | None, spec: CodecSpec, decay: float = 1.0
 ) -> tuple[list[EncodedTensor], dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """:func:`compress_with_feedback` over a named tree; returns (encoded list, decoded, new residuals)."""
-    encoded, decoded, new_res = [], {}, {}
+    """:func:`compress_with_feedback` over a named tree (a `Split` leaf by :func:`compress_split`); returns (encoded
+    list, decoded, new residuals)."""
+    encoded: list[EncodedTensor] = []
+    decoded, new_res = {}, {}
     for name in sorted(named):
         res = None if residuals is None else residuals.get(name)
-        enc, dec, r = compress_with_feedback(named[name], res, spec, name=name, decay=decay)
+        leaf = named[name]
+        if isinstance(leaf, Split):
+            pieces, decoded[name], new_res[name] = compress_split(leaf, res, spec, name=name, decay=decay)
+            encoded.extend(pieces)
+            continue
+        enc, decoded[name], new_res[name] = compress_with_feedback(leaf, res, spec, name=name, decay=decay)
         encoded.append(enc)
-        decoded[name], new_res[name] = dec, r
     return encoded, decoded, new_res
 
 
@@ -92,11 +116,20 @@ def zero_residual(tree: PyTree, spec: CodecSpec) -> Residual:
 def compress_tree(tree: PyTree, residual: Residual, spec: CodecSpec, decay: float = 1.0) -> Compressed:
     """`tree` compressed for the wire with error feedback (`residual` decayed by `decay` first, as
     :func:`compress_with_feedback` says); a lossless codec has no residual to decay."""
-    named = flatten_named(tree)
+    named = {
+        name: leaf if isinstance(leaf, Split) else to_host(leaf)
+        for name, leaf in flatten_named(tree, to_numpy=False).items()
+    }
     if is_lossless(spec):
         # fp32 (zstd or not) carries every bit: decode(encode(x)) is x itself, so x is what the receiver will hold.
         # Handing x back skips a decode and a residual pass over every leaf, on the path of every commit and push.
-        decoded = {name: np.asarray(x, np.float32) for name, x in named.items()}
-        return Compressed(encode_named(decoded, spec), unflatten_named(decoded, tree), None)
+        whole = {name: x for name, x in named.items() if not isinstance(x, Split)}
+        decoded = {name: np.asarray(x, np.float32) for name, x in whole.items()}
+        encoded = encode_named(decoded, spec)
+        for name, split in named.items():
+            if isinstance(split, Split):
+                encoded.extend(replace(encode(name, v, spec), offset=o) for o, v in split.pieces)
+                decoded[name] = split.whole()
+        return Compressed(sorted(encoded, key=lambda t: t.name), unflatten_named(decoded, tree), None)
     encoded, decoded, new_residual = compress_named(named, residual, spec, decay)
     return Compressed(encoded, unflatten_named(decoded, tree), new_residual)

@@ -180,9 +180,12 @@ LAUNCH_OVERRIDES = [
     "codec.uplink=int8",
     "codec.downlink=int8",
     "network.pull_wait_s=2",
+    "islands.devices=2",
+    "islands.shard_params=true",
 ]
 """The shared launch's run beyond the tiny config; min_islands = count: every round holds every island, as in the
-one-process simulation."""
+one-process simulation. Each island's 2 devices hold its parameters split (FSDP), so the leaves whose shards hold
+whole int8 blocks are pushed as pieces (pytrees/pieces.py) over the real wire."""
 
 
 @dataclass(frozen=True)
@@ -260,7 +263,7 @@ def shared_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedLa
     with (tmp / "simulate.err").open("w+") as simulate_err:
         simulate = subprocess.Popen(
             [*cli, "simulate", str(config), "--run-dir", str(simulate_dir), "--no-progress", *LAUNCH_OVERRIDES],
-            env=child_env(jax_cache=True),
+            env=child_env(2, jax_cache=True),
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=simulate_err,

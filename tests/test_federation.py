@@ -484,7 +484,8 @@ def test_chaos_random_kills(federation: Callable[..., Federation], seed: int, n_
 def test_launch_equals_simulate(shared_launch: SharedLaunch) -> None:
     """`diloco launch` and `diloco simulate` of one run (tests/conftest.py: the session's shared launch, with island
     secrets and mutual TLS, and a simulate that ran beside it; 3 rounds, int8 both ways, every round holding every
-    island, as in the simulation) end with the same parameters and losses."""
+    island, as in the simulation; each island's parameters split over its 2 devices, some leaves pushed as pieces)
+    end with the same parameters and losses."""
     assert shared_launch.returncode == 0, f"launch failed: {shared_launch.stderr[-3000:]}"
     assert shared_launch.simulate_returncode == 0, f"simulate failed: {shared_launch.simulate_stderr[-3000:]}"
     launched = json.loads((shared_launch.run_dir / "summary.json").read_text())
@@ -496,6 +497,8 @@ def test_launch_equals_simulate(shared_launch: SharedLaunch) -> None:
     for name in ("island-0", "island-1"):
         synced = read_events(shared_launch.run_dir / "islands" / name / "metrics.jsonl", "synced")
         assert synced[-1]["round"] == 3 and synced[-1]["digest"] == simulated["params_digest"]
+    pushes = read_events(shared_launch.run_dir / "metrics.jsonl", "push")
+    assert len(pushes) == 6 and all(p.get("tensors_in_pieces", 0) > 0 for p in pushes), pushes
 
 
 # ---------------------------------------------------------------------------------------------------------------

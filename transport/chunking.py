@@ -448,13 +448,21 @@ def check_header(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"chunk_count {header.chunk_count} is impossible for {header.total_bytes} bytes",
         )
-    seen: set[str] = set()
+    seen: set[tuple[str, tuple[int, ...]]] = set()
     for meta in header.tensors:
         if not meta.name:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "tensor with an empty name")
-        if meta.name in seen:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {meta.name!r} appears twice")
-        seen.add(meta.name)
+        if meta.offset and len(meta.offset) != len(meta.shape):
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tensor {meta.name!r}: a piece's offset has {len(meta.offset)} indices, its shape "
+                f"{len(meta.shape)} dimensions",
+            )
+        place = (meta.name, tuple(meta.offset))
+        if place in seen:
+            where = f" piece at {place[1]}" if meta.offset else ""
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {meta.name!r}{where} appears twice")
+        seen.add(place)
         if meta.codec not in known_codecs:
             known = ", ".join(sorted(known_codecs))
             raise Rejected(

@@ -17,7 +17,7 @@ PULL_KIND_UPDATE: PullKind
 PULL_KIND_FULL: PullKind
 
 class TensorMeta(_message.Message):
-    __slots__ = ("name", "codec", "dtype", "shape", "block_size", "zstd_level", "nbytes")
+    __slots__ = ("name", "codec", "dtype", "shape", "block_size", "zstd_level", "nbytes", "offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class TensorMeta(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ZSTD_LEVEL_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     codec: str
     dtype: str
@@ -32,7 +33,8 @@ class TensorMeta(_message.Message):
     block_size: int
     zstd_level: int
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., codec: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., zstd_level: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., codec: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., zstd_level: _Optional[int] = ..., nbytes: _Optional[int] = ..., offset: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
     __slots__ = ("tensors", "chunk_count", "total_bytes")

@@ -44,7 +44,7 @@ from transport.config import TransportConfig
 from transport.errors import Rejected
 from transport.handler import KIND_TO_PB, CoordinatorHandler, RejectionSink
 from transport.presence import Presences
-from transport.tensors import decoder, known_codecs
+from transport.tensors import Wholes, decoder, known_codecs
 from transport.validate import (
     ModelSpec,
     check_join,
@@ -343,22 +343,30 @@ class DilocoService:
         check_push_meta(meta, header.tensors, self.model_spec, self.uplink)
         self.handler.admissible(meta)
         check_header(header, self.config.max_payload_bytes, self.config.max_tensors, self._codecs)
+        wholes = Wholes()
         if self.model_spec is not None:
-            check_tensor_metas(header.tensors, spec_for(self.model_spec, meta.fragment))
+            expected = spec_for(self.model_spec, meta.fragment)
+            check_tensor_metas(header.tensors, expected)
+            wholes = Wholes({m.name: tuple(expected[m.name][0]) for m in header.tensors if m.offset})
+        elif any(m.offset for m in header.tensors):
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "a tensor in pieces needs the model's shapes")
 
         buf = Reassembler(
             header, self.config.max_payload_bytes, self.config.max_tensors, self._codecs, budget=self.budget
         )
         with self.handler.receiving(meta):  # a pull its island sent meanwhile waits for the outcome
             try:
-                tensors, arrays = self._receive(buf, first, chunks)
+                tensors, arrays = self._receive(buf, first, chunks, wholes)
             finally:
                 buf.close()  # the budget back; a failed stream's buffer is given up at once
             return self.handler.push(meta, tensors, arrays, buf.digest)
 
-    def _receive(self, buf: Reassembler, first: Any, chunks: Iterator[Any]) -> tuple[list, dict[str, np.ndarray]]:
+    def _receive(
+        self, buf: Reassembler, first: Any, chunks: Iterator[Any], wholes: Wholes
+    ) -> tuple[list, dict[str, np.ndarray]]:
         """Write every chunk into ``buf``, decoding each tensor as soon as its bytes are in (overlapping decode
-        with the transfer); the arrays are only used after `finish` has checked the digest of the whole."""
+        with the transfer), a piece into its region of its tensor (`wholes`); the arrays are only used after `finish`
+        has checked the digest of the whole."""
         arrays: dict[str, np.ndarray] = {}
         chunk: Any = first
         while chunk is not None:
@@ -366,7 +374,8 @@ class DilocoService:
                 raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunk.index} repeats the metadata")
             buf.add(chunk.index, chunk.data, chunk.digest)
             for t in buf.take_completed():
-                arrays[t.name] = decode_one(t, self._decode)
+                array = decode_one(t, self._decode)
+                arrays[t.name] = wholes.place(t, array) if t.offset else array
             chunk = _decoded(next(chunks, None), buf.received_chunks)
         return buf.finish(), arrays
 

@@ -9,7 +9,8 @@ only asks for Status (`diloco status`, `launch`'s display) starts without it (do
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -36,6 +37,7 @@ def to_meta(tensor: EncodedTensor) -> pb.TensorMeta:
         block_size=int(tensor.block_size or 0),
         zstd_level=int(tensor.zstd_level or 0),
         nbytes=payload_nbytes(tensor),
+        offset=[int(i) for i in tensor.offset],
     )
 
 
@@ -49,6 +51,7 @@ def from_meta(meta: pb.TensorMeta, payload: bytes | memoryview) -> EncodedTensor
         block_size=int(meta.block_size),
         zstd_level=int(meta.zstd_level),
         payload=payload,
+        offset=tuple(int(i) for i in meta.offset),
     )
 
 
@@ -84,3 +87,27 @@ def decoder(sent_with: Sequence[CodecSpec] = ()) -> Callable[[EncodedTensor], np
         return array
 
     return decode
+
+
+class Wholes:
+    """The tensors of one message sent in pieces (``EncodedTensor.offset``), each assembled as its pieces are decoded:
+    an array of the tensor's shape, allocated at its first piece, each piece written into its region; read-only once
+    every value is in. The pieces' tiling is the validator's to check (`transport.validate.check_tensor_metas`)."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+        self.shapes = dict(shapes or {})
+        self._arrays: dict[str, np.ndarray] = {}
+        self._missing: dict[str, int] = {}
+
+    def place(self, tensor: EncodedTensor, piece: np.ndarray) -> np.ndarray:
+        """Write `piece`, the decoded `tensor`, into its tensor; return that tensor (whole once every piece is in)."""
+        whole = self._arrays.get(tensor.name)
+        if whole is None:
+            shape = self.shapes[tensor.name]
+            whole = self._arrays[tensor.name] = np.empty(shape, piece.dtype)
+            self._missing[tensor.name] = math.prod(shape)
+        whole[tuple(slice(o, o + n) for o, n in zip(tensor.offset, piece.shape, strict=True))] = piece
+        self._missing[tensor.name] -= piece.size
+        if not self._missing[tensor.name]:
+            whole.flags.writeable = False
+        return whole

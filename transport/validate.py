@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 import numpy as np
 
-from floor.codec import CodecSpec, EncodedTensor
+from floor.codec import CodecError, CodecSpec, EncodedTensor, check_tiling
 from transport import diloco_pb2 as pb
 from transport.errors import Rejected
 
@@ -205,16 +206,20 @@ def spec_for(spec: ModelSpec, fragment: int) -> Mapping[str, TensorSpec]:
 
 
 def check_tensor_metas(metas: Sequence[pb.TensorMeta], expected: Mapping[str, TensorSpec]) -> None:
-    """Names, shapes and dtypes exactly as the model spec says; nothing missing, nothing extra."""
+    """Names, shapes and dtypes exactly as the model spec says; nothing missing, nothing extra. A tensor sent as
+    pieces (`TensorMeta.offset`) is sent as pieces alone, which tile its shape exactly (`floor.codec.check_tiling`)."""
     names = [m.name for m in metas]
     missing = sorted(set(expected) - set(names))
     if missing:
         raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"missing tensors: {', '.join(missing[:5])}")
+    pieces: dict[str, list[pb.TensorMeta]] = {}
     for m in metas:
         if m.name not in expected:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected tensor {m.name!r}")
         shape, dtype = expected[m.name]
-        if tuple(m.shape) != tuple(shape):
+        if m.offset:
+            pieces.setdefault(m.name, []).append(m)
+        elif tuple(m.shape) != tuple(shape):
             raise Rejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"tensor {m.name!r}: shape {tuple(m.shape)} != expected {tuple(shape)}",
@@ -224,6 +229,14 @@ def check_tensor_metas(metas: Sequence[pb.TensorMeta], expected: Mapping[str, Te
             raise Rejected(
                 grpc.StatusCode.INVALID_ARGUMENT, f"tensor {m.name!r}: dtype {m.dtype!r} != expected {want!r}"
             )
+    entries = Counter(names)
+    for name, parts in pieces.items():
+        if entries[name] != len(parts):
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r} is sent whole and in pieces")
+        try:
+            check_tiling(name, expected[name][0], [(m.offset, m.shape) for m in parts])
+        except CodecError as e:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
 def decode_one(tensor: EncodedTensor, decode: Callable[[EncodedTensor], np.ndarray]) -> np.ndarray:

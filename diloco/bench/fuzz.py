@@ -9,16 +9,16 @@ through `diloco.harness.procs.Federation`), then:
    insider's valid credentials), times a Status and a heartbeat of a real island while they hang, and waits for
    the server to cut them (the run sets 3 s first-message and idle timeouts);
 2. fires the run's share of ``--messages`` hostile messages from a few client threads, each a raw call whose bytes
-   the fuzzer chose (`Forge`): every RPC, under real, wrong, missing and invented identities, with lies in every
-   field (NaN, infinite, huge finite and subnormal numbers, texts from empty to 1 MiB, JSON nested 100,000 deep,
-   fragments and rounds that do not exist), malformed headers (sizes that do not match shapes, absurd totals and
-   counts, unknown codecs), broken chunk streams (reordered, repeated, truncated, forged digests, bytes that are
-   not protobuf), "insider" pushes that pass every wire check but carry huge finite or subnormal values, and the
-   operator's calls (Admit, Retire) under the operator's real, a wrong, a missing or an island's credential, with
+   the fuzzer chose (`Forge`): every RPC, under real, wrong, missing and invented identities, with lies in every field
+   (NaN, infinite, huge finite and subnormal numbers, texts from empty to 1 MiB, JSON nested 100,000 deep, fragments and
+   rounds that do not exist), malformed headers (sizes that do not match shapes, absurd totals and counts, unknown
+   codecs, pieces of any rank anywhere), broken chunk streams (reordered, repeated, truncated, forged digests, bytes
+   that are not protobuf), "insider" pushes that pass every wire check but carry huge finite or subnormal values, and
+   the operator's calls (Admit, Retire) under the operator's real, a wrong, a missing or an island's credential, with
    invented names, digests of every length and hostile reasons; and the corpus's chunks (the run samples them:
-   data.sampling = "chunks"): leases for zero, a round's worth plus one and 2^64 - 1 sequences, and pushes whose
-   chunk spans claim another island's chunk (a lease claimed twice), run past a chunk's end, overlap what is
-   pending, name chunks that do not exist or thousands of spans, or disagree with their token weight;
+   data.sampling = "chunks"): leases for zero, a round's worth plus one and 2^64 - 1 sequences, and pushes whose chunk
+   spans claim another island's chunk (a lease claimed twice), run past a chunk's end, overlap what is pending, name
+   chunks that do not exist or thousands of spans, or disagree with their token weight;
 3. starts the run's two real islands and waits for a round they push to be committed.
 
 Reported (JSON): per run the messages sent, the histogram of status codes (in all and per RPC), the UNKNOWN and
@@ -345,7 +345,9 @@ class Forge:
         name, md = self.who()
         chunks = self._stream(self._meta(name), self._tensors(np.zeros))
         header, t = chunks[0].header, chunks[0].header.tensors[0]
-        what = self.pick(["nbytes", "total", "count", "codec", "dims", "zstd", "block", "many", "dtype", "name"])
+        what = self.pick(
+            ["nbytes", "total", "count", "codec", "dims", "zstd", "block", "many", "dtype", "name", "offset"]
+        )
         if what == "nbytes":
             t.nbytes = self.uint(64)
         elif what == "total":
@@ -369,6 +371,11 @@ class Forge:
             )
         elif what == "dtype":
             t.dtype = self.pick(["float64", "int8", "", "float16"])
+        elif what == "offset":  # a piece (floor/codec.py, "Pieces") of any rank, anywhere, alone or twice
+            rank = max(0, len(t.shape) + self.pick([0, 0, 1, -1]))
+            t.offset.extend(int(i) for i in self.rng.integers(-(2**40), 2**40, size=rank))
+            if self.pick([False, True]):
+                header.tensors.append(header.tensors[0])
         else:
             t.name = self.pick(["", self.text(), header.tensors[-1].name])
         return Shot("PushPseudoGrad", f"push header {what}", self._bytes(chunks), md)

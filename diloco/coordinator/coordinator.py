@@ -311,6 +311,7 @@ class Coordinator:
                 admitted.placement.position,
                 admitted.placement.staleness,
                 sum(len(t.payload) for t in tensors),
+                len({t.name for t in tensors if t.offset}),
             )
             if self.asynchronous:
                 reply = self.committer.commit_update(meta, admitted)
@@ -322,7 +323,9 @@ class Coordinator:
                 reply = pb.PushReply(accepted=True, round=self.loop.round, detail="accepted")
             return self.admission.remember(admitted.key, payload_digest, reply)
 
-    def _count_push(self, meta: pb.PushMeta, tokens: int, position: int, staleness: int, nbytes: int) -> None:
+    def _count_push(
+        self, meta: pb.PushMeta, tokens: int, position: int, staleness: int, nbytes: int, in_pieces: int
+    ) -> None:
         self.roster.pushed(meta.island, float(meta.loss), self.clock())
         totals = self.world.totals
         totals.tokens += tokens
@@ -342,6 +345,7 @@ class Coordinator:
             compute_s=round(float(meta.compute_s), 4),
             wall_s=round(float(meta.wall_s), 4),
             **({"tokens_claimed": int(meta.tokens)} if tokens != meta.tokens else {}),
+            **({"tensors_in_pieces": in_pieces} if in_pieces else {}),
         )
 
     def pull(self, req: pb.PullRequest) -> PullPayload:

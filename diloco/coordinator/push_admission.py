@@ -51,12 +51,12 @@ PushKey = tuple[str, int, int]
 
 def contribution_digest(island: str, tensors: Sequence[EncodedTensor], payload_digest: bytes) -> bytes:
     """Who sent which bytes: what identifies a contribution once dropped. SHA-256 (cut to 16 bytes) of the island,
-    each tensor's name and size, and the payload digest the transport verified as the bytes arrived
-    (`transport.chunking.payload_digest`): a few hundred bytes hashed under the coordinator's lock, never the
+    each tensor's name and size (and a piece's offset), and the payload digest the transport verified as the bytes
+    arrived (`transport.chunking.payload_digest`): a few hundred bytes hashed under the coordinator's lock, never the
     payload again."""
     h = hashlib.sha256(island.encode())
     for t in tensors:
-        h.update(f"\0{t.name}\0{t.nbytes}".encode())
+        h.update(f"\0{t.name}\0{t.nbytes}".encode() + (f"\0{t.offset}".encode() if t.offset else b""))
     h.update(payload_digest)
     return h.digest()[:16]
 
