@@ -7,8 +7,8 @@ its tensor (`floor.codec`, "Pieces"); the coordinator assembles the pieces it re
 
 A leaf is split only where every piece decodes to exactly what the whole leaf's encoding would
 (`floor.codec.piece_decodes_as_whole`): the blocks of the blockwise codecs fall inside the shards. Otherwise it is
-read whole, as before. Either way the values the coordinator decodes are the same bit for bit, so the island's
-layout never changes a digest; only how the bytes are cut differs.
+read whole, as before. Either way the coordinator decodes the same values bit for bit, so pieces never change a
+digest; only how the bytes are cut differs.
 """
 
 from __future__ import annotations
