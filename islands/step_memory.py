@@ -15,9 +15,9 @@ bytes per device (`StepMemory`):
     weight copies   what the backward pass keeps of the weights beyond the arguments: each matrix cast to the compute
                     dtype (`transformer.dense`: none in float32) and, with FSDP, gathered over the data axis; every
                     block's without remat, one block's with it (the one being recomputed)
-    merged weights  under LoRA, the float32 parameters each step merges before its forward (islands/models/lora.py,
-                    `Lora.merged`): W + (α / r)·A·B for each adapted matrix, and each other leaf cast where the base
-                    is bfloat16
+    frozen casts    under LoRA, the float32 copies a step makes of the frozen base's leaves other than the adapted
+                    matrices where the base is bfloat16 (islands/models/lora.py, `Lora.adapted`); the adapted
+                    matrices are applied unmerged, in the base's dtype, so no W + (α / r)·A·B is made
     activations     what autodiff saves for the backward pass (below), model.remat on or off (both are reported)
     logits          the loss's float32 [b, T, V] four times at its backward: the logits, their log-softmax (saved),
                     its gradient and the logits' gradient (plus the compute-dtype logits under bfloat16)
@@ -161,8 +161,8 @@ class StepMemory:
     optimizer: int
     update: int
     weight_copies: int
-    merged: int
-    """Under LoRA: the float32 parameters each step merges (`Lora.merged`); 0 without."""
+    frozen_casts: int
+    """Under LoRA: the float32 copies of the frozen leaves that are not adapted, for a bfloat16 base; 0 without."""
     activations: int
     """With the plan's remat setting: `activations_remat` or `activations_full`."""
     activations_full: int
@@ -187,7 +187,7 @@ class StepMemory:
     @property
     def step(self) -> int:
         """A train step's transient bytes beyond the state."""
-        parts = (self.gradients, self.update, self.weight_copies, self.merged, self.activations, self.logits)
+        parts = (self.gradients, self.update, self.weight_copies, self.frozen_casts, self.activations, self.logits)
         return sum(parts) + self.batch
 
     @property
@@ -207,7 +207,7 @@ class StepMemory:
             "gradients": self.gradients,
             "update": self.update,
             "weight copies": self.weight_copies,
-            "merged weights": self.merged,
+            "frozen casts": self.frozen_casts,
             "activations": self.activations,
             "logits": self.logits,
             "batch": self.batch,
@@ -307,16 +307,16 @@ def step_memory(
     trained = sum(on_device[leaf.name] for leaf in params if leaf.trained) * 4
     matrices = [leaf for leaf in params if leaf.name.startswith("blocks/") and leaf.name.split("/")[-1] in LORA_MODULES]
     adapters = [leaf for leaf in params if leaf.name.endswith("/lora_a")]
-    # LoRA applies the adapters merged (islands/models/lora.py, `Lora.merged`): every step makes the whole model's
-    # float32 parameters, W + (α / r)·A·B for each adapted matrix and each other leaf cast, before the forward.
-    merged = (
+    # LoRA applies the adapters unmerged (islands/models/lora.py, `Lora.adapted`): the adapted matrices stay in the
+    # base's dtype (`transformer.dense` casts them as it casts any weight); every other frozen leaf is cast to float32.
+    frozen_casts = (
         0
         if lora is None
         else 4
         * sum(
             on_device[leaf.name]
             for leaf in params
-            if not leaf.trained and (leaf.itemsize != 4 or f"{leaf.name}/lora_a" in on_device)
+            if not leaf.trained and leaf.itemsize != 4 and f"{leaf.name}/lora_a" not in on_device
         )
     )
     fsdp = shard_params and data > 1
@@ -357,7 +357,7 @@ def step_memory(
         optimizer=2 * trained,
         update=trained,
         weight_copies=weight_copies,
-        merged=merged,
+        frozen_casts=frozen_casts,
         activations=remat if cfg.remat else full,
         activations_full=full,
         activations_remat=remat,
@@ -380,7 +380,7 @@ def advice(
     knobs: list[str] = []
     ranked = sorted(plan.parts().items(), key=lambda kv: -kv[1])
     for part, _ in ranked[:3]:
-        if part in ("parameters", "gradients", "optimizer", "update", "weight copies", "merged weights"):
+        if part in ("parameters", "gradients", "optimizer", "update", "weight copies", "frozen casts"):
             if not shard_params and data > 1:
                 knobs.append("set islands.shard_params (FSDP over the data axis)")
             knobs.append(f"raise islands.tensor ({tensor})")

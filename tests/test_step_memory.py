@@ -78,10 +78,10 @@ def test_lora_keeps_optimizer_state_for_the_adapters_only() -> None:
     assert lora.optimizer == 2 * adapters and full.optimizer == 8 * parameter_count(SMALL)
     assert lora.parameters == 2 * parameter_count(SMALL) + adapters  # the base in bfloat16
     assert lora.host.residual == lora.host.global_copy == adapters  # only the adapters are pushed
-    assert lora.merged == 4 * parameter_count(SMALL) and full.merged == 0  # each step merges a float32 θ
-    fp32_base = step_memory(SMALL, 8, 1, lora=LoraConfig(rank=8))
-    attention = 4 * SMALL.n_layers * (2 * 256 * 256 + 2 * 256 * 128)  # only the adapted matrices are new arrays
-    assert fp32_base.merged == attention
+    # Applied unmerged: the adapted matrices are read in the base's dtype; each other frozen leaf is cast to float32.
+    attention = SMALL.n_layers * (2 * 256 * 256 + 2 * 256 * 128)
+    assert lora.frozen_casts == 4 * (parameter_count(SMALL) - attention) and full.frozen_casts == 0
+    assert step_memory(SMALL, 8, 1, lora=LoraConfig(rank=8)).frozen_casts == 0  # a float32 base is read as it is
 
 
 def test_remat_keeps_one_blocks_activations() -> None:

@@ -11,12 +11,14 @@ or bfloat16) and read by the loss (`adapt`), whose programs take it as an argume
 `FrozenLoss`). A is drawn from N(0, 1/in) (the paper's random Gaussian at a fan-in scale, as PEFT's Kaiming init
 is), B is zero: at step 0 every adapted weight is W exactly, so the model is the base's.
 
-A note on merging: the adapters are applied merged, each forward computing W' = W + (α / r)·A·B once per weight
-(`Lora.merged`) and then the model's own blocks over W'. W'x = Wx + (α / r)·B·A·x as the paper writes it (our weights
-are [in, out], applied x @ W), at one [in, r] x [r, out] product per adapted matrix per pass, and every consumer of a
-model's parameters (the sampler, rl's rollouts, the held-out evaluation, export, `diloco sample`) reads the merged
-tree without knowing about adapters. What merging gives up is dropout on the adapters' input, which has no place in
-a merged weight: workload.lora.dropout is refused above 0.
+Applied unmerged in training: the loss reads the parameters with each adapted matrix an `Adapted` (W, A, B) that
+`transformer.dense` applies as x·W + (α / r)·(x·A)·B (`Lora.adapted`; islands/models/adapted.py), so a step never
+makes W' = W + (α / r)·A·B, nor, in its backward, W''s whole gradient xᵀ·g to get A's and B's from: an adapted
+matrix costs its low-rank products, 2·r·(in + out) flops per token forward, not a full fine-tune's weight gradient.
+Every other consumer of a model's parameters (the sampler, rl's rollouts, the held-out evaluation, export,
+`diloco sample`) reads them merged (`Lora.merged`), without knowing about adapters. Dropout on the adapters' input
+would now have its place (x before A) but needs a key per step in the loss, which the train step does not pass:
+workload.lora.dropout is refused above 0.
 
 Which matrices: leaves under `blocks/` whose name is one of the targets (islands/models/config.py `LORA_MODULES`;
 none given: the attention projections). A target matrix must be 2-D: a stack of experts [E, D, F] is refused in one
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from islands.models.adapted import Adapted
 from islands.models.base import Metrics, Model, Params
 from islands.models.config import LORA_ATTENTION, ModelError
 from islands.models.transformer import normal_init
@@ -86,15 +89,14 @@ def _nest(named: Mapping[str, Any]) -> Params:
     return tree
 
 
-def _merge(base: Any, adapters: Any, scale: float) -> Any:
-    """`base` with each adapted matrix W replaced by W + scale·A·B, every leaf float32."""
+def _over(base: Any, adapters: Any, adapted: Callable[[Any, Any, Any], Any]) -> Any:
+    """`base` with each adapted matrix W replaced by `adapted(W, A, B)` and every other leaf cast to float32."""
     if isinstance(adapters, dict) and A in adapters:
-        a, b = adapters[A], adapters[B]
-        return base.astype(jnp.float32) + scale * (a @ b)
+        return adapted(base, adapters[A], adapters[B])
     if isinstance(base, dict):
-        return {k: _merge(v, adapters.get(k) if adapters else None, scale) for k, v in base.items()}
+        return {k: _over(v, adapters.get(k) if adapters else None, adapted) for k, v in base.items()}
     if isinstance(base, list):
-        return [_merge(v, adapters[i] if adapters and i < len(adapters) else None, scale) for i, v in enumerate(base)]
+        return [_over(v, adapters[i] if adapters and i < len(adapters) else None, adapted) for i, v in enumerate(base)]
     return jnp.asarray(base, jnp.float32)
 
 
@@ -136,12 +138,17 @@ class Lora:
 
     def merged(self, adapters: Params) -> Params:
         """The model's parameters, float32: the base with every adapted matrix W + (α / r)·A·B."""
-        return _merge(self.base, adapters, self.scale)
+        return _over(self.base, adapters, lambda w, a, b: w.astype(jnp.float32) + self.scale * (a @ b))
+
+    def adapted(self, adapters: Params) -> Params:
+        """The parameters a training step's loss reads: the base with every adapted matrix an `Adapted` (W in the
+        base's dtype, A, B), applied unmerged; every other leaf float32 as in `merged`."""
+        return _over(self.base, adapters, lambda w, a, b: Adapted(w, a, b, self.scale))
 
 
 @dataclass(frozen=True, eq=False)
 class AdapterLoss:
-    """A model's loss over the adapters: the loss of the merged parameters (`Lora.merged`)."""
+    """A model's loss over the adapters: the loss of the base with the adapters applied unmerged (`Lora.adapted`)."""
 
     loss: Callable[..., tuple[jax.Array, Metrics]]
     lora: Lora
@@ -156,7 +163,7 @@ class AdapterLoss:
         return replace(self, lora=replace(self.lora, base=frozen))
 
     def __call__(self, adapters: Params, batch: Any, totals: Any = None) -> tuple[jax.Array, Metrics]:
-        params = self.lora.merged(adapters)
+        params = self.lora.adapted(adapters)
         return self.loss(params, batch) if totals is None else self.loss(params, batch, totals)
 
 
@@ -169,7 +176,7 @@ class WholeBatchAdapterLoss(AdapterLoss):
 
 
 def adapt(model: Model, lora: Lora) -> Model:
-    """`model` training the adapters of `lora` over its frozen base: init draws the adapters, the loss merges them."""
+    """`model` training the adapters of `lora` over its frozen base: init draws the adapters, the loss applies them."""
     whole = callable(getattr(model.loss, "totals", None))
     loss = (WholeBatchAdapterLoss if whole else AdapterLoss)(model.loss, lora)
     return Model(init=lora.init, loss=loss, axis_units=model.axis_units, step_figures=model.step_figures)

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from islands.models.adapted import Adapted
 from islands.models.base import Metrics, Model, Params
 from islands.models.config import ModelConfig, ModelError
 
@@ -110,10 +111,11 @@ def layer_norm(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return (y * p["scale"] + p["bias"]).astype(x.dtype)
 
 
-def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array | Adapted, b: jax.Array | None = None) -> jax.Array:
     """x @ w (+ b) in x's dtype: the float32 weight is cast where it is used, so bfloat16 activations run a
-    bfloat16 matmul and the gradient still flows back (cast to float32) into the float32 parameter."""
-    y = x @ w.astype(x.dtype)
+    bfloat16 matmul and the gradient still flows back (cast to float32) into the float32 parameter. A LoRA step's
+    adapted matrix (`Adapted`) is applied with its factors, unmerged."""
+    y = w.apply(x) if isinstance(w, Adapted) else x @ w.astype(x.dtype)
     return y if b is None else y + b.astype(x.dtype)
 
 

@@ -48,11 +48,11 @@ class LoraConfig:
     w_up, w_down for the Llama family, wqkv, wo, w1, w2 for GPT-2's); []: every attention projection of the model.
     A stack of experts [E, D, F] is refused: LoRA adapts 2-D matrices."""
     dropout: float = 0.0
-    """Dropout on the adapters' input; only 0 is accepted: the adapters are applied merged into the weight
-    (islands/models/lora.py), where no per-token mask exists, and the inner step has no per-step random key."""
+    """Dropout on the adapters' input; only 0 is accepted: the inner step passes its loss no per-step random key
+    (islands/models/lora.py)."""
     base_dtype: str = "float32"
-    """How each process holds the frozen base: "float32", or "bfloat16" (half the memory; the merged weights are
-    float32, so only the base's rounding changes)."""
+    """How each process holds the frozen base: "float32", or "bfloat16" (half the memory; a step computes in
+    model.compute_dtype as ever, so only the base's rounding changes)."""
 
     @property
     def enabled(self) -> bool:
@@ -74,8 +74,8 @@ class LoraConfig:
             raise ValueError(f"workload.lora.targets names a matrix twice ({', '.join(self.targets)})")
         if self.dropout != 0:
             raise ValueError(
-                f"workload.lora.dropout must be 0 (got {self.dropout}): the adapters are applied merged into the "
-                "weights, where no dropout mask on their input exists"
+                f"workload.lora.dropout must be 0 (got {self.dropout}): the inner step gives its loss no random key "
+                "for a dropout mask"
             )
         if self.base_dtype not in COMPUTE_DTYPES:
             raise ValueError(
