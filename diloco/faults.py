@@ -48,7 +48,9 @@ ENV_AT = "DILOCO_PAUSE_AT"
 ENV_DIR = "DILOCO_PAUSE_DIR"
 COORDINATOR = "coordinator"
 ISLAND_POINTS = ("before_lease", "before_push", "after_adopt")
-COORDINATOR_POINTS = ("before_restore", "before_commit", "after_commit")
+COMMIT_POINTS = ("before_commit", "after_commit")
+"""The coordinator's points in a round (a kill there lands at a commit); `before_restore` is at its start."""
+COORDINATOR_POINTS = ("before_restore", *COMMIT_POINTS)
 POLL_S = 0.01
 """How often a paused thread looks for its release: the test waits on it, nobody else does."""
 

@@ -18,7 +18,7 @@ from diloco.bench.churn_soak import CONFIGURED, ChurnPlan, Cycle, bounded, roste
 from diloco.bench.errors import BenchError
 from diloco.bench.load import run_load_bench
 from diloco.bench.soak import TAIL_ROUNDS, DigestWatch, SoakPlan, run_soak_bench
-from diloco.faults import COORDINATOR_POINTS, parse
+from diloco.faults import COMMIT_POINTS, parse
 
 
 @pytest.mark.slow
@@ -76,7 +76,7 @@ def test_kill_plan_is_seeded_and_spread() -> None:
     assert 1 <= rounds[0] and rounds[-1] <= plan.rounds - TAIL_ROUNDS - 1
     # every kill lands at a named point, never at a time: the coordinator's at one of its points, an island's before
     # its push, each a DILOCO_PAUSE_AT entry of its own
-    assert all(k.point in COORDINATOR_POINTS if k.coordinator else k.point == "before_push" for k in kills)
+    assert all(k.point in COMMIT_POINTS if k.coordinator else k.point == "before_push" for k in kills)
     entries = [k.entry(("a", "b", "c", "d")) for k in kills]
     assert len(set(entries)) == 12 and len(parse(",".join(entries))) == 12
     with pytest.raises(BenchError, match="no room"):
@@ -178,7 +178,7 @@ def test_churn_cycles_stop_where_they_act() -> None:
         (victim_round,) = {int(e.split(":")[2].rstrip("+")) for e in c.stops() if e.startswith(f"{c.victim}:")}
         assert victim_round < int(c.coordinator_stop.split(":")[2].rstrip("+"))
     assert [len(roster(k)) for k in range(6)] == [2, 2, 3, 3, 2, 2]
-    assert {c.coordinator_stop.split(":")[1] for c in cycles} == set(COORDINATOR_POINTS)
+    assert {c.coordinator_stop.split(":")[1] for c in cycles} == set(COMMIT_POINTS)
     assert len({c.victim for c in cycles}) == len(CONFIGURED)  # every configured island is killed in turn
     with pytest.raises(BenchError, match="one of --cycles"):
         ChurnPlan()

@@ -52,11 +52,17 @@ def test_an_island_admitted_into_a_live_run_joins_trains_and_is_retired(
     # without θ_2, so round 2 must not wait for it (it closes as soon as island-0 and island-1 pushed). sa-east waits
     # before a push of round 2 until round 2 is committed: on a busy machine its push could otherwise land before
     # island-0's, and round 2 take it (a late joiner's push counts when it comes in time). island-1 waits before its
-    # push of round 5 while sa-east is retired.
-    pauses = ["island-0:before_push:2", "island-1:before_push:5", "sa-east:before_push:2"]
+    # push of round 5 while sa-east is retired. Neither configured island pushes round 0 before both hold it: one that
+    # starts much later on a busy machine would otherwise join as a late joiner, rounds behind.
+    first = ["island-0:before_push:0", "island-1:before_push:0"]
+    pauses = [*first, "island-0:before_push:2", "island-1:before_push:5", "sa-east:before_push:2"]
     fed = federation(f"train.rounds={rounds}", *ELASTIC, pause_at=pauses)
     fed.env.update(OPERATOR)
     fed.start()
+    for entry in first:
+        fed.paused(entry, WAIT_S)
+    for entry in first:
+        fed.release(entry)
     fed.paused("island-0:before_push:2", WAIT_S)
     kit = operator_command(fed, "admit", fed.config, "sa-east", "--out", str(tmp_path / "kit"))
     assert kit["round"] == 2 and kit["secret"] == f"file:{tmp_path / 'kit' / 'sa-east.secret'}", kit

@@ -54,7 +54,7 @@ def test_spec(spec: str, pauses: tuple[Pause, ...]) -> None:
         ),
         (
             "coordinator:before_push:3",
-            "'coordinator:before_push:3': coordinator's points are before_commit, after_commit",
+            "'coordinator:before_push:3': coordinator's points are before_restore, before_commit, after_commit",
         ),
         ("island-1:before_push:-1", "'island-1:before_push:-1': the round must be a number >= 0"),
         ("island-1:before_push:three", "the round must be a number >= 0, with + for 'or later'"),

@@ -11,7 +11,8 @@ counts (its state and its step; the uplink's host buffers and a generation's cac
 resident memory would not compare: on CPU every forced device is the one host's memory, beside the runtime.
 
 Reported (JSON): each case's plan and XLA's figure in MiB and plan / measured (`within_1_5x`: the issue's bound,
-either way). `--table`: the plan at size for the three Llama shapes (pure arithmetic, nothing compiled).
+either way), and XLA's count of the step's flops per device (its cost analysis: what LoRA's unmerged adapters save
+shows there). `--table`: the plan at size for the three Llama shapes (pure arithmetic, nothing compiled).
 """
 
 from __future__ import annotations
@@ -130,12 +131,23 @@ def measure(cases: tuple[tuple[int, int, bool, str, bool, bool], ...] = CHECK_CA
         shape = (1, CHECK_ROWS * data, cfg.seq_len + 1)
         batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(layout.mesh))
         step = make_train_step(model.loss, tx, layout)
-        footprint = Footprint.of(step.lower(layout.shapes(params), layout.shapes(opt), batch).compile())
+        compiled = step.lower(layout.shapes(params), layout.shapes(opt), batch).compile()
+        footprint = Footprint.of(compiled)
         if footprint is None:
             raise BenchError("bench plan: XLA gives no memory analysis on this backend")
         case = {"data": data, "tensor": tensor, "shard_params": shard, "dtype": dtype, "remat": remat, "lora": lora}
-        out.append({**case, "xla": footprint.total})
+        out.append({**case, "xla": footprint.total, "gflops": round(_flops(compiled) / 1e9, 3)})
     return out
+
+
+def _flops(compiled: Any) -> float:
+    """XLA's count of a compiled step's flops per device (its cost analysis; 0 where the backend gives none)."""
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # not implemented on this backend
+        return 0.0
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    return float((analysis or {}).get("flops", 0.0))
 
 
 def compare(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -151,6 +163,7 @@ def compare(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 **{k: m[k] for k in ("data", "tensor", "shard_params", "dtype", "remat", "lora")},
                 "plan_mib": round((plan.state + plan.step) / MIB, 1),
                 "xla_mib": round(m["xla"] / MIB, 1),
+                "xla_gflops": m["gflops"],
                 "plan_over_xla": ratio,
                 "within_1_5x": 1 / RATIO_BOUND <= ratio <= RATIO_BOUND,
             }

@@ -53,7 +53,7 @@ from typing import Any
 from diloco.bench.errors import BenchError
 from diloco.bench.federation import _federation
 from diloco.config import load_config
-from diloco.faults import COORDINATOR_POINTS
+from diloco.faults import COMMIT_POINTS
 from diloco.harness.procs import COORDINATOR, Federation
 
 TAIL_ROUNDS = 4
@@ -189,7 +189,7 @@ class SoakPlan:
                 Kill(
                     at_round=rng.randint(lo, hi),
                     coordinator=coordinator,
-                    point=rng.choice(COORDINATOR_POINTS) if coordinator else "before_push",
+                    point=rng.choice(COMMIT_POINTS) if coordinator else "before_push",
                     delay_s=rng.uniform(*RESTART_DELAY_S),
                     pick=rng.random(),
                 )
