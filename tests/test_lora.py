@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from safetensors.numpy import load_file
 
 from diloco.cli import main
 from diloco.config import ConfigError, load_config
+from diloco.harness.procs import Federation, log_lines
 from diloco.ops.export import export, export_peft
 from diloco.ops.trained import load_trained
 from diloco.run.rundir import read_events
@@ -262,3 +264,40 @@ def test_a_llama_lm_run_with_lora_learns_and_exports_peft_names(tiny_config: Pat
     merged = trained.params["blocks"][0]["attn"]["wq"]
     np.testing.assert_allclose(merged, np.asarray(base) + (16.0 / 2) * (a @ b), atol=1e-6)  # W + (α / r)·A·B
     assert not np.array_equal(merged, np.asarray(base))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_lora_federation_over_the_wire_ends_as_simulate_and_refuses_an_island_of_another_base(
+    federation: Callable[..., Federation], tiny_config: Path, tmp_path: Path
+) -> None:
+    """Adapters over a base read from init.from (a short run of the tiny config), trained by a coordinator and two
+    island processes over real gRPC, end with `simulate`'s digest. Then init.from's checkpoint is replaced by another
+    run's after a coordinator started on it (a host whose file differs at the same path): the island that reads it
+    is refused at its Join in one line naming the frozen base (exit 2), where its config digest alone would match."""
+    from tests.conftest import WAIT_S
+
+    bases = {}
+    for seed in (0, 1):
+        bases[seed] = tmp_path / f"base-{seed}"
+        argv = ["simulate", str(tiny_config), "--run-dir", str(bases[seed]), "--no-progress", "train.rounds=1"]
+        assert main([*argv, f"run.seed={seed}"]) == 0
+    lora = ["workload.lora.rank=2", "workload.lora.targets=[wqkv,w2]", "quorum.min_islands=2", "train.rounds=2"]
+    fed = federation(*lora, f"init.from={bases[0]}")
+    fed.start()
+    fed.wait_exit(2 * WAIT_S)
+    launched = json.loads((fed.run_dir / "summary.json").read_text())
+    assert main(["simulate", fed.config, "--run-dir", str(tmp_path / "sim"), "--no-progress", *fed.overrides]) == 0
+    assert launched["params_digest"] == json.loads((tmp_path / "sim" / "summary.json").read_text())["params_digest"]
+
+    moved = tmp_path / "moved"
+    shutil.copytree(bases[0], moved)
+    other = federation(*lora, f"init.from={moved}")
+    other.start_coordinator()
+    shutil.rmtree(moved)
+    shutil.copytree(bases[1], moved)
+    island = other.start_island("island-0")
+    assert island.wait(timeout=WAIT_S) == 2
+    (line,) = log_lines(other.log_path("island-0"))
+    assert "FAILED_PRECONDITION" in line and "frozen base (workload.lora over init.from) differs" in line, line

@@ -47,7 +47,7 @@ class PayloadHeader(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., chunk_count: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "island", "config_digest", "last_round", "devices", "config_json", "release")
+    __slots__ = ("run_id", "island", "config_digest", "last_round", "devices", "config_json", "release", "frozen_digest")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class JoinRequest(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island: str
     config_digest: bytes
@@ -62,7 +63,8 @@ class JoinRequest(_message.Message):
     devices: int
     config_json: str
     release: str
-    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., config_digest: _Optional[bytes] = ..., last_round: _Optional[int] = ..., devices: _Optional[int] = ..., config_json: _Optional[str] = ..., release: _Optional[str] = ...) -> None: ...
+    frozen_digest: bytes
+    def __init__(self, run_id: _Optional[str] = ..., island: _Optional[str] = ..., config_digest: _Optional[bytes] = ..., last_round: _Optional[int] = ..., devices: _Optional[int] = ..., config_json: _Optional[str] = ..., release: _Optional[str] = ..., frozen_digest: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("run_id", "round", "lease_s", "needs_full_params", "state", "detail")

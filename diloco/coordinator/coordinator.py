@@ -94,6 +94,8 @@ class Coordinator:
         """Prometheus metrics (diloco/ops/metrics.py), fed by this run dir's events from here on (restore's too)."""
         rd.observers.append(self.metrics.on_event)
         self.digest = bytes.fromhex(config_digest(cfg))
+        self.frozen = setup.lora.digest if setup.lora is not None else b""
+        """The frozen base's digest under workload.lora (every joiner's must be it), else empty."""
         self.config_dict = to_dict(cfg)
         self.world = GlobalRun(cfg, rd, setup, durable=True)
         self.world.start(self.world.latest_step())
@@ -175,7 +177,7 @@ class Coordinator:
 
     def join(self, req: pb.JoinRequest) -> pb.JoinReply:
         with self.cond:
-            check_joiner(req, self.enrollment, self.digest, self.config_dict)
+            check_joiner(req, self.enrollment, self.digest, self.config_dict, self.frozen)
             # From the second round on, a joiner without the open round's θ pulls it and trains H steps first: the
             # round does not wait for it (diloco/coordinator/membership.py).
             late = self.loop.round > 0 and req.last_round != self.loop.round
@@ -418,9 +420,11 @@ class Coordinator:
         }
 
 
-def check_joiner(req: pb.JoinRequest, enrollment: Enrollment, digest: bytes, config: dict[str, Any]) -> None:
-    """A join names one of the run's enrolled islands, runs this release, and holds this run's config (Rejected
-    otherwise, naming what differs)."""
+def check_joiner(
+    req: pb.JoinRequest, enrollment: Enrollment, digest: bytes, config: dict[str, Any], frozen: bytes = b""
+) -> None:
+    """A join names one of the run's enrolled islands, runs this release, holds this run's config and, under
+    workload.lora, the coordinator's frozen base (`frozen`, its digest) (Rejected otherwise, naming what differs)."""
     if req.island not in enrollment:
         retired = enrollment.retirement(req.island)
         if retired is not None:
@@ -438,6 +442,14 @@ def check_joiner(req: pb.JoinRequest, enrollment: Enrollment, digest: bytes, con
             f"diloco {RELEASE}: run one release everywhere (θ is bit-identical only within one)",
         )
     if bytes(req.config_digest) == digest:
+        if bytes(req.frozen_digest) != frozen:
+            theirs = bytes(req.frozen_digest).hex()[:16] or "none"
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"island {req.island}'s frozen base (workload.lora over init.from) differs from the coordinator's "
+                f"(digest {theirs} against {frozen.hex()[:16] or 'none'}): init.from must hold the same checkpoint on "
+                "every host",
+            )
         return
     try:  # name the differing keys when the island's config_json is a readable object (it is only ever a hint)
         theirs = json.loads(req.config_json) if req.config_json else None

@@ -126,6 +126,8 @@ class IslandWorker:
         host copy of θ_0 kept for the process's life would be one more θ that its memory plan does not count."""
         self.like = shapes_of(setup.init_params)
         """θ's structure, shapes and dtypes: what a pulled θ is rebuilt into."""
+        self.frozen = setup.lora.digest if setup.lora is not None else b""
+        """Under workload.lora, the digest of the frozen base this process read (its Join carries it)."""
         # A multi-process island's mesh is every device of its processes (jax.distributed's global devices).
         n_devices = len(jax.devices()) if group.multiple else min(cfg.islands.devices, len(jax.local_devices()))
         if n_devices < cfg.islands.devices:
@@ -195,6 +197,7 @@ class IslandWorker:
             config_digest=bytes.fromhex(config_digest(self.cfg)),
             config_json=json.dumps(to_dict(self.cfg), sort_keys=True),
             release=RELEASE,
+            frozen_digest=self.frozen,
             last_round=have_round,
             devices=len(self.island.mesh.devices.flat),
         )

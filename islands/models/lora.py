@@ -27,6 +27,7 @@ line (a shared expert's matrices, 2-D, are adapted). Embeddings, norms, biases a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,6 +40,7 @@ from islands.models.adapted import Adapted
 from islands.models.base import Metrics, Model, Params
 from islands.models.config import LORA_ATTENTION, ModelError
 from islands.models.transformer import normal_init
+from pytrees.digest import tree_digest
 from pytrees.naming import flatten_named
 
 A, B = "lora_a", "lora_b"
@@ -124,6 +126,12 @@ class Lora:
     def scale(self) -> float:
         """α / r."""
         return self.alpha / self.rank
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """The frozen base's digest (`pytrees.digest.tree_digest`), computed once: what every process of a run must
+        hold the same (an island's Join carries it)."""
+        return bytes.fromhex(tree_digest(self.base))
 
     def init(self, key: jax.Array) -> Params:
         """The adapters at step 0: A ~ N(0, 1/in) [in, r], B = 0 [r, out] for each target, A's key folded from
