@@ -148,17 +148,17 @@ def test_bad_schedules_are_one_line(
 
 
 @pytest.mark.slow
-def test_a_run_lengthened_from_8_to_16_rounds_ends_as_one_planned_for_16(tiny_config: Path, tmp_path: Path) -> None:
+def test_a_run_lengthened_from_4_to_8_rounds_ends_as_one_planned_for_8(tiny_config: Path, tmp_path: Path) -> None:
     wsd = ["inner.schedule=wsd", "train.inner_steps=2", "train.eval_batches=1"]
-    decay = ["inner.decay_start_step=24", "inner.decay_steps=8"]  # rounds 12 to 16
-    planned = run_simulation(_cfg(tiny_config, *wsd, *decay, "train.rounds=16"), tmp_path / "planned", False)
-    first = run_simulation(_cfg(tiny_config, *wsd, "train.rounds=8"), tmp_path / "grown", False)
-    grown = run_simulation(_cfg(tiny_config, *wsd, *decay, "train.rounds=16"), tmp_path / "grown", False)
-    assert first["rounds"] == 8 and grown["rounds"] == planned["rounds"] == 16
+    decay = ["inner.decay_start_step=12", "inner.decay_steps=4"]  # rounds 6 to 8
+    planned = run_simulation(_cfg(tiny_config, *wsd, *decay, "train.rounds=8"), tmp_path / "planned", False)
+    first = run_simulation(_cfg(tiny_config, *wsd, "train.rounds=4"), tmp_path / "grown", False)
+    grown = run_simulation(_cfg(tiny_config, *wsd, *decay, "train.rounds=8"), tmp_path / "grown", False)
+    assert first["rounds"] == 4 and grown["rounds"] == planned["rounds"] == 8
     assert grown["params_digest"] == planned["params_digest"] != first["params_digest"]
     [changed] = read_events(tmp_path / "grown" / "metrics.jsonl", "config_changed")
-    assert changed["changes"]["train.rounds"] == [8, 16]
-    assert changed["changes"]["inner.decay_start_step"] == [0, 24]
+    assert changed["changes"]["train.rounds"] == [4, 8]
+    assert changed["changes"]["inner.decay_start_step"] == [0, 12]
     # The cosine schedule stretches over the new length: a lengthened run ends elsewhere, as README says.
     cosine = ["train.inner_steps=2", "train.eval_batches=1"]
     cosine_planned = run_simulation(_cfg(tiny_config, *cosine, "train.rounds=4"), tmp_path / "cosine4", False)
