@@ -562,13 +562,16 @@ def test_asynchronous_federation_does_not_wait_for_a_slow_island(federation: Cal
         "outer.kind=delayed_nesterov",
         "outer.momentum_every=2",
         f"outer.staleness_exponent={exponent}",
+        pause_at=(first := ["island-0:before_push:0", "island-1:before_push:0"]),
     )
-    fed.start_coordinator()
-    # The slow island first: the fast one alone finishes an asynchronous run in seconds, once before the slow one
-    # had even joined (its startup slowed by a loaded machine).
-    fed.start_island("island-1")
-    fed.wait_for(lambda: fed.events("joined", island="island-1"), WAIT_S, "island-1 to join")
-    fed.start_island("island-0")
+    # Both islands trained their first update before either pushes it: otherwise one that starts much later on a
+    # loaded machine lets the other push alone for a while (the fast one can finish the run before the slow one
+    # joined, or the slow one contribute as often as the fast one: both seen).
+    fed.start()
+    for entry in first:
+        fed.paused(entry, WAIT_S)
+    for entry in first:
+        fed.release(entry)
     fed.wait_exit(WAIT_S)
 
     commits = check_run(fed, rounds, ["island-0", "island-1"])
