@@ -152,8 +152,15 @@ class Scenario:
         """The run to train.rounds, with every change of roster at its round (the module docstring)."""
         a = self.a
         pauses = [f"{a}:before_push:{r}" for r in (1, 2, 5, 6)]
-        with self._federation([], pauses) as fed:
+        # Both islands hold their first push until both are there: on a loaded host one that starts late joins as a
+        # late joiner, rounds behind, while the other closes the first rounds alone.
+        first = [f"{name}:before_push:0" for name in (self.a, self.b)]
+        with self._federation([], [*first, *pauses]) as fed:
             fed.start()
+            for entry in first:
+                fed.paused(entry, WAIT_S)
+            for entry in first:
+                fed.release(entry)
             for joiner, pause in zip(JOINERS, pauses[:2], strict=True):
                 fed.paused(pause, WAIT_S)
                 self._admit(fed, joiner)
