@@ -49,7 +49,7 @@ Pieces: a tensor split over an island's devices (or processes) is encoded shard 
 each shard a piece (``EncodedTensor.offset``: the region's place in the tensor); the receiver checks that a name's
 pieces tile its tensor (``check_tiling``) and decodes each into its region. An island splits a tensor into pieces
 only where each piece decodes to exactly what the whole tensor's encoding would (``piece_decodes_as_whole``: its
-runs are whole blocks), so the decoded values, and every digest after them, do not depend on the island's layout.
+runs are whole blocks), so pieces never change a decoded value, nor any digest after it.
 
 Payload layout (header-free; the metadata -- name, codec, dtype, shape, block size, zstd level -- travels
 separately as the fields of :class:`EncodedTensor`). ``n`` is the element count,
@@ -279,12 +279,13 @@ def check_tiling(name: str, whole: Sequence[int], pieces: Sequence[tuple[Sequenc
     cut it into intervals, each piece spans one interval per dimension, and each cell of the grid is one piece.
     Raises :class:`CodecError` naming the tensor; costs O(pieces x dimensions), whatever the shape."""
     ndim = len(whole)
+    for offset, shape in pieces:
+        if len(offset) != ndim or len(shape) != ndim:
+            raise CodecError(f"tensor {name!r}: a piece has {len(offset)} offsets for {ndim} dimensions")
     cuts: list[list[int]] = []
     for d in range(ndim):
         edges = {0, int(whole[d])}
         for offset, shape in pieces:
-            if len(offset) != ndim or len(shape) != ndim:
-                raise CodecError(f"tensor {name!r}: a piece has {len(offset)} offsets for {ndim} dimensions")
             lo, hi = int(offset[d]), int(offset[d]) + int(shape[d])
             if lo < 0 or shape[d] <= 0 or hi > whole[d]:
                 raise CodecError(

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from floor.codec import CodecSpec
+from floor.codec import CodecSpec, piece_decodes_as_whole
 from floor.errors import UserError
 from islands.chunks import ChunkStream, Span
 from islands.config import InnerConfig
@@ -44,9 +44,10 @@ from islands.inner import make_train_step, place_tree
 from islands.memory import Footprint, OutOfMemoryError, device_room, step_advice, verdict
 from islands.mesh import Layout, accumulation_steps, batch_sharding, build_mesh, data_width
 from islands.models.base import Model
+from outer_optimizer.aggregate import pseudo_gradient
 from pytrees.feedback import Compressed, Residual, compress_tree, zero_residual
-from pytrees.naming import PyTree, flatten_named, unflatten_named
-from pytrees.pieces import delta_of
+from pytrees.naming import PyTree, flatten_named, to_host, unflatten_named
+from pytrees.pieces import Split, region
 
 
 class DivergedError(UserError):
@@ -162,6 +163,34 @@ class RoundPush:
         the Δ the coordinator will decode (`simulate`'s coordinator reads that; in an island process it is one more
         θ held through the wait, the pull and the checkpoint)."""
         return self if self.sent.decoded is None else replace(self, sent=replace(self.sent, decoded=None))
+
+
+def own_shards(x: jax.Array) -> list[Any]:
+    """The shards that hold each value of `x` once (replica 0), for a leaf this process holds all of; [] otherwise."""
+    if not x.is_fully_addressable:
+        return []
+    return [s for s in x.addressable_shards if s.replica_id == 0]
+
+
+def delta_of(reference: Any, local: Any, spec: CodecSpec) -> np.ndarray | Split:
+    """Δ = `pseudo_gradient(reference, local)` for one leaf, on the host: by shard, a `Split` whose pieces follow
+    `local`'s shards (pytrees/pieces.py), when `local` is split over devices and each shard can travel as a piece
+    under `spec` (`floor.codec.piece_decodes_as_whole`), else whole."""
+    shards = own_shards(local) if isinstance(local, jax.Array) else []
+    shape = tuple(int(d) for d in np.shape(local))
+    places = [(tuple(int(i.start or 0) for i in s.index), tuple(int(d) for d in s.data.shape)) for s in shards]
+    if len(shards) < 2 or not all(
+        piece_decodes_as_whole(spec.kind, spec.block_size, shape, offset, piece) for offset, piece in places
+    ):
+        return pseudo_gradient(to_host(reference), to_host(local))
+    ref = to_host(reference)
+    return Split(
+        shape,
+        tuple(
+            (offset, np.asarray(pseudo_gradient(ref[region(offset, piece)], np.asarray(s.data)), np.float32))
+            for s, (offset, piece) in zip(shards, places, strict=True)
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def compress_split(
 ) -> tuple[list[EncodedTensor], np.ndarray, np.ndarray]:
     """:func:`compress_with_feedback` piece by piece (`pytrees.pieces`): each piece of the leaf with its region of the
     residual, encoded alone as a piece of tensor `name`. Returns (the pieces, the decoded leaf, the new residual), the
-    same values as compressing the whole leaf gives (`delta_of` splits only where they are)."""
+    same values as compressing the whole leaf gives (`islands.island.delta_of` splits only where they are)."""
     if residual is not None and np.shape(residual) != split.shape:
         raise CodecError(f"tensor {name!r}: residual shape {np.shape(residual)} does not match {split.shape}")
     encoded, decoded, new_residual = [], np.empty(split.shape, np.float32), np.empty(split.shape, np.float32)

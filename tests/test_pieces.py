@@ -17,10 +17,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from floor.codec import CodecError, CodecSpec, check_tiling, decode, piece_decodes_as_whole
+from islands.island import delta_of
 from islands.mesh import build_mesh
 from pytrees.encode import encode
 from pytrees.feedback import compress_tree
-from pytrees.pieces import Split, delta_of
+from pytrees.pieces import Split
 from tests.conftest import REPO, child_env
 from tests.test_hostile_wire import DEADLINE_S, PUSH, code_of, meta, serving
 from tests.wire_helpers import push_chunks
