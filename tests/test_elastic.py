@@ -59,10 +59,7 @@ def test_an_island_admitted_into_a_live_run_joins_trains_and_is_retired(
     fed = federation(f"train.rounds={rounds}", *ELASTIC, pause_at=pauses)
     fed.env.update(OPERATOR)
     fed.start()
-    for entry in first:
-        fed.paused(entry, WAIT_S)
-    for entry in first:
-        fed.release(entry)
+    fed.release_together(first, WAIT_S)
     fed.paused("island-0:before_push:2", WAIT_S)
     kit = operator_command(fed, "admit", fed.config, "sa-east", "--out", str(tmp_path / "kit"))
     assert kit["round"] == 2 and kit["secret"] == f"file:{tmp_path / 'kit' / 'sa-east.secret'}", kit

@@ -182,10 +182,7 @@ def test_island_killed_restarted_and_rogue_client(federation: Callable[..., Fede
     fed.start_coordinator()
     fed.start_island("island-0", args=["--secret", "s0"])
     fed.start_island("island-1", args=["--secret", "s1"])
-    for entry in ("island-0:before_push:0", "island-1:before_push:0"):
-        fed.paused(entry, WAIT_S)
-    for entry in ("island-0:before_push:0", "island-1:before_push:0"):
-        fed.release(entry)
+    fed.release_together(["island-0:before_push:0", "island-1:before_push:0"], WAIT_S)
 
     # SIGKILL island-1 after it trained round 2, before its push, once a checkpoint of it is complete (islands save
     # on a background thread, which goes on while the island waits at the point).
@@ -568,10 +565,7 @@ def test_asynchronous_federation_does_not_wait_for_a_slow_island(federation: Cal
     # loaded machine lets the other push alone for a while (the fast one can finish the run before the slow one
     # joined, or the slow one contribute as often as the fast one: both seen).
     fed.start()
-    for entry in first:
-        fed.paused(entry, WAIT_S)
-    for entry in first:
-        fed.release(entry)
+    fed.release_together(first, WAIT_S)
     fed.wait_exit(WAIT_S)
 
     commits = check_run(fed, rounds, ["island-0", "island-1"])
@@ -612,10 +606,7 @@ def test_sigterm_stops_an_island_and_the_coordinator_cleanly(federation: Callabl
     fed.start_coordinator()
     for name in ("island-0", "island-1"):
         fed.start_island(name)
-    for entry in ("island-0:before_push:0", "island-1:before_push:0"):
-        fed.paused(entry, WAIT_S)
-    for entry in ("island-0:before_push:0", "island-1:before_push:0"):
-        fed.release(entry)
+    fed.release_together(["island-0:before_push:0", "island-1:before_push:0"], WAIT_S)
 
     fed.paused("island-1:before_push:2+", WAIT_S)
     fed.wait_for(

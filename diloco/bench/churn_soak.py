@@ -388,11 +388,7 @@ class ChurnSoak:
         """The run to its end (its last round held until every island of it stands before its push): summary.json,
         and every process's exit code and last line once all have ended."""
         fed = self.fed
-        stops = self.final_stops(last)
-        for entry in stops:
-            fed.paused(entry, WAIT_S)
-        for entry in stops:
-            fed.release(entry)
+        fed.release_together(self.final_stops(last), WAIT_S)
         summary = fed.wait_done(WAIT_S * 2)
         procs = fed.processes()
         fed.wait_for(

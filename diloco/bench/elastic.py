@@ -157,10 +157,7 @@ class Scenario:
         first = [f"{name}:before_push:0" for name in (self.a, self.b)]
         with self._federation([], [*first, *pauses]) as fed:
             fed.start()
-            for entry in first:
-                fed.paused(entry, WAIT_S)
-            for entry in first:
-                fed.release(entry)
+            fed.release_together(first, WAIT_S)
             for joiner, pause in zip(JOINERS, pauses[:2], strict=True):
                 fed.paused(pause, WAIT_S)
                 self._admit(fed, joiner)

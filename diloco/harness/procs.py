@@ -443,6 +443,15 @@ class Federation:
         """Let the process stopped at `entry` go on."""
         self.pauses.release(entry)
 
+    def release_together(self, entries: Sequence[str], timeout_s: float) -> None:
+        """Wait until a process stands at each of `entries`, then let them all go on: islands that start together
+        (one slower to start on a loaded host would otherwise join rounds behind, a late joiner, while the others
+        close the first rounds alone)."""
+        for entry in entries:
+            self.paused(entry, timeout_s)
+        for entry in entries:
+            self.release(entry)
+
     def wait_rounds(self, n: int, timeout_s: float) -> list[dict[str, Any]]:
         """Block until the coordinator has committed at least `n` rounds; returns the `round` events."""
         return self.wait_for(lambda: r if len(r := self.rounds()) >= n else None, timeout_s, f"{n} committed rounds")
