@@ -198,10 +198,21 @@ def place_tree(tree: PyTree, layout: Layout) -> PyTree:
     # copy first and let the placement alias only the copy: a host array on the host (a memcpy, 64-byte aligned so
     # that XLA:CPU takes it as it is rather than copying it once more), a device array on its device. All leaves go
     # in one batched device_put (a streaming island places a fragment at every merge).
+    #
+    # A host leaf bound for devices of several processes (a multi-process island) is put by each process on its own
+    # devices, region by region: `device_put` would first check that every process passed the same value, an
+    # all-gather of the whole leaf onto every device, which an island split across its processes has no room for.
     leaves, treedef = jax.tree.flatten(tree)
-    copies = [aligned_copy(x) if isinstance(x, np.ndarray) else jnp.array(x, copy=True) for x in leaves]
     shardings = jax.tree.leaves(layout.shardings(tree))
-    return jax.tree.unflatten(treedef, jax.device_put(copies, shardings))
+    local = [i for i, s in enumerate(shardings) if s.is_fully_addressable or not isinstance(leaves[i], np.ndarray)]
+    copies = [
+        aligned_copy(leaves[i]) if isinstance(leaves[i], np.ndarray) else jnp.array(leaves[i], copy=True) for i in local
+    ]
+    placed = dict(zip(local, jax.device_put(copies, [shardings[i] for i in local]), strict=True))
+    for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
+        if i not in placed:
+            placed[i] = jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: aligned_copy(x[index]))
+    return jax.tree.unflatten(treedef, [placed[i] for i in range(len(leaves))])
 
 
 def _constrain(tree: PyTree, layout: Layout) -> PyTree:

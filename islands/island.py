@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 from floor.codec import CodecSpec, piece_decodes_as_whole
 from floor.errors import UserError
@@ -46,8 +47,8 @@ from islands.mesh import Layout, accumulation_steps, batch_sharding, build_mesh,
 from islands.models.base import Model
 from outer_optimizer.aggregate import pseudo_gradient
 from pytrees.feedback import Compressed, Residual, compress_tree, zero_residual
-from pytrees.naming import PyTree, flatten_named, to_host, unflatten_named
-from pytrees.pieces import Split, region
+from pytrees.naming import PyTree, flatten_named, held_in_part, to_host, unflatten_named
+from pytrees.pieces import Split
 
 
 class DivergedError(UserError):
@@ -166,30 +167,76 @@ class RoundPush:
 
 
 def own_shards(x: jax.Array) -> list[Any]:
-    """The shards that hold each value of `x` once (replica 0), for a leaf this process holds all of; [] otherwise."""
-    if not x.is_fully_addressable:
-        return []
-    return [s for s in x.addressable_shards if s.replica_id == 0]
+    """The shards through which this process holds each of its values of `x` once (the lowest replica of each
+    region it holds): all of `x` when the process holds all of it, its own pieces when `x` is split across processes
+    (`held_in_part`)."""
+    by_region: dict[tuple[int, ...], Any] = {}
+    for shard in sorted(x.addressable_shards, key=lambda s: s.replica_id):
+        by_region.setdefault(_offset(shard.index, x.shape), shard)
+    return list(by_region.values())
+
+
+def _offset(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i.indices(n)[0]) for i, n in zip(index, shape, strict=True))
+
+
+def _piece_shape(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(len(range(*i.indices(n))) for i, n in zip(index, shape, strict=True))
+
+
+def travels_in_pieces(x: Any, spec: CodecSpec) -> bool:
+    """`x` (a leaf of θ_local) is split over devices, and its Δ travels as one piece a shard: each shard's piece
+    decodes to exactly what the whole leaf's encoding gives under `spec` (`floor.codec.piece_decodes_as_whole`) and,
+    for a leaf split across processes, each region is held by one process. Decided from the layout alone, so every
+    process of an island decides the same."""
+    if not isinstance(x, jax.Array) or not (x.is_fully_addressable or held_in_part(x)):
+        return False
+    shape = tuple(int(d) for d in x.shape)
+    holders: dict[tuple[int, ...], set[int]] = {}
+    pieces: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for device, index in x.sharding.devices_indices_map(shape).items():
+        offset = _offset(index, shape)
+        holders.setdefault(offset, set()).add(device.process_index)
+        pieces[offset] = _piece_shape(index, shape)
+    return (
+        len(pieces) > 1
+        and all(len(p) == 1 for p in holders.values())
+        and all(piece_decodes_as_whole(spec.kind, spec.block_size, shape, o, p) for o, p in pieces.items())
+    )
+
+
+def own_pieces(x: jax.Array) -> Split:
+    """This process's values of `x`, one piece a region (`own_shards`), each copied to the host."""
+    shape = tuple(int(d) for d in x.shape)
+    return Split(shape, tuple((_offset(s.index, shape), np.asarray(s.data)) for s in own_shards(x)))
 
 
 def delta_of(reference: Any, local: Any, spec: CodecSpec) -> np.ndarray | Split:
     """Δ = `pseudo_gradient(reference, local)` for one leaf, on the host: by shard, a `Split` whose pieces follow
-    `local`'s shards (pytrees/pieces.py), when `local` is split over devices and each shard can travel as a piece
-    under `spec` (`floor.codec.piece_decodes_as_whole`), else whole."""
-    shards = own_shards(local) if isinstance(local, jax.Array) else []
-    shape = tuple(int(d) for d in np.shape(local))
-    places = [(tuple(int(i.start or 0) for i in s.index), tuple(int(d) for d in s.data.shape)) for s in shards]
-    if len(shards) < 2 or not all(
-        piece_decodes_as_whole(spec.kind, spec.block_size, shape, offset, piece) for offset, piece in places
-    ):
-        return pseudo_gradient(to_host(reference), to_host(local))
-    ref = to_host(reference)
-    return Split(
-        shape,
-        tuple(
-            (offset, np.asarray(pseudo_gradient(ref[region(offset, piece)], np.asarray(s.data)), np.float32))
-            for s, (offset, piece) in zip(shards, places, strict=True)
-        ),
+    `local`'s shards (pytrees/pieces.py), when `travels_in_pieces`, else whole. A leaf split across processes
+    gives this process's pieces alone (a partial Split), or, where its shards cannot travel alone, is gathered whole
+    from every process (a collective each process of the island makes for the same leaves)."""
+    if travels_in_pieces(local, spec):
+        ref = to_host(reference)
+        mine = own_pieces(local)
+        return Split(
+            mine.shape,
+            tuple(
+                (offset, np.asarray(pseudo_gradient(ref[where], values), np.float32))
+                for offset, where, values in mine.regions()
+            ),
+        )
+    if held_in_part(local):
+        return pseudo_gradient(to_host(reference), np.asarray(multihost_utils.process_allgather(local, tiled=True)))
+    return pseudo_gradient(to_host(reference), to_host(local))
+
+
+def spread(pieces: Split, like: jax.Array) -> jax.Array:
+    """A partial `Split` of this process's regions as a JAX array laid out as `like` (each process gives its own
+    regions: no collective)."""
+    shape = tuple(int(d) for d in like.shape)
+    return jax.make_array_from_callback(
+        shape, like.sharding, lambda index: np.array(pieces.at(_offset(index, shape)), like.dtype)
     )
 
 
@@ -267,11 +314,35 @@ class Island:
         self.layout.check(params)
         placed = self.place(params)
         opt = self.place(self.tx.init(placed) if opt_state is None else opt_state)
-        residual = zero_residual(params, self.uplink)
+        residual = self._spread_across(zero_residual(params, self.uplink), placed)
         self.state = IslandState(params=placed, inner_opt_state=opt, residual=residual, step=step, data_cursor=cursor)
         self.stream.cursor = cursor
         self._step_fn = make_train_step(self.model.loss, self.tx, self.layout)
         self._warm = False
+
+    def _spread_across(self, residual: Residual, params: PyTree) -> Residual:
+        """The residual of each leaf of `params` (placed) that travels in pieces across processes
+        (`pieces_across`) laid out as that leaf, so each process holds, feeds back and checkpoints its own regions;
+        the others' as they are (host arrays)."""
+        if residual is None:
+            return None
+        across = self.pieces_across(params)
+        return {**residual, **self.place({name: residual[name] for name in across})} if across else residual
+
+    def pieces_across(self, params: PyTree | None = None) -> frozenset[str]:
+        """The leaves of θ (default: the state's) split across this island's processes whose Δ travels in pieces:
+        each process forms, feeds back and encodes only its own (diloco/worker/island_group.py gathers them)."""
+        if params is None:
+            assert self.state is not None
+            params = self.state.params
+        named = flatten_named(params, to_numpy=False)
+        return frozenset(n for n, x in named.items() if held_in_part(x) and travels_in_pieces(x, self.uplink))
+
+    def held_whole(self) -> bool:
+        """This process holds every value of θ (not so on a multi-process island whose θ is split across its
+        processes: it holds its own regions)."""
+        assert self.state is not None
+        return not any(held_in_part(x) for x in jax.tree.leaves(self.state.params))
 
     def restore(self, state: IslandState) -> None:
         """Continue from a saved state (a checkpoint restored into the layout of this island's fresh state)."""
@@ -505,7 +576,11 @@ class Island:
         assert self.state is not None
         local = flatten_named(self.state.params, to_numpy=False)
         delta = {name: delta_of(reference[name], local[name], self.uplink) for name in reference}
-        residual = None if self.state.residual is None else {name: self.state.residual[name] for name in reference}
+        residual = None
+        if self.state.residual is not None:
+            residual = {name: self.state.residual[name] for name in reference}
+            # This process's regions of a residual laid out across processes (`_spread_across`), as the Δ pieces are.
+            residual = {n: own_pieces(r) if held_in_part(r) else r for n, r in residual.items()}
         return TakenDelta(run, delta, residual, self.uplink, self.feedback_decay)
 
     def keep_residual(self, push: RoundPush) -> None:
@@ -517,7 +592,11 @@ class Island:
         """
         assert self.state is not None
         if self.state.residual is not None and push.sent.residual is not None:
-            self.state = replace(self.state, residual={**self.state.residual, **push.sent.residual})
+            kept = {
+                name: spread(r, self.state.residual[name]) if isinstance(r, Split) else r
+                for name, r in push.sent.residual.items()
+            }
+            self.state = replace(self.state, residual={**self.state.residual, **kept})
 
     def merge(
         self, global_fragment: dict[str, PyTree], alpha: float = 0.0, on_mesh: dict[str, PyTree] | None = None

@@ -19,8 +19,10 @@ from pytrees.encode import encode, encode_named
 from pytrees.naming import PyTree, flatten_named, to_host, unflatten_named
 from pytrees.pieces import Split
 
-Residual = dict[str, np.ndarray] | None
-"""Error-feedback state: leaf name -> float32 array, or None for a lossless codec (nothing is ever dropped)."""
+Residual = dict[str, Any] | None
+"""Error-feedback state: leaf name -> float32 array, or None for a lossless codec (nothing is ever dropped). On a
+multi-process island whose parameters are split across its processes, the residual of such a leaf is a JAX array laid
+out as its parameter, each process holding (and checkpointing) its own regions (`islands.island.Island.start`)."""
 
 
 def compress_with_feedback(
@@ -48,29 +50,37 @@ def compress_with_feedback(
 
 
 def compress_split(
-    split: Split, residual: np.ndarray | None, spec: CodecSpec, *, name: str, decay: float = 1.0
-) -> tuple[list[EncodedTensor], np.ndarray, np.ndarray]:
+    split: Split, residual: np.ndarray | Split | None, spec: CodecSpec, *, name: str, decay: float = 1.0
+) -> tuple[list[EncodedTensor], np.ndarray | Split, np.ndarray | Split]:
     """:func:`compress_with_feedback` piece by piece (`pytrees.pieces`): each piece of the leaf with its region of the
     residual, encoded alone as a piece of tensor `name`. Returns (the pieces, the decoded leaf, the new residual), the
-    same values as compressing the whole leaf gives (`islands.island.delta_of` splits only where they are)."""
-    if residual is not None and np.shape(residual) != split.shape:
+    same values as compressing the whole leaf gives (`islands.island.delta_of` splits only where they are).
+
+    A partial `split` (this process's pieces of a leaf split across processes) takes its residual as a `Split` of the
+    same regions and gives its decoded values and new residual as such `Split`s."""
+    if isinstance(residual, np.ndarray) and np.shape(residual) != split.shape:
         raise CodecError(f"tensor {name!r}: residual shape {np.shape(residual)} does not match {split.shape}")
-    encoded, decoded, new_residual = [], np.empty(split.shape, np.float32), np.empty(split.shape, np.float32)
+    encoded, decoded, new_residual = [], [], []
     for offset, where, values in split.regions():
-        enc, decoded[where], new_residual[where] = compress_with_feedback(
-            values, None if residual is None else residual[where], spec, name=name, decay=decay
-        )
+        carried = residual.at(offset) if isinstance(residual, Split) else None if residual is None else residual[where]
+        enc, dec, res = compress_with_feedback(values, carried, spec, name=name, decay=decay)
         encoded.append(replace(enc, offset=offset))
-    return encoded, decoded, new_residual
+        decoded.append((offset, dec.astype(np.float32, copy=False)))
+        new_residual.append((offset, res))
+    decoded_split, residual_split = Split(split.shape, tuple(decoded)), Split(split.shape, tuple(new_residual))
+    if not split.complete:
+        return encoded, decoded_split, residual_split
+    return encoded, decoded_split.whole(), residual_split.whole()
 
 
 def compress_named(
-    named: Mapping[str, Any], residuals: Mapping[str, np.ndarray] | None, spec: CodecSpec, decay: float = 1.0
-) -> tuple[list[EncodedTensor], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    named: Mapping[str, Any], residuals: Mapping[str, Any] | None, spec: CodecSpec, decay: float = 1.0
+) -> tuple[list[EncodedTensor], dict[str, Any], dict[str, Any]]:
     """:func:`compress_with_feedback` over a named tree (a `Split` leaf by :func:`compress_split`); returns (encoded
     list, decoded, new residuals)."""
     encoded: list[EncodedTensor] = []
-    decoded, new_res = {}, {}
+    decoded: dict[str, Any] = {}
+    new_res: dict[str, Any] = {}
     for name in sorted(named):
         res = None if residuals is None else residuals.get(name)
         leaf = named[name]
@@ -129,7 +139,7 @@ def compress_tree(tree: PyTree, residual: Residual, spec: CodecSpec, decay: floa
         for name, split in named.items():
             if isinstance(split, Split):
                 encoded.extend(replace(encode(name, v, spec), offset=o) for o, v in split.pieces)
-                decoded[name] = split.whole()
+                decoded[name] = split.whole() if split.complete else split
         return Compressed(sorted(encoded, key=lambda t: t.name), unflatten_named(decoded, tree), None)
     encoded, decoded, new_residual = compress_named(named, residual, spec, decay)
     return Compressed(encoded, unflatten_named(decoded, tree), new_residual)

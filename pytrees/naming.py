@@ -64,7 +64,8 @@ def to_host(x: Any) -> Any:
 
     A multi-process island's leaf spans every process's devices; each process holds all of it when it is split only
     over that process's devices (islands.tensor; replicated across processes), and reads it from them. A leaf split
-    across processes is refused (diloco/worker/island_group.py refuses islands.shard_params there)."""
+    across processes (`held_in_part`: islands.shard_params over processes) is read by pieces instead
+    (`islands.island.delta_of`): here it is a ValueError."""
     if not isinstance(x, jax.Array):
         return np.asarray(x)
     out = np.empty(x.shape, x.dtype)
@@ -75,13 +76,20 @@ def to_host(x: Any) -> Any:
         return out
     if x.is_fully_replicated:
         return np.asarray(x)
-    local: dict[str, Any] = {_index_key(s.index): s for s in x.addressable_shards}
-    every = {_index_key(index) for index in x.sharding.devices_indices_map(x.shape).values()}
-    if set(local) != every:
+    if held_in_part(x):
         raise ValueError(f"a leaf of shape {x.shape} is split across processes: this process holds part of it")
-    for shard in local.values():
+    for shard in {_index_key(s.index): s for s in x.addressable_shards}.values():
         out[shard.index] = np.asarray(shard.data)
     return out
+
+
+def held_in_part(x: Any) -> bool:
+    """A JAX array of which this process's devices hold only some values: a leaf split across the processes of a
+    multi-process island (FSDP over them)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return False
+    local = {_index_key(s.index) for s in x.addressable_shards}
+    return local != {_index_key(index) for index in x.sharding.devices_indices_map(x.shape).values()}
 
 
 def _index_key(index: tuple[slice, ...]) -> str:

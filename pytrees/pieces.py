@@ -10,10 +10,16 @@ A leaf is split only where every piece decodes to exactly what the whole leaf's 
 (`floor.codec.piece_decodes_as_whole`): the blocks of the blockwise codecs fall inside the shards. Otherwise it is
 read whole, as before. Either way the coordinator decodes the same values bit for bit, so pieces never change a
 digest; only how the bytes are cut differs.
+
+On a multi-process island whose parameters are split across its processes (FSDP over them), each process holds only
+its own pieces of such a leaf: its `Split` is partial (`complete` is False), and so are its decoded values and its
+residual for that leaf; the leader gathers every process's encoded pieces into the island's one push
+(diloco/worker/island_group.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,8 +38,21 @@ class Split:
         for offset, values in self.pieces:
             yield offset, region(offset, values.shape), values
 
+    @property
+    def complete(self) -> bool:
+        """The pieces tile the whole leaf (they never overlap: they are shards of one array)."""
+        return sum(values.size for _, values in self.pieces) == math.prod(self.shape)
+
+    def at(self, offset: tuple[int, ...]) -> np.ndarray:
+        """The piece at `offset`."""
+        for o, values in self.pieces:
+            if o == offset:
+                return values
+        raise KeyError(f"no piece at {offset} of a leaf of shape {self.shape}")
+
     def whole(self) -> np.ndarray:
-        """The leaf assembled (float32, as every piece is)."""
+        """The leaf assembled (float32, as every piece is); only a complete Split has one."""
+        assert self.complete, f"a partial Split of a leaf of shape {self.shape} has no whole"
         out = np.empty(self.shape, np.float32)
         for _, where, values in self.regions():
             out[where] = values

@@ -116,7 +116,9 @@ def _check_formations(
 @pytest.mark.parametrize(
     "sampling",
     [
-        pytest.param([], id="windows"),
+        # The parameters split across the 2 processes (FSDP over the island's 4 devices), int8 up: each process forms,
+        # error-feeds, encodes and checkpoints its own pieces; the leader pushes every process's.
+        pytest.param(["islands.shard_params=true", "codec.uplink=int8"], id="fsdp-int8"),
         # And each process's 2 devices one tensor group: the island's mesh is 2 (data, across processes) x 2 (tensor).
         pytest.param([*CHUNKS, "islands.tensor=2"], id="chunks-tensor"),
     ],
@@ -163,6 +165,9 @@ def test_two_process_island_trains_as_one_process_island_through_a_killed_follow
     assert (island / "process-1.lock").exists() and (island / "process-1.pid").exists()
     worst = _same_curve(fed, reference, ROUNDS)
     print(f"killed in round {killed_in}; loss curves differ by at most {worst:.3g}")
+    if "islands.shard_params=true" in sampling:
+        pushes = [p for p in fed.events("push") if p["island"] == "island-0"]
+        assert pushes and all(p.get("tensors_in_pieces", 0) > 0 for p in pushes), pushes
     if sampling == CHUNKS:
         leased = [e["spans"] for e in fed.events("leased", island="island-0") if e["round"] == killed_in]
         assert len(leased) == 2 and leased[0] == leased[1]  # what the lost round read is read again, by the same

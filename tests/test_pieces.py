@@ -8,14 +8,17 @@ import itertools
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import jax
 import numpy as np
 import pytest
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from diloco.harness.procs import free_port
 from floor.codec import CodecError, CodecSpec, check_tiling, decode, piece_decodes_as_whole
 from islands.island import delta_of
 from islands.mesh import build_mesh
@@ -122,6 +125,85 @@ def test_an_islands_split_leaf_is_pushed_as_its_shards_and_decodes_as_the_whole(
         [sys.executable, "-c", code], env=child_env(4), cwd=REPO, capture_output=True, text=True, timeout=100
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def check_split_across_processes(me: int, port: int, directory: str) -> None:
+    """Process `me` of 2, each with 2 host devices, joined into one JAX program (`test_a_leaf_split_across_...`): Δ
+    of a (16, 32) leaf split by rows over the 4 devices, formed, error-fed and encoded by each process for its own
+    rows, the followers' pieces gathered to the leader over the island's channel."""
+    from diloco.run.checkpoint import CheckpointStore, restore_state, save_state
+    from diloco.worker.island_group import Channel, pieces_command, pieces_of
+    from islands.island import IslandState, own_pieces, spread
+    from transport.tensors import Wholes
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=me, initialization_timeout=60)
+    rng = np.random.default_rng(2)  # the same values on both processes: each checks against the whole leaf's
+    ref, local, residual = (rng.standard_normal((16, 32)).astype(np.float32) for _ in range(3))
+    rows = NamedSharding(build_mesh(4, None, 1), P("data", None))
+
+    def laid_out(host: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(host.shape, rows, lambda index: host[index])
+
+    x, r = laid_out(local), laid_out(residual)
+    spec = CodecSpec(kind="int8", block_size=8)
+    split = delta_of(ref, x, spec)
+    assert isinstance(split, Split) and not split.complete
+    assert sorted(o for o, _ in split.pieces) == [(8 * me, 0), (8 * me + 4, 0)], split.pieces
+    sent = compress_tree({"w": split}, {"w": own_pieces(r)}, spec)
+    whole = compress_tree({"w": ref - local}, {"w": residual}, spec)
+    channel = Channel()
+    if me == 0:
+        every = [*sent.encoded, *(t for cmd in channel.gather(None) for t in pieces_of(cmd, frozenset({"w"})))]
+        assert sorted(t.offset for t in every) == [(4 * i, 0) for i in range(4)]
+        wholes = Wholes({"w": (16, 32)})
+        assembled = [wholes.place(t, decode(t)) for t in every][-1]
+        assert assembled.tobytes() == whole.decoded["w"].tobytes()
+    else:
+        channel.gather(pieces_command(sent.encoded))
+    kept = spread(sent.residual["w"], r)
+    assert np.asarray(multihost_utils.process_allgather(kept, tiled=True)).tobytes() == whole.residual["w"].tobytes()
+    # Each process saves and restores its own rows of the residual with the island's checkpoints.
+    store = CheckpointStore(Path(directory))
+    save_state(store, 1, IslandState({"w": x}, {}, {"w": kept}), {})
+    store.wait()
+    restored, _ = restore_state(store, 1, IslandState({"w": x}, {}, {"w": laid_out(np.zeros((16, 32), np.float32))}))
+    store.close()
+    back = multihost_utils.process_allgather(restored.residual["w"], tiled=True)
+    assert np.asarray(back).tobytes() == whole.residual["w"].tobytes()
+    # Blocks that cross the shards: the leaf is gathered whole from both processes.
+    gathered = delta_of(ref, x, CodecSpec(kind="int8", block_size=256))
+    assert isinstance(gathered, np.ndarray) and gathered.tobytes() == (ref - local).tobytes()
+    print("ok")
+
+
+@pytest.mark.multiprocess
+def test_a_leaf_split_across_processes_is_pushed_as_every_processs_shards(tmp_path: Path) -> None:
+    """Two processes of one island (jax.distributed, gloo), a leaf split by rows over their 4 devices: each process
+    forms Δ of its own rows only (a partial Split) and error-feeds and encodes it; the leader gathers the follower's
+    encoded pieces over the island's channel, and the 4 pieces decode bit for bit to the whole leaf's encoding; each
+    process's new residual, laid out as the leaf, is the whole leaf's, and comes back so from the checkpoint both
+    processes save; a leaf whose codec blocks cross the shards is gathered whole instead."""
+    port = free_port()
+    code = "import sys; from tests.test_pieces import check_split_across_processes as c; c(int(sys.argv[1]), {}, {!r})"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code.format(port, str(tmp_path / "checkpoints")), str(me)],
+            env=child_env(2),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for me in range(2)
+    ]
+    try:
+        done = [proc.communicate(timeout=100) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (out, err) in zip(procs, done, strict=True):
+        assert proc.returncode == 0 and out.splitlines()[-1:] == ["ok"], err[-3000:]  # gloo prints to stdout too
 
 
 PIECES = [

@@ -12,8 +12,13 @@ launches the same ones in the same order, so one command channel from the leader
     follower: follow(...)            ->  channel.receive()           ->  Island.train(4)
 
 The channel is JAX's own `broadcast_one_to_all` (a collective over the island's devices: no socket of ours): a
-length, a JSON header (the call, its small arguments, the names, dtypes and shapes of its arrays), then the arrays.
-A follower receives data only: JSON, and arrays of the dtypes it accepts, never code (no pickle).
+length, a JSON header (the call, its small arguments, the names, dtypes and shapes of its arrays), then the arrays
+in slabs. A process receives data only: JSON, and arrays of the dtypes it accepts, never code (no pickle).
+
+Parameters split across the processes (islands.shard_params): each process forms, error-feeds and encodes Δ of its
+own regions of such a leaf (islands/island.py, `Island.pieces_across`), and at the push each follower sends the
+leader its encoded pieces over the channel (`Channel.gather`); the leader's one push carries every process's pieces,
+which the coordinator assembles as it does any island's (docs/architecture.md, "Pieces").
 
 Data: every process draws the same batch from the island's deterministic stream and puts only its own rows on its
 devices (`Island.next_batch`), so the global batch is the one a one-process island with as many devices trains on.
@@ -58,8 +63,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +91,7 @@ from diloco.worker.island_formation import (
 )
 from diloco.worker.stop_grace import StopGrace
 from diloco.worker.supervisor import Member
+from floor.codec import EncodedTensor
 from floor.errors import UserError
 from islands.chunks import Span
 from islands.island import InnerRun, Island, IslandState, RoundPush
@@ -105,9 +112,8 @@ SHUTDOWN_S = 30
 FOLLOWER_STOP_S = 20.0
 """A follower asked to stop (SIGTERM) waits this long for the leader's stop command, then exits anyway: the
 leader stops at its next sync point (island_worker.STOP_GRACE_S) and tells its followers."""
-ARRAY_DTYPES = ("float32", "int32")
-"""What a follower accepts in a command's arrays. They travel as int32 bit patterns: the broadcast is a sum with
-zeros, which keeps integers exact and would turn a float -0.0 into +0.0."""
+ARRAY_DTYPES = ("float32", "int32", "uint8")
+"""What a process accepts in a command's arrays: parameters, spans and encoded payloads."""
 USER_ERROR = 2
 
 
@@ -155,15 +161,12 @@ def check_group(cfg: RunConfig, process_id: int | None, num_processes: int | Non
 
 def check_supported(cfg: RunConfig, processes: int) -> None:
     """Refuse in one line what a multi-process island does not replay (plain and time-budgeted rounds only, windows or
-    chunks)."""
+    chunks; parameters replicated across the processes or split across them)."""
     refused = [
         ("stream.fragments > 1 (streaming)", cfg.stream.fragments > 1 or cfg.stream.overlap_steps > 0),
         ("train.mode = 'async'", cfg.train.mode == "async"),
         ("init.inner_state = true", cfg.init.inner_state),
         ("a post-training workload (sft, dpo, rl)", cfg.workload.post_training(cfg.islands.island_names)),
-        # Every process forms the whole Δ from its own devices (pytrees/naming.py, `to_host`): a parameter may be split
-        # over one process's devices (islands.tensor), not across processes.
-        ("islands.shard_params = true (parameters split across processes)", cfg.islands.shard_params),
     ]
     for what, bad in refused:
         if bad and processes > 1:
@@ -209,7 +212,7 @@ def join(group: Group, formation: Formation, rank: int) -> None:
 
 @dataclass(frozen=True)
 class Command:
-    """One call of the leader: its name, small JSON arguments, and named arrays."""
+    """One call of the leader (or one process's answer to it): its name, small JSON arguments, and named arrays."""
 
     op: str
     args: dict[str, Any] = field(default_factory=dict)
@@ -217,42 +220,115 @@ class Command:
 
 
 def _padded(n: int) -> int:
-    """Header buffers come in a few sizes (powers of two), so the broadcast compiles a handful of times, not once
-    per length."""
+    """Buffers come in a few sizes (powers of two), so the broadcast compiles a handful of times, not once per
+    length."""
     return max(256, 1 << (n - 1).bit_length())
 
 
 class Channel:
-    """The leader's calls to its followers over `broadcast_one_to_all`; every process must take part in each."""
+    """Commands over `broadcast_one_to_all`; every process must take part in each.
+
+    The leader sends (`send`), its followers receive (`receive`); at a push each follower answers with its own
+    encoded pieces (`gather`). A command's arrays travel as one stream of bytes in slabs of at most SLAB_WORDS int32
+    words, so a broadcast never puts more than one slab on a device, whatever the size of the model."""
+
+    SLAB_WORDS = 1 << 24
+    """Words (int32) one broadcast carries at most: 64 MiB on each device of the island while it runs."""
 
     def send(self, op: str, arrays: Mapping[str, Any] | None = None, **args: Any) -> None:
-        named = {name: np.asarray(a) for name, a in (arrays or {}).items()}
-        spec = [[name, a.dtype.name, list(a.shape)] for name, a in named.items()]
-        self._header(json.dumps({"op": op, "args": args, "arrays": spec}).encode())
-        if named:
-            multihost_utils.broadcast_one_to_all({n: np.ascontiguousarray(a).view(np.int32) for n, a in named.items()})
+        self._broadcast(Command(op, args, {name: np.asarray(a) for name, a in (arrays or {}).items()}), source=0)
 
     def receive(self) -> Command:
-        header = json.loads(self._header(None))
-        like: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
-        for name, dtype, shape in header["arrays"]:
+        return self._broadcast(None, source=0)
+
+    def gather(self, mine: Command | None) -> list[Command]:
+        """Each follower's command to the leader, in process order: every process calls it, a follower with its own
+        (`mine`), the leader with None, and only the leader gets the list (the others: [])."""
+        me, got = jax.process_index(), []
+        for source in range(1, jax.process_count()):
+            cmd = self._broadcast(mine if me == source else None, source)
+            if me == 0:
+                got.append(cmd)
+        return got
+
+    def _broadcast(self, cmd: Command | None, source: int) -> Command:
+        """`cmd` from process `source` (which passes it; the others pass None) to every process."""
+        sending = jax.process_index() == source
+        header, body = b"", np.zeros(0, np.uint8)
+        if sending:
+            assert cmd is not None
+            spec = [[name, a.dtype.name, list(a.shape)] for name, a in cmd.arrays.items()]
+            header = json.dumps({"op": cmd.op, "args": cmd.args, "arrays": spec}).encode()
+            body = np.concatenate([np.zeros(0, np.uint8), *(_words(a) for a in cmd.arrays.values())])
+        fields = json.loads(self._bytes(header, sending).tobytes())
+        like: list[tuple[str, np.dtype, tuple[int, ...]]] = []
+        for name, dtype, shape in fields["arrays"]:
             if dtype not in ARRAY_DTYPES:
                 raise RuntimeError(f"island channel: array {name!r} of dtype {dtype!r} refused")
-            like[name] = (np.dtype(dtype), tuple(shape))
-        arrays: dict[str, np.ndarray] = {}
-        if like:
-            got = multihost_utils.broadcast_one_to_all({n: np.zeros(shape, np.int32) for n, (_, shape) in like.items()})
-            arrays = {n: np.asarray(got[n]).view(dtype) for n, (dtype, _) in like.items()}
-        return Command(header["op"], header["args"], arrays)
+            like.append((name, np.dtype(dtype), tuple(shape)))
+        sizes = [_round4(math.prod(shape) * dtype.itemsize) for _, dtype, shape in like]
+        stream = self._stream(body, sum(sizes), sending)
+        arrays, at = {}, 0
+        for (name, dtype, shape), size in zip(like, sizes, strict=True):
+            n = math.prod(shape) * dtype.itemsize
+            arrays[name] = stream[at : at + n].view(dtype).reshape(shape)
+            at += size
+        return Command(fields["op"], fields["args"], arrays)
 
-    @staticmethod
-    def _header(data: bytes | None) -> bytes:
-        """The leader's bytes (`data`) to every process: their length, then the bytes in a padded buffer."""
-        n = int(multihost_utils.broadcast_one_to_all(np.array(0 if data is None else len(data), np.int32)))
-        buffer = np.zeros(_padded(n), np.uint8)
-        if data is not None:
-            buffer[:n] = np.frombuffer(data, np.uint8)
-        return np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes()[:n]
+    def _bytes(self, data: bytes, sending: bool) -> np.ndarray:
+        """The sender's bytes to every process: their length, then the bytes."""
+        n = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int32), is_source=sending))
+        return self._stream(np.frombuffer(data, np.uint8), n, sending)
+
+    def _stream(self, data: np.ndarray, n: int, sending: bool) -> np.ndarray:
+        """`n` bytes from the sender (`data`, uint8) to every process, slab by slab. They travel as int32 bit patterns:
+        the broadcast is a sum with zeros, which keeps integers exact and would turn a float -0.0 into +0.0."""
+        words = _round4(n) // 4
+        out = np.zeros(words, np.int32)
+        if sending:
+            out.view(np.uint8)[:n] = data[:n]
+        for start in range(0, words, self.SLAB_WORDS):
+            k = min(self.SLAB_WORDS, words - start)
+            slab = np.zeros(_padded(k), np.int32)
+            if sending:
+                slab[:k] = out[start : start + k]
+            got = multihost_utils.broadcast_one_to_all(slab, is_source=sending)
+            out[start : start + k] = np.asarray(got)[:k]
+        return out.view(np.uint8)[:n]
+
+
+def _round4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def _words(a: np.ndarray) -> np.ndarray:
+    """`a`'s bytes, padded to a whole number of int32 words."""
+    raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    return np.concatenate([raw, np.zeros(_round4(raw.size) - raw.size, np.uint8)])
+
+
+def pieces_command(encoded: Sequence[EncodedTensor]) -> Command:
+    """A follower's encoded pieces for the leader's push: their metadata as JSON, their payloads as arrays."""
+    metas = [[t.name, t.codec, t.dtype, list(t.shape), t.block_size, t.zstd_level, list(t.offset)] for t in encoded]
+    return Command(
+        "pieces", {"tensors": metas}, {str(i): np.frombuffer(t.payload, np.uint8) for i, t in enumerate(encoded)}
+    )
+
+
+def pieces_of(cmd: Command, names: frozenset[str]) -> list[EncodedTensor]:
+    """The encoded pieces a follower sent (`pieces_command`); a piece of a leaf the island does not split across its
+    processes is refused (the coordinator validates every tensor again, as from any island)."""
+    if cmd.op != "pieces":
+        raise RuntimeError(f"island channel: expected a follower's pieces, got {cmd.op!r}")
+    out = []
+    for i, (name, codec, dtype, shape, block, zstd, offset) in enumerate(cmd.args["tensors"]):
+        if name not in names or not offset:
+            raise RuntimeError(
+                f"island channel: a follower sent {name!r}, not a piece of a leaf split across processes"
+            )
+        payload = cmd.arrays[str(i)].tobytes()
+        out.append(EncodedTensor(name, codec, dtype, tuple(shape), int(block), int(zstd), payload, tuple(offset)))
+    return out
 
 
 # -- checkpoints (the same calls on every process) ---------------------------------------------------------------
@@ -317,9 +393,17 @@ class LeaderIsland:
         return Island.train_for(self, budget_s, max_steps)  # type: ignore[arg-type]  # it calls self.train only
 
     def encode_delta(self, run: InnerRun, reference: dict[str, PyTree]) -> RoundPush:
+        """The island's push: the leader's Δ, with each leaf split across the processes (`Island.pieces_across`) made
+        of every process's encoded pieces, which the followers send it (`Channel.gather`)."""
         self.channel.send("encode_delta", reference)
-        self._last_push = self.island.encode_delta(run, reference).for_the_wire()
-        return self._last_push
+        push = self.island.encode_delta(run, reference).for_the_wire()
+        across = self.island.pieces_across()
+        if across:
+            theirs = [t for cmd in self.channel.gather(None) for t in pieces_of(cmd, across)]
+            every = sorted([*push.sent.encoded, *theirs], key=lambda t: (t.name, t.offset))
+            push = replace(push, sent=replace(push.sent, encoded=every))
+        self._last_push = push
+        return push
 
     def keep_residual(self, push: RoundPush) -> None:
         # Plain rounds have one push in flight: the followers keep their own copy of it (the same bytes).
@@ -383,6 +467,8 @@ def follow(island: Island, like: PyTree, store: CheckpointStore | None, channel:
             elif cmd.op == "encode_delta":
                 run = last_run or InnerRun(np.zeros(0, np.float32), 0, 0.0, 0)
                 last_push = island.encode_delta(run, cmd.arrays).for_the_wire()
+                if across := island.pieces_across():
+                    channel.gather(pieces_command([t for t in last_push.sent.encoded if t.name in across]))
             elif cmd.op == "keep_residual":
                 assert last_push is not None
                 island.keep_residual(last_push)

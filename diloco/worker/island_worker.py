@@ -226,9 +226,12 @@ class IslandWorker:
         if saved is None:
             return -1
         state, meta = self.checkpoints.restore(saved)
-        self.copy = GlobalCopy.whole(
-            self.fragments, self.like, state.params, meta["round"] * self.P, self.copy.downlink
-        )
+        if self.island.held_whole():
+            self.copy = GlobalCopy.whole(
+                self.fragments, self.like, state.params, meta["round"] * self.P, self.copy.downlink
+            )
+        else:  # θ split across the island's processes: the copy comes whole from the coordinator (a full pull at join)
+            self.copy = replace(self.copy, position=meta["round"] * self.P)
         self.step = meta["round"] * self.H
         self.rd.log("resumed", round=self.round, island=self.name, step=state.step)
         return self.round
