@@ -31,6 +31,18 @@ def test_bad_bench_argument_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     _one_line_error(capsys, ["bench", "codec", "--size-mb", "0"], "--size-mb must be positive")
     _one_line_error(capsys, ["bench", "churn-soak", "--cycles", "1"], "--cycles must be >= 2")
     _one_line_error(capsys, ["bench", "churn-soak", "--minutes", "0"], "--minutes must be > 0")
+    _one_line_error(capsys, ["bench", "codec", "--size-mb", "1", "--pieces", "7"], "--pieces 7 must cut the 64 rows")
+
+
+def test_bench_codec_pieces_decode_as_the_whole() -> None:
+    """`bench codec`'s pieces comparison, small: every codec's pieces give the whole encoding's values."""
+    from diloco.bench.codec import run_codec_bench
+
+    report = run_codec_bench(size_mb=1, repeats=1, pieces=4)
+    assert report["pieces"]["count"] == 4
+    rows = report["pieces"]["results"]
+    assert sorted(r["codec"] for r in rows) == sorted(r["codec"] for r in report["results"] if r["zstd_level"] == 0)
+    assert all(r["same_values"] and r["pieces_s"] > 0 and r["whole_s"] > 0 for r in rows), rows
 
 
 def test_federation_failure_is_one_line(

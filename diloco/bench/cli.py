@@ -125,6 +125,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     codec.add_argument("--chunk", type=int, default=4096, help="sparse codec: values per chunk")
     codec.add_argument("--density", type=float, default=1 / 64, help="sparse codec: fraction of each chunk kept")
     codec.add_argument("--sparse-bits", type=int, default=2, help="sparse codec: bits per kept value (2..8)")
+    codec.add_argument(
+        "--pieces", type=int, default=8, help="row blocks of the pieces-against-whole comparison (<2: none)"
+    )
 
     tr = parsers["transport"]
     tr.add_argument("--payload-mb", type=float, default=256.0, help="MiB per unshaped push")
@@ -343,7 +346,7 @@ def _codec(args: argparse.Namespace) -> Result:
         sparse = CodecSpec("sparse", args.chunk, density=args.density, sparse_bits=args.sparse_bits)
     except CodecError as exc:
         raise BenchError(f"bench codec: {exc}") from None
-    return run_codec_bench(args.size_mb, args.repeats, sparse=sparse)
+    return run_codec_bench(args.size_mb, args.repeats, sparse=sparse, pieces=args.pieces)
 
 
 def _transport(args: argparse.Namespace) -> Result:

@@ -22,6 +22,13 @@ The sparse codec (chunks of ``--chunk``, ``--density``, ``--sparse-bits``) drops
 block error says little; its rows add ``kept_max_rel_err``, the largest error of a kept value over its chunk's
 kept range ``hi - lo`` (bounded by ``2^-b``, floor/codec.py), and ``kept_energy``, the share of ``||x||²`` the kept
 values carry (what one message moves; error feedback sends the rest later).
+
+``pieces`` (``--pieces K``, default 8): error-fed encoding (`pytrees.feedback`) of the matrix whole against the same
+matrix cut into K row blocks encoded one by one, as a leaf split by rows over K devices travels (pytrees/pieces.py),
+side by side in this process for each codec without zstd: ``pieces_over_whole`` is the time ratio, and
+``same_values`` says the decoded values and the new residual are the whole encoding's, bit for bit. The cost model:
+the same arithmetic over the same bytes in K calls, plus writing each piece's decoded values and residual into the
+leaf's, so about 1.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ import numpy as np
 from diloco.bench.errors import BenchError
 from floor.codec import KINDS, QMAX, CodecSpec, decode
 from pytrees.encode import encode
+from pytrees.feedback import compress_split, compress_with_feedback
+from pytrees.pieces import Split
 
 _COLS = 4096
 _ERR_BLOCK = 256
@@ -95,15 +104,37 @@ def _sparse_errors(x: np.ndarray, xh: np.ndarray, chunk: int) -> dict[str, float
     return {"kept_max_rel_err": float(rel.max()) if rel.size else 0.0, "kept_energy": energy}
 
 
+def pieces_against_whole(x: np.ndarray, spec: CodecSpec, pieces: int, repeats: int) -> dict[str, Any]:
+    """Error-fed encoding of `x` whole against `x` cut into `pieces` row blocks, side by side (the module docstring's
+    ``pieces``)."""
+    rows = x.shape[0] // pieces
+    split = Split(x.shape, tuple(((i * rows, 0), x[i * rows : (i + 1) * rows]) for i in range(pieces)))
+    residual = np.full_like(x, 1e-5)
+    t_whole, (_, decoded, kept) = _median_time(lambda: compress_with_feedback(x, residual, spec, name="bench"), repeats)
+    t_pieces, (_, decoded_p, kept_p) = _median_time(
+        lambda: compress_split(split, residual, spec, name="bench"), repeats
+    )
+    same = decoded.tobytes() == decoded_p.tobytes() and kept.tobytes() == kept_p.tobytes()
+    return {
+        "codec": spec.kind,
+        "whole_s": t_whole,
+        "pieces_s": t_pieces,
+        "pieces_over_whole": t_pieces / t_whole,
+        "same_values": same,
+    }
+
+
 def run_codec_bench(
     size_mb: float = 64,
     repeats: int = 5,
     zstd_level: int = 1,
     block_size: int = 256,
     sparse: CodecSpec | None = None,
+    pieces: int = 8,
 ) -> dict[str, Any]:
     """Benchmark every codec with and without zstd on ``size_mb`` MiB of float32; returns a JSON-able dict.
-    ``sparse``: the sparse codec's chunk, density and bits (default: CodecSpec's, SparseLoCo's)."""
+    ``sparse``: the sparse codec's chunk, density and bits (default: CodecSpec's, SparseLoCo's). ``pieces``: the
+    row blocks of the pieces comparison (below 2: none)."""
     if size_mb <= 0:
         raise BenchError(f"bench codec: --size-mb must be positive (got {size_mb})")
     if repeats < 1:
@@ -141,6 +172,15 @@ def run_codec_bench(
                 row["err_bound"] = 2.0**-spec.sparse_bits
                 row["cost_model_ratio"] = 32 / spec.bits_per_value()
             results.append(row)
+    cut = []
+    if pieces > 1:
+        if x.shape[0] % pieces or (x.shape[0] // pieces * _COLS) % max(block_size, sparse.block_size):
+            raise BenchError(
+                f"bench codec: --pieces {pieces} must cut the {x.shape[0]} rows into blocks of whole codec blocks"
+            )
+        for kind in KINDS:
+            spec = sparse if kind == "sparse" else CodecSpec(kind=kind, block_size=block_size)
+            cut.append(pieces_against_whole(x, spec, pieces, repeats))
     by = {(r["codec"], r["zstd_level"]): r for r in results}
     targets = {
         "int8_combined_gbps_ge_1": by[("int8", 0)]["combined_gbps"] >= 1.0,
@@ -160,5 +200,6 @@ def run_codec_bench(
         "load_avg_1m": os.getloadavg()[0],  # other work on the host skews throughput; record it
         "jax_backend": jax.default_backend(),
         "results": results,
+        "pieces": {"count": pieces, "results": cut} if cut else None,
         "targets": targets,
     }
