@@ -205,30 +205,41 @@ def travels_in_pieces(x: Any, spec: CodecSpec) -> bool:
     )
 
 
+def own_regions(x: jax.Array) -> list[tuple[tuple[int, ...], tuple[slice, ...], Any]]:
+    """Each region of `x` this process holds once (`own_shards`): its offset, its place as slices, and its shard."""
+    shape = tuple(int(d) for d in x.shape)
+    return [(_offset(s.index, shape), s.index, s) for s in own_shards(x)]
+
+
 def own_pieces(x: jax.Array) -> Split:
     """This process's values of `x`, one piece a region (`own_shards`), each copied to the host."""
-    shape = tuple(int(d) for d in x.shape)
-    return Split(shape, tuple((_offset(s.index, shape), np.asarray(s.data)) for s in own_shards(x)))
+    return Split(tuple(int(d) for d in x.shape), tuple((o, np.asarray(s.data)) for o, _, s in own_regions(x)))
 
 
 def delta_of(reference: Any, local: Any, spec: CodecSpec) -> np.ndarray | Split:
     """Δ = `pseudo_gradient(reference, local)` for one leaf, on the host: by shard, a `Split` whose pieces follow
-    `local`'s shards (pytrees/pieces.py), when `travels_in_pieces`, else whole. A leaf split across processes
+    `local`'s shards (pytrees/pieces.py), when `travels_in_pieces`, else whole. `reference`: the global leaf, or this
+    process's regions of it (`Island.own_reference`). A leaf split across processes
     gives this process's pieces alone (a partial Split), or, where its shards cannot travel alone, is gathered whole
     from every process (a collective each process of the island makes for the same leaves)."""
     if travels_in_pieces(local, spec):
-        ref = to_host(reference)
         mine = own_pieces(local)
+        ref = reference if isinstance(reference, Split) else to_host(reference)
         return Split(
             mine.shape,
             tuple(
-                (offset, np.asarray(pseudo_gradient(ref[where], values), np.float32))
+                (offset, np.asarray(pseudo_gradient(_region_of(ref, offset, where), values), np.float32))
                 for offset, where, values in mine.regions()
             ),
         )
     if held_in_part(local):
         return pseudo_gradient(to_host(reference), np.asarray(multihost_utils.process_allgather(local, tiled=True)))
     return pseudo_gradient(to_host(reference), to_host(local))
+
+
+def _region_of(reference: np.ndarray | Split, offset: tuple[int, ...], where: tuple[slice, ...]) -> np.ndarray:
+    """The reference's values at a piece: from the whole leaf, or from this process's regions of it."""
+    return reference.at(offset) if isinstance(reference, Split) else reference[where]
 
 
 def spread(pieces: Split, like: jax.Array) -> jax.Array:
@@ -337,6 +348,20 @@ class Island:
             params = self.state.params
         named = flatten_named(params, to_numpy=False)
         return frozenset(n for n, x in named.items() if held_in_part(x) and travels_in_pieces(x, self.uplink))
+
+    def place_leaf(self, name: str, host: np.ndarray) -> jax.Array:
+        """One leaf of θ (`name`) put on this island's mesh as `place` puts it: a process of a multi-process island
+        places each leaf of a new θ as it arrives (diloco/worker/island_group.py), never holding the whole θ."""
+        return self.place({name: host})[name]
+
+    def own_reference(self, name: str, host: np.ndarray) -> np.ndarray | Split:
+        """What `take_delta` needs of the reference leaf `name`: this process's regions of it (a partial `Split`) when
+        the leaf travels in pieces across processes (`pieces_across`), else all of it."""
+        assert self.state is not None
+        local = flatten_named(self.state.params, to_numpy=False)[name]
+        if not (held_in_part(local) and travels_in_pieces(local, self.uplink)):
+            return host
+        return Split(host.shape, tuple((offset, np.array(host[where])) for offset, where, _ in own_regions(local)))
 
     def held_whole(self) -> bool:
         """This process holds every value of θ (not so on a multi-process island whose θ is split across its
@@ -612,8 +637,12 @@ class Island:
         if alpha == 0.0:
             placed = on_mesh if on_mesh is not None else self.place(dict(global_fragment))
         else:
+            # A leaf a process of a multi-process island placed as it arrived stays on the devices.
             placed = self.place(
-                {n: alpha * local[n] + (1.0 - alpha) * np.asarray(g) for n, g in global_fragment.items()}
+                {
+                    n: alpha * local[n] + (1.0 - alpha) * (g if isinstance(g, jax.Array) else np.asarray(g))
+                    for n, g in global_fragment.items()
+                }
             )
         # Only the fragment's leaves are placed (copied onto the mesh): the others are this island's own, already
         # there. Placing all of θ would copy the whole model at every one of the P merges of a round.

@@ -171,6 +171,24 @@ def check_split_across_processes(me: int, port: int, directory: str) -> None:
     store.close()
     back = multihost_utils.process_allgather(restored.residual["w"], tiled=True)
     assert np.asarray(back).tobytes() == whole.residual["w"].tobytes()
+    # The channel's slabs, made tiny: arrays across slab bounds, several to a slab, one of no bytes, bytes that are
+    # no whole word, a -0.0; the receiver's `keep` sees each whole.
+    small = Channel()
+    small.SLAB_WORDS = 5
+    sent_arrays = {
+        "a": np.array([[-0.0, 1.5, np.nan], [2.0, -3.0, 4.0]], np.float32),
+        "b": np.zeros((0, 3), np.int32),
+        "c": np.arange(7, dtype=np.uint8),
+        "d": np.arange(13, dtype=np.int32) - 6,
+    }
+    if me == 0:
+        small.send("probe", sent_arrays, n=1)
+    else:
+        seen: list[str] = []
+        cmd = small.receive({"probe": lambda name, a: seen.append(name) or a.copy()})
+        assert (cmd.op, cmd.args, sorted(seen)) == ("probe", {"n": 1}, sorted(sent_arrays)), (cmd, seen)
+        for name, a in sent_arrays.items():
+            assert cmd.arrays[name].dtype == a.dtype and cmd.arrays[name].tobytes() == a.tobytes(), name
     # Blocks that cross the shards: the leaf is gathered whole from both processes.
     gathered = delta_of(ref, x, CodecSpec(kind="int8", block_size=256))
     assert isinstance(gathered, np.ndarray) and gathered.tobytes() == (ref - local).tobytes()

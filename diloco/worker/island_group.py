@@ -225,12 +225,19 @@ def _padded(n: int) -> int:
     return max(256, 1 << (n - 1).bit_length())
 
 
+Keep = Callable[[str, np.ndarray], Any]
+"""What a receiving process makes of each array of a command as soon as it is in (`Channel.receive`): put it on its
+devices, or keep only its own regions, so that it never holds a whole model's arrays at once."""
+
+
 class Channel:
     """Commands over `broadcast_one_to_all`; every process must take part in each.
 
     The leader sends (`send`), its followers receive (`receive`); at a push each follower answers with its own
-    encoded pieces (`gather`). A command's arrays travel as one stream of bytes in slabs of at most SLAB_WORDS int32
-    words, so a broadcast never puts more than one slab on a device, whatever the size of the model."""
+    encoded pieces (`gather`). A command's arrays travel one after the other as one stream of int32 words in slabs
+    of at most SLAB_WORDS, several small arrays to a slab and a large one over many, and each array is handed to the
+    receiver's `Keep` as soon as its last word is in: no broadcast puts more than one slab on a device, and neither
+    side copies the whole stream."""
 
     SLAB_WORDS = 1 << 24
     """Words (int32) one broadcast carries at most: 64 MiB on each device of the island while it runs."""
@@ -238,73 +245,109 @@ class Channel:
     def send(self, op: str, arrays: Mapping[str, Any] | None = None, **args: Any) -> None:
         self._broadcast(Command(op, args, {name: np.asarray(a) for name, a in (arrays or {}).items()}), source=0)
 
-    def receive(self) -> Command:
-        return self._broadcast(None, source=0)
+    def receive(self, keep: Mapping[str, Keep] | None = None) -> Command:
+        """The leader's next command; `keep`: by command name, what to make of each of its arrays as it comes in
+        (default: the host array itself)."""
+        return self._broadcast(None, source=0, keep=keep or {})
 
     def gather(self, mine: Command | None) -> list[Command]:
         """Each follower's command to the leader, in process order: every process calls it, a follower with its own
         (`mine`), the leader with None, and only the leader gets the list (the others: [])."""
         me, got = jax.process_index(), []
         for source in range(1, jax.process_count()):
-            cmd = self._broadcast(mine if me == source else None, source)
+            cmd = self._broadcast(mine if me == source else None, source, wanted=me == 0)
             if me == 0:
                 got.append(cmd)
         return got
 
-    def _broadcast(self, cmd: Command | None, source: int) -> Command:
-        """`cmd` from process `source` (which passes it; the others pass None) to every process."""
+    def _broadcast(
+        self, cmd: Command | None, source: int, keep: Mapping[str, Keep] | None = None, wanted: bool = True
+    ) -> Command:
+        """`cmd` from process `source` (which passes it; the others pass None) to every process; `wanted`: this
+        process keeps the arrays (else it only takes part in the broadcasts)."""
         sending = jax.process_index() == source
-        header, body = b"", np.zeros(0, np.uint8)
+        header = b""
         if sending:
             assert cmd is not None
             spec = [[name, a.dtype.name, list(a.shape)] for name, a in cmd.arrays.items()]
             header = json.dumps({"op": cmd.op, "args": cmd.args, "arrays": spec}).encode()
-            body = np.concatenate([np.zeros(0, np.uint8), *(_words(a) for a in cmd.arrays.values())])
         fields = json.loads(self._bytes(header, sending).tobytes())
         like: list[tuple[str, np.dtype, tuple[int, ...]]] = []
         for name, dtype, shape in fields["arrays"]:
             if dtype not in ARRAY_DTYPES:
                 raise RuntimeError(f"island channel: array {name!r} of dtype {dtype!r} refused")
-            like.append((name, np.dtype(dtype), tuple(shape)))
-        sizes = [_round4(math.prod(shape) * dtype.itemsize) for _, dtype, shape in like]
-        stream = self._stream(body, sum(sizes), sending)
-        arrays, at = {}, 0
-        for (name, dtype, shape), size in zip(like, sizes, strict=True):
-            n = math.prod(shape) * dtype.itemsize
-            arrays[name] = stream[at : at + n].view(dtype).reshape(shape)
-            at += size
+            like.append((name, np.dtype(dtype), tuple(int(d) for d in shape)))
+        if sending:
+            assert cmd is not None
+            self._arrays([_as_words(a) for a in cmd.arrays.values()], like)
+            return cmd
+        arrays = self._arrays(None, like, (keep or {}).get(fields["op"]), listen=wanted)
         return Command(fields["op"], fields["args"], arrays)
 
-    def _bytes(self, data: bytes, sending: bool) -> np.ndarray:
-        """The sender's bytes to every process: their length, then the bytes."""
-        n = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int32), is_source=sending))
-        return self._stream(np.frombuffer(data, np.uint8), n, sending)
+    def _arrays(
+        self,
+        words: list[np.ndarray] | None,
+        like: list[tuple[str, np.dtype, tuple[int, ...]]],
+        keep: Keep | None = None,
+        listen: bool = True,
+    ) -> dict[str, Any]:
+        """The arrays `like` describes, from the sender (`words`: each as int32 words; None elsewhere) to every
+        process, slab by slab. They travel as int32 bit patterns: the broadcast is a sum with zeros, which keeps
+        integers exact and would turn a float -0.0 into +0.0. A receiver that `listen`s hands each array to `keep`
+        once its last word is in (the others only take part)."""
+        nbytes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in like]
+        ends = np.cumsum([_round4(n) // 4 for n in nbytes], dtype=np.int64)
+        starts = ends - np.array([_round4(n) // 4 for n in nbytes], np.int64)
+        listen = listen and words is None
+        out: dict[str, Any] = {}
 
-    def _stream(self, data: np.ndarray, n: int, sending: bool) -> np.ndarray:
-        """`n` bytes from the sender (`data`, uint8) to every process, slab by slab. They travel as int32 bit patterns:
-        the broadcast is a sum with zeros, which keeps integers exact and would turn a float -0.0 into +0.0."""
-        words = _round4(n) // 4
-        out = np.zeros(words, np.int32)
+        def hand(i: int, array: np.ndarray) -> None:
+            name = like[i][0]
+            out[name] = array if keep is None else keep(name, array)
+
+        for i in range(len(like) if listen else 0):
+            if not nbytes[i]:  # an array of no bytes takes no slab
+                hand(i, np.zeros(like[i][2], like[i][1]))
+        partial: dict[int, np.ndarray] = {}
+        total = int(ends[-1]) if like else 0
+        for s in range(0, total, self.SLAB_WORDS):
+            e = min(s + self.SLAB_WORDS, total)
+            slab = np.zeros(_padded(e - s), np.int32)
+            first = int(np.searchsorted(ends, s, side="right"))
+            overlap = [(i, max(s, int(starts[i])), min(e, int(ends[i]))) for i in range(first, len(like))]
+            overlap = [(i, a, b) for i, a, b in overlap if a < b]
+            if words is not None:
+                for i, a, b in overlap:
+                    slab[a - s : b - s] = words[i][a - starts[i] : b - starts[i]]
+            got = np.asarray(multihost_utils.broadcast_one_to_all(slab, is_source=words is not None))
+            for i, a, b in overlap if listen else ():
+                buffer = partial.setdefault(i, np.zeros(int(ends[i] - starts[i]), np.int32))
+                buffer[a - starts[i] : b - starts[i]] = got[a - s : b - s]
+                if ends[i] <= e:
+                    _, dtype, shape = like[i]
+                    hand(i, partial.pop(i).view(np.uint8)[: nbytes[i]].view(dtype).reshape(shape))
+        return out
+
+    def _bytes(self, data: bytes, sending: bool) -> np.ndarray:
+        """The sender's bytes (a command's JSON header) to every process: their length, then the bytes."""
+        n = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int32), is_source=sending))
+        spec = [("header", np.dtype(np.uint8), (n,))]
         if sending:
-            out.view(np.uint8)[:n] = data[:n]
-        for start in range(0, words, self.SLAB_WORDS):
-            k = min(self.SLAB_WORDS, words - start)
-            slab = np.zeros(_padded(k), np.int32)
-            if sending:
-                slab[:k] = out[start : start + k]
-            got = multihost_utils.broadcast_one_to_all(slab, is_source=sending)
-            out[start : start + k] = np.asarray(got)[:k]
-        return out.view(np.uint8)[:n]
+            self._arrays([_as_words(np.frombuffer(data, np.uint8))], spec)
+            return np.frombuffer(data, np.uint8)
+        return self._arrays(None, spec)["header"]
 
 
 def _round4(n: int) -> int:
     return (n + 3) // 4 * 4
 
 
-def _words(a: np.ndarray) -> np.ndarray:
-    """`a`'s bytes, padded to a whole number of int32 words."""
+def _as_words(a: np.ndarray) -> np.ndarray:
+    """`a`'s bytes as int32 words (a view when they are whole words, else a copy padded with zeros)."""
     raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-    return np.concatenate([raw, np.zeros(_round4(raw.size) - raw.size, np.uint8)])
+    if raw.size % 4 == 0:
+        return raw.view(np.int32)
+    return np.concatenate([raw, np.zeros(_round4(raw.size) - raw.size, np.uint8)]).view(np.int32)
 
 
 def pieces_command(encoded: Sequence[EncodedTensor]) -> Command:
@@ -451,8 +494,11 @@ def follow(island: Island, like: PyTree, store: CheckpointStore | None, channel:
     too, which then says stop with code 2; so the follower keeps listening rather than leave its peers hanging."""
     last_run: InnerRun | None = None
     last_push: RoundPush | None = None
+    # Each leaf of a new θ goes onto the devices as it arrives, and of a push's reference each process keeps its
+    # own regions: a follower never holds a whole θ on its host.
+    keep = {"set_params": island.place_leaf, "merge": island.place_leaf, "encode_delta": island.own_reference}
     while True:
-        cmd = channel.receive()
+        cmd = channel.receive(keep)
         try:
             if cmd.op == "stop":
                 return int(cmd.args.get("code", 0))
@@ -473,7 +519,8 @@ def follow(island: Island, like: PyTree, store: CheckpointStore | None, channel:
                 assert last_push is not None
                 island.keep_residual(last_push)
             elif cmd.op == "merge":
-                island.merge(cmd.arrays, float(cmd.args["alpha"]))
+                alpha = float(cmd.args["alpha"])
+                island.merge(cmd.arrays, alpha, on_mesh=cmd.arrays if alpha == 0.0 else None)
             elif cmd.op == "save":
                 assert store is not None
                 save_checkpoint(store, island, int(cmd.args["round"]))
