@@ -403,8 +403,9 @@ def test_a_llama_lm_run_with_lora_learns_and_exports_peft_names(tiny_config: Pat
 def test_a_lora_federation_over_the_wire_ends_as_simulate_and_refuses_an_island_of_another_base(
     federation: Callable[..., Federation], tiny_config: Path, tmp_path: Path
 ) -> None:
-    """Adapters over a base read from init.from (a short run of the tiny config), trained by a coordinator and two
-    island processes over real gRPC, end with `simulate`'s digest. Then init.from's checkpoint is replaced by another
+    """Adapters over a base read from init.from (a short run of the tiny config), trained with dropout by a
+    coordinator and two island processes over real gRPC, end with `simulate`'s digest: each island process draws the
+    masks of `simulate`'s island of its name. Then init.from's checkpoint is replaced by another
     run's after a coordinator started on it (a host whose file differs at the same path): the island that reads it
     is refused at its Join in one line naming the frozen base (exit 2), where its config digest alone would match."""
     from tests.conftest import WAIT_S
@@ -415,7 +416,7 @@ def test_a_lora_federation_over_the_wire_ends_as_simulate_and_refuses_an_island_
         argv = ["simulate", str(tiny_config), "--run-dir", str(bases[seed]), "--no-progress", "train.rounds=1"]
         assert main([*argv, f"run.seed={seed}"]) == 0
     lora = ["workload.lora.rank=2", "workload.lora.targets=[wqkv,w2]", "quorum.min_islands=2", "train.rounds=2"]
-    fed = federation(*lora, f"init.from={bases[0]}")
+    fed = federation(*lora, "workload.lora.dropout=0.1", f"init.from={bases[0]}")
     fed.start()
     fed.wait_exit(2 * WAIT_S)
     launched = json.loads((fed.run_dir / "summary.json").read_text())
