@@ -10,6 +10,7 @@ The step is jitted with explicit shardings over the island's mesh and donates th
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -160,26 +161,35 @@ class WholeBatchLoss(Protocol):
     ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
 
 
-def _accumulated_grads(loss_fn: LossFn, params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree, dict]:
+def _accumulated_grads(
+    loss_fn: LossFn, params: PyTree, batch: PyTree, key: jax.Array | None = None
+) -> tuple[jax.Array, PyTree, dict]:
     """Loss and gradient over the leading `passes` axis of batch [passes, seqs, tokens+1] (or of every leaf of a
     pytree batch, [passes, seqs, ...]: a post-training workload's, islands/workloads/batches.py): a
-    `WholeBatchLoss`'s passes' shares (and figures) summed, another loss's passes' means averaged."""
+    `WholeBatchLoss`'s passes' shares (and figures) summed, another loss's passes' means averaged. `key`: the step's,
+    for a `DrawingLoss`, whose pass p draws from it with p folded in (each pass its own masks); without one, no pass
+    index is made, so the program of a loss that draws nothing is what it was before losses drew."""
     passes = jax.tree.leaves(batch)[0].shape[0]
-    if passes == 1:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda leaf: leaf[0], batch))
-        return loss, grads, metrics
     whole = isinstance(loss_fn, WholeBatchLoss)
-    share = functools.partial(loss_fn, totals=loss_fn.totals(batch)) if whole else loss_fn
-    grad_fn = jax.value_and_grad(share, has_aux=True)
+    totals = loss_fn.totals(batch) if whole and passes > 1 else None
 
-    def one_pass(carry: tuple, micro: jax.Array) -> tuple[tuple, dict]:
+    def grad_of(micro: PyTree, index: Any = None) -> tuple[tuple[jax.Array, dict], PyTree]:
+        loss = loss_fn if key is None else loss_fn.keyed(jax.random.fold_in(key, index))  # type: ignore[attr-defined]
+        share = loss if totals is None else functools.partial(loss, totals=totals)
+        return jax.value_and_grad(share, has_aux=True)(params, micro)
+
+    if passes == 1:
+        (loss, metrics), grads = grad_of(jax.tree.map(lambda leaf: leaf[0], batch), 0)
+        return loss, grads, metrics
+
+    def one_pass(carry: tuple, micro: Any) -> tuple[tuple, dict]:
         loss_sum, grad_sum = carry
-        (loss, metrics), grads = grad_fn(params, micro)
+        (loss, metrics), grads = grad_of(micro) if key is None else grad_of(*micro)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, grad_sum), metrics = jax.lax.scan(one_pass, (jnp.zeros((), jnp.float32), zeros), batch)
+    micros = batch if key is None else (batch, jnp.arange(passes, dtype=jnp.uint32))
+    (loss_sum, grad_sum), metrics = jax.lax.scan(one_pass, (jnp.zeros((), jnp.float32), zeros), micros)
     if whole:
         return loss_sum, grad_sum, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
     scale = 1.0 / passes
@@ -219,16 +229,23 @@ def _constrain(tree: PyTree, layout: Layout) -> PyTree:
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, layout.shardings(tree))
 
 
-TrainStep = Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree, dict[str, jax.Array]]]
+TrainStep = Callable[..., tuple[PyTree, PyTree, dict[str, jax.Array]]]
+"""(params, opt_state, batch) -> (params, opt_state, metrics); (params, opt_state, batch, draw) for a loss that
+draws (`WithDraw`)."""
 
 
 def inner_update(
-    loss_fn: LossFn, tx: optax.GradientTransformation, params: PyTree, opt_state: PyTree, batch: PyTree
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    params: PyTree,
+    opt_state: PyTree,
+    batch: PyTree,
+    key: jax.Array | None = None,
 ) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
     """One inner step on one island's batch [passes, seqs, tokens+1] (or a pytree of leaves [passes, seqs, ...]), not
     jitted: the body that `make_train_step` jits over an island's mesh and islands/vectorized.py maps over an axis of
-    islands."""
-    loss, grads, metrics = _accumulated_grads(loss_fn, params, batch)
+    islands. `key`: the step's, which a `DrawingLoss` draws from (`step_key`); None for a loss that draws nothing."""
+    loss, grads, metrics = _accumulated_grads(loss_fn, params, batch, key)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
@@ -268,6 +285,70 @@ class WithFrozen:
         return getattr(self.program, name)
 
 
+@runtime_checkable
+class DrawingLoss(Protocol):
+    """A loss that may draw random numbers in training (workload.lora.dropout's masks, islands/models/lora.py
+    `AdapterLoss`): `draws`, whether it does, and `keyed(key)`, the same loss drawing from `key`. Called without a
+    key (evaluation) it draws nothing. The train step of one that draws takes a `Draw` per step (`make_train_step`)."""
+
+    @property
+    def draws(self) -> bool: ...
+
+    def keyed(self, key: jax.Array) -> LossFn: ...
+
+
+def draws(loss_fn: LossFn) -> bool:
+    """Whether `loss_fn` draws random numbers in training: its train step then takes a `Draw` (`make_train_step`)."""
+    return isinstance(loss_fn, DrawingLoss) and loss_fn.draws
+
+
+Draw = tuple[np.ndarray, np.ndarray]
+"""What a step of a loss that draws is keyed by: its island's key data (`island_key`, uint32) and the island's inner
+step (uint32 []), host values that every process of an island passes alike. The step folds them into its key
+(`step_key`)."""
+
+
+def island_key(seed: int, island: str) -> np.ndarray:
+    """The key data (uint32) of island `island`'s draws in a run of `seed` (run.seed): the seed's key with the name's
+    CRC-32 folded in. A name, not a position: an island draws the same in `diloco simulate` and in its own process of
+    `diloco launch`, admitted or configured, and two islands draw differently."""
+    key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(island.encode()))
+    return np.asarray(jax.random.key_data(key))
+
+
+def step_key(draw: Draw) -> jax.Array:
+    """The key of one inner step: the island's key with the step folded in, so a step draws the same whether the
+    run got to it uninterrupted or resumed (the step is saved with the island's state), and every step differently."""
+    data, step = draw
+    return jax.random.fold_in(jax.random.wrap_key_data(data), step)
+
+
+@dataclass(frozen=True, eq=False)
+class WithDraw:
+    """The train step of a loss that draws (`draws`): called as (params, opt_state, batch, draw), the `Draw` of the
+    step. Lowered, compiled and warmed up without one (the draw of island "" at step 0: a warm-up's results are
+    dropped), so what compiles and checks a step needs to know nothing of draws. What `lower` and `compile` give reads
+    as JAX's own, as `WithFrozen`'s does."""
+
+    program: Any
+
+    def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree, draw: Draw | None = None) -> Any:
+        return self.program(params, opt_state, batch, _no_draw() if draw is None else draw)
+
+    def lower(self, params: PyTree, opt_state: PyTree, batch: PyTree, draw: Draw | None = None) -> WithDraw:
+        return WithDraw(self.program.lower(params, opt_state, batch, _no_draw() if draw is None else draw))
+
+    def compile(self) -> WithDraw:
+        return WithDraw(self.program.compile())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.program, name)
+
+
+def _no_draw() -> Draw:
+    return island_key(0, ""), np.uint32(0)
+
+
 def _bound(loss_fn: LossFn, frozen: PyTree) -> LossFn:
     return loss_fn.bind(frozen) if isinstance(loss_fn, FrozenLoss) else loss_fn
 
@@ -285,13 +366,22 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, layout: L
 
     Inputs arrive placed by `place_tree` and batches by `batch_sharding`; the outputs are constrained to the
     same layouts, so the donated buffers are reused. Cached, so islands of one process share one compilation. A
-    `FrozenLoss`'s frozen arrays are the program's last argument (`WithFrozen`).
+    `FrozenLoss`'s frozen arrays are the program's last argument (`WithFrozen`); a loss that draws (`draws`) takes
+    the step's `Draw` after the batch (`WithDraw`), and the step of one that does not has no such argument.
     """
 
     def step(params: PyTree, opt_state: PyTree, batch: PyTree, frozen: PyTree = None) -> tuple[PyTree, PyTree, dict]:
         params, opt_state, metrics = inner_update(_bound(loss_fn, frozen), tx, params, opt_state, batch)
         return _constrain(params, layout), _constrain(opt_state, layout), metrics
 
+    def drawing(
+        params: PyTree, opt_state: PyTree, batch: PyTree, draw: Draw, frozen: PyTree = None
+    ) -> tuple[PyTree, PyTree, dict]:
+        params, opt_state, metrics = inner_update(_bound(loss_fn, frozen), tx, params, opt_state, batch, step_key(draw))
+        return _constrain(params, layout), _constrain(opt_state, layout), metrics
+
+    if draws(loss_fn):
+        return WithDraw(_with_frozen(jax.jit(drawing, donate_argnums=(0, 1)), loss_fn, layout))
     return _with_frozen(jax.jit(step, donate_argnums=(0, 1)), loss_fn, layout)
 
 

@@ -41,7 +41,7 @@ from floor.codec import CodecSpec, piece_decodes_as_whole
 from floor.errors import UserError
 from islands.chunks import ChunkStream, Span
 from islands.config import InnerConfig
-from islands.inner import make_train_step, place_tree
+from islands.inner import draws, island_key, make_train_step, place_tree
 from islands.memory import Footprint, OutOfMemoryError, device_room, step_advice, verdict
 from islands.mesh import Layout, accumulation_steps, batch_sharding, build_mesh, data_width
 from islands.models.base import Model
@@ -290,12 +290,14 @@ class Island:
         remat: bool | None = None,
         device_step_s: float = 0.0,
         feedback_decay: float = 1.0,
+        seed: int = 0,
     ) -> None:
         """`inner`, when given, only puts the values of the inner settings into a divergence message, and `remat`
         (model.remat; None: the model has no such setting) into an out-of-memory one. `slowdown`: each inner step
         takes this many times as long (the island sleeps the difference; tests and benchmarks). `device_step_s`: every
         inner step lasts at least this long (it sleeps the rest, leaving the host idle as an accelerator's step does;
-        benchmarks). `feedback_decay`: β of the uplink's error feedback (`OuterConfig.feedback_decay`)."""
+        benchmarks). `feedback_decay`: β of the uplink's error feedback (`OuterConfig.feedback_decay`). `seed`:
+        run.seed, which with the island's name and inner step keys a loss that draws (workload.lora.dropout)."""
         self.name = name
         self.inner = inner
         self.remat = remat
@@ -312,6 +314,8 @@ class Island:
         self.passes = accumulation_steps(stream.batch_size, microbatch, data_width(self.mesh))
         self._batch_sharding = batch_sharding(self.mesh)
         self._step_fn: Callable | None = None
+        self._island_key = island_key(seed, name) if draws(model.loss) else None
+        """The key data this island's steps draw from (`islands.inner.Draw`); None: its loss draws nothing."""
         self.state: IslandState | None = None
 
     # -- state ---------------------------------------------------------------------------------------------------
@@ -494,8 +498,10 @@ class Island:
         losses: list[jax.Array] = []
         figures: dict[str, list[jax.Array]] = {name: [] for name in self.model.step_figures}
         t0 = time.perf_counter()
-        for _ in range(n_steps):
-            params, opt_state, metrics = self._step_fn(params, opt_state, self.next_batch(params))
+        for i in range(n_steps):
+            # A loss that draws is keyed by the inner step, which the saved state carries: a resume draws the same.
+            draw = () if self._island_key is None else ((self._island_key, np.uint32(self.state.step + i)),)
+            params, opt_state, metrics = self._step_fn(params, opt_state, self.next_batch(params), *draw)
             losses.append(metrics["loss"])
             for name, values in figures.items():
                 values.append(metrics[name])

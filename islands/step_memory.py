@@ -36,10 +36,12 @@ functions, per token of a pass (b sequences of T tokens on a device), c the comp
                     (4) in float32, the softmax weights (c): (9 + c) Hq T; the T x T scores are materialised (no fused
                     attention kernel), so at long contexts they dominate
     SwiGLU          gate and up projections, three of silu's intermediates, their product: 6 c F
+    LoRA            each adapted matrix's x·A: c r; with workload.lora.dropout, each one's dropped input and its
+                    mask (its own, though wq, wk and wv read one x): (c + 1) per entry of the input (D, Hq Dh or F)
 
-so a block saves A = 2 (12 + c) D + c (2 Hq Dh + 2 Hkv Dh) + 6 c F + (9 + c) Hq T bytes per token, and L blocks
-L A b T, against Korthikanti's 34 h (their dropout masks and LayerNorm are not here; the float32 statistics and
-SwiGLU's third matrix are). With remat (`jax.checkpoint`, nothing saveable: transformer.forward) a block keeps its
+so a block saves A = 2 (12 + c) D + c (2 Hq Dh + 2 Hkv Dh) + 6 c F + (9 + c) Hq T bytes per token (plus LoRA's), and
+L blocks L A b T, against Korthikanti's 34 h (their dropout masks and LayerNorm are not here; the float32 statistics
+and SwiGLU's third matrix are). With remat (`jax.checkpoint`, nothing saveable: transformer.forward) a block keeps its
 input, c D per token (Korthikanti's full recomputation, 2 s b h), and the backward pass holds one block's A at a time
 while it recomputes it: L c D b T + A b T. XLA may fuse some of the saved elementwise values away, so the count
 is an upper bound of what the backward holds (BENCHMARKS.md, "The memory plan at size", has it against XLA).
@@ -252,9 +254,12 @@ def tensor_share(axis: str, width: int, tensor: int, units: Mapping[str, int]) -
     return width // tensor if any(leaf_spec((width,), (axis,), 1, tensor, False, dict(units))) else width
 
 
-def block_activations(cfg: ModelConfig, tensor: int, lora: LoraConfig | None = None, adapted: int = 0) -> int:
+def block_activations(
+    cfg: ModelConfig, tensor: int, lora: LoraConfig | None = None, adapted: int = 0, inputs: int = 0
+) -> int:
     """Bytes one block saves for the backward pass per token of a pass (A in the module docstring), per device;
-    `adapted`: the block's matrices LoRA adapts (each saves x @ A)."""
+    `adapted`: the block's matrices LoRA adapts (each saves x @ A); `inputs`: their inputs' widths on a device,
+    summed (under workload.lora.dropout each saves its dropped input and its mask)."""
     c = DTYPE_BYTES[cfg.compute_dtype]
     units, dh = dict(axis_units(cfg)), cfg.head_size
     q = tensor_share("heads", cfg.n_heads * dh, tensor, units)
@@ -264,7 +269,8 @@ def block_activations(cfg: ModelConfig, tensor: int, lora: LoraConfig | None = N
     scores = (9 + c) * (q // dh) * cfg.seq_len
     mlp = 6 * c * tensor_share("mlp", cfg.d_ff, tensor, units)
     adapters = c * lora.rank * adapted if lora is not None else 0
-    return norms + attention + scores + mlp + adapters
+    dropped = (c + 1) * inputs if lora is not None and lora.dropout > 0 else 0
+    return norms + attention + scores + mlp + adapters + dropped
 
 
 def codec_bytes(spec: CodecSpec, numel: int) -> int:
@@ -330,7 +336,11 @@ def step_memory(
 
     per_block = [leaf for leaf in matrices if leaf.name.startswith("blocks/0/")]
     tokens = rows * cfg.seq_len
-    a = block_activations(cfg, tensor, lora, sum(leaf.name.startswith("blocks/0/") for leaf in adapters))
+    first = [leaf for leaf in adapters if leaf.name.startswith("blocks/0/")]
+    # A [in, r] lies as its matrix's input does (`leaves`): its share of a device of the tensor axis, over r, is the
+    # input's width there.
+    inputs = sum(leaf.per_device(1, tensor, False, units) // leaf.shape[1] for leaf in first)
+    a = block_activations(cfg, tensor, lora, len(first), inputs)
     outside = (12 + c) * cfg.d_model * tokens  # the final norm
     full = cfg.n_layers * a * tokens + outside
     remat = cfg.n_layers * c * cfg.d_model * tokens + a * tokens + outside

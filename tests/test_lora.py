@@ -1,5 +1,7 @@
 """LoRA (islands/models/lora.py, workload.lora): step 0 is the base, only the adapters train and travel, a merged
-export is the base plus the adapters, a small run learns under SFT and RL, and bad settings are one line."""
+export is the base plus the adapters, a small run learns under SFT and RL, and bad settings are one line. Dropout on
+the adapters' input is inverted dropout, drawn in training only, by island and inner step: the same again, after a
+resume and over the wire."""
 
 from __future__ import annotations
 
@@ -23,18 +25,21 @@ from diloco.harness.procs import Federation, log_lines
 from diloco.ops.export import export, export_peft
 from diloco.ops.trained import load_trained
 from diloco.run.rundir import read_events
-from diloco.run.setup import Evaluator, build_setup
+from diloco.run.setup import Evaluator, build_setup, make_island
 from diloco.simulator.simulate import run_simulation
 from islands.config import InnerConfig
-from islands.inner import WithFrozen, make_inner_optimizer, make_train_step
+from islands.inner import Draw, WithDraw, WithFrozen, island_key, make_inner_optimizer, make_train_step
+from islands.island import Island
 from islands.mesh import Layout, build_mesh
-from islands.models.base import param_count
+from islands.models.adapted import Adapted
+from islands.models.base import Model, param_count
 from islands.models.config import ModelConfig
 from islands.models.lora import Lora, LoraError, adapt
 from islands.models.registry import ARCHITECTURES, build_model
 from islands.models.transformer import forward
+from pytrees.digest import tree_digest
 from pytrees.naming import flatten_named, unflatten_named
-from tests.conftest import TINY_TOML, fails, write_corpus
+from tests.conftest import TINY_TOML, cut_after_round, fails, write_corpus
 from tests.test_workloads import RL, SIZE
 from tests.test_workloads import TASK as WORKLOAD_TASK
 
@@ -135,7 +140,8 @@ def test_a_target_the_model_cannot_adapt_is_one_line(cfg: ModelConfig, targets: 
         (["workload.lora.rank=2", "workload.lora.alpha=0"], "workload.lora.alpha must be a finite number > 0"),
         (["workload.lora.targets=[q_proj]"], "workload.lora.targets names 'q_proj', not a block matrix LoRA adapts"),
         (["workload.lora.targets=[wq,wq]"], "workload.lora.targets names a matrix twice"),
-        (["workload.lora.dropout=0.1"], "workload.lora.dropout must be 0 (got 0.1)"),
+        (["workload.lora.dropout=1"], "workload.lora.dropout must be >= 0 and < 1 (got 1"),
+        (["workload.lora.dropout=-0.1"], "workload.lora.dropout must be >= 0 and < 1 (got -0.1)"),
         (["workload.lora.base_dtype=float16"], "workload.lora.base_dtype must be one of float32, bfloat16"),
         (["workload.lora.rank=2", "inner.kind=muon"], "workload.lora trains low-rank adapters, which are not the"),
         (
@@ -246,6 +252,131 @@ def test_the_train_step_takes_the_base_as_an_argument_not_as_constants() -> None
     assert jax.tree.structure(params) == jax.tree.structure(adapters)
 
 
+# -- dropout ---------------------------------------------------------------------------------------------------------
+
+
+def test_dropout_zeroes_an_input_entry_with_probability_p_and_scales_the_kept_ones_by_one_over_one_minus_p() -> None:
+    p, rows = 0.25, 4096
+    row = jax.random.normal(jax.random.key(0), (16,))
+    x = jnp.tile(row, (rows, 1))
+    w, a, b = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate([(16, 8), (16, 2), (2, 8)], 1))
+    adapted = Adapted(w, a, b, 2.0, jax.random.key(5), p)
+    dropped = np.asarray(adapted.dropped(x))
+    kept = dropped != 0
+    np.testing.assert_allclose(dropped[kept], np.asarray(x)[kept] / (1 - p), rtol=1e-6)
+    assert kept.mean() == pytest.approx(1 - p, abs=0.01)  # 4096 x 16 draws: the kept share's std is 0.0017
+    # E[drop(x)] = x, so the adapter's term keeps its expectation: the mean of 4096 masks' within 5 of its std
+    std = np.abs(np.asarray(row)) * np.sqrt(p / (1 - p) / rows)
+    assert np.all(np.abs(dropped.mean(axis=0) - np.asarray(row)) <= 5 * std)
+    expected = x @ w + 2.0 * (dropped @ a) @ b
+    np.testing.assert_allclose(np.asarray(adapted.apply(x)), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(adapted.dropped(x)), dropped)  # one key, one mask
+    assert not np.array_equal(np.asarray(replace(adapted, key=jax.random.key(6)).dropped(x)), dropped)
+    assert Adapted(w, a, b, 2.0, None, p).dropped(x) is x  # no key (evaluation): nothing dropped
+    assert Adapted(w, a, b, 2.0, jax.random.key(5), 0.0).dropped(x) is x
+    half = adapted.dropped(x.astype(jnp.bfloat16))
+    assert half.dtype == jnp.bfloat16 and float(jnp.abs(half).max()) > 0
+
+
+def _adapted(dropout: float) -> tuple[Model, dict]:
+    """LLAMA with adapters over its base, B != 0 (so the adapters' input matters to the loss as to B's gradient)."""
+    model = build_model(LLAMA)
+    adapted = adapt(model, Lora.over(model.init(jax.random.key(0)), rank=2, alpha=4.0, dropout=dropout))
+    return adapted, jax.tree.map(lambda x: x + 0.05, adapted.init(jax.random.key(1)))
+
+
+def test_without_dropout_the_step_draws_nothing_and_a_loss_without_a_key_drops_nothing() -> None:
+    """Dropout 0 is the step it was: no draw argument, no random bits in its program; and the loss that a step with
+    dropout differentiates, called without a key (the corpus's evaluation), is dropout 0's exactly."""
+    (plain, adapters), (dropping, _) = _adapted(0.0), _adapted(0.25)
+    tx = make_inner_optimizer(InnerConfig(), 10)
+    batch = jax.random.randint(jax.random.key(2), (1, 4, LLAMA.seq_len + 1), 0, LLAMA.vocab_size)
+    step = make_train_step(plain.loss, tx, Layout(build_mesh(1)))
+    assert isinstance(step, WithFrozen) and not isinstance(step, WithDraw)
+    assert "threefry" not in step.lower(adapters, tx.init(adapters), batch).as_text()
+    drawing = make_train_step(dropping.loss, tx, Layout(build_mesh(1)))
+    assert isinstance(drawing, WithDraw) and "threefry" in drawing.lower(adapters, tx.init(adapters), batch).as_text()
+    assert dropping.loss(adapters, batch[0])[0] == plain.loss(adapters, batch[0])[0]
+    # merged, what sampling, rollouts, the held-out evaluation and export read, takes no key: nothing to drop
+    for m, d in zip(
+        jax.tree.leaves(dropping.loss.lora.merged(adapters)),
+        jax.tree.leaves(plain.loss.lora.merged(adapters)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(d))
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_step_with_dropout_draws_by_island_and_inner_step_and_the_same_again(passes: int) -> None:
+    (plain, adapters), (dropping, _) = _adapted(0.0), _adapted(0.25)
+    tx = make_inner_optimizer(InnerConfig(warmup_steps=0), 10)  # a first step that moves θ
+    batch = jax.random.randint(jax.random.key(2), (passes, 4 // passes, LLAMA.seq_len + 1), 0, LLAMA.vocab_size)
+    steps = {m: make_train_step(m.loss, tx, Layout(build_mesh(1))) for m in (plain, dropping)}
+
+    def one(model: Model, *draw: Draw) -> tuple[str, float, float]:
+        fresh = jax.tree.map(jnp.array, adapters)  # the step donates its params
+        params, _, metrics = steps[model](fresh, tx.init(fresh), batch, *draw)
+        return tree_digest(params), float(metrics["loss"]), float(metrics["grad_norm"])
+
+    def at(island: str, step: int) -> tuple[str, float, float]:
+        return one(dropping, (island_key(0, island), np.uint32(step)))
+
+    none, first = one(plain), at("island-0", 3)
+    assert at("island-0", 3) == first  # the same island and step: the same masks, bit for bit
+    others = [none, at("island-0", 4), at("island-1", 3), one(dropping, (island_key(1, "island-0"), np.uint32(3)))]
+    for other in others:  # dropout 0, the next step, another island, another run.seed: other masks
+        assert all(o != f for o, f in zip(other, first, strict=True)), (other, first)
+
+
+def test_an_island_draws_by_its_name_and_inner_step_so_a_restored_island_draws_alike(tiny_config: Path) -> None:
+    """Three inner steps at once equal two, a new island restored from that state (as a resumed run restores it)
+    and one more: the third step draws by the island's own step count, not by the call's. An island of another
+    name, or without dropout, ends elsewhere."""
+    cfg = load_config(tiny_config, [*LORA, "workload.lora.dropout=0.25", "inner.warmup_steps=0"])
+    setup = build_setup(cfg, islands=["island-0"])
+    stream = setup.streams["island-0"]  # `start` and `restore` put its cursor where each island stands
+
+    def island(name: str, model: Model = setup.model) -> Island:
+        return make_island(cfg, name, model, stream, check_memory=False)
+
+    whole = island("island-0")
+    whole.start(setup.init_params)
+    losses = whole.train(3).losses
+    first = island("island-0")
+    first.start(setup.init_params)
+    head = first.train(2).losses
+    resumed = island("island-0")
+    resumed.restore(first.state)
+    tail = resumed.train(1).losses
+    assert tree_digest(resumed.state.params) == tree_digest(whole.state.params)
+    np.testing.assert_array_equal(np.concatenate([head, tail]), losses)
+    other = island("island-1")
+    other.start(setup.init_params)
+    other.train(3)
+    plain = build_setup(load_config(tiny_config, [*LORA, "inner.warmup_steps=0"]), islands=["island-0"])
+    undropped = island("island-0", plain.model)
+    undropped.start(setup.init_params)
+    undropped.train(3)
+    digests = {tree_digest(i.state.params) for i in (whole, other, undropped)}
+    assert len(digests) == 3
+
+
+@pytest.mark.slow
+def test_a_lora_run_with_dropout_resumes_to_the_same_parameters(tiny_config: Path, tmp_path: Path) -> None:
+    """As tests/test_simulate.py's kill-and-resume: a run cut back to its round-1 checkpoint draws the masks of the
+    uninterrupted run and ends with its digest, which a run without dropout does not reach."""
+    cfg = load_config(tiny_config, [*LORA, "workload.lora.dropout=0.1", "inner.lr=1e-2"])
+    run_dir = tmp_path / "run"
+    reference = run_simulation(cfg, run_dir, show_progress=False)
+    cut_after_round(run_dir, 1)
+    resumed = run_simulation(cfg, run_dir, show_progress=False)
+    assert [e["round"] for e in read_events(run_dir / "metrics.jsonl", "resumed")] == [1]
+    assert resumed["params_digest"] == reference["params_digest"]
+    assert resumed["final_eval_loss"] == reference["final_eval_loss"]
+    plain = run_simulation(load_config(tiny_config, [*LORA, "inner.lr=1e-2"]), tmp_path / "plain", show_progress=False)
+    assert plain["params_digest"] != reference["params_digest"]
+
+
 @pytest.mark.slow
 def test_a_llama_lm_run_with_lora_learns_and_exports_peft_names(tiny_config: Path, tmp_path: Path) -> None:
     llama = ["model.kind=llama", "model.n_kv_heads=1", "train.rounds=2", "inner.lr=1e-2", "workload.lora.rank=2"]
@@ -272,8 +403,9 @@ def test_a_llama_lm_run_with_lora_learns_and_exports_peft_names(tiny_config: Pat
 def test_a_lora_federation_over_the_wire_ends_as_simulate_and_refuses_an_island_of_another_base(
     federation: Callable[..., Federation], tiny_config: Path, tmp_path: Path
 ) -> None:
-    """Adapters over a base read from init.from (a short run of the tiny config), trained by a coordinator and two
-    island processes over real gRPC, end with `simulate`'s digest. Then init.from's checkpoint is replaced by another
+    """Adapters over a base read from init.from (a short run of the tiny config), trained with dropout by a
+    coordinator and two island processes over real gRPC, end with `simulate`'s digest: each island process draws the
+    masks of `simulate`'s island of its name. Then init.from's checkpoint is replaced by another
     run's after a coordinator started on it (a host whose file differs at the same path): the island that reads it
     is refused at its Join in one line naming the frozen base (exit 2), where its config digest alone would match."""
     from tests.conftest import WAIT_S
@@ -284,7 +416,7 @@ def test_a_lora_federation_over_the_wire_ends_as_simulate_and_refuses_an_island_
         argv = ["simulate", str(tiny_config), "--run-dir", str(bases[seed]), "--no-progress", "train.rounds=1"]
         assert main([*argv, f"run.seed={seed}"]) == 0
     lora = ["workload.lora.rank=2", "workload.lora.targets=[wqkv,w2]", "quorum.min_islands=2", "train.rounds=2"]
-    fed = federation(*lora, f"init.from={bases[0]}")
+    fed = federation(*lora, "workload.lora.dropout=0.1", f"init.from={bases[0]}")
     fed.start()
     fed.wait_exit(2 * WAIT_S)
     launched = json.loads((fed.run_dir / "summary.json").read_text())

@@ -84,6 +84,20 @@ def test_lora_keeps_optimizer_state_for_the_adapters_only() -> None:
     assert step_memory(SMALL, 8, 1, lora=LoraConfig(rank=8)).frozen_casts == 0  # a float32 base is read as it is
 
 
+def test_lora_dropout_keeps_each_adapted_inputs_dropped_copy_and_mask() -> None:
+    """workload.lora.dropout: each adapted matrix of a block keeps its own dropped input (c bytes an entry) and its
+    mask (1 byte), though wq, wk and wv read the same x; wo's input, the heads' output, splits over the tensor axis."""
+    targets = ("wq", "wk", "wv", "wo")
+    tokens, c = 1 * SMALL.seq_len, 4  # a pass of one sequence, float32 compute
+    for tensor in (1, 2):
+        plain = step_memory(SMALL, 8, 1, tensor=tensor, lora=LoraConfig(rank=8, targets=targets))
+        dropping = step_memory(SMALL, 8, 1, tensor=tensor, lora=LoraConfig(rank=8, targets=targets, dropout=0.1))
+        inputs = 3 * SMALL.d_model + SMALL.n_heads * SMALL.head_size // tensor  # wq, wk, wv's D; wo's Hq Dh
+        extra = SMALL.n_layers * (c + 1) * inputs * tokens
+        assert dropping.activations_full - plain.activations_full == extra
+        assert dropping.activations_remat - plain.activations_remat == extra // SMALL.n_layers  # one block's
+
+
 def test_remat_keeps_one_blocks_activations() -> None:
     plan = step_memory(replace(SMALL, remat=True), 8, 1)
     assert plan.activations == plan.activations_remat < plan.activations_full / 2

@@ -116,7 +116,7 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         from diloco.run.warm_start import lora_base
 
         spec = workload.lora
-        lora = Lora.over(lora_base(cfg, params), spec.rank, spec.alpha, spec.targets, spec.base_dtype)
+        lora = Lora.over(lora_base(cfg, params), spec.rank, spec.alpha, spec.targets, spec.base_dtype, spec.dropout)
         model, params = adapt(model, lora), lora.init(jax.random.key(cfg.run.seed))
     sizes = {name: int(np.size(leaf)) for name, leaf in flatten_named(params).items()}
     try:
@@ -243,6 +243,7 @@ def make_island(
         device_step_s=cfg.islands.device_step_s,
         remat=None if cfg.model.kind == "custom" else cfg.model.remat,
         feedback_decay=cfg.outer.feedback_decay,
+        seed=cfg.run.seed,
     )
     if check_memory:
         island.check_memory()

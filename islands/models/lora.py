@@ -16,9 +16,15 @@ Applied unmerged in training: the loss reads the parameters with each adapted ma
 makes W' = W + (α / r)·A·B, nor, in its backward, W''s whole gradient xᵀ·g to get A's and B's from: an adapted
 matrix costs its low-rank products, 2·r·(in + out) flops per token forward, not a full fine-tune's weight gradient.
 Every other consumer of a model's parameters (the sampler, rl's rollouts, the held-out evaluation, export,
-`diloco sample`) reads them merged (`Lora.merged`), without knowing about adapters. Dropout on the adapters' input
-would now have its place (x before A) but needs a key per step in the loss, which the train step does not pass:
-workload.lora.dropout is refused above 0.
+`diloco sample`) reads them merged (`Lora.merged`), without knowing about adapters.
+
+Dropout (workload.lora.dropout = p, PEFT's `lora_dropout`) drops the adapters' input in training only:
+x·W + (α / r)·(drop(x)·A)·B, inverted dropout (islands/models/adapted.py). The train step keys each pass of each
+inner step (islands/inner.py `step_key`: run.seed, the island's name and its inner step, the pass's index folded
+in), `AdapterLoss.keyed` holds the key and `Lora.adapted` folds each matrix's index in `targets` into it: every
+matrix, pass, step and island draws its own mask, the same in `diloco simulate`, in a `diloco launch` of the same
+config and after a resume. The merged parameters, and the loss called without a key (the corpus's evaluation),
+drop nothing.
 
 Which matrices: leaves under `blocks/` whose name is one of the targets (islands/models/config.py `LORA_MODULES`;
 none given: the attention projections). A target matrix must be 2-D: a stack of experts [E, D, F] is refused in one
@@ -91,14 +97,19 @@ def _nest(named: Mapping[str, Any]) -> Params:
     return tree
 
 
-def _over(base: Any, adapters: Any, adapted: Callable[[Any, Any, Any], Any]) -> Any:
-    """`base` with each adapted matrix W replaced by `adapted(W, A, B)` and every other leaf cast to float32."""
+def _over(base: Any, adapters: Any, adapted: Callable[[Any, Any, Any, str], Any], name: str = "") -> Any:
+    """`base` with each adapted matrix W replaced by `adapted(W, A, B, its name)` (`flatten_named`'s:
+    blocks/0/attn/wq) and every other leaf cast to float32."""
     if isinstance(adapters, dict) and A in adapters:
-        return adapted(base, adapters[A], adapters[B])
+        return adapted(base, adapters[A], adapters[B], name)
+    within = (lambda k: f"{name}/{k}") if name else str
     if isinstance(base, dict):
-        return {k: _over(v, adapters.get(k) if adapters else None, adapted) for k, v in base.items()}
+        return {k: _over(v, adapters.get(k) if adapters else None, adapted, within(k)) for k, v in base.items()}
     if isinstance(base, list):
-        return [_over(v, adapters[i] if adapters and i < len(adapters) else None, adapted) for i, v in enumerate(base)]
+        return [
+            _over(v, adapters[i] if adapters and i < len(adapters) else None, adapted, within(i))
+            for i, v in enumerate(base)
+        ]
     return jnp.asarray(base, jnp.float32)
 
 
@@ -113,14 +124,25 @@ class Lora:
     alpha: float
     targets: tuple[str, ...]
     """The adapted leaves' names (`target_names`)."""
+    dropout: float = 0.0
+    """p, the probability that an entry of an adapter's input is dropped in training (`adapted` with a key)."""
 
     @classmethod
-    def over(cls, base: Params, rank: int, alpha: float, targets: tuple[str, ...] = (), dtype: str = "float32") -> Lora:
-        """Adapters of rank `rank` on the `targets` matrices (`target_names`) of `base`, held in `dtype`."""
+    def over(
+        cls,
+        base: Params,
+        rank: int,
+        alpha: float,
+        targets: tuple[str, ...] = (),
+        dtype: str = "float32",
+        dropout: float = 0.0,
+    ) -> Lora:
+        """Adapters of rank `rank` on the `targets` matrices (`target_names`) of `base`, held in `dtype`, their input
+        dropped at rate `dropout` in training."""
         shapes = {name: tuple(np.shape(leaf)) for name, leaf in flatten_named(base, to_numpy=False).items()}
         names = target_names(shapes, tuple(targets))
         held = jax.tree.map(lambda leaf: jnp.asarray(leaf, dtype), base)
-        return cls(held, rank, alpha, names)
+        return cls(held, rank, alpha, names, dropout)
 
     @property
     def scale(self) -> float:
@@ -146,12 +168,20 @@ class Lora:
 
     def merged(self, adapters: Params) -> Params:
         """The model's parameters, float32: the base with every adapted matrix W + (α / r)·A·B."""
-        return _over(self.base, adapters, lambda w, a, b: w.astype(jnp.float32) + self.scale * (a @ b))
+        return _over(self.base, adapters, lambda w, a, b, _: w.astype(jnp.float32) + self.scale * (a @ b))
 
-    def adapted(self, adapters: Params) -> Params:
+    def adapted(self, adapters: Params, key: jax.Array | None = None) -> Params:
         """The parameters a training step's loss reads: the base with every adapted matrix an `Adapted` (W in the
-        base's dtype, A, B), applied unmerged; every other leaf float32 as in `merged`."""
-        return _over(self.base, adapters, lambda w, a, b: Adapted(w, a, b, self.scale))
+        base's dtype, A, B), applied unmerged; every other leaf float32 as in `merged`. `key`: a training pass's,
+        which each matrix's dropout mask is drawn from with its index in `targets` folded in (None, or a rate of 0:
+        nothing is dropped)."""
+        if key is None or self.dropout == 0:
+            return _over(self.base, adapters, lambda w, a, b, _: Adapted(w, a, b, self.scale))
+
+        def dropping(w: Any, a: Any, b: Any, name: str) -> Adapted:
+            return Adapted(w, a, b, self.scale, jax.random.fold_in(key, self.targets.index(name)), self.dropout)
+
+        return _over(self.base, adapters, dropping)
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,6 +190,17 @@ class AdapterLoss:
 
     loss: Callable[..., tuple[jax.Array, Metrics]]
     lora: Lora
+    key: jax.Array | None = None
+    """A training pass's key (`keyed`), which the adapters' dropout draws from; None: nothing is dropped."""
+
+    @property
+    def draws(self) -> bool:
+        """Whether a training step draws dropout masks (islands/inner.py `DrawingLoss`): workload.lora.dropout > 0."""
+        return self.lora.dropout > 0
+
+    def keyed(self, key: jax.Array) -> AdapterLoss:
+        """This loss dropping the adapters' input with masks drawn from `key` (a traced key of the train step)."""
+        return replace(self, key=key)
 
     @property
     def frozen(self) -> Params:
@@ -171,7 +212,7 @@ class AdapterLoss:
         return replace(self, lora=replace(self.lora, base=frozen))
 
     def __call__(self, adapters: Params, batch: Any, totals: Any = None) -> tuple[jax.Array, Metrics]:
-        params = self.lora.adapted(adapters)
+        params = self.lora.adapted(adapters, self.key)
         return self.loss(params, batch) if totals is None else self.loss(params, batch, totals)
 
 

@@ -48,8 +48,10 @@ class LoraConfig:
     w_up, w_down for the Llama family, wqkv, wo, w1, w2 for GPT-2's); []: every attention projection of the model.
     A stack of experts [E, D, F] is refused: LoRA adapts 2-D matrices."""
     dropout: float = 0.0
-    """Dropout on the adapters' input; only 0 is accepted: the inner step passes its loss no per-step random key
-    (islands/models/lora.py)."""
+    """p, dropout on the adapters' input in training (PEFT's lora_dropout): x·W + (α / r)·(drop(x)·A)·B, each entry
+    of x zeroed with probability p and the rest scaled by 1 / (1 - p); a mask per adapted matrix, pass, inner step
+    and island, drawn from run.seed, the island's name and the step (islands/models/lora.py). 0: none. Evaluation,
+    sampling and export read the merged weights and drop nothing."""
     base_dtype: str = "float32"
     """How each process holds the frozen base: "float32", or "bfloat16" (half the memory; a step computes in
     model.compute_dtype as ever, so only the base's rounding changes)."""
@@ -72,11 +74,8 @@ class LoraConfig:
             )
         if len(set(self.targets)) != len(self.targets):
             raise ValueError(f"workload.lora.targets names a matrix twice ({', '.join(self.targets)})")
-        if self.dropout != 0:
-            raise ValueError(
-                f"workload.lora.dropout must be 0 (got {self.dropout}): the inner step gives its loss no random key "
-                "for a dropout mask"
-            )
+        if not (0 <= self.dropout < 1):
+            raise ValueError(f"workload.lora.dropout must be >= 0 and < 1 (got {self.dropout})")
         if self.base_dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"workload.lora.base_dtype must be one of {', '.join(COMPUTE_DTYPES)} (got {self.base_dtype!r})"
