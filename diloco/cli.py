@@ -396,7 +396,7 @@ def _plan(args: argparse.Namespace) -> int:
     shard = cfg.islands.shard_params
     plan = step_memory(
         cfg.model, cfg.train.batch_size, cfg.train.microbatch, data, tensor, shard, lora, cfg.codec.spec("uplink"),
-        rows, length,
+        rows, length, cfg.islands.processes,
     )  # fmt: skip
     print(json.dumps({"config": args.config, "mesh": f"{data}x{tensor}", **summary(plan, int(args.device_gb * GB))}))
     check(plan, args.device_gb, advice(plan, data, tensor, shard, cfg.train.microbatch, lora))

@@ -58,7 +58,11 @@ The uplink's buffers are the host's, not the device's (pytrees/feedback.py works
 reported per island apart from the device (`HostMemory`): the pushed tree's float32 pseudo-gradient Δ and its
 encoding (floor/codec.py's layout), the error-feedback residual (a float32 copy of the pushed tree, where the codec
 is lossy) and the island's copy of the global θ that Δ is taken from (diloco/worker/global_copy.py). Under LoRA the
-pushed tree is the adapters.
+pushed tree is the adapters. An island of several processes whose parameters are split across them
+(`islands.processes` with `shard_params`; docs/architecture.md, "Pieces") holds Δ and the residual by process, each
+its own 1 / processes; its leader holds the global copy whole and the push's every encoded piece, and each follower
+its own share of the encoding and its regions of the push's reference (`follower_host`). Leaves replicated across
+the processes (norms) and leaves whose codec blocks cross their shards are counted as split: they are a small share.
 
 What the plan leaves out: XLA's code and the runtime's own (the allocator's slack, a few hundred MB on a GPU), the
 communication buffers of the collectives, and an evaluation (smaller than a step: no gradients). At its peak a
@@ -68,7 +72,7 @@ device holds the state (parameters, optimizer) and the larger of a step and a ge
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from math import prod
 
 import jax
@@ -173,6 +177,7 @@ class StepMemory:
     batch: int
     kv_cache: int
     host: HostMemory
+    """The island's host (its leader's, on an island of several processes)."""
     remat: bool
     trainable: int
     """Trained scalars of the whole model (all of them, or LoRA's adapters)."""
@@ -180,6 +185,8 @@ class StepMemory:
     passes: int
     rows: int
     """Sequences per device per pass."""
+    follower_host: HostMemory | None = None
+    """A follower process's host on an island split across its processes; None for one process."""
 
     @property
     def state(self) -> int:
@@ -235,6 +242,11 @@ def summary(plan: StepMemory, device_bytes: int) -> dict[str, object]:
             "residual": gb(plan.host.residual),
             "global_copy": gb(plan.host.global_copy),
         },
+        **(
+            {}
+            if plan.follower_host is None
+            else {"follower_host_gb": {k: gb(v) for k, v in asdict(plan.follower_host).items()}}
+        ),
         "parameters": plan.total_params,
         "trained": plan.trainable,
         "passes": plan.passes,
@@ -294,13 +306,14 @@ def step_memory(
     uplink: CodecSpec | None = None,
     sample_rows: int = 0,
     sample_length: int = 0,
+    processes: int = 1,
 ) -> StepMemory:
     """The memory plan of one island's train step on each device of a data x tensor mesh (module docstring).
 
     batch_size: the island's sequences per step (train.batch_size), of cfg.seq_len tokens; microbatch: sequences per
     device per pass (train.microbatch; 0: the whole batch in one pass); cfg.remat and cfg.compute_dtype as the model
     runs them; uplink: the codec of the pushes (None: fp32); sample_rows x sample_length: a generation's KV cache (0:
-    none)."""
+    none); processes: the island's processes (islands.processes), which split the uplink's host buffers with FSDP."""
     if cfg.kind != "llama":
         raise ModelError(f"the memory plan at size knows the dense Llama family (model.kind = llama), not {cfg.kind}")
     if data < 1 or tensor < 1:
@@ -355,11 +368,16 @@ def step_memory(
     pushed = sum(leaf.numel for leaf in params if leaf.trained)
     spec = uplink or CodecSpec(kind="fp32")
     lossy = spec.kind != "fp32"
+    split = processes if shard_params and processes > 1 else 1
+    encoding = codec_bytes(spec, pushed)
     host = HostMemory(
-        delta=4 * pushed,
-        encoding=codec_bytes(spec, pushed),
-        residual=4 * pushed if lossy else 0,
+        delta=4 * pushed // split,
+        encoding=encoding,
+        residual=4 * pushed // split if lossy else 0,
         global_copy=4 * pushed,
+    )
+    follower = HostMemory(
+        delta=host.delta, encoding=encoding // split, residual=host.residual, global_copy=4 * pushed // split
     )
     return StepMemory(
         parameters=parameters,
@@ -375,6 +393,7 @@ def step_memory(
         batch=4 * passes * rows * (cfg.seq_len + 1),
         kv_cache=kv_cache,
         host=host,
+        follower_host=follower if split > 1 else None,
         remat=cfg.remat,
         trainable=pushed,
         total_params=sum(leaf.numel for leaf in params if "lora_" not in leaf.name),

@@ -115,6 +115,23 @@ def test_kv_cache_and_uplink_buffers() -> None:
     assert int8.residual == fp32.delta and int8.encoding < fp32.delta / 3.9
 
 
+def test_an_island_split_across_processes_splits_its_uplink_buffers() -> None:
+    """With FSDP across 4 processes, each process holds a quarter of Δ and of the residual; the leader the global copy
+    and the whole push's encoding, a follower its quarter of both. Without FSDP the processes change nothing."""
+    int8 = CodecSpec(kind="int8")
+    one = step_memory(SMALL, 8, 1, data=8, shard_params=True, uplink=int8)
+    four = step_memory(SMALL, 8, 1, data=8, shard_params=True, uplink=int8, processes=4)
+    assert one.follower_host is None and four.follower_host is not None
+    p = parameter_count(SMALL)
+    assert (four.host.delta, four.host.residual, four.host.global_copy) == (p, p, 4 * p)
+    assert four.host.encoding == one.host.encoding
+    follower = four.follower_host
+    assert (follower.delta, follower.residual, follower.global_copy) == (p, p, p)
+    assert follower.encoding == one.host.encoding // 4
+    replicated = step_memory(SMALL, 8, 1, data=8, uplink=int8, processes=4)
+    assert replicated.host == one.host and replicated.follower_host is None
+
+
 def test_plan_within_1_5x_of_xla() -> None:
     """One tiny step compiled on this process's first device: the plan's state and step against XLA's figure."""
     cfg = ModelConfig(kind="llama", vocab_size=512, seq_len=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)

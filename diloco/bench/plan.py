@@ -42,6 +42,9 @@ TABLE_SEQ_LEN = 2048
 TABLE_MESHES = {8: ((8, 1), (4, 2), (1, 8)), 64: ((8, 8), (64, 1))}
 """Island sizes and their data x tensor splits in the table."""
 
+DEVICES_PER_HOST = 8
+"""The table's hosts: an island of 64 devices is 8 processes, its parameters split across them (FSDP)."""
+
 TABLE_LORA = LoraConfig(rank=16, targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), base_dtype="bfloat16")
 
 CHECK_MODEL = dict(
@@ -87,7 +90,10 @@ def table() -> list[dict[str, Any]]:
                 for lora in (None, TABLE_LORA):
                     for remat in (False, True):
                         cfg = replace(run.model, seq_len=TABLE_SEQ_LEN, compute_dtype="bfloat16", remat=remat)
-                        plan = step_memory(cfg, data, 1, data, tensor, True, lora, run.codec.spec("uplink"))
+                        plan = step_memory(
+                            cfg, data, 1, data, tensor, True, lora, run.codec.spec("uplink"),
+                            processes=devices // DEVICES_PER_HOST,
+                        )  # fmt: skip
                         rows.append(
                             {
                                 "model": name,
@@ -98,7 +104,10 @@ def table() -> list[dict[str, Any]]:
                                 "per_device_gb": round(plan.total / GB, 1),
                                 "fits_80gb": plan.total <= 80 * GB,
                                 "parts_gb": {k: round(v / GB, 2) for k, v in plan.parts().items()},
-                                "host_per_island_gb": round(plan.host.total / GB, 1),
+                                "leader_host_gb": round(plan.host.total / GB, 1),
+                                "follower_host_gb": None
+                                if plan.follower_host is None
+                                else round(plan.follower_host.total / GB, 1),
                             }
                         )
     return rows
