@@ -205,6 +205,12 @@ def travels_in_pieces(x: Any, spec: CodecSpec) -> bool:
     )
 
 
+def travels_across(x: Any, spec: CodecSpec) -> bool:
+    """`x` is split across the processes of a multi-process island and travels in pieces: each process forms, feeds
+    back and encodes its own (`Island.pieces_across`)."""
+    return held_in_part(x) and travels_in_pieces(x, spec)
+
+
 def own_regions(x: jax.Array) -> list[tuple[tuple[int, ...], tuple[slice, ...], Any]]:
     """Each region of `x` this process holds once (`own_shards`): its offset, its place as slices, and its shard."""
     shape = tuple(int(d) for d in x.shape)
@@ -218,10 +224,10 @@ def own_pieces(x: jax.Array) -> Split:
 
 def delta_of(reference: Any, local: Any, spec: CodecSpec) -> np.ndarray | Split:
     """Δ = `pseudo_gradient(reference, local)` for one leaf, on the host: by shard, a `Split` whose pieces follow
-    `local`'s shards (pytrees/pieces.py), when `travels_in_pieces`, else whole. `reference`: the global leaf, or this
-    process's regions of it (`Island.own_reference`). A leaf split across processes
-    gives this process's pieces alone (a partial Split), or, where its shards cannot travel alone, is gathered whole
-    from every process (a collective each process of the island makes for the same leaves)."""
+    `local`'s shards (pytrees/pieces.py), when `travels_in_pieces`, else whole. A leaf split across processes gives
+    this process's pieces alone (a partial Split), or, where its shards cannot travel alone, is gathered whole from
+    every process (a collective each process of the island makes for the same leaves). `reference`: the global leaf,
+    or this process's regions of it (`Island.own_reference`)."""
     if travels_in_pieces(local, spec):
         mine = own_pieces(local)
         ref = reference if isinstance(reference, Split) else to_host(reference)
@@ -351,7 +357,7 @@ class Island:
             assert self.state is not None
             params = self.state.params
         named = flatten_named(params, to_numpy=False)
-        return frozenset(n for n, x in named.items() if held_in_part(x) and travels_in_pieces(x, self.uplink))
+        return frozenset(n for n, x in named.items() if travels_across(x, self.uplink))
 
     def place_leaf(self, name: str, host: np.ndarray) -> jax.Array:
         """One leaf of θ (`name`) put on this island's mesh as `place` puts it: a process of a multi-process island
@@ -363,7 +369,7 @@ class Island:
         the leaf travels in pieces across processes (`pieces_across`), else all of it."""
         assert self.state is not None
         local = flatten_named(self.state.params, to_numpy=False)[name]
-        if not (held_in_part(local) and travels_in_pieces(local, self.uplink)):
+        if not travels_across(local, self.uplink):
             return host
         return Split(host.shape, tuple((offset, np.array(host[where])) for offset, where, _ in own_regions(local)))
 
