@@ -45,6 +45,7 @@ HELP = {
     "models": "the Llama family's block vs the GPT-2 block at equal parameters: step time and their ratio",
     "big": "a big model under launch (SmolLM2-135M-shaped): each process's peak memory vs its plan, tokens/s, bytes",
     "plan": "the memory plan at size against XLA's per-device figure for a small Llama; --table: 1B, 8B, 70B",
+    "accelerator": "MFU, tokens/s and plain / streaming utilization on the device JAX finds, 1 island and several",
 }
 
 
@@ -213,6 +214,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     big.add_argument("--rounds", type=int, default=None, help="rounds of the run (default: the config's)")
     big.add_argument("--smoke", action="store_true", help="the config's family at a few hundred thousand parameters")
     parsers["plan"].add_argument("--table", action="store_true", help="add the plan at size of the Llama 3 shapes")
+    _add_accelerator(parsers["accelerator"])
 
 
 def _add_models(p: argparse.ArgumentParser) -> None:
@@ -225,6 +227,41 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the compute dtype")
     p.add_argument("--steps", type=int, default=5, help="steps per timed run")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each stack (median)")
+
+
+class _IslandCounts(argparse.Action):
+    """`--islands 1 2`: the island counts. A key=value after them is an override, which may stand anywhere among the
+    options (diloco/cli.py): argparse hands it to this option, which keeps it in `overrides_after` for the runner."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        counts, later = [], []
+        for value in values:
+            if value.lstrip("-").isdigit():
+                counts.append(int(value))
+            elif "=" in value:
+                later.append(value)
+            else:
+                parser.error(f"argument {option}: {value!r} is neither an island count nor a key=value override")
+        if not counts:
+            parser.error(f"argument {option}: expected at least one island count")
+        setattr(namespace, self.dest, counts)
+        namespace.overrides_after = [*getattr(namespace, "overrides_after", []), *later]
+
+
+def _add_accelerator(p: argparse.ArgumentParser) -> None:
+    _with_config(p)
+    p.add_argument(
+        "--islands", nargs="+", action=_IslandCounts, default=[1, 2], metavar="N", help="island counts (default 1 2)"
+    )
+    p.add_argument("--rounds", type=int, default=None, help="rounds of each run, the first 2 left out (default 5)")
+    p.add_argument("--fragments", type=int, default=5, help="P, the fragments of the streaming runs")
+    p.add_argument("--overlap", type=int, default=2, help="τ, inner steps before a sent fragment is merged")
+    p.add_argument("--smoke", action="store_true", help="the config's family at a few hundred thousand parameters")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="one device's peak TFLOP/s (default: by its kind; none on CPU)"
+    )
 
 
 def _add_posttrain(p: argparse.ArgumentParser) -> None:
@@ -529,6 +566,23 @@ def _plan(args: argparse.Namespace) -> Result:
     return run_plan_bench(args.table)
 
 
+def _accelerator(args: argparse.Namespace) -> Result:
+    from diloco.bench.accelerator import run_accelerator_bench
+
+    overrides = [*args.overrides, *getattr(args, "overrides_after", [])]
+    return run_accelerator_bench(
+        args.config,
+        overrides,
+        _run_dir(args),
+        args.islands,
+        args.rounds,
+        args.fragments,
+        args.overlap,
+        args.smoke,
+        args.peak_tflops,
+    )
+
+
 def _posttrain(args: argparse.Namespace) -> Result:
     from diloco.bench.errors import BenchError, parse_names
     from diloco.bench.posttrain import COLUMNS, DPO_DEFAULT, RL_DEFAULT, run_lora_bench, run_posttrain_bench
@@ -577,6 +631,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "models": _models,
     "big": _big,
     "plan": _plan,
+    "accelerator": _accelerator,
 }
 
 

@@ -51,7 +51,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,17 +150,21 @@ def finished_run(
     rounds: int,
     slack_s: float = 120.0,
     wrap: Wrap | None = None,
+    coordinator_env: Mapping[str, str] | None = None,
+    island_env: Mapping[str, str] | None = None,
+    jax_cache: Path | None = None,
 ) -> Iterator[tuple[RunConfig, Federation, dict[str, Any]]]:
     """A federation of the config run to its end with `train.rounds = rounds`: the resolved config, the federation
-    (its events readable until the block ends) and summary.json's contents. `wrap` as for `_federation`. Every
-    island holds its first push until all have joined: a round does not wait for an island that has not joined,
-    and on a busy machine one island's start could otherwise outlast the whole run."""
+    (its events readable until the block ends) and summary.json's contents. `wrap` and `jax_cache` as for
+    `_federation`; `coordinator_env` and `island_env` as for `Federation.start`. Every island holds its first push
+    until all have joined: a round does not wait for an island that has not joined, and on a busy machine one
+    island's start could otherwise outlast the whole run."""
     overrides = [*overrides, f"train.rounds={rounds}"]
     cfg = load_config(config_path, overrides)
     names = cfg.islands.island_names
     held = [f"{name}:before_push:0" for name in names]
-    with _federation(config_path, overrides, run_dir, wrap, pause_at=held) as fed:
-        fed.start()
+    with _federation(config_path, overrides, run_dir, wrap, pause_at=held, jax_cache=jax_cache) as fed:
+        fed.start(coordinator_env=coordinator_env, island_env=island_env)
         fed.wait_for(
             lambda: set(names) <= {e["island"] for e in fed.events("island_joined")}, slack_s, "every island to join"
         )

@@ -18,7 +18,7 @@ grouped-query Llama-family model has Hkv < Hq, and head_dim may differ from d_mo
              the whole cache, keys and values of Hkv heads (2 L B S Hkv Dh x the compute dtype's bytes:
              `transformer.init_cache`'s arrays), shared by the B rows of the step
   train      6 N_p flops (forward and backward) + 12 L seq_len Hq Dh for the attention (4 L T Hq Dh forward, twice
-             that back)
+             that back): PaLM's count (diloco/bench/flops.py, `train_flops_per_token`)
 so if both ran at one flop rate, generation tokens/s / training tokens/s would be train flops / decode flops per token
 (about 3); a decode step of a small batch is bound by its reads and its per-step overhead instead, which the achieved
 flop rates of the two (`achieved_gflops`) show.
@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from diloco.bench.errors import BenchError
+from diloco.bench.flops import train_flops_per_token
 from diloco.config import RunConfig
 from diloco.run.setup import build_setup
 from islands.inner import make_inner_optimizer
@@ -62,7 +63,7 @@ def cost_model(cfg: RunConfig, n_params: int, batch: int, prompt_len: int, new_t
     dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
     queries = m.n_heads * m.head_size  # the width attention works in (d_model for GPT-2)
     decode = 2 * n_params + 4 * m.n_layers * buffer * queries
-    train = 6 * n_params + 12 * m.n_layers * m.seq_len * queries
+    train = train_flops_per_token(m, n_params)
     return {
         "decode_flops_per_token": decode,
         "train_flops_per_token": train,

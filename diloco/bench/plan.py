@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.bench.errors import BenchError
+from diloco.bench.flops import xla_flops
 from islands.memory import GB
 from islands.models.config import ModelConfig
 from islands.step_memory import step_memory
@@ -145,18 +146,8 @@ def measure(cases: tuple[tuple[int, int, bool, str, bool, bool], ...] = CHECK_CA
         if footprint is None:
             raise BenchError("bench plan: XLA gives no memory analysis on this backend")
         case = {"data": data, "tensor": tensor, "shard_params": shard, "dtype": dtype, "remat": remat, "lora": lora}
-        out.append({**case, "xla": footprint.total, "gflops": round(_flops(compiled) / 1e9, 3)})
+        out.append({**case, "xla": footprint.total, "gflops": round(xla_flops(compiled) / 1e9, 3)})
     return out
-
-
-def _flops(compiled: Any) -> float:
-    """XLA's count of a compiled step's flops per device (its cost analysis; 0 where the backend gives none)."""
-    try:
-        analysis = compiled.cost_analysis()
-    except Exception:  # not implemented on this backend
-        return 0.0
-    analysis = analysis[0] if isinstance(analysis, list) else analysis
-    return float((analysis or {}).get("flops", 0.0))
 
 
 def compare(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:

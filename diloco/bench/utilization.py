@@ -71,6 +71,15 @@ and, with streaming, every fragment's first encode and commit compiling; round 1
 round 0 early holds its wait for the slowest island's start-up (tens of seconds on a loaded machine)."""
 
 
+def mode_overrides(fragments: int, overlap: int) -> dict[str, list[str]]:
+    """The two kinds of round compared, as config overrides: "plain" (P = 1, τ = 0), then "streaming" (P
+    `fragments`, τ `overlap`)."""
+    return {
+        "plain": ["stream.fragments=1", "stream.overlap_steps=0"],
+        "streaming": [f"stream.fragments={fragments}", f"stream.overlap_steps={overlap}"],
+    }
+
+
 def measured_utilization(pushes: list[dict[str, Any]]) -> float:
     """Σ compute_s / Σ wall_s of the coordinator's `push` events after the warm-up rounds (WARMUP_ROUNDS)."""
     later = [e for e in pushes if e["round"] >= WARMUP_ROUNDS]
@@ -296,8 +305,8 @@ def _pair(
     goodput_mbit: float | None,
 ) -> tuple[RunConfig, dict[str, Any]]:
     """One config's plain federation, then its streaming one, and how they compare (with the plain run's config)."""
-    plain = ["stream.fragments=1", "stream.overlap_steps=0"]
-    stream = [f"stream.fragments={fragments}", f"stream.overlap_steps={overlap}"]
+    modes = mode_overrides(fragments, overlap)
+    plain, stream = modes["plain"], modes["streaming"]
     cfg, plain_run, model = _run(config, [*overrides, *plain], run_dir / "plain", rounds, wrap, goodput_mbit)
     _, stream_run, _ = _run(config, [*overrides, *stream], run_dir / "streaming", rounds, wrap)
     assert model is not None

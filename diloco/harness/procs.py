@@ -119,6 +119,17 @@ def child_env(cfg: RunConfig, extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def compilation_cache_env(directory: Path) -> dict[str, str]:
+    """The environment that makes a child JAX process share `directory` as its persistent compilation cache, every
+    program kept however quick its compilation or small its executable: a process that compiles what another did
+    loads the executable instead (the same executable the compiler would produce)."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(directory),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now (the kernel's pick; another process may take it before it is used)."""
     with socket.socket() as probe:
@@ -191,11 +202,7 @@ class Federation:
         self.wrap = wrap or (lambda argv: argv)
         extra = dict(env or {})
         if jax_cache is not None:
-            extra |= {
-                "JAX_COMPILATION_CACHE_DIR": str(jax_cache),
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-            }
+            extra |= compilation_cache_env(jax_cache)
         self.pauses = Pauses(Path(extra.get(faults.ENV_DIR) or os.environ.get(faults.ENV_DIR) or run_dir / "pauses"))
         """Where its processes stop at the named points of `pause_at` (diloco/faults.py): wait for one with
         `paused`, then kill the process or `release` it."""
@@ -345,11 +352,18 @@ class Federation:
         self.overrides = list(overrides)
         self.cfg = load_config(self.config, self.overrides)
 
-    def start(self, timeout_s: float = 180.0) -> None:
-        """Coordinator, then every island of the config."""
-        self.start_coordinator(timeout_s)
+    def start(
+        self,
+        timeout_s: float = 180.0,
+        *,
+        coordinator_env: Mapping[str, str] | None = None,
+        island_env: Mapping[str, str] | None = None,
+    ) -> None:
+        """Coordinator, then every island of the config; `coordinator_env` and `island_env` are extra environment of
+        each (islands on an accelerator with their share of its memory, the coordinator on the host's CPU)."""
+        self.start_coordinator(timeout_s, env=coordinator_env)
         for name in self.names:
-            self.start_island(name)
+            self.start_island(name, env=island_env)
 
     def signal(self, name: str, sig: int) -> None:
         """Send `sig` to one process (SIGSTOP/SIGCONT: a hung island), if it still runs."""
