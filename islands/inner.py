@@ -212,8 +212,15 @@ def place_tree(tree: PyTree, layout: Layout) -> PyTree:
     # A host leaf bound for devices of several processes (a multi-process island) is put by each process on its own
     # devices, region by region: `device_put` would first check that every process passed the same value, an
     # all-gather of the whole leaf onto every device, which an island split across its processes has no room for.
+    #
+    # A leaf given as its shape alone (an island process's θ_0: diloco/run/setup.py `build_setup(theta=False)`) is
+    # zeros, made on the devices in its layout.
     leaves, treedef = jax.tree.flatten(tree)
     shardings = jax.tree.leaves(layout.shardings(tree))
+    leaves = [
+        _zeros(x.shape, x.dtype, s) if isinstance(x, jax.ShapeDtypeStruct) else x
+        for x, s in zip(leaves, shardings, strict=True)
+    ]
     local = [i for i, s in enumerate(shardings) if s.is_fully_addressable or not isinstance(leaves[i], np.ndarray)]
     copies = [
         aligned_copy(leaves[i]) if isinstance(leaves[i], np.ndarray) else jnp.array(leaves[i], copy=True) for i in local
@@ -223,6 +230,11 @@ def place_tree(tree: PyTree, layout: Layout) -> PyTree:
         if i not in placed:
             placed[i] = jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: aligned_copy(x[index]))
     return jax.tree.unflatten(treedef, [placed[i] for i in range(len(leaves))])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.Array:
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
 
 
 def _constrain(tree: PyTree, layout: Layout) -> PyTree:

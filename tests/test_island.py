@@ -93,3 +93,36 @@ def test_train_advances_step_cursor_and_never_frees_the_callers_params(tiny_conf
     island.set_params(setup.init_params)
     island.train(1)
     assert all(not x.is_deleted() for x in jax.tree.leaves(setup.init_params))
+
+
+def check_start_from_shapes(config: str) -> None:
+    """In a process with 4 host devices (`test_an_island_process_starts_...`)."""
+    cfg = load_config(config, ["islands.devices=4", "islands.shard_params=true"])
+    setup = build_setup(cfg, islands=["island-0"], theta=False)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(setup.init_params))
+    island = Island(
+        "island-0", setup.model, make_inner_optimizer(cfg.inner, 10), setup.streams["island-0"], n_devices=4,
+        shard_params=True,
+    )  # fmt: skip
+    island.start(setup.init_params)
+    leaves = jax.tree.leaves(island.state.params)
+    split = [x for x in leaves if len({str(s.index) for s in x.addressable_shards}) == 4]
+    assert split and all(s.data.nbytes * 4 == x.nbytes for x in split for s in x.addressable_shards)
+    assert all(not np.asarray(x).any() for x in leaves)  # zeros until the first pull or a checkpoint
+    valued = build_setup(cfg, islands=["island-0"]).init_params
+    island.set_params(valued)
+    island.train(1)
+    assert island.state.step == 1
+    print("ok")
+
+
+@pytest.mark.multiprocess
+def test_an_island_process_starts_from_shapes_laid_out_on_its_devices(tiny_config) -> None:
+    """An island process builds no θ_0 (`build_setup(theta=False)`: shapes only): it starts from zeros made on its
+    devices in its layout, each device holding its shard alone (FSDP over 4 devices here), and trains once the global
+    θ is set. (In a child process with 4 host devices.)"""
+    code = f"from tests.test_island import check_start_from_shapes as c; c({str(tiny_config)!r})"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(4), cwd=REPO, capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1:] == ["ok"], done.stderr[-3000:]

@@ -9,6 +9,7 @@ windows of the corpus and the model's own loss (diloco/run/posttrain.py); the ev
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,8 +70,13 @@ class Setup:
         return (self.models or {}).get(island, self.model)
 
 
-def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
-    """Build the model, θ_0, the validation batches and the data streams of `islands` (default: every island)."""
+def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None, theta: bool = True) -> Setup:
+    """Build the model, θ_0, the validation batches and the data streams of `islands` (default: every island).
+
+    `theta=False`: θ_0 as its shapes alone (`jax.eval_shape`), for an island process, whose θ comes by its first full
+    pull or from its checkpoint (diloco/worker/island_worker.py), and which places the shapes as zeros in its layout
+    (`islands.inner.place_tree`): θ_0's values are never made whole on one device or host there. A LoRA base and a
+    post-training workload's reference read θ_0's values, so they get them whatever `theta` says."""
     names = cfg.islands.island_names
     wanted = names if islands is None else tuple(islands)
     workload = cfg.workload
@@ -109,7 +115,8 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
     if "lm" in workload.kinds(names):  # some configured island trains on the corpus: its eval loss is measured
         batches = eval_batches(val, max(cfg.train.eval_batches, 1), cfg.train.batch_size, cfg.model.seq_len)
         stack = eval_chunks(batches, cfg.train.microbatch)
-    params = model.init(jax.random.key(cfg.run.seed))
+    values = theta or workload.lora.enabled or workload.post_training(names)
+    params = (model.init if values else functools.partial(jax.eval_shape, model.init))(jax.random.key(cfg.run.seed))
     initial = params  # θ_0 of the model's own parameters (a workload.reference path is read into its structure)
     lora = None
     if workload.lora.enabled:  # the islands train adapters over a frozen base: θ is the adapters
@@ -118,7 +125,7 @@ def build_setup(cfg: RunConfig, islands: Sequence[str] | None = None) -> Setup:
         spec = workload.lora
         lora = Lora.over(lora_base(cfg, params), spec.rank, spec.alpha, spec.targets, spec.base_dtype, spec.dropout)
         model, params = adapt(model, lora), lora.init(jax.random.key(cfg.run.seed))
-    sizes = {name: int(np.size(leaf)) for name, leaf in flatten_named(params).items()}
+    sizes = {name: int(np.size(leaf)) for name, leaf in flatten_named(params, to_numpy=False).items()}
     try:
         fragments = Fragments.split(sizes, cfg.stream.fragments, cfg.stream.layout)
     except FragmentError as exc:

@@ -561,7 +561,7 @@ def run_process(
                 place.lock.release()
         log.info("island %s process %d joins formation %d as rank %d", name, me, place.formation.epoch, place.rank)
         join(group, place.formation, place.rank)
-        setup = build_setup(cfg, islands=[name])
+        setup = build_setup(cfg, islands=[name], theta=False)  # the leader's θ comes to it over the channel
         island = make_island(cfg, name, setup.model_of(name), setup.streams[name], len(jax.devices()))
         store = CheckpointStore(run_dir / "checkpoints") if cfg.train.checkpoint_every else None
         _stop_later_on_signal()

@@ -120,10 +120,12 @@ class IslandWorker:
         retries."""
         rd.observers.append(self.metrics.on_event)
         self.give_up_s = cfg.network.coordinator_wait_s
-        setup = build_setup(cfg, islands=[name])
+        # θ_0's shapes alone (zeros in the island's layout), unless init.inner_state reads a source's state into it.
+        setup = build_setup(cfg, islands=[name], theta=cfg.init.inner_state)
         self.initial: PyTree = setup.init_params
-        """θ_0, which the island starts from (`restore`) and then lets go: the first pull brings the global θ, and a
-        host copy of θ_0 kept for the process's life would be one more θ that its memory plan does not count."""
+        """θ_0 (or its shapes), which the island starts from (`restore`) and then lets go: the first pull brings the
+        global θ, and a copy of θ_0 kept for the process's life would be one more θ that its memory plan does not
+        count."""
         self.like = shapes_of(setup.init_params)
         """θ's structure, shapes and dtypes: what a pulled θ is rebuilt into."""
         self.frozen = setup.lora.digest if setup.lora is not None else b""
