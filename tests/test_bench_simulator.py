@@ -36,8 +36,10 @@ def test_the_bench_times_both_paths_and_compares_their_results(tiny_config: Path
     for key in ("wall_s", "cpu_s", "inner_s", "ms_per_island_step"):
         assert set(out[key]) == {"sequential", "vectorized"} and all(v > 0 for v in out[key].values()), key
     assert all(ratio > 0 for ratio in out["speedup"].values())
-    inner = out["inner_s"]
-    assert out["speedup"]["inner"] == pytest.approx(inner["sequential"] / inner["vectorized"], rel=0.01)
+    # The speedup is of the seconds before they are rounded to 3 decimals for the report (found: 0.823 from 13 and 16
+    # ms): it lies where those roundings allow, and its own.
+    seq, vec, half = out["inner_s"]["sequential"], out["inner_s"]["vectorized"], 0.0005
+    assert (seq - half) / (vec + half) - half <= out["speedup"]["inner"] <= (seq + half) / (vec - half) + half
     gaps = out["max_abs_diff"]
     assert 0 <= gaps["final_eval_loss"] <= gaps["eval_loss"] < 1e-4 and 0 <= gaps["params"] < 1e-4
     for run_dir in out["run_dirs"].values():
