@@ -217,24 +217,25 @@ def place_tree(tree: PyTree, layout: Layout) -> PyTree:
     # zeros, made on the devices in its layout.
     leaves, treedef = jax.tree.flatten(tree)
     shardings = jax.tree.leaves(layout.shardings(tree))
-    leaves = [
-        _zeros(x.shape, x.dtype, s) if isinstance(x, jax.ShapeDtypeStruct) else x
-        for x, s in zip(leaves, shardings, strict=True)
-    ]
-    local = [i for i, s in enumerate(shardings) if s.is_fully_addressable or not isinstance(leaves[i], np.ndarray)]
+    placed = {
+        i: _zeros(x.shape, x.dtype, s)  # made where they belong: nobody else holds them, no copy is owed
+        for i, (x, s) in enumerate(zip(leaves, shardings, strict=True))
+        if isinstance(x, jax.ShapeDtypeStruct)
+    }
+    for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
+        if i not in placed and isinstance(x, np.ndarray) and not sharding.is_fully_addressable:
+            placed[i] = jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: aligned_copy(x[index]))
+    local = [i for i in range(len(leaves)) if i not in placed]
     copies = [
         aligned_copy(leaves[i]) if isinstance(leaves[i], np.ndarray) else jnp.array(leaves[i], copy=True) for i in local
     ]
-    placed = dict(zip(local, jax.device_put(copies, [shardings[i] for i in local]), strict=True))
-    for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
-        if i not in placed:
-            placed[i] = jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: aligned_copy(x[index]))
+    placed.update(zip(local, jax.device_put(copies, [shardings[i] for i in local]), strict=True))
     return jax.tree.unflatten(treedef, [placed[i] for i in range(len(leaves))])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _zeros(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.Array:
-    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
+    """Zeros of `shape` made on the devices of `sharding`, each its shard, laid out exactly as `sharding` says."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
 
 
 def _constrain(tree: PyTree, layout: Layout) -> PyTree:

@@ -48,7 +48,7 @@ from islands.models.base import Model
 from outer_optimizer.aggregate import pseudo_gradient
 from pytrees.feedback import Compressed, Residual, compress_tree, zero_residual
 from pytrees.naming import PyTree, flatten_named, held_in_part, to_host, unflatten_named
-from pytrees.pieces import Split
+from pytrees.pieces import Split, values_at
 
 
 class DivergedError(UserError):
@@ -211,15 +211,15 @@ def travels_across(x: Any, spec: CodecSpec) -> bool:
     return held_in_part(x) and travels_in_pieces(x, spec)
 
 
-def own_regions(x: jax.Array) -> list[tuple[tuple[int, ...], tuple[slice, ...], Any]]:
-    """Each region of `x` this process holds once (`own_shards`): its offset, its place as slices, and its shard."""
-    shape = tuple(int(d) for d in x.shape)
-    return [(_offset(s.index, shape), s.index, s) for s in own_shards(x)]
+def _places(x: jax.Array) -> tuple[tuple[tuple[int, ...], tuple[slice, ...]], ...]:
+    """Each region of `x` this process holds once (`own_shards`): its offset and its place as slices."""
+    return tuple((_offset(s.index, x.shape), s.index) for s in own_shards(x))
 
 
 def own_pieces(x: jax.Array) -> Split:
     """This process's values of `x`, one piece a region (`own_shards`), each copied to the host."""
-    return Split(tuple(int(d) for d in x.shape), tuple((o, np.asarray(s.data)) for o, _, s in own_regions(x)))
+    shape = tuple(int(d) for d in x.shape)
+    return Split(shape, tuple((_offset(s.index, shape), np.asarray(s.data)) for s in own_shards(x)))
 
 
 def delta_of(reference: Any, local: Any, spec: CodecSpec) -> np.ndarray | Split:
@@ -234,18 +234,13 @@ def delta_of(reference: Any, local: Any, spec: CodecSpec) -> np.ndarray | Split:
         return Split(
             mine.shape,
             tuple(
-                (offset, np.asarray(pseudo_gradient(_region_of(ref, offset, where), values), np.float32))
+                (offset, np.asarray(pseudo_gradient(values_at(ref, offset, where), values), np.float32))
                 for offset, where, values in mine.regions()
             ),
         )
     if held_in_part(local):
         return pseudo_gradient(to_host(reference), np.asarray(multihost_utils.process_allgather(local, tiled=True)))
     return pseudo_gradient(to_host(reference), to_host(local))
-
-
-def _region_of(reference: np.ndarray | Split, offset: tuple[int, ...], where: tuple[slice, ...]) -> np.ndarray:
-    """The reference's values at a piece: from the whole leaf, or from this process's regions of it."""
-    return reference.at(offset) if isinstance(reference, Split) else reference[where]
 
 
 def spread(pieces: Split, like: jax.Array) -> jax.Array:
@@ -322,6 +317,9 @@ class Island:
         self._step_fn: Callable | None = None
         self._island_key = island_key(seed, name) if draws(model.loss) else None
         """The key data this island's steps draw from (`islands.inner.Draw`); None: its loss draws nothing."""
+        self._across: dict[str, tuple[tuple[tuple[int, ...], tuple[slice, ...]], ...]] = {}
+        """This process's regions (offset, slices) of each leaf of θ split across processes that travels in pieces
+        (`travels_across`): the layout's, set by `start`."""
         self.state: IslandState | None = None
 
     # -- state ---------------------------------------------------------------------------------------------------
@@ -335,29 +333,25 @@ class Island:
         self.layout.check(params)
         placed = self.place(params)
         opt = self.place(self.tx.init(placed) if opt_state is None else opt_state)
-        residual = self._spread_across(zero_residual(params, self.uplink), placed)
+        named = flatten_named(placed, to_numpy=False)
+        self._across = {n: _places(x) for n, x in named.items() if travels_across(x, self.uplink)}
+        residual = self._spread_across(zero_residual(params, self.uplink))
         self.state = IslandState(params=placed, inner_opt_state=opt, residual=residual, step=step, data_cursor=cursor)
         self.stream.cursor = cursor
         self._step_fn = make_train_step(self.model.loss, self.tx, self.layout)
         self._warm = False
 
-    def _spread_across(self, residual: Residual, params: PyTree) -> Residual:
-        """The residual of each leaf of `params` (placed) that travels in pieces across processes
-        (`pieces_across`) laid out as that leaf, so each process holds, feeds back and checkpoints its own regions;
-        the others' as they are (host arrays)."""
-        if residual is None:
-            return None
-        across = self.pieces_across(params)
-        return {**residual, **self.place({name: residual[name] for name in across})} if across else residual
+    def _spread_across(self, residual: Residual) -> Residual:
+        """The residual of each leaf that travels in pieces across processes (`pieces_across`) laid out as that leaf,
+        so each process holds, feeds back and checkpoints its own regions; the others' as they are (host arrays)."""
+        if residual is None or not self._across:
+            return residual
+        return {**residual, **self.place({name: residual[name] for name in self._across})}
 
-    def pieces_across(self, params: PyTree | None = None) -> frozenset[str]:
-        """The leaves of θ (default: the state's) split across this island's processes whose Δ travels in pieces:
-        each process forms, feeds back and encodes only its own (diloco/worker/island_group.py gathers them)."""
-        if params is None:
-            assert self.state is not None
-            params = self.state.params
-        named = flatten_named(params, to_numpy=False)
-        return frozenset(n for n, x in named.items() if travels_across(x, self.uplink))
+    def pieces_across(self) -> frozenset[str]:
+        """The leaves of θ split across this island's processes whose Δ travels in pieces: each process forms, feeds
+        back and encodes only its own (diloco/worker/island_group.py gathers them)."""
+        return frozenset(self._across)
 
     def place_leaf(self, name: str, host: np.ndarray) -> jax.Array:
         """One leaf of θ (`name`) put on this island's mesh as `place` puts it: a process of a multi-process island
@@ -367,11 +361,10 @@ class Island:
     def own_reference(self, name: str, host: np.ndarray) -> np.ndarray | Split:
         """What `take_delta` needs of the reference leaf `name`: this process's regions of it (a partial `Split`) when
         the leaf travels in pieces across processes (`pieces_across`), else all of it."""
-        assert self.state is not None
-        local = flatten_named(self.state.params, to_numpy=False)[name]
-        if not travels_across(local, self.uplink):
+        places = self._across.get(name)
+        if places is None:
             return host
-        return Split(host.shape, tuple((offset, np.array(host[where])) for offset, where, _ in own_regions(local)))
+        return Split(host.shape, tuple((offset, np.array(host[where])) for offset, where in places))
 
     def held_whole(self) -> bool:
         """This process holds every value of θ (not so on a multi-process island whose θ is split across its

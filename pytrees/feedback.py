@@ -17,7 +17,7 @@ import numpy as np
 from floor.codec import CodecError, CodecSpec, EncodedTensor, decode
 from pytrees.encode import encode, encode_named
 from pytrees.naming import PyTree, flatten_named, to_host, unflatten_named
-from pytrees.pieces import Split
+from pytrees.pieces import Split, values_at
 
 Residual = dict[str, Any] | None
 """Error-feedback state: leaf name -> float32 array, or None for a lossless codec (nothing is ever dropped). On a
@@ -62,7 +62,7 @@ def compress_split(
         raise CodecError(f"tensor {name!r}: residual shape {np.shape(residual)} does not match {split.shape}")
     encoded, decoded, new_residual = [], [], []
     for offset, where, values in split.regions():
-        carried = residual.at(offset) if isinstance(residual, Split) else None if residual is None else residual[where]
+        carried = None if residual is None else values_at(residual, offset, where)
         enc, dec, res = compress_with_feedback(values, carried, spec, name=name, decay=decay)
         encoded.append(replace(enc, offset=offset))
         decoded.append((offset, dec.astype(np.float32, copy=False)))

@@ -59,5 +59,10 @@ class Split:
         return out
 
 
+def values_at(x: np.ndarray | Split, offset: tuple[int, ...], where: tuple[slice, ...]) -> np.ndarray:
+    """A piece's values (at `offset`, the region `where`) of a whole leaf, or of a Split holding that piece."""
+    return x.at(offset) if isinstance(x, Split) else x[where]
+
+
 def region(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
