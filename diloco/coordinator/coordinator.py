@@ -94,7 +94,7 @@ class Coordinator:
         """Prometheus metrics (diloco/ops/metrics.py), fed by this run dir's events from here on (restore's too)."""
         rd.observers.append(self.metrics.on_event)
         self.digest = bytes.fromhex(config_digest(cfg))
-        self.frozen = setup.lora.digest if setup.lora is not None else b""
+        self.frozen = setup.frozen_digest
         """The frozen base's digest under workload.lora (every joiner's must be it), else empty."""
         self.config_dict = to_dict(cfg)
         self.world = GlobalRun(cfg, rd, setup, durable=True)

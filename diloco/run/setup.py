@@ -65,6 +65,12 @@ class Setup:
     def n_params(self) -> int:
         return param_count(self.init_params)
 
+    @property
+    def frozen_digest(self) -> bytes:
+        """Under workload.lora, the digest of the frozen base this process read (an island's Join carries it and the
+        coordinator compares it with its own); else empty."""
+        return self.lora.digest if self.lora is not None else b""
+
     def model_of(self, island: str) -> Model:
         """The model island `island` trains: its workload's loss over the run's parameters."""
         return (self.models or {}).get(island, self.model)

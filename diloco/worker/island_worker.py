@@ -128,7 +128,7 @@ class IslandWorker:
         count."""
         self.like = shapes_of(setup.init_params)
         """θ's structure, shapes and dtypes: what a pulled θ is rebuilt into."""
-        self.frozen = setup.lora.digest if setup.lora is not None else b""
+        self.frozen = setup.frozen_digest
         """Under workload.lora, the digest of the frozen base this process read (its Join carries it)."""
         # A multi-process island's mesh is every device of its processes (jax.distributed's global devices).
         n_devices = len(jax.devices()) if group.multiple else min(cfg.islands.devices, len(jax.local_devices()))
